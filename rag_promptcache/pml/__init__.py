@@ -13,9 +13,9 @@ from rag_promptcache.pml.ast import (
     Union,
 )
 from rag_promptcache.pml.errors import PMLError
-from rag_promptcache.pml.parser import escape, parse_prompt, parse_schema, unescape
+from rag_promptcache.pml.parser import escape, parse_prompt, parse_schema, to_pml, unescape
 
 __all__ = [
     "Import", "Module", "Param", "PMLError", "Prompt", "Role", "Schema", "Text", "Union",
-    "escape", "parse_prompt", "parse_schema", "unescape",
+    "escape", "parse_prompt", "parse_schema", "to_pml", "unescape",
 ]

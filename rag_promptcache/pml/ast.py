@@ -11,6 +11,7 @@ longer than `len` tokens, say).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Union as TypingUnion
 
@@ -18,53 +19,72 @@ RoleName = Literal["system", "user", "assistant"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
 
 
+def _pos() -> int:
+    # Positions say where a node was written, not what it is: they stay out of `==` and `hash`, so
+    # a tree re-parsed from `to_pml` output (or built by hand) equals the original.
+    return field(default=1, compare=False)
+
+
 @dataclass(frozen=True, slots=True)
 class Text:
     text: str  # unescaped
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
 
 
 @dataclass(frozen=True, slots=True)
 class Param:
     name: str
     length: int  # maximum number of tokens of a value
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
 
 
 @dataclass(frozen=True, slots=True)
 class Role:
     role: RoleName
     children: tuple["Node", ...]
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
 
 
 @dataclass(frozen=True, slots=True)
 class Module:
     name: str
     children: tuple["Node", ...]
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        """This module's own params, in order (inside its roles too; not those of nested modules)."""
+        return tuple(_own_params(self.children))
 
 
 @dataclass(frozen=True, slots=True)
 class Union:
     modules: tuple[Module, ...]
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
 
 
 Node = TypingUnion[Text, Param, Role, Module, Union]
+
+
+def _own_params(nodes: tuple[Node, ...]) -> Iterator[Param]:
+    for node in nodes:
+        if isinstance(node, Param):
+            yield node
+        elif isinstance(node, Role):
+            yield from _own_params(node.children)
 
 
 @dataclass(frozen=True, slots=True)
 class Schema:
     name: str
     children: tuple[Node, ...]
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
     # name -> module, nested ones included; filled by the parser
     modules: dict[str, Module] = field(default_factory=dict, compare=False, repr=False)
     # name -> name of the enclosing module (None at top level); filled by the parser
@@ -78,8 +98,8 @@ class Import:
     name: str
     args: tuple[tuple[str, str], ...]  # (param name, unescaped value), in source order
     children: tuple["Import", ...] = ()
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
 
 
 PromptNode = TypingUnion[Text, Import, Role]
@@ -89,5 +109,5 @@ PromptNode = TypingUnion[Text, Import, Role]
 class Prompt:
     schema: str
     children: tuple[PromptNode, ...]
-    line: int = 1
-    column: int = 1
+    line: int = _pos()
+    column: int = _pos()
