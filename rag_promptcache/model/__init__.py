@@ -1,0 +1,20 @@
+"""Models: loading and fingerprints, chat-template role markup, and per-architecture position
+relocation of cached keys. No engine logic lives here."""
+
+from rag_promptcache.model.chat import RoleMarkup, role_markup
+from rag_promptcache.model.loading import load_model, model_fingerprint
+from rag_promptcache.model.positions import (
+    AbsoluteRelocator,
+    KVGeometry,
+    NoPositionRelocator,
+    Relocator,
+    RopeRelocator,
+    UnsupportedModelError,
+    kv_geometry,
+    relocator_for,
+)
+
+__all__ = [
+    "AbsoluteRelocator", "KVGeometry", "NoPositionRelocator", "Relocator", "RoleMarkup", "RopeRelocator",
+    "UnsupportedModelError", "kv_geometry", "load_model", "model_fingerprint", "relocator_for", "role_markup",
+]

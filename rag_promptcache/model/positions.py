@@ -1,0 +1,254 @@
+"""Where a cached key carries its position, per architecture, and how to move it.
+
+A prompt module's keys are stored once, post-RoPE, as the model wrote them into its cache:
+`keys: [layers, kv_heads, tokens, head_dim]` at positions `start .. start+tokens-1`. For RoPE,
+R(p + d) = R(d) R(p), so rotating a stored key by the angle for `d` gives the key the model
+would have written at `p + d`. Values never carry position.
+
+`relocator_for(model)` returns one small object per architecture family:
+
+- `RopeRelocator`: rotate_half or interleaved (GPT-J style) layout, partial rotary (only the
+  first `2 * len(inv_freq)` dims turn), per-layer bases (Gemma-3 local/global), NoPE layers
+  (Cohere-2 global layers, SmolLM3) left untouched. `inv_freq` is read from the model's own
+  rotary module, so rope_theta and the linear / yarn / llama3 scalings are whatever the model
+  uses. Their `attention_scaling` multiplies cos and sin in the model, so it is already inside
+  the stored keys: the relocation is a pure rotation and never applies it again.
+- `AbsoluteRelocator` (GPT-2, OPT, GPT-Neo): learned position embeddings are mixed into the
+  hidden state; a module is valid only where it was encoded. `relocatable` is False and any
+  non-zero delta raises.
+- `NoPositionRelocator` (ALiBi: Bloom, MPT, Falcon with alibi): keys carry no position, rotate
+  is the identity. These models derive distances from cache slot order, not position ids, so
+  gaps in positions cannot be expressed; only the order of modules matters.
+
+Exactness (checked against the model in tests/test_positions.py, fp32, error <= 1e-4):
+- default, linear, yarn, llama3 RoPE, GPT-J/CodeGen, Cohere: exact for any delta, up to fp32
+  rounding of the model's own angles (p * inv_freq).
+- dynamic NTK and longrope change inv_freq with the sequence length of the forward call. We
+  rotate with the original (short) inv_freq, which is what the model uses while every position
+  stays below `exact_below` (max_position_embeddings - 1 for dynamic, the rope parameters'
+  original_max_position_embeddings for longrope). Past that bound the relocated keys would be
+  wrong, and so would a cached prefix in general: the engine must recompute there. We refuse by
+  contract (the bound) rather than guess.
+
+Out of scope, refused with UnsupportedModelError: anything not in `SUPPORTED`, including MLA
+caches (DeepSeek-V2/3), hybrid linear attention (Qwen3-Next, Jamba), M-RoPE (Qwen2-VL) and
+Llama-4 chunked attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+class UnsupportedModelError(ValueError):
+    """The model's position scheme is unknown here; relocating its keys could give wrong output."""
+
+
+class Relocator(Protocol):
+    kind: str  # "rope" | "absolute" | "alibi"
+    relocatable: bool  # False: reuse keys only at the position they were encoded at
+    exact_below: int | None  # rotate is exact while all positions are < this; None: everywhere
+
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" | ... per layer
+    sliding_window: int | None  # sliding layers keep only this many tokens in the cache
+
+
+def kv_geometry(model: PreTrainedModel) -> KVGeometry:
+    config = model.config.get_text_config()
+    num_layers = config.num_hidden_layers
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    if config.model_type == "falcon":  # the new decoder architecture caches heads already expanded
+        num_kv_heads = num_heads if config.new_decoder_architecture else 1 if config.multi_query else config.num_kv_heads
+    return KVGeometry(num_layers, num_kv_heads, head_dim, tuple(layer_types), getattr(config, "sliding_window", None))
+
+
+def _check(keys: torch.Tensor, deltas: torch.Tensor) -> None:
+    assert keys.dim() == 4 and deltas.shape == (keys.shape[2],), f"{keys.shape=} {deltas.shape=}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RopeGroup:
+    layers: tuple[int, ...]  # layers sharing this base
+    inv_freq: torch.Tensor  # [rotary_dim / 2] float32
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RopeRelocator:
+    groups: tuple[RopeGroup, ...]  # layers absent from every group are NoPE: never rotated
+    num_layers: int
+    interleaved: bool = False  # GPT-J rotate_every_two layout instead of rotate_half
+    exact_below: int | None = None
+    kind: str = field(default="rope", init=False)
+    relocatable: bool = field(default=True, init=False)
+
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        # keys: [L, H, S, D] at positions p; deltas: [S] -> [L, H, S, D] at positions p + deltas
+        _check(keys, deltas)
+        assert keys.shape[0] == self.num_layers, f"{keys.shape=} {self.num_layers=}"
+        d = deltas.to(device=keys.device, dtype=torch.float32)
+        if len(self.groups) == 1 and len(self.groups[0].layers) == self.num_layers:
+            out = self._turn(keys.to(torch.float32), d, self.groups[0].inv_freq)
+            return out.to(keys.dtype)
+        out = keys.to(torch.float32, copy=True)
+        for g in self.groups:  # one op per distinct base (Gemma-3: local, global)
+            idx = torch.tensor(g.layers, device=keys.device)
+            out[idx] = self._turn(out[idx], d, g.inv_freq)
+        return out.to(keys.dtype)
+
+    def _turn(self, k: torch.Tensor, d: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        # k: [l, H, S, D] float32; d: [S]; inv_freq: [R/2]
+        angle = d[:, None] * inv_freq.to(k.device)  # [S, R/2]
+        cos, sin = angle.cos(), angle.sin()
+        r = 2 * inv_freq.shape[0]
+        rot, rest = k[..., :r], k[..., r:]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+            turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((turned, rest), dim=-1) if rest.shape[-1] else turned
+
+
+@dataclass(frozen=True, slots=True)
+class AbsoluteRelocator:
+    kind: str = field(default="absolute", init=False)
+    relocatable: bool = field(default=False, init=False)
+    exact_below: int | None = field(default=None, init=False)
+
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        _check(keys, deltas)
+        if bool((deltas != 0).any()):
+            raise ValueError("learned absolute positions: keys are valid only at their encoded position (delta 0)")
+        return keys
+
+
+@dataclass(frozen=True, slots=True)
+class NoPositionRelocator:
+    kind: str = field(default="alibi", init=False)
+    relocatable: bool = field(default=True, init=False)
+    exact_below: int | None = field(default=None, init=False)
+
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        _check(keys, deltas)
+        return keys
+
+
+_STATIC_ROPE = {"default", "linear", "yarn", "llama3"}
+_LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+def _rotary_module(model: PreTrainedModel) -> torch.nn.Module:
+    found = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
+    if len(found) != 1:
+        raise UnsupportedModelError(f"expected one shared rotary_emb module, found {len(found)}")
+    return found[0]
+
+
+def _rope(interleaved: bool = False, nope: Callable[[PretrainedConfig], set[int]] = lambda c: set()):
+    def build(model: PreTrainedModel, config: PretrainedConfig) -> RopeRelocator:
+        rot = _rotary_module(model)
+        num_layers = config.num_hidden_layers
+        per_type = isinstance(rot.rope_type, dict)  # Gemma-3: one base per layer type
+        keyed: dict[str | None, list[int]] = {}
+        skip = nope(config)
+        for i in range(num_layers):
+            if i not in skip:
+                keyed.setdefault(config.layer_types[i] if per_type else None, []).append(i)
+        groups, bounds = [], []
+        for layer_type, layers in keyed.items():
+            rope_type = rot.rope_type[layer_type] if per_type else rot.rope_type
+            params = config.rope_parameters[layer_type] if per_type else config.rope_parameters
+            prefix = f"{layer_type}_" if per_type else ""
+            if rope_type in _STATIC_ROPE:
+                inv_freq = getattr(rot, f"{prefix}inv_freq")
+            elif rope_type in _LENGTH_DEPENDENT_ROPE:
+                inv_freq = getattr(rot, f"{prefix}original_inv_freq")  # the short-sequence frequencies
+                longrope = rope_type == "longrope"
+                bounds.append(params["original_max_position_embeddings"] if longrope else rot.original_max_seq_len - 1)
+            else:
+                valid = sorted(_STATIC_ROPE | _LENGTH_DEPENDENT_ROPE)
+                raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; supported: {valid}")
+            groups.append(RopeGroup(tuple(layers), inv_freq.detach().to(torch.float32).clone()))
+        return RopeRelocator(tuple(groups), num_layers, interleaved, min(bounds) if bounds else None)
+
+    return build
+
+
+def _gptj(model: PreTrainedModel, config: PretrainedConfig) -> RopeRelocator:
+    # GPT-J / CodeGen build a fixed sin/cos table with base 10000 in each attention layer
+    # (create_sinusoidal_positions); this is the same float32 inv_freq it is built from.
+    dim = config.rotary_dim or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    layers = tuple(range(config.num_hidden_layers))
+    return RopeRelocator((RopeGroup(layers, inv_freq),), len(layers), True, config.max_position_embeddings)
+
+
+def _non_sliding(config: PretrainedConfig) -> set[int]:
+    return {i for i, t in enumerate(config.layer_types) if t != "sliding_attention"}
+
+
+def _no_rope_layers(config: PretrainedConfig) -> set[int]:
+    return {i for i, use_rope in enumerate(config.no_rope_layers) if not use_rope}
+
+
+def _absolute(model: PreTrainedModel, config: PretrainedConfig) -> AbsoluteRelocator:
+    return AbsoluteRelocator()
+
+
+def _alibi(model: PreTrainedModel, config: PretrainedConfig) -> NoPositionRelocator:
+    return NoPositionRelocator()
+
+
+def _falcon(model: PreTrainedModel, config: PretrainedConfig) -> Relocator:
+    return _alibi(model, config) if config.alibi else _rope()(model, config)
+
+
+_rope_half = _rope()
+# model_type -> builder. Add an architecture here and one line in tests/test_positions.py.
+SUPPORTED: dict[str, Callable[[PreTrainedModel, PretrainedConfig], Relocator]] = {
+    **dict.fromkeys(
+        ["llama", "mistral", "mixtral", "qwen2", "qwen3", "phi", "phi3", "gemma", "gemma2", "gemma3_text",
+         "gpt_neox", "stablelm", "granite", "olmo2", "starcoder2"],
+        _rope_half,
+    ),
+    "smollm3": _rope(nope=_no_rope_layers),
+    "cohere": _rope(interleaved=True),
+    "cohere2": _rope(interleaved=True, nope=_non_sliding),
+    "gptj": _gptj,
+    "codegen": _gptj,
+    "falcon": _falcon,
+    "gpt2": _absolute,
+    "opt": _absolute,
+    "gpt_neo": _absolute,
+    "bloom": _alibi,
+    "mpt": _alibi,
+}
+
+
+def relocator_for(model: PreTrainedModel) -> Relocator:
+    config = model.config.get_text_config()
+    model_type = config.model_type
+    if model_type not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} has no position relocator; supported: {sorted(SUPPORTED)}"
+        )
+    return SUPPORTED[model_type](model, config)
