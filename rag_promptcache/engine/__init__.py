@@ -1,0 +1,8 @@
+"""The engine: compile PML, plan hits and misses, assemble relocated module KV, prefill, decode."""
+
+from rag_promptcache.engine.decode import Sampling
+from rag_promptcache.engine.encoder import MODES
+from rag_promptcache.engine.engine import Plan, PromptCache
+from rag_promptcache.engine.result import Comparison, EncodeReport, Result, Stream
+
+__all__ = ["MODES", "Comparison", "EncodeReport", "Plan", "PromptCache", "Result", "Sampling", "Stream"]

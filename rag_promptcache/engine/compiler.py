@@ -1,0 +1,283 @@
+"""PML → tokens: compile a schema into cacheable units, and a prompt into ordered pieces with positions.
+
+A *unit* is what gets one `ModuleKV`: a named module's own tokens (nested modules excluded, parameter
+placeholders included), or the schema's root, which holds all anonymous text and the chat-template
+markup of schema-level role tags. Each unit is encoded at its *encoding position*: where it would sit
+in the smallest prompt that contains it (its ancestors' tokens before it, no siblings).
+
+A prompt becomes a tuple of `Piece`s in sequence order. A piece is either a slice of a unit (served
+from the store, relocated) or new tokens (computed in the request). The rules are in
+docs/ARCHITECTURE.md ("How a prompt is compiled"). This module does not touch tensors or stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from rag_promptcache.pml import ast
+from rag_promptcache.pml.errors import PMLError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rag_promptcache.model.chat import RoleMarkup
+
+ROOT = "@root"
+Layout = Literal["contiguous", "schema"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "schema")
+
+
+@dataclass(frozen=True, slots=True)
+class Seg:
+    """One stretch of a unit's content: own text, a parameter placeholder, or a slot for child modules."""
+
+    kind: Literal["text", "param", "slot"]
+    offset: int  # into the unit's own token_ids
+    length: int  # tokens; 0 for a slot
+    name: str = ""  # the parameter's name
+    group: tuple[str, ...] = ()  # for a slot: the child modules that may go here, in schema order
+    schema_pos: int = 0  # absolute schema position of this seg's first token (paper layout)
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    name: str
+    token_ids: tuple[int, ...]
+    segs: tuple[Seg, ...]
+    encode_start: int  # position of token 0 when encoded
+    context_ids: tuple[int, ...]  # tokens before it in its smallest prompt (used by shared-prefix encoding)
+    param_lengths: dict[str, int]
+    slot: tuple[str, int] = ("", -1)  # (parent unit, index of the slot seg in it) where this unit goes
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A run of tokens in sequence order, at positions position .. position + len - 1."""
+
+    token_ids: tuple[int, ...]
+    position: int
+    unit: str | None = None  # None: new tokens, computed in the request
+    offset: int = 0  # where in the unit's token_ids the run starts
+
+    @property
+    def cached(self) -> bool:
+        return self.unit is not None
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledSchema:
+    name: str
+    units: dict[str, Unit]
+    size: int  # schema positions used (paper layout)
+
+
+class Compiler:
+    """Tokenizes schemas (once, lazily per module) and compiles prompts against them."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, markup: RoleMarkup) -> None:
+        self.tokenizer = tokenizer
+        self.markup = markup
+        ids = tokenizer("a")["input_ids"]
+        bos = tokenizer.bos_token_id
+        self.bos: tuple[int, ...] = (bos,) if bos is not None and ids and ids[0] == bos else ()
+        space = tokenizer(" ", add_special_tokens=False)["input_ids"]
+        self.filler = space[0] if len(space) == 1 else (tokenizer.eos_token_id or 0)
+        self._memo: dict[str, tuple[int, ...]] = {}
+
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        if not text:
+            return ()
+        ids = self._memo.get(text)
+        if ids is None:
+            ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if len(self._memo) < 200_000:  # schema texts recur on every recompile; prompts rarely do
+                self._memo[text] = ids
+        return ids
+
+    # -- schema ----------------------------------------------------------------------------------
+
+    def compile_schema(self, schema: ast.Schema, chat: bool) -> CompiledSchema:
+        """`chat`: whether the template's prefix (BOS and the like) opens the sequence."""
+        units: dict[str, Unit] = {}
+        lead = self.markup.prefix if chat else ""
+        size = self._unit(ROOT, schema.children, lead, self.bos, 0, (), 0, ("", -1), units)
+        return CompiledSchema(schema.name, units, size)
+
+    def _unit(
+        self,
+        name: str,
+        children: tuple[ast.Node, ...],
+        lead: str,
+        lead_ids: tuple[int, ...],
+        encode_start: int,
+        context: tuple[int, ...],
+        schema_start: int,
+        slot: tuple[str, int],
+        units: dict[str, Unit],
+    ) -> int:
+        """Compile one unit and, recursively, its children. Returns its full size in schema positions."""
+        flat = _flatten(children, self.markup, lead)
+        token_ids: list[int] = list(lead_ids)
+        segs: list[Seg] = []
+        params: dict[str, int] = {}
+        pos = schema_start
+        if lead_ids:
+            segs.append(Seg("text", 0, len(lead_ids), schema_pos=pos))
+            pos += len(lead_ids)
+        for item in flat:
+            if isinstance(item, str):
+                ids = self.tokenize(item)
+                if ids:
+                    segs.append(Seg("text", len(token_ids), len(ids), schema_pos=pos))
+                    token_ids.extend(ids)
+                    pos += len(ids)
+            elif isinstance(item, ast.Param):
+                params[item.name] = item.length
+                segs.append(Seg("param", len(token_ids), item.length, item.name, schema_pos=pos))
+                token_ids.extend([self.filler] * item.length)
+                pos += item.length
+            else:  # a run of sibling modules and unions
+                offset = len(token_ids)
+                child_context = context + tuple(token_ids)
+                group: list[str] = []
+                slot_pos = pos
+                for node in item:
+                    members = node.modules if isinstance(node, ast.Union) else (node,)
+                    widest = 0
+                    for m in members:
+                        group.append(m.name)
+                        widest = max(
+                            widest,
+                            self._unit(m.name, m.children, "", (), encode_start + offset, child_context, pos,
+                                       (name, len(segs)), units),
+                        )
+                    pos += widest
+                segs.append(Seg("slot", offset, 0, group=tuple(group), schema_pos=slot_pos))
+        units[name] = Unit(name, tuple(token_ids), tuple(segs), encode_start, context, params, slot)
+        return pos - schema_start
+
+    # -- prompt ----------------------------------------------------------------------------------
+
+    def compile_prompt(self, compiled: CompiledSchema, prompt: ast.Prompt, layout: Layout = "contiguous") -> list[Piece]:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+        pieces: list[Piece] = []
+        imports = [c for c in prompt.children if isinstance(c, ast.Import)]
+        first_text = _first_own_content(prompt.children)
+        if first_text is not None and any(_after(imp, first_text) for imp in imports):
+            raise PMLError("prompt text must come after the module imports; put fixed text in the schema",
+                           first_text.line, first_text.column)
+        cursor = self._emit(compiled, compiled.units[ROOT], None, imports, layout, 0, pieces)
+        if layout == "schema":
+            cursor = max(compiled.size, cursor)
+        text = _render_prompt_tail(prompt.children, self.markup)
+        ids = self.tokenize(text)
+        if ids:
+            pieces.append(Piece(ids, cursor))
+        return pieces
+
+    def _emit(
+        self,
+        compiled: CompiledSchema,
+        unit: Unit,
+        imp: ast.Import | None,
+        child_imports: list[ast.Import],
+        layout: Layout,
+        cursor: int,
+        out: list[Piece],
+    ) -> int:
+        args = dict(imp.args) if imp is not None else {}
+        for index, seg in enumerate(unit.segs):
+            pos = cursor if layout == "contiguous" else seg.schema_pos
+            if seg.kind == "text":
+                ids = unit.token_ids[seg.offset : seg.offset + seg.length]
+                out.append(Piece(ids, pos, unit.name, seg.offset))
+                cursor = pos + seg.length
+            elif seg.kind == "param":
+                value = args.get(seg.name, "")
+                ids = self.tokenize(value)
+                if len(ids) > seg.length:
+                    assert imp is not None, f"{seg=}"
+                    raise PMLError(
+                        f"value of parameter {seg.name!r} of module {unit.name!r} is {len(ids)} tokens; "
+                        f"its len is {seg.length}", imp.line, imp.column)
+                if ids:
+                    out.append(Piece(ids, pos))
+                cursor = pos + (len(ids) if layout == "contiguous" else seg.length)
+            else:
+                here = [c for c in child_imports if compiled.units[c.name].slot == (unit.name, index)]
+                for child in here:
+                    cursor = self._emit(compiled, compiled.units[child.name], child, list(child.children),
+                                        layout, cursor, out)
+                if layout == "schema":
+                    cursor = max(cursor, seg.schema_pos)
+        return cursor
+
+
+def _flatten(children: tuple[ast.Node, ...], markup: RoleMarkup, lead: str) -> list[str | ast.Param | list[ast.Node]]:
+    """Children → merged text strings, params, and runs of sibling modules/unions.
+
+    Role tags become template text. Whitespace-only text between modules is formatting and is dropped;
+    text inside a module is kept verbatim.
+    """
+    out: list[str | ast.Param | list[ast.Node]] = [lead] if lead else []
+
+    def add_text(s: str) -> None:
+        if out and isinstance(out[-1], str):
+            out[-1] += s
+        else:
+            out.append(s)
+
+    def walk(nodes: tuple[ast.Node, ...], structural: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Text):
+                if structural and not node.text.strip():
+                    continue
+                add_text(node.text)
+            elif isinstance(node, ast.Param):
+                out.append(node)
+            elif isinstance(node, ast.Role):
+                add_text(markup.open[node.role])
+                walk(node.children, structural=True)
+                add_text(markup.close[node.role])
+            else:  # Module or Union
+                if out and isinstance(out[-1], list):
+                    out[-1].append(node)
+                else:
+                    out.append([node])
+
+    walk(children, structural=False)
+    return out
+
+
+def _first_own_content(children: tuple[ast.PromptNode, ...]) -> ast.Text | ast.Role | None:
+    for c in children:
+        if isinstance(c, ast.Role) or (isinstance(c, ast.Text) and c.text.strip()):
+            return c
+    return None
+
+
+def _after(a: ast.Import, b: ast.Text | ast.Role) -> bool:
+    return (a.line, a.column) > (b.line, b.column)
+
+
+def _render_prompt_tail(children: tuple[ast.PromptNode, ...], markup: RoleMarkup) -> str:
+    parts: list[str] = []
+    last_role = None
+    own = [c for c in children if not isinstance(c, ast.Import)]
+    for c in own:
+        if isinstance(c, ast.Text):
+            text = c.text
+            # whitespace around a prompt's top-level text is layout, like the indentation of PML source
+            if not text.strip():
+                continue
+            parts.append(text.strip())
+            last_role = None
+        else:
+            body = "".join(t.text for t in c.children if isinstance(t, ast.Text))
+            parts.append(markup.open[c.role] + body + markup.close[c.role])
+            last_role = c.role
+    if last_role == "user":
+        parts.append(markup.generation_prompt)
+    return "".join(parts)

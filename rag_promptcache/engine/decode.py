@@ -1,0 +1,138 @@
+"""Prefill, sampling and the decode loop, gpt-fast style: small functions over a HF model and its cache.
+
+Also `TextStream`, which turns token ids into text pieces while holding back what could still become
+a stop string or is an incomplete UTF-8 sequence. Nothing here knows about modules or stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+def forward_last(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: DynamicCache,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run `ids` [1, N] at `positions` [1, N] against `cache`; return the last token's logits [V] in fp32."""
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, attention_mask=mask,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].float()
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> int:
+    """logits: [V] fp32 → one token id."""
+    if s.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) > s.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def decode_tokens(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    logits: torch.Tensor,
+    next_position: int,
+    s: Sampling,
+    eos_ids: frozenset[int],
+) -> Iterator[int]:
+    """Yield up to max_new_tokens ids; an EOS id is yielded and ends the loop. The caller may stop early."""
+    device = model.device
+    generator = None
+    if s.seed is not None and s.temperature > 0:
+        generator = torch.Generator(device=logits.device).manual_seed(s.seed)
+    for i in range(s.max_new_tokens):
+        token = sample(logits, s, generator)
+        yield token
+        if token in eos_ids or i == s.max_new_tokens - 1:
+            return
+        ids = torch.tensor([[token]], device=device)
+        pos = torch.tensor([[next_position + i]], device=device)
+        logits = forward_last(model, ids, pos, cache)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class TextStream:
+    """Token ids in, text pieces out; stops at the first stop string, which is not emitted."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""  # text emitted so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        return self._emit(full, final=False)
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        return self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True), final=True)
+
+    def _emit(self, full: str, final: bool) -> str:
+        cut = min((i for i in (full.find(s, max(0, len(self.text) - len(s))) for s in self.stop) if i >= 0),
+                  default=-1)
+        if cut >= 0:
+            self.stopped = True
+            piece, self.text = full[len(self.text) : cut], full[:cut]
+            return piece
+        safe = len(full)
+        if not final:
+            for s in self.stop:  # hold back a tail that could still grow into a stop string
+                for k in range(min(len(s) - 1, len(full)), 0, -1):
+                    if full.endswith(s[:k]):
+                        safe = min(safe, len(full) - k)
+                        break
+        safe = max(safe, len(self.text))
+        piece, self.text = full[len(self.text) : safe], full[:safe]
+        return piece

@@ -1,0 +1,106 @@
+"""Module encoding: run the model over units and keep each one's KV as a `ModuleKV`.
+
+Two encoding modes:
+- `isolated`: a unit alone at its encoding position (the paper's way);
+- `shared_prefix`: a unit after its context (the tokens before it in its smallest prompt: BOS, the
+  system text), keeping only the unit's own KV. It sees the start of context that full prefill sees.
+
+Units are batched with right padding: under a causal mask a real token never attends to the padding
+after it, so no attention mask is needed. This module does not look anything up or store anything.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from rag_promptcache.engine.compiler import Unit
+from rag_promptcache.store.base import ModuleKV
+
+MODES: tuple[str, ...] = ("isolated", "shared_prefix")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown encoding mode {mode!r}; valid: {', '.join(MODES)}")
+    return mode
+
+
+def stack_layers(cache: DynamicCache, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch row of a cache, tokens start..end → keys, values: [L, H, S, D] (copies)."""
+    keys = torch.stack([layer.keys[row, :, start:end] for layer in cache.layers])
+    values = torch.stack([layer.values[row, :, start:end] for layer in cache.layers])
+    return keys.contiguous(), values.contiguous()
+
+
+@torch.inference_mode()
+def encode_units(
+    model: PreTrainedModel,
+    units: Sequence[Unit],
+    *,
+    mode: str,
+    fingerprint: str,
+    batch_size: int = 8,
+) -> list[ModuleKV]:
+    """Encode `units` (any order, any lengths) and return their ModuleKVs in the same order."""
+    check_mode(mode)
+    out: dict[int, ModuleKV] = {}
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, u in enumerate(units):
+        assert u.token_ids, f"{u.name=} has no tokens"
+        groups[u.context_ids if mode == "shared_prefix" else ()].append(i)
+    for context, idx in groups.items():
+        idx.sort(key=lambda i: len(units[i].token_ids))  # similar lengths share a batch: less padding
+        prefix = _prefix_kv(model, context) if context else None
+        for b in range(0, len(idx), batch_size):
+            batch = [units[i] for i in idx[b : b + batch_size]]
+            for i, kv in zip(idx[b : b + batch_size], _encode_batch(model, batch, prefix, mode, fingerprint)):
+                out[i] = kv
+    return [out[i] for i in range(len(units))]
+
+
+def _prefix_kv(model: PreTrainedModel, context: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    device = model.device
+    ids = torch.tensor([context], device=device)
+    cache = DynamicCache(config=model.config)
+    model.base_model(input_ids=ids, position_ids=torch.arange(len(context), device=device)[None],
+                     past_key_values=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]  # each [1, H, C, D]
+
+
+def _encode_batch(
+    model: PreTrainedModel,
+    batch: list[Unit],
+    prefix: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    mode: str,
+    fingerprint: str,
+) -> list[ModuleKV]:
+    device = model.device
+    width = max(len(u.token_ids) for u in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    pos = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    for r, u in enumerate(batch):
+        n = len(u.token_ids)
+        ids[r, :n] = torch.tensor(u.token_ids, device=device)
+        ids[r, n:] = u.token_ids[-1]
+        pos[r] = torch.arange(u.encode_start, u.encode_start + width, device=device)
+    if prefix is None:
+        cache = DynamicCache(config=model.config)
+        skip = 0
+    else:
+        # the shared context, broadcast over the batch: [1, H, C, D] -> [B, H, C, D]
+        cache = DynamicCache(
+            ddp_cache_data=[(k.expand(len(batch), -1, -1, -1), v.expand(len(batch), -1, -1, -1)) for k, v in prefix],
+            config=model.config,
+        )
+        skip = prefix[0][0].shape[2]
+    model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    assert cache.layers[0].keys.shape[2] == skip + width, f"{cache.layers[0].keys.shape=} {skip=} {width=}"
+    result = []
+    for r, u in enumerate(batch):
+        keys, values = stack_layers(cache, r, skip, skip + len(u.token_ids))
+        result.append(ModuleKV(keys, values, u.encode_start, u.token_ids, fingerprint, mode))
+    return result

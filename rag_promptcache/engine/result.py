@@ -1,0 +1,82 @@
+"""The records the engine hands out: `Result`, `Comparison`, `EncodeReport`, and the `Stream` iterator."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "eos"]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    ttft_s: float  # from the call to the first sampled token: parse, plan, fetch, encode misses, prefill
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the store
+    computed_tokens: int  # prompt tokens computed in this request (new text, misses, recomputed modules)
+    hit_modules: tuple[str, ...]
+    missed_modules: tuple[str, ...]  # not in the store: encoded from their text, used, and written back
+    recomputed_modules: tuple[str, ...]  # stored but not reusable at this position (absolute positions)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """Next-token logits from the cached assembly against a full prefill of the same token sequence."""
+
+    max_abs_logit_diff: float
+    top1_match: bool
+    kl: float  # KL(full || cached) of the next-token distributions
+    cached_top1: int
+    full_top1: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeReport:
+    num_modules: int  # encoded and stored by this call
+    num_tokens: int
+    num_skipped: int  # already in the store
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+
+class Stream(Iterator[str]):
+    """Iterate for text pieces; `.result` holds the `Result` once the stream is exhausted."""
+
+    def __init__(self, gen: Generator[str, None, Result]) -> None:
+        self._gen = gen
+        self.result: Result | None = None
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> str:
+        if self.result is not None:
+            raise StopIteration
+        try:
+            return next(self._gen)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def consume(self) -> Result:
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
