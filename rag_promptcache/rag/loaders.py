@@ -1,0 +1,240 @@
+"""Turn paths and in-memory documents into `Document`s whose text is read lazily, in blocks.
+
+Plain text, Markdown, JSON Lines stream with bounded memory (one block or one line at a time);
+HTML, PDF and whole-file JSON are read per file. LangChain `Document`s and LlamaIndex nodes are
+accepted by duck typing (`page_content`/`metadata`, `get_content()`/`metadata`): the frameworks are
+never imported here. Not here: chunking, deduplication, deciding what changed (see `corpus.py`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BLOCK_CHARS = 1 << 20  # how much text a streaming reader hands on at a time
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
+SUFFIXES = (*TEXT_SUFFIXES, ".html", ".htm", ".pdf", ".json", ".jsonl")
+
+
+class LoaderWarning(UserWarning):
+    """A file skipped during loading; one per file."""
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One source. `blocks()` yields its text in pieces whose concatenation is the whole text."""
+
+    source: str
+    content_hash: str  # of the raw bytes (or text) plus loader options: unchanged hash = nothing to do
+    blocks: Callable[[], Iterator[str]] = field(repr=False)
+    num_bytes: int = 0
+    kind: str = "text"
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What `load` skipped and why, for the summary line at the end of an ingest."""
+
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (source, reason)
+
+    def summary(self) -> str:
+        if not self.skipped:
+            return ""
+        reasons: dict[str, int] = {}
+        for _, why in self.skipped:
+            reasons[why.split(":")[0]] = reasons.get(why.split(":")[0], 0) + 1
+        parts = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
+        return f"skipped {len(self.skipped)} file(s): {parts}"
+
+
+def load(
+    items: Iterable[str | os.PathLike[str] | object],
+    *,
+    field_name: str = "text",
+    report: LoadReport | None = None,
+) -> Iterator[Document]:
+    """Documents for paths (files or directories, walked recursively in sorted order) and for
+    LangChain/LlamaIndex objects. A missing path raises `FileNotFoundError`; files that cannot be
+    read as text are skipped with one `LoaderWarning` each and recorded in `report`."""
+    report = report if report is not None else LoadReport()
+    for item in items:
+        if isinstance(item, (str, os.PathLike)):
+            path = Path(item)
+            if not path.exists():
+                raise FileNotFoundError(f"no such file or directory: {path}")
+            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            for file in files:
+                if path.is_dir() and any(p.startswith(".") for p in file.relative_to(path).parts):
+                    continue  # .git, .DS_Store and friends
+                doc = _load_file(file, field_name, report)
+                if doc is not None:
+                    yield doc
+        else:
+            yield _from_object(item)
+
+
+def _skip(report: LoadReport, source: Path | str, reason: str) -> None:
+    report.skipped.append((str(source), reason))
+    warnings.warn(f"skipping {source}: {reason}", LoaderWarning, stacklevel=3)
+
+
+def _load_file(path: Path, field_name: str, report: LoadReport) -> Document | None:
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        _skip(report, path, f"unsupported type: {suffix or 'no extension'} (supported: {', '.join(SUFFIXES)})")
+        return None
+    size = path.stat().st_size
+    if size == 0:
+        _skip(report, path, "empty file")
+        return None
+    if suffix != ".pdf":
+        problem = _sniff_text(path)
+        if problem:
+            _skip(report, path, problem)
+            return None
+    digest = _hash_file(path, extra=field_name if suffix in (".json", ".jsonl") else "")
+    kind = suffix.lstrip(".")
+    readers: dict[str, Callable[[], Iterator[str]]] = {
+        ".html": lambda: iter([_html_text(path.read_text(encoding="utf-8", errors="replace"))]),
+        ".htm": lambda: iter([_html_text(path.read_text(encoding="utf-8", errors="replace"))]),
+        ".pdf": lambda: _pdf_pages(path),
+        ".json": lambda: _json_records(path, field_name),
+        ".jsonl": lambda: _jsonl_records(path, field_name),
+    }
+    reader = readers.get(suffix, lambda: _text_blocks(path))
+    if suffix == ".pdf":
+        try:
+            import pypdf
+
+            pypdf.PdfReader(path)
+        except Exception as e:  # noqa: BLE001 - any parse failure means "not a PDF we can read"
+            _skip(report, path, f"unreadable PDF: {type(e).__name__}")
+            return None
+    return Document(str(path), digest, reader, size, kind)
+
+
+def _sniff_text(path: Path) -> str:
+    """'' if the file decodes as UTF-8 from end to end, else why not. Streams; memory stays bounded."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with path.open("rb") as f:
+        first = True
+        while chunk := f.read(BLOCK_CHARS):
+            if first and b"\x00" in chunk[:8192]:
+                return "binary file"
+            first = False
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                return f"not UTF-8: invalid byte at offset {f.tell() - len(chunk) + e.start}"
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return "not UTF-8: truncated character at the end"
+    return ""
+
+
+def _hash_file(path: Path, extra: str = "") -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(extra.encode())
+    with path.open("rb") as f:
+        while chunk := f.read(BLOCK_CHARS):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _text_blocks(path: Path) -> Iterator[str]:
+    with path.open("r", encoding="utf-8", newline="") as f:
+        while block := f.read(BLOCK_CHARS):
+            yield block.replace("\r\n", "\n")
+
+
+def _html_text(html: str) -> str:
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "html.parser")
+    for tag in soup(["script", "style", "noscript", "template"]):
+        tag.decompose()
+    lines = (line.strip() for line in soup.get_text("\n").splitlines())
+    return _paragraphs(lines)
+
+
+def _paragraphs(lines: Iterable[str]) -> str:
+    """Collapse runs of blank lines to one blank line: paragraph boundaries survive, noise does not."""
+    out: list[str] = []
+    blank = False
+    for line in lines:
+        if line:
+            if blank and out:
+                out.append("")
+            out.append(line)
+            blank = False
+        else:
+            blank = True
+    return "\n".join(out)
+
+
+def _pdf_pages(path: Path) -> Iterator[str]:
+    import pypdf
+
+    reader = pypdf.PdfReader(path)
+    for page in reader.pages:
+        text = (page.extract_text() or "").strip()
+        if text:
+            yield text + "\n\n"
+
+
+def _record_text(record: object, field_name: str) -> str:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict) and isinstance(record.get(field_name), str):
+        return record[field_name]
+    return ""
+
+
+def _json_records(path: Path, field_name: str) -> Iterator[str]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    records = data if isinstance(data, list) else [data]
+    for record in records:
+        if text := _record_text(record, field_name).strip():
+            yield text + "\n\n"
+
+
+def _jsonl_records(path: Path, field_name: str) -> Iterator[str]:
+    with path.open("r", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from e
+            if text := _record_text(record, field_name).strip():
+                yield text + "\n\n"
+
+
+def _from_object(obj: object) -> Document:
+    """A LangChain `Document` (page_content) or a LlamaIndex node (get_content()), duck-typed."""
+    if hasattr(obj, "page_content"):
+        text = str(getattr(obj, "page_content"))
+    elif callable(getattr(obj, "get_content", None)):
+        text = str(obj.get_content())  # type: ignore[attr-defined]
+    elif isinstance(obj, str):
+        text = obj
+    else:
+        raise ValueError(
+            f"cannot load a {type(obj).__name__}: pass paths, strings, LangChain Documents "
+            "(page_content) or LlamaIndex nodes (get_content())"
+        )
+    metadata = getattr(obj, "metadata", None) or {}
+    digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    source = next(
+        (str(metadata[k]) for k in ("source", "file_path", "file_name", "doc_id") if metadata.get(k)),
+        None,
+    ) or str(getattr(obj, "id_", None) or getattr(obj, "id", None) or f"doc-{digest[:12]}")
+    return Document(source, digest, lambda: iter([text]), len(text.encode()), "object")
