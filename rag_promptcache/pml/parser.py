@@ -94,8 +94,9 @@ class _Scanner:
             m = _ENTITY.match(src, amp, end)
             if m is None:
                 word = re.compile(r"&[#\w]*;?").match(src, amp, end).group()
-                if word == "&":
-                    raise self.error("bare '&': write &amp; for a literal '&'", amp)
+                if not word.endswith(";"):
+                    raise self.error("bare '&': write &amp; for a literal '&' (an entity ends "
+                                     "with ';')", amp)
                 raise self.error(f"bad entity {word!r}; valid: &lt; &gt; &amp; &quot; &apos; "
                                  "&#NN; &#xHH; (write &amp; for a literal '&')", amp)
             named, dec, hexa = m.groups()
@@ -254,9 +255,9 @@ def parse_schema(text: str) -> Schema:
     """Parse one `<schema name="...">` and index its modules (nested too), parents and unions."""
     root = _Scanner(text).document("schema")
     _check_attrs(root, ("name",))
-    builder = _SchemaBuilder()
+    name, builder = _required(root, "name").value, _SchemaBuilder()
     children = builder.children(root, None, False)
-    return Schema(_required(root, "name").value, children, root.line, root.column,
+    return Schema(name, children, root.line, root.column,
                   builder.modules, builder.parents, builder.union_of)
 
 
@@ -265,6 +266,7 @@ class _SchemaBuilder:
         self.modules: dict[str, Module] = {}
         self.parents: dict[str, str | None] = {}
         self.union_of: dict[str, int] = {}
+        self.defined: dict[str, _Elem] = {}
         self.num_unions = 0
 
     def children(self, elem: _Elem, module: str | None, in_role: bool) -> tuple[Node, ...]:
@@ -293,9 +295,11 @@ class _SchemaBuilder:
             raise PMLError(f"invalid module name {name!r}: prompts import it as a tag, so it needs "
                            "a letter or '_', then letters, digits, '_', '-', '.', and must not be "
                            f"a role ({', '.join(ROLES)})", attr.line, attr.column)
-        if name in self.parents:
-            raise PMLError(f"duplicate module name {name!r}", e.line, e.column)
-        self.parents[name] = parent  # before the children, so a nested namesake is the duplicate
+        if (first := self.defined.get(name)) is not None:
+            raise PMLError(f"duplicate module name {name!r} (first at line {first.line}, column "
+                           f"{first.column})", e.line, e.column)
+        self.defined[name] = e  # before the children, so a nested namesake is the duplicate
+        self.parents[name] = parent
         module = Module(name, self.children(e, name, in_role), e.line, e.column)
         seen: set[str] = set()
         for param in module.params:
@@ -382,10 +386,9 @@ class _Importer:
             raise PMLError(f"unknown module {name!r} in schema {schema.name!r}; valid {where}: "
                            f"{_few(here)}", e.line, e.column)
         if (home := schema.parents[name]) != parent:
-            fix = f"import it inside <{home}>…</{home}>" if home else "import it at the top level"
-            place = f"inside <{parent}>" if parent else "at the top level"
-            raise PMLError(f"module {name!r} is nested in {home or 'no module'!r}, not {place}: "
-                           f"{fix}", e.line, e.column)
+            fix = f"nested in {home!r}: import it inside <{home}>…</{home}>" if home else \
+                f"a top-level module, not nested in {parent!r}: import it at the top level"
+            raise PMLError(f"module {name!r} is {fix}", e.line, e.column)
         if (first := self.seen.get(name)) is not None:
             raise PMLError(f"module {name!r} imported twice (first at line {first.line}, column "
                            f"{first.column})", e.line, e.column)
