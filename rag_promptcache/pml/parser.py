@@ -35,7 +35,7 @@ from rag_promptcache.pml.ast import (
 from rag_promptcache.pml.errors import PMLError
 
 _NAME = re.compile(r"[^\W\d][\w.-]*")
-_WS = " \t\r\n"
+_WS = re.compile(r"[ \t\r\n]*")  # XML's whitespace, between attributes
 _ENTITY = re.compile(r"&(?:(lt|gt|amp|quot|apos)|#([0-9]{1,8})|#x([0-9a-fA-F]{1,6}));")
 _NAMED = {"lt": "<", "gt": ">", "amp": "&", "quot": '"', "apos": "'"}
 # schema-side tag -> its valid attributes
@@ -162,9 +162,7 @@ class _Scanner:
             kids.append(Text(text, *self.at(start)))
 
     def _skip_ws(self) -> bool:
-        start = self.pos
-        while self.pos < len(self.src) and self.src[self.pos] in _WS:
-            self.pos += 1
+        start, self.pos = self.pos, _WS.match(self.src, self.pos).end()
         return self.pos > start
 
     def _name(self, pos: int, kind: str, err_pos: int) -> str:
@@ -289,8 +287,7 @@ class _SchemaBuilder:
         return Role(e.name, self.children(e, module, True), e.line, e.column)  # type: ignore[arg-type]
 
     def module(self, e: _Elem, parent: str | None, in_role: bool) -> Module:
-        attr = _required(e, "name")
-        name = attr.value
+        name = (attr := _required(e, "name")).value
         if not _NAME.fullmatch(name) or name in ROLES:
             raise PMLError(f"invalid module name {name!r}: prompts import it as a tag, so it needs "
                            "a letter or '_', then letters, digits, '_', '-', '.', and must not be "
@@ -322,8 +319,7 @@ class _SchemaBuilder:
             if kid.name != "module":
                 raise PMLError(f"<{kid.name}> inside <union>: a union holds only <module>s",
                                kid.line, kid.column)
-            _check_attrs(kid, _SCHEMA_TAGS["module"])
-            members.append(self.module(kid, module, in_role))
+            members.append(self.node(kid, module, in_role))  # type: ignore[arg-type]
             self.union_of[members[-1].name] = index
         if not members:
             raise PMLError("empty <union>: it needs at least one <module>", e.line, e.column)
@@ -367,7 +363,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema]) -> Prompt:
             children.append(Role(kid.name, tuple(kid.children), kid.line, kid.column))  # type: ignore[arg-type]
         else:
             children.append(importer.load(kid, None))
-    return Prompt(schema.name, tuple(children), root.line, root.column)
+    return Prompt(attr.value, tuple(children), root.line, root.column)
 
 
 class _Importer:
@@ -375,7 +371,7 @@ class _Importer:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self.seen: dict[str, Import] = {}
+        self.seen: dict[str, _Elem] = {}
         self.union_pick: dict[int, str] = {}
 
     def load(self, e: _Elem, parent: str | None) -> Import:
@@ -402,8 +398,7 @@ class _Importer:
             if attr.name not in valid:
                 raise PMLError(f"unknown parameter {attr.name!r} for module {name!r}; valid: "
                                f"{', '.join(valid) or 'none'}", attr.line, attr.column)
-        args = tuple((a.name, a.value) for a in e.attrs.values())
-        self.seen[name] = Import(name, args, (), e.line, e.column)
+        self.seen[name] = e
         nested: list[Import] = []
         for kid in e.children:
             if isinstance(kid, Text):
@@ -412,6 +407,7 @@ class _Importer:
                                    "nested modules", *_first_char(kid))
             else:
                 nested.append(self.load(kid, name))
+        args = tuple((a.name, a.value) for a in e.attrs.values())
         return Import(name, args, tuple(nested), e.line, e.column)
 
 
