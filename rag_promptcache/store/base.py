@@ -54,6 +54,7 @@ class StoreStats:
     num_hits: int
     num_misses: int
     num_tokens: int = 0
+    num_errors: int = 0  # entries found bad, or writes that failed (each one a lost cache entry)
 
     @property
     def hit_rate(self) -> float:
@@ -65,9 +66,20 @@ class StoreStats:
         return self.num_bytes / self.num_tokens if self.num_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What a tier's `verify()` found: entries checked, and the bad ones (already removed)."""
+
+    num_checked: int
+    bad_keys: tuple[str, ...]
+
+
 @runtime_checkable
 class Store(Protocol):
-    """A tier. `get` returns None on a miss (or on an entry it cannot trust); it never raises for one."""
+    """A tier. `get` returns None on a miss (or on an entry it cannot trust); it never raises for one.
+
+    Tensors returned by `get` may be shared with the tier: treat them as read-only. `put` copies.
+    """
 
     def get(self, key: str) -> ModuleKV | None: ...
 

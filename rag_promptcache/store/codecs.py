@@ -1,0 +1,140 @@
+"""KV codecs: how a module's K and V tensors are laid out at rest, and back.
+
+- "native": the model's own dtype, bit for bit.
+- "fp16", "bf16": casts; decoded back to the original dtype.
+- "int8", "int4": asymmetric round-to-nearest as in KIVI: keys per channel (min/max over tokens, so
+  the outlier channels of post-RoPE keys get their own range), values per token (min/max over
+  head_dim). Scale and zero point are kept in fp16 (fp32 if the range overflows fp16). int4 packs two
+  codes per byte along head_dim.
+
+Each codec carries a version, written into every serialized entry: an entry of a codec version this
+code does not know is a miss, never decoded wrongly.
+
+Out of scope: entropy coding (CacheGen), fp8, per-group key quantization, residual fp16 windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import ModuleKV
+
+CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1}
+CODECS: tuple[str, ...] = tuple(CODEC_VERSIONS)
+_CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_BITS = {"int8": 8, "int4": 4}
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+}
+
+
+def check_codec(name: str) -> str:
+    if name not in CODEC_VERSIONS:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedKV:
+    """A `ModuleKV` in a codec's at-rest form. `tensors` holds the payload only (no metadata)."""
+
+    tensors: dict[str, torch.Tensor]
+    codec: str
+    dtype: torch.dtype  # of the original keys/values
+    shape: tuple[int, int, int, int]  # [layers, kv_heads, tokens, head_dim]
+    start: int
+    token_ids: tuple[int, ...]
+    fingerprint: str
+    mode: str
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def layout(codec: str, shape: tuple[int, int, int, int]) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes a codec produces for KV of `shape`; used to validate loads."""
+    L, H, S, D = shape
+    if codec in ("native", "fp16", "bf16"):
+        return {"k": shape, "v": shape}
+    width = D if codec == "int8" else (D + 1) // 2
+    return {
+        "k": (L, H, S, width),
+        "v": (L, H, S, width),
+        "k_scale": (L, H, 1, D),
+        "k_zero": (L, H, 1, D),
+        "v_scale": (L, H, S, 1),
+        "v_zero": (L, H, S, 1),
+    }
+
+
+def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qmax = 2**bits - 1
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True)
+    hi = xf.amax(dim=dim, keepdim=True)
+    fits_fp16 = max(lo.abs().max().item(), hi.abs().max().item()) < 6.0e4 if xf.numel() else True
+    param_dtype = torch.float16 if fits_fp16 else torch.float32
+    # Quantize against the rounded parameters so decode sees exactly what encode assumed.
+    scale = ((hi - lo) / qmax).clamp_min(1e-4).to(param_dtype)
+    zero = lo.to(param_dtype)
+    q = ((xf - zero.float()) / scale.float()).round_().clamp_(0, qmax).to(torch.uint8)
+    if bits == 4:
+        if q.shape[-1] % 2:
+            q = torch.nn.functional.pad(q, (0, 1))
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q.contiguous(), scale.contiguous(), zero.contiguous()
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    if bits == 4:
+        q = torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)[..., :head_dim]
+    return q.float() * scale.float() + zero.float()
+
+
+def encode(kv: ModuleKV, codec: str = "native", device: torch.device | str = "cpu", pin: bool = False) -> EncodedKV:
+    """Encode into fresh tensors on `device` (never views of the caller's tensors)."""
+    check_codec(codec)
+    if kv.keys.dtype not in DTYPES.values():
+        raise ValueError(f"unsupported KV dtype {kv.keys.dtype}; valid dtypes: {', '.join(DTYPES)}")
+    keys, values = kv.keys.detach(), kv.values.detach()
+    device = torch.device(device)
+    if codec in ("native", "fp16", "bf16"):
+        # copy=True: the store must never alias the caller's (possibly sliced, later mutated) tensors.
+        dtype = _CASTS.get(codec, keys.dtype)
+        tensors = {n: x.to(device=device, dtype=dtype, copy=True).contiguous() for n, x in (("k", keys), ("v", values))}
+    else:
+        bits = _BITS[codec]
+        k, k_scale, k_zero = _quantize(keys, dim=2, bits=bits)  # per channel: range over tokens
+        v, v_scale, v_zero = _quantize(values, dim=3, bits=bits)  # per token: range over head_dim
+        tensors = {"k": k, "v": v, "k_scale": k_scale, "k_zero": k_zero, "v_scale": v_scale, "v_zero": v_zero}
+        tensors = {n: x.to(device) for n, x in tensors.items()}
+    if pin:
+        tensors = {n: x.pin_memory() for n, x in tensors.items()}
+    L, H, S, D = keys.shape
+    return EncodedKV(tensors, codec, keys.dtype, (L, H, S, D), kv.start, tuple(kv.token_ids), kv.fingerprint, kv.mode)
+
+
+def decode(enc: EncodedKV, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> ModuleKV:
+    """Back to a `ModuleKV` in the original dtype (or `dtype`) on the tensors' device (or `device`).
+
+    For "native" on the same device the returned tensors are the stored ones: treat them as read-only.
+    """
+    dtype = dtype or enc.dtype
+    t = enc.tensors
+    if enc.codec in ("native", "fp16", "bf16"):
+        keys, values = t["k"], t["v"]
+    else:
+        bits, D = _BITS[enc.codec], enc.shape[3]
+        keys = _dequantize(t["k"], t["k_scale"], t["k_zero"], bits, D)
+        values = _dequantize(t["v"], t["v_scale"], t["v_zero"], bits, D)
+    # keys, values: [layers, kv_heads, tokens, head_dim]
+    keys = keys.to(device=device, dtype=dtype)
+    values = values.to(device=device, dtype=dtype)
+    return ModuleKV(keys, values, enc.start, enc.token_ids, enc.fingerprint, enc.mode)

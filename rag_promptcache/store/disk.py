@@ -1,0 +1,289 @@
+"""The disk tier: one safetensors file per entry, shared safely by several processes.
+
+Layout under `path`: `ab/<key>.safetensors` (sharded by the key's first two hex digits),
+`index.json` (sizes, last use and hits per key, for the budget), `.lock` (flock'd around every
+index change). Why it is safe:
+- a put writes a temp file in the entry's own directory, then `os.replace`s it in: readers see the
+  old file or the new one, never half of either;
+- every file carries a checksummed header (serialize.py); anything that fails it is a miss and is
+  removed;
+- the files are the truth and the index only a cache of their sizes: a missing or unreadable index
+  is rebuilt from the files, and an index entry whose file is gone is dropped.
+A put that fails for lack of space (or any other OSError) is a lost cache entry, logged once, never
+an error raised into generation.
+
+Out of scope: durability against power loss (no fsync: a torn file fails its checksum and is
+recomputed), and network filesystems without working flock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .base import ModuleKV, StoreStats, VerifyReport
+from .codecs import check_codec, decode, encode
+from .eviction import BudgetIndex, Entry, Policy
+from .serialize import CorruptEntry, WarnOnce, dumps, load_file, read_header
+
+log = logging.getLogger(__name__)
+INDEX_VERSION = 1
+SUFFIX = ".safetensors"
+_STALE_TMP_S = 600.0
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+
+
+class DiskStore:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_bytes: int | None = None,
+        codec: str = "native",
+        policy: str | Policy = "lru",
+    ) -> None:
+        self.codec = check_codec(codec)
+        self.root = Path(path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._index = BudgetIndex(max_bytes, policy, clock=time.time)
+        self._index_path = self.root / "index.json"
+        self._index_stamp: tuple[int, int, int] | None = None
+        self._lock = threading.Lock()
+        self._touched: dict[str, float] = {}  # key -> last use, not yet written to index.json
+        self._num_hits = 0
+        self._num_misses = 0
+        self._num_errors = 0
+        self._warn = WarnOnce(log)
+        self._write_errors: set[int] = set()
+        with self._locked():
+            self._sync()
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._index.max_bytes
+
+    def path_for(self, key: str) -> Path:
+        if len(key) < 3 or not all(c in "0123456789abcdef" for c in key):
+            raise ValueError(f"disk keys are lowercase hex content addresses (module_key), got {key!r}")
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def get(self, key: str) -> ModuleKV | None:
+        path = self.path_for(key)
+        try:
+            enc = load_file(path, key)
+        except FileNotFoundError:
+            with self._lock:
+                self._num_misses += 1
+            return None
+        except CorruptEntry as e:
+            self._warn(key, "disk store %s: dropping bad entry %s: %s", self.root, key, e)
+            self._drop(key, path)
+            with self._lock:
+                self._num_misses += 1
+                self._num_errors += 1
+            return None
+        with self._lock:
+            self._num_hits += 1
+            self._touched[key] = time.time()
+        return decode(enc)
+
+    def put(self, key: str, kv: ModuleKV) -> None:
+        path = self.path_for(key)
+        data = dumps(key, encode(kv, self.codec))
+        if not self._index.fits(len(data)):
+            return
+        tmp = path.parent / f".tmp-{key}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            _write_bytes(tmp, data)
+        except OSError as e:
+            self._write_failed(tmp, e)
+            return
+        with self._locked():
+            self._sync()
+            os.replace(tmp, path)
+            victims = self._index.add(key, len(data), kv.num_tokens)
+            for victim in victims:
+                self.path_for(victim.key).unlink(missing_ok=True)
+            self._save_index()
+
+    def contains(self, key: str) -> bool:
+        return self.path_for(key).exists()
+
+    def delete(self, key: str) -> bool:
+        path = self.path_for(key)
+        with self._locked():
+            self._sync()
+            self._index.remove(key)
+            existed = path.exists()
+            path.unlink(missing_ok=True)
+            self._save_index()
+        return existed
+
+    def stats(self) -> StoreStats:
+        with self._locked():
+            self._sync()
+            return StoreStats(
+                len(self._index),
+                self._index.num_bytes,
+                self._num_hits,
+                self._num_misses,
+                self._index.num_tokens,
+                self._num_errors,
+            )
+
+    def close(self) -> None:
+        with self._locked():
+            self._sync()
+            self._save_index()
+
+    # -- management ----------------------------------------------------------------------------
+
+    def evict_to(self, num_bytes: int) -> list[str]:
+        """Evict (lowest priority first) until at most `num_bytes` of files remain; returns the keys."""
+        with self._locked():
+            self._sync()
+            victims = self._index.evict_to(num_bytes)
+            for victim in victims:
+                self.path_for(victim.key).unlink(missing_ok=True)
+            self._save_index()
+        return [v.key for v in victims]
+
+    def verify(self) -> VerifyReport:
+        """Check every file's header and checksum; remove the bad ones. Also re-syncs the index."""
+        bad = []
+        files = list(self._files())
+        for key, path in files:
+            try:
+                load_file(path, key)
+            except FileNotFoundError:
+                continue
+            except CorruptEntry as e:
+                log.warning("disk store %s: removing bad entry %s: %s", self.root, key, e)
+                bad.append(key)
+                path.unlink(missing_ok=True)
+        with self._locked():
+            self._rebuild()
+            self._save_index()
+        return VerifyReport(len(files), tuple(bad))
+
+    def keys(self) -> list[str]:
+        return [key for key, _ in self._files()]
+
+    # -- internals -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The in-process lock, then the cross-process one (flock on .lock)."""
+        with self._lock, open(self.root / ".lock", "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _files(self) -> Iterator[tuple[str, Path]]:
+        for path in self.root.glob(f"??/*{SUFFIX}"):
+            yield path.name.removesuffix(SUFFIX), path
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = self._index_path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _sync(self) -> None:
+        """Under the lock: reload index.json if another process changed it, then re-apply our hits."""
+        stamp = self._stamp()
+        if stamp is None:
+            if len(self._index) or any(True for _ in self._files()):
+                log.info("disk store %s: index missing, rebuilding it from the files", self.root)
+            self._rebuild()
+            self._save_index()
+        elif stamp != self._index_stamp:
+            try:
+                raw = json.loads(self._index_path.read_bytes())
+                if raw.get("version") != INDEX_VERSION:
+                    raise ValueError(f"index version {raw.get('version')!r}, expected {INDEX_VERSION}")
+                entries = raw["entries"]
+                self._reset_index()
+                for key, (num_bytes, num_tokens, last_used, num_hits) in entries.items():
+                    self._index.load(Entry(key, int(num_bytes), int(num_tokens), float(last_used), int(num_hits)))
+                self._index_stamp = stamp
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                log.warning("disk store %s: unreadable index (%s), rebuilding it from the files", self.root, e)
+                self._rebuild()
+                self._save_index()
+        for key, last_used in self._touched.items():
+            entry = self._index.entries.get(key)
+            if entry is not None:
+                entry.last_used = max(entry.last_used, last_used)
+                entry.num_hits += 1
+        self._touched.clear()
+
+    def _reset_index(self) -> None:
+        self._index = BudgetIndex(self._index.max_bytes, self._index.policy, clock=time.time)
+
+    def _rebuild(self) -> None:
+        """Under the lock: the index from the files themselves; unreadable files and stale temps go."""
+        self._reset_index()
+        now = time.time()
+        for path in self.root.glob("??/.tmp-*"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - path.stat().st_mtime > _STALE_TMP_S:
+                    path.unlink()
+        for key, path in self._files():
+            try:
+                meta = read_header(path)
+                st = path.stat()
+                if meta.get("key") != key:
+                    raise CorruptEntry(f"header names key {meta.get('key')}")
+                self._index.load(Entry(key, st.st_size, int(meta["num_tokens"]), st.st_mtime))
+            except FileNotFoundError:
+                continue
+            except (CorruptEntry, ValueError, KeyError) as e:
+                log.warning("disk store %s: removing unreadable entry %s: %s", self.root, key, e)
+                path.unlink(missing_ok=True)
+
+    def _save_index(self) -> None:
+        """Under the lock: write index.json atomically. Failing to is harmless (it is rebuildable)."""
+        entries = {e.key: [e.num_bytes, e.num_tokens, e.last_used, e.num_hits] for e in self._index.entries.values()}
+        tmp = self.root / f".index.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.write_text(json.dumps({"version": INDEX_VERSION, "entries": entries}))
+            os.replace(tmp, self._index_path)
+        except OSError as e:
+            self._write_failed(tmp, e)
+            return
+        self._index_stamp = self._stamp()
+
+    def _drop(self, key: str, path: Path) -> None:
+        with self._locked():
+            self._sync()
+            self._index.remove(key)
+            path.unlink(missing_ok=True)
+            self._save_index()
+
+    def _write_failed(self, tmp: Path, e: OSError) -> None:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        self._num_errors += 1
+        if e.errno not in self._write_errors:
+            self._write_errors.add(e.errno or 0)
+            reason = "disk full" if e.errno == errno.ENOSPC else os.strerror(e.errno) if e.errno else str(e)
+            log.warning("disk store %s: cannot write (%s); entries are not being cached: %s", self.root, reason, e)

@@ -1,0 +1,160 @@
+"""Eviction bookkeeping: which entries a byte-budgeted tier drops first.
+
+Pure Python on keys and sizes, no torch, so it is tested with exact expected orders. A policy is one
+object with one method, `priority(entry)`: the lowest priority is evicted first, ties broken by
+least recent use, then by key (so the order is deterministic).
+
+Out of scope: holding the data itself (the tier does), and locking (the tier holds its lock around
+every call here).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class Entry:
+    key: str
+    num_bytes: int
+    num_tokens: int
+    last_used: float
+    num_hits: int = 0
+
+
+class Policy(Protocol):
+    def priority(self, entry: Entry) -> float: ...
+
+
+class LRUPolicy:
+    """Least recently used goes first."""
+
+    def priority(self, entry: Entry) -> float:
+        return entry.last_used
+
+
+class CostAwarePolicy:
+    """Keep what is expensive to recompute per byte held: (1 + hits) × tokens / bytes.
+
+    Recompute time is about linear in tokens for module-sized prefills, so tokens stand in for
+    seconds. Within one model and codec tokens/bytes is constant and this degrades to
+    least-frequently-used with LRU tie-breaks; across codecs it keeps compact (int8) entries longer.
+    """
+
+    def priority(self, entry: Entry) -> float:
+        return (1 + entry.num_hits) * entry.num_tokens / max(entry.num_bytes, 1)
+
+
+POLICIES: dict[str, type[LRUPolicy] | type[CostAwarePolicy]] = {"lru": LRUPolicy, "cost": CostAwarePolicy}
+
+
+def make_policy(policy: str | Policy) -> Policy:
+    if not isinstance(policy, str):
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; valid policies: {', '.join(POLICIES)}")
+    return POLICIES[policy]()
+
+
+class BudgetIndex:
+    """Entries of one tier with their sizes; says what to evict to stay within `max_bytes`.
+
+    `clock` gives `last_used` stamps; by default a counter, so orders are exact in tests. A tier
+    shared between processes passes `time.time` so stamps from different processes compare.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None = None,
+        policy: str | Policy = "lru",
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.policy = make_policy(policy)
+        counter = itertools.count(1)
+        self._clock = clock or (lambda: float(next(counter)))
+        self.entries: dict[str, Entry] = {}
+        self.num_bytes = 0
+        self.num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def fits(self, num_bytes: int) -> bool:
+        return self.max_bytes is None or num_bytes <= self.max_bytes
+
+    def add(
+        self,
+        key: str,
+        num_bytes: int,
+        num_tokens: int,
+        last_used: float | None = None,
+        num_hits: int = 0,
+    ) -> list[Entry]:
+        """Add (or replace) an entry; return the entries evicted to make room, already removed.
+
+        An entry larger than the whole budget is not kept: it comes back as the only victim.
+        """
+        self.remove(key)
+        entry = Entry(key, num_bytes, num_tokens, self._clock() if last_used is None else last_used, num_hits)
+        if not self.fits(num_bytes):
+            return [entry]
+        victims = self.victims(self.max_bytes - num_bytes) if self.max_bytes is not None else []
+        for victim in victims:
+            self.remove(victim.key)
+        self.entries[key] = entry
+        self.num_bytes += num_bytes
+        self.num_tokens += num_tokens
+        return victims
+
+    def load(self, entry: Entry) -> None:
+        """Insert a known entry (from a saved index) without evicting anything."""
+        self.remove(entry.key)
+        self.entries[entry.key] = entry
+        self.num_bytes += entry.num_bytes
+        self.num_tokens += entry.num_tokens
+
+    def touch(self, key: str) -> bool:
+        """Record a hit. Returns whether the key is known."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return False
+        entry.last_used = self._clock()
+        entry.num_hits += 1
+        return True
+
+    def remove(self, key: str) -> Entry | None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.num_bytes -= entry.num_bytes
+            self.num_tokens -= entry.num_tokens
+        return entry
+
+    def victims(self, max_bytes: int) -> list[Entry]:
+        """The entries to drop, in eviction order, so that at most `max_bytes` remain (not removed)."""
+        excess = self.num_bytes - max_bytes
+        if excess <= 0:
+            return []
+        order = sorted(self.entries.values(), key=lambda e: (self.policy.priority(e), e.last_used, e.key))
+        out = []
+        for entry in order:
+            if excess <= 0:
+                break
+            out.append(entry)
+            excess -= entry.num_bytes
+        return out
+
+    def evict_to(self, max_bytes: int) -> list[Entry]:
+        """Remove and return the entries to drop so that at most `max_bytes` remain."""
+        victims = self.victims(max_bytes)
+        for victim in victims:
+            self.remove(victim.key)
+        return victims

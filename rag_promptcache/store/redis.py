@@ -1,0 +1,254 @@
+"""The Redis tier: module KV shared between inference workers on many machines.
+
+Keys under `prefix`:
+- `{prefix}:kv:{key}`: b"V" + the entry's bytes (serialize.py), or, for entries over `chunk_bytes`,
+  b"M" + a JSON manifest naming chunk keys `{prefix}:chunk:{key}:{nonce}:{i}`. Chunks are written
+  first under a fresh nonce and the manifest last, so a reader never assembles a half-written
+  value; an overwritten or expired chunk set reads as a miss, and the entry's checksum catches the rest.
+- `{prefix}:index`: a hash key -> "bytes,tokens", for stats. With a TTL it can hold expired keys
+  until a get finds them gone.
+
+Redis being down is a miss, not an error: the first failure is logged once, then Redis is skipped
+for `retry_after_s` (so a dead server costs nothing per request), then tried again; its return is
+logged too. Nothing is retried within a request.
+
+Out of scope: a byte budget (configure Redis' own `maxmemory` and an eviction policy), and
+cleaning chunks orphaned by a writer that died between its chunks and its manifest (use a TTL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+
+from .base import ModuleKV, StoreStats, VerifyReport
+from .codecs import check_codec, decode, encode
+from .serialize import CorruptEntry, WarnOnce, dumps, loads
+
+log = logging.getLogger(__name__)
+INSTALL_HINT = "RedisStore needs the redis client: pip install 'rag-promptcache[redis]'"
+
+
+class RedisStore:
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "rpc",
+        ttl_s: float | None = None,
+        codec: str = "native",
+        chunk_bytes: int = 8 * 2**20,
+        retry_after_s: float = 2.0,
+        timeout_s: float = 1.0,
+    ) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as e:
+            raise ImportError(INSTALL_HINT) from e
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        self.url, self.prefix, self.ttl_s = url, prefix, ttl_s
+        self.codec = check_codec(codec)
+        self.chunk_bytes = chunk_bytes
+        self.retry_after_s = retry_after_s
+        # No client-side retries: a dead server must cost one fast failure, not seconds of backoff.
+        self._client = redis.Redis.from_url(
+            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        )
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._down = False
+        self._num_hits = 0
+        self._num_misses = 0
+        self._num_errors = 0
+        self._warn = WarnOnce(log)
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}:kv:{key}"
+
+    @property
+    def _index_key(self) -> str:
+        return f"{self.prefix}:index"
+
+    @property
+    def available(self) -> bool:
+        """False while backing off after a connection failure."""
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _failed(self, e: Exception) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_after_s
+            first, self._down = not self._down, True
+            self._num_errors += 1
+        if first:
+            log.warning(
+                "redis store %s unreachable (%s): treating it as empty, retrying every %.1fs", self.url, e, self.retry_after_s
+            )
+
+    def _ok(self) -> None:
+        if self._down:
+            with self._lock:
+                back, self._down = self._down, False
+            if back:
+                log.warning("redis store %s is back", self.url)
+
+    def _count(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self._num_hits += 1
+            else:
+                self._num_misses += 1
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def get(self, key: str) -> ModuleKV | None:
+        blob = self._fetch(key) if self.available else None
+        if blob is None:
+            self._count(False)
+            return None
+        try:
+            enc = loads(blob, key)
+        except CorruptEntry as e:
+            self._warn(key, "redis store %s: ignoring bad entry %s: %s", self.url, key, e)
+            with self._lock:
+                self._num_errors += 1
+            self._count(False)
+            return None
+        self._count(True)
+        return decode(enc)
+
+    def _fetch(self, key: str) -> bytes | None:
+        try:
+            head = self._client.get(self._k(key))
+            if head is None or head[:1] == b"V":
+                self._ok()
+                if head is None and self.ttl_s is not None:
+                    self._client.hdel(self._index_key, key)  # expired or deleted elsewhere
+                return None if head is None else head[1:]
+            chunk_keys = self._chunk_keys(key, head)
+            if chunk_keys is None:
+                return b""  # malformed head: loads() reports it as a bad entry
+            chunks = self._client.mget(chunk_keys)
+        except self._errors as e:
+            self._failed(e)
+            return None
+        self._ok()
+        if any(c is None for c in chunks):
+            return None  # overwritten or expired under us: a miss
+        return b"".join(chunks)
+
+    def _chunk_keys(self, key: str, head: bytes) -> list[str] | None:
+        if head[:1] != b"M":
+            return None
+        try:
+            manifest = json.loads(head[1:])
+            nonce, num_chunks = str(manifest["nonce"]), int(manifest["num_chunks"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        return [f"{self.prefix}:chunk:{key}:{nonce}:{i}" for i in range(num_chunks)]
+
+    def put(self, key: str, kv: ModuleKV) -> None:
+        if not self.available:
+            return
+        data = dumps(key, encode(kv, self.codec))
+        px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+        try:
+            if len(data) <= self.chunk_bytes:
+                old = self._client.set(self._k(key), b"V" + data, px=px, get=True)
+            else:
+                nonce = secrets.token_hex(8)
+                n = -(-len(data) // self.chunk_bytes)
+                pipe = self._client.pipeline(transaction=False)
+                view = memoryview(data)
+                for i in range(n):
+                    # Chunks outlive their manifest a little, so a live manifest never points at expired chunks.
+                    chunk_px = None if px is None else px + 60_000
+                    part = bytes(view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+                    pipe.set(f"{self.prefix}:chunk:{key}:{nonce}:{i}", part, px=chunk_px)
+                pipe.execute()
+                manifest = json.dumps({"nonce": nonce, "num_chunks": n, "num_bytes": len(data)}).encode()
+                old = self._client.set(self._k(key), b"M" + manifest, px=px, get=True)
+            self._client.hset(self._index_key, key, f"{len(data)},{kv.num_tokens}")
+            stale = self._chunk_keys(key, old) if old else None
+            if stale:
+                self._client.delete(*stale)
+        except self._errors as e:
+            self._failed(e)
+            return
+        self._ok()
+
+    def contains(self, key: str) -> bool:
+        if not self.available:
+            return False
+        try:
+            found = bool(self._client.exists(self._k(key)))
+        except self._errors as e:
+            self._failed(e)
+            return False
+        self._ok()
+        return found
+
+    def delete(self, key: str) -> bool:
+        if not self.available:
+            return False
+        try:
+            old = self._client.getdel(self._k(key))
+            self._client.hdel(self._index_key, key)
+            stale = self._chunk_keys(key, old) if old else None
+            if stale:
+                self._client.delete(*stale)
+        except self._errors as e:
+            self._failed(e)
+            return False
+        self._ok()
+        return old is not None
+
+    def stats(self) -> StoreStats:
+        num_entries = num_bytes = num_tokens = 0
+        if self.available:
+            try:
+                rows = self._client.hvals(self._index_key)
+                self._ok()
+            except self._errors as e:
+                self._failed(e)
+                rows = []
+            for row in rows:
+                b, t = row.split(b",")
+                num_entries, num_bytes, num_tokens = num_entries + 1, num_bytes + int(b), num_tokens + int(t)
+        with self._lock:
+            return StoreStats(num_entries, num_bytes, self._num_hits, self._num_misses, num_tokens, self._num_errors)
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- management ----------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        try:
+            return [k.decode() for k in self._client.hkeys(self._index_key)]
+        except self._errors as e:
+            self._failed(e)
+            return []
+
+    def verify(self) -> VerifyReport:
+        """Fetch and check every indexed entry; delete the bad ones."""
+        bad = []
+        keys = self.keys()
+        for key in keys:
+            blob = self._fetch(key)
+            if blob is None:
+                continue
+            try:
+                loads(blob, key)
+            except CorruptEntry:
+                bad.append(key)
+                self.delete(key)
+        return VerifyReport(len(keys), tuple(bad))
