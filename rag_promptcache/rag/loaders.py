@@ -30,7 +30,8 @@ class LoaderWarning(UserWarning):
 class Document:
     """One source. `blocks()` yields its text in pieces whose concatenation is the whole text."""
 
-    source: str
+    source: str  # identity: a resolved path, or an id given in metadata
+    label: str  # what the model sees: a path relative to what was passed, or the file name
     content_hash: str  # of the raw bytes (or text) plus loader options: unchanged hash = nothing to do
     blocks: Callable[[], Iterator[str]] = field(repr=False)
     num_bytes: int = 0
@@ -72,11 +73,16 @@ def load(
             for file in files:
                 if path.is_dir() and any(p.startswith(".") for p in file.relative_to(path).parts):
                     continue  # .git, .DS_Store and friends
-                doc = _load_file(file, field_name, report)
+                label = file.relative_to(path).as_posix() if path.is_dir() else file.name
+                doc = _load_file(file, label, field_name, report)
                 if doc is not None:
                     yield doc
         else:
-            yield _from_object(item)
+            doc = _from_object(item)
+            if doc.num_bytes and "".join(doc.blocks()).strip():
+                yield doc
+            else:
+                _skip(report, doc.source, "empty document")
 
 
 def _skip(report: LoadReport, source: Path | str, reason: str) -> None:
@@ -84,7 +90,7 @@ def _skip(report: LoadReport, source: Path | str, reason: str) -> None:
     warnings.warn(f"skipping {source}: {reason}", LoaderWarning, stacklevel=3)
 
 
-def _load_file(path: Path, field_name: str, report: LoadReport) -> Document | None:
+def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> Document | None:
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         _skip(report, path, f"unsupported type: {suffix or 'no extension'} (supported: {', '.join(SUFFIXES)})")
@@ -116,7 +122,7 @@ def _load_file(path: Path, field_name: str, report: LoadReport) -> Document | No
         except Exception as e:  # noqa: BLE001 - any parse failure means "not a PDF we can read"
             _skip(report, path, f"unreadable PDF: {type(e).__name__}")
             return None
-    return Document(str(path), digest, reader, size, kind)
+    return Document(str(path.resolve()), label, digest, reader, size, kind)
 
 
 def _sniff_text(path: Path) -> str:
@@ -237,4 +243,4 @@ def _from_object(obj: object) -> Document:
         (str(metadata[k]) for k in ("source", "file_path", "file_name", "doc_id") if metadata.get(k)),
         None,
     ) or str(getattr(obj, "id_", None) or getattr(obj, "id", None) or f"doc-{digest[:12]}")
-    return Document(source, digest, lambda: iter([text]), len(text.encode()), "object")
+    return Document(source, source, digest, lambda: iter([text]), len(text.encode()), "object")

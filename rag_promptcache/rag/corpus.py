@@ -1,0 +1,508 @@
+"""A corpus: documents → chunks → prompt modules (KV in a store) + vectors (FAISS), and `ask`.
+
+Directory layout: `manifest.json` (model, fingerprint, embedder, chunking, versions),
+`chunks.sqlite` (documents, chunks with offsets, module texts and vectors: the source of truth),
+`index.faiss` + `index.json` (a saved index and the table generation it reflects; rebuilt from the
+table when they disagree), `store/` (module KV, memory → disk).
+
+The schema is union-free: the instructions, then one module per chunk, all inside the system turn.
+A question imports the retrieved modules in retrieval order and adds the user turn.
+
+Not here: how KV is computed or reused (the engine), nor file formats (`loaders.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rag_promptcache.pml import ast
+from rag_promptcache.pml.parser import escape
+from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
+from rag_promptcache.rag.embed import EmbedderLike, resolve
+from rag_promptcache.rag.index import VectorIndex, faiss_id
+from rag_promptcache.rag.loaders import Document, LoadReport, load
+from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
+from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, ModuleRow
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.store.base import Store
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # = model.loading.DEFAULT_MODEL, without importing torch
+DEFAULT_INSTRUCTIONS = (
+    "You are a helpful assistant. Answer the user's question using only the documents below. "
+    "If they do not contain the answer, say so. Be concise."
+)
+DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to tens of GB
+BATCH_CHUNKS = 16
+_TEXT_KINDS = ("txt", "md", "markdown", "rst", "text", "json", "jsonl", "html", "htm", "object")
+
+OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
+
+
+def _load_engine(model: str, store: Store | None, mode: str) -> PromptCache:
+    from rag_promptcache.engine import PromptCache
+
+    return PromptCache.from_pretrained(model, store=store, mode=mode)
+
+
+def _load_embedder(name: str | None) -> EmbedderLike:
+    from rag_promptcache.rag.embed import Embedder
+
+    return Embedder(name)
+
+
+def _open_store(path: Path, memory_bytes: int) -> Store:
+    from rag_promptcache.store import DiskStore, MemoryStore, TieredStore
+
+    return TieredStore([MemoryStore(max_bytes=memory_bytes), DiskStore(path)])
+
+
+def _package_version() -> str:
+    try:
+        return version("rag-promptcache")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def is_corpus(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / "manifest.json").is_file()
+
+
+class Corpus:
+    def __init__(
+        self,
+        path: Path,
+        manifest: Manifest,
+        *,
+        engine: PromptCache | None = None,
+        embedder: EmbedderLike | None = None,
+        memory_bytes: int = 1 << 30,
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.table = ChunkTable(path / "chunks.sqlite")
+        self.memory_bytes = memory_bytes
+        self._engine = engine
+        self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
+        self._embedder = embedder
+        self._registered = -1  # table generation of the schema the engine holds
+        self.index = self._load_index()
+        self._index_generation = self.table.generation
+
+    # -- opening and creating ----------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        engine: PromptCache | None = None,
+        *,
+        model: str | None = None,
+        embedder: str | EmbedderLike | None = None,
+        memory_bytes: int = 1 << 30,
+    ) -> Corpus:
+        """Open an existing corpus. A model, engine or embedder other than the one it was built
+        with raises `ValueError` naming both."""
+        path = Path(path)
+        if not is_corpus(path):
+            what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
+            raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
+        manifest = Manifest.from_json((path / "manifest.json").read_text(), str(path / "manifest.json"))
+        if model is not None and model != manifest.model:
+            raise ValueError(f"corpus {path} was built with model {manifest.model!r}, not {model!r}")
+        if engine is not None:
+            _check_engine(engine, manifest, path)
+        emb_obj = None
+        if embedder is not None:
+            name = resolve(embedder)[0] if isinstance(embedder, str) else embedder.name
+            if name != manifest.embedder:
+                raise ValueError(f"corpus {path} was built with embedder {manifest.embedder!r}, not {name!r}")
+            emb_obj = None if isinstance(embedder, str) else embedder
+        return cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes)
+
+    @classmethod
+    def build(
+        cls,
+        inputs: Iterable[str | os.PathLike[str] | object],
+        path: str | os.PathLike[str],
+        *,
+        model: str | None = None,
+        embedder: str | EmbedderLike | None = None,
+        engine: PromptCache | None = None,
+        chunk_tokens: int | None = None,
+        overlap: int | None = None,
+        max_tokens: int | None = None,
+        index: str | None = None,
+        instructions: str | None = None,
+        mode: str = "isolated",
+        field: str = "text",
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        on_batch: OnBatch | None = None,
+        progress: bool | None = None,
+    ) -> Corpus:
+        """Create a corpus at `path` from `inputs`, or update the one there (its settings must match)."""
+        path = Path(path)
+        inputs = list(inputs)
+        if is_corpus(path):
+            corpus = cls.open(path, engine, model=model, embedder=embedder)
+            m = corpus.manifest
+            asked = {"chunk_tokens": chunk_tokens, "overlap": overlap, "max_tokens": max_tokens, "index": index}
+            for key, value in asked.items():
+                if value is not None and value != getattr(m, key):
+                    raise ValueError(f"corpus {path} uses {key}={getattr(m, key)!r}, not {value!r}; ingest into a new corpus to change it")
+            corpus.add(inputs, field=field, token_budget=token_budget, on_batch=on_batch, progress=progress)
+            return corpus
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ValueError(f"{path} exists and is not a corpus; pass an empty or new directory to --corpus")
+        params = ChunkParams(chunk_tokens or 256, 32 if overlap is None else overlap, max_tokens)
+        VectorIndex(1, index or "flat")  # validates the kind before anything is loaded
+        docs, report = _collect(inputs, field)
+        _check_budget(docs, token_budget)
+        owns = engine is None
+        engine = engine or _load_engine(model or DEFAULT_MODEL, _open_store(path / "store", 1 << 30), mode)
+        emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
+        now = time.time()
+        manifest = Manifest(
+            name="rag_" + uuid.uuid4().hex[:12], model=model or engine.model_name, fingerprint=engine.fingerprint,
+            mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
+            overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
+            instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=_package_version(), created=now, updated=now,
+        )
+        path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path / "manifest.json", manifest.to_json())
+        corpus = cls(path, manifest, engine=engine, embedder=emb)
+        corpus._owns_engine = owns
+        corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
+        return corpus
+
+    # -- lazily loaded parts -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> PromptCache:
+        if self._engine is None:
+            engine = _load_engine(self.manifest.model, _open_store(self.path / "store", self.memory_bytes), self.manifest.mode)
+            _check_engine(engine, self.manifest, self.path)
+            self._engine, self._owns_engine = engine, True
+        return self._engine
+
+    @property
+    def embedder(self) -> EmbedderLike:
+        if self._embedder is None:
+            self._embedder = _load_embedder(self.manifest.embedder)
+            assert self._embedder.dim == self.manifest.dim, f"{self._embedder.dim=} {self.manifest.dim=}"
+        return self._embedder
+
+    @property
+    def schema(self) -> ast.Schema:
+        return _schema(self.manifest, self.table.modules())
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # -- ingest ------------------------------------------------------------------------------------
+
+    def add(
+        self,
+        inputs: Iterable[str | os.PathLike[str] | object],
+        *,
+        field: str = "text",
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        on_batch: OnBatch | None = None,
+        progress: bool | None = None,
+    ) -> IngestReport:
+        """Ingest new and changed documents; unchanged ones cost a hash. Files gone from an ingested
+        directory are removed. `on_batch` runs after each committed batch."""
+        inputs = list(inputs)
+        docs, report = _collect(inputs, field)
+        return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
+
+    def remove(self, source: str | os.PathLike[str]) -> int:
+        """Forget a document (by source path or id); returns the number of modules dropped."""
+        key = str(source)
+        if self.table.document(key) is None and Path(key).exists():
+            key = str(Path(key).resolve())
+        if self.table.document(key) is None:
+            raise ValueError(f"no document {str(source)!r} in corpus {self.path}")
+        try:
+            dropped = self.table.remove_document(key)
+            self.index.remove(np.array(dropped, dtype=np.int64))
+            self._index_generation = self.table.generation
+        finally:
+            self._save_index()
+        return len(dropped)
+
+    def _ingest(
+        self,
+        docs: list[Document],
+        report: LoadReport,
+        inputs: list[object],
+        *,
+        token_budget: int,
+        on_batch: OnBatch | None,
+        progress: bool | None,
+    ) -> IngestReport:
+        t0 = time.perf_counter()
+        todo = [d for d in docs if not self._unchanged(d)]
+        _check_budget(todo, token_budget)
+        gone = _stale(self.table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
+        stats = {"modules": 0, "tokens": 0, "reused": 0, "encode_s": 0.0}
+        bar = _progress_bar(progress)
+        try:
+            for source in gone:
+                self.index.remove(np.array(self.table.remove_document(source), dtype=np.int64))
+                self._index_generation = self.table.generation
+            chunker = Chunker(self.engine.tokenizer, ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens))
+            batch: list[tuple[str, int, Chunk]] = []
+            finished: list[str] = []
+            for doc in todo:
+                dropped = self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes))
+                self.index.remove(np.array(dropped, dtype=np.int64))
+                self._index_generation = self.table.generation
+                done = self.table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
+                for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
+                    if chunk.module_id not in done:
+                        batch.append((doc.source, seq, chunk))
+                    if len(batch) >= BATCH_CHUNKS:
+                        self._flush(batch, finished, stats, bar, on_batch)
+                        batch, finished = [], []
+                finished.append(doc.source)
+            self._flush(batch, finished, stats, bar, on_batch)
+        finally:
+            bar.close()
+            self._save_index()
+        seconds = time.perf_counter() - t0
+        return IngestReport(
+            num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
+            num_modules=stats["modules"], num_tokens=stats["tokens"], num_reused=stats["reused"], seconds=seconds,
+            encode_seconds=stats["encode_s"], skipped=tuple(report.skipped),
+        )
+
+    def _unchanged(self, doc: Document) -> bool:
+        row = self.table.document(doc.source)
+        return row is not None and row.complete and row.content_hash == doc.content_hash
+
+    def _flush(self, batch: list[tuple[str, int, Chunk]], finished: list[str], stats: dict, bar, on_batch: OnBatch | None) -> None:
+        """Embed and encode one batch, then commit its rows and vectors together."""
+        if not batch and not finished:
+            return
+        new = {c.module_id: c for _, _, c in batch if not self.table.has_module(c.module_id)}
+        vectors = self.embedder.embed([c.module_text for c in new.values()]) if new else np.zeros((0, self.manifest.dim), np.float32)
+        if new:
+            t = time.perf_counter()
+            engine = self.engine
+            # Only this batch's modules: a module's KV key depends on the text before it in the
+            # schema (the instructions), not on its siblings, so this matches the full schema.
+            engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"))
+            engine.encode(self.manifest.name + ".ingest", list(new))
+            stats["encode_s"] += time.perf_counter() - t
+        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v) for (m, c), v in zip(new.items(), vectors)]
+        chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]
+        self.table.commit_batch(modules, chunks, finished)
+        self.index.add(np.array([m.faiss_id for m in modules], dtype=np.int64), vectors)
+        self._index_generation = self.table.generation
+        stats["modules"] += len(modules)
+        stats["tokens"] += sum(m.num_tokens for m in modules)
+        stats["reused"] += len(batch) - len(modules)
+        bar.update(len(modules))
+        bar.set_postfix(tok_s=f"{stats['tokens'] / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+        if on_batch is not None:
+            on_batch(stats["modules"], stats["tokens"])
+
+    # -- the index -----------------------------------------------------------------------------------
+
+    def _load_index(self) -> VectorIndex:
+        file, meta = self.path / "index.faiss", self.path / "index.json"
+        if file.exists() and meta.exists():
+            saved = json.loads(meta.read_text())
+            if saved.get("generation") == self.table.generation and saved.get("kind") == self.manifest.index:
+                return VectorIndex.load(file, self.manifest.dim, self.manifest.index)
+        # Missing or behind the table (an ingest stopped between commit and save): rebuild.
+        index = VectorIndex(self.manifest.dim, self.manifest.index)
+        index.add(*self.table.vectors(self.manifest.dim))
+        return index
+
+    def _save_index(self) -> None:
+        self.index.save(self.path / "index.faiss")
+        meta = {"generation": self._index_generation, "kind": self.index.kind, "num_vectors": len(self.index)}
+        _write_atomic(self.path / "index.json", json.dumps(meta) + "\n")
+        self.manifest = dataclasses.replace(self.manifest, updated=time.time())
+        _write_atomic(self.path / "manifest.json", self.manifest.to_json())
+
+    # -- retrieval and answers -------------------------------------------------------------------------
+
+    def search(self, question: str, k: int = 4) -> list[tuple[str, float]]:
+        """The k modules nearest to the question: (module id, cosine score), best first. No text."""
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        if not len(self.index):
+            raise ValueError(f"corpus {self.path} is empty; add documents with: rag-promptcache ingest PATH --corpus {self.path}")
+        if not question.strip():
+            raise ValueError("the question is empty")
+        hits = self.index.search(self.embedder.embed([question]), k)[0]
+        names = self.table.module_ids_for([i for i, _ in hits])
+        return [(names[i], s) for i, s in hits if i in names]
+
+    def text(self, module_id: str) -> str:
+        """The chunk's text (without the source label the module carries)."""
+        found = self.table.module(module_id)
+        if found is None:
+            raise ValueError(f"no module {module_id!r} in corpus {self.path}")
+        text = found[0]
+        return text.split("\n", 1)[1].strip() if text.startswith("[") and "\n" in text else text.strip()
+
+    def source(self, module_id: str) -> str:
+        """The document a module came from (the first, when identical chunks came from several)."""
+        rows = self.table.sources(module_id)
+        if not rows:
+            raise ValueError(f"no module {module_id!r} in corpus {self.path}")
+        return rows[0][0]
+
+    def prompt(self, question: str, module_ids: Sequence[str], history: Sequence[tuple[str, str]] = ()) -> str:
+        """The PML prompt: retrieved modules in order, earlier turns, then the question."""
+        turns = "".join(f"<user>{escape(u)}</user><assistant>{escape(a)}</assistant>" for u, a in history)
+        imports = "".join(f"<{m}/>" for m in module_ids)
+        return f'<prompt schema="{self.manifest.name}">{imports}{turns}<user>{escape(question)}</user></prompt>'
+
+    def ask(
+        self,
+        question: str,
+        k: int = 4,
+        *,
+        history: Sequence[tuple[str, str]] = (),
+        stream: bool = False,
+        max_new_tokens: int = 256,
+        **sampling: object,
+    ) -> Answer | AnswerStream:
+        """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
+        `AnswerStream` (iterate for text; `.answer` when done)."""
+        hits = self._fit(self.search(question, k), question, history, max_new_tokens)
+        sources = [self._label(m) for m, _ in hits]
+        prompt = self.prompt(question, [m for m, _ in hits], history)
+        engine = self.engine
+        if self._registered != self.table.generation:
+            engine.add_schema(self.schema)
+            self._registered = self.table.generation
+        out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling), hits, sources, prompt)
+        return out if stream else out.consume()
+
+    def ask_stream(self, question: str, k: int = 4, **kwargs: object) -> AnswerStream:
+        out = self.ask(question, k, stream=True, **kwargs)
+        assert isinstance(out, AnswerStream)
+        return out
+
+    def _label(self, module_id: str) -> str:
+        doc = self.table.document(self.source(module_id))
+        return doc.label if doc else self.source(module_id)
+
+    def _fit(self, hits: list[tuple[str, float]], question: str, history: Sequence[tuple[str, str]], max_new: int) -> list[tuple[str, float]]:
+        """Drop the lowest-scoring modules until the prompt and the answer fit the context window."""
+        window = getattr(self.engine, "context_window", 0) or 1 << 30
+        count = lambda t: len(self.engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
+        fixed = count(self.manifest.instructions) + count(question) + sum(count(u) + count(a) for u, a in history) + 32
+        sizes = [self.table.module(m)[1] for m, _ in hits]
+        while hits and fixed + sum(sizes) + max_new > window:
+            hits, sizes = hits[:-1], sizes[:-1]
+        if fixed + max_new > window:
+            raise ValueError(f"the question and history ({fixed} tokens) plus {max_new} new tokens exceed the model's {window}-token window")
+        return hits
+
+    # -- facts -------------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, object]:
+        store = self.path / "store"
+        store_bytes = sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) if store.exists() else 0
+        m = self.manifest
+        return {
+            "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index), "store_bytes": store_bytes,
+            "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "embedder": m.embedder, "dim": m.dim,
+            "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
+            "package_version": m.package_version, "created": m.created, "updated": m.updated,
+        }
+
+    def close(self) -> None:
+        self.table.close()
+        if self._owns_engine and self._engine is not None:
+            self._engine.store.close()
+
+
+def _check_engine(engine: PromptCache, manifest: Manifest, path: Path) -> None:
+    if engine.fingerprint != manifest.fingerprint:
+        raise ValueError(
+            f"corpus {path} was built with model {manifest.model!r} (fingerprint {manifest.fingerprint[:16]}), "
+            f"not {engine.model_name!r} (fingerprint {engine.fingerprint[:16]})"
+        )
+
+
+def _schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str = "") -> ast.Schema:
+    """The union-free corpus schema: instructions, then every module, inside the system turn."""
+    mods = {m: ast.Module(m, (ast.Text(text),)) for m, text in modules}
+    system = ast.Role("system", (ast.Text(manifest.instructions + "\n\n"), *mods.values()))
+    return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={})
+
+
+def _collect(inputs: list[object], field: str) -> tuple[list[Document], LoadReport]:
+    if not inputs:
+        raise ValueError("nothing to ingest: no paths or documents given")
+    report = LoadReport()
+    for item in inputs:
+        if isinstance(item, (str, os.PathLike)) and Path(item).is_dir() and not any(Path(item).iterdir()):
+            raise ValueError(f"{item} is an empty directory")
+    docs = list(load(inputs, field_name=field, report=report))
+    if not docs:
+        raise ValueError(f"nothing to ingest: {report.summary() or 'no supported files found'}")
+    return docs, report
+
+
+def _check_budget(docs: list[Document], budget: int) -> None:
+    """Refuse, before anything is computed, an ingest whose KV would be absurd (a 50 MB log, say)."""
+    estimate = {d.source: d.num_bytes // 4 for d in docs if d.kind in _TEXT_KINDS}
+    if (total := sum(estimate.values())) > budget:
+        biggest = max(estimate, key=estimate.__getitem__)
+        raise ValueError(
+            f"about {total:,} tokens of new text (largest: {biggest}, {estimate[biggest] * 4 / 1e6:.1f} MB) "
+            f"exceeds the ingest budget of {budget:,} tokens, each of which becomes stored KV; "
+            "raise it with --max-ingest-tokens or ingest less"
+        )
+
+
+def _stale(rows: list[DocumentRow], inputs: list[object], seen: set[str], skipped: set[str]) -> list[str]:
+    """Documents under an ingested directory whose files are gone."""
+    roots = [str(Path(i).resolve()) + os.sep for i in inputs if isinstance(i, (str, os.PathLike)) and Path(i).is_dir()]
+    return [r.source for r in rows if any(r.source.startswith(p) for p in roots)
+            and r.source not in seen and r.source not in skipped and not Path(r.source).exists()]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+class _NoBar:
+    format_dict = {"elapsed": 0.0}
+
+    def update(self, n: int) -> None: ...
+    def set_postfix(self, **kw: object) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress_bar(progress: bool | None):
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(unit=" modules", desc="ingest", dynamic_ncols=True)

@@ -1,0 +1,156 @@
+"""What the RAG layer hands out: the corpus `Manifest`, an `IngestReport`, an `Answer` and its stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine import Result, Stream
+
+MANIFEST_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """`manifest.json`: everything that must match for a corpus's modules and vectors to be valid."""
+
+    name: str  # the schema's name in the engine
+    model: str
+    fingerprint: str
+    mode: str
+    embedder: str
+    dim: int
+    chunk_tokens: int
+    overlap: int
+    max_tokens: int
+    index: str
+    instructions: str
+    package_version: str
+    created: float
+    updated: float
+    format: int = MANIFEST_FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Manifest:
+        data = json.loads(text)
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ValueError(
+                f"{where}: corpus format {data.get('format')!r}, this version reads format {MANIFEST_FORMAT}; "
+                "re-ingest the documents into a new corpus"
+            )
+        known = {f.name for f in fields(cls)}
+        if unknown := set(data) - known:
+            raise ValueError(f"{where}: unknown manifest keys {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestReport:
+    num_documents: int  # seen in the input
+    num_unchanged: int
+    num_ingested: int  # new or changed documents processed
+    num_removed: int  # documents gone from an ingested directory
+    num_modules: int  # new modules (embedded and encoded)
+    num_tokens: int  # tokens of the new modules
+    num_reused: int  # chunks whose module already existed (identical text)
+    seconds: float
+    encode_seconds: float
+    skipped: tuple[tuple[str, str], ...]  # (file, why)
+
+    @property
+    def modules_per_s(self) -> float:
+        return self.num_modules / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        parts = [
+            f"{self.num_documents} document(s): {self.num_ingested} ingested, {self.num_unchanged} unchanged"
+            + (f", {self.num_removed} removed" if self.num_removed else ""),
+            f"{self.num_modules} new module(s), {self.num_tokens} tokens in {self.seconds:.1f}s"
+            + (f" ({self.modules_per_s:.1f} modules/s, {self.tokens_per_s:.0f} tokens/s)" if self.num_modules else ""),
+        ]
+        if self.skipped:
+            parts.append(f"skipped {len(self.skipped)} file(s)")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    answer: str
+    module_ids: tuple[str, ...]  # retrieved and imported, best first
+    sources: tuple[str, ...]  # the source label of each module
+    scores: tuple[float, ...]
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    hit_modules: tuple[str, ...]
+    missed_modules: tuple[str, ...]
+    finish_reason: str
+    prompt: str  # the PML prompt, for replaying (e.g. `engine.full_prefill_ttft(answer.prompt)`)
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        for k, v in out.items():
+            if isinstance(v, tuple):
+                out[k] = list(v)
+        return out
+
+    @classmethod
+    def from_result(cls, result: Result, hits: list[tuple[str, float]], sources: list[str], prompt: str) -> Answer:
+        return cls(
+            answer=result.text.strip(),
+            module_ids=tuple(m for m, _ in hits),
+            sources=tuple(sources),
+            scores=tuple(round(s, 4) for _, s in hits),
+            ttft_s=result.ttft_s,
+            total_s=result.total_s,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            computed_tokens=result.computed_tokens,
+            hit_modules=tuple(result.hit_modules),
+            missed_modules=tuple(result.missed_modules),
+            finish_reason=result.finish_reason,
+            prompt=prompt,
+        )
+
+
+class AnswerStream(Iterator[str]):
+    """Iterate for text pieces as they are generated; `.answer` is set once the stream is exhausted."""
+
+    def __init__(self, stream: Stream, hits: list[tuple[str, float]], sources: list[str], prompt: str) -> None:
+        self._stream = stream
+        self.hits = hits
+        self.sources = sources
+        self.prompt = prompt
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> AnswerStream:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._stream)
+        except StopIteration:
+            if self.answer is None and self._stream.result is not None:
+                self.answer = Answer.from_result(self._stream.result, self.hits, self.sources, self.prompt)
+            raise
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def consume(self) -> Answer:
+        for _ in self:
+            pass
+        assert self.answer is not None, "stream ended without a result"
+        return self.answer

@@ -1,0 +1,190 @@
+"""The corpus's chunk table: documents, chunks and modules (text, token count, vector) in SQLite.
+
+It is the source of truth for what a corpus holds. Every ingest batch is one transaction, so an
+interrupted ingest leaves whole batches or nothing, and a `generation` counter lets the corpus tell
+whether the saved FAISS index reflects the table. Pure bookkeeping: no tokenizers, no tensors.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS documents(
+    source TEXT PRIMARY KEY, label TEXT NOT NULL, content_hash TEXT NOT NULL,
+    complete INTEGER NOT NULL, num_bytes INTEGER NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS modules(
+    module_id TEXT PRIMARY KEY, faiss_id INTEGER UNIQUE NOT NULL, text TEXT NOT NULL,
+    num_tokens INTEGER NOT NULL, vector BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks(
+    source TEXT NOT NULL, module_id TEXT NOT NULL, seq INTEGER NOT NULL,
+    start INTEGER NOT NULL, end INTEGER NOT NULL, PRIMARY KEY(source, module_id));
+CREATE INDEX IF NOT EXISTS chunks_by_module ON chunks(module_id);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleRow:
+    module_id: str
+    faiss_id: int
+    text: str
+    num_tokens: int
+    vector: np.ndarray  # [dim] float32
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRow:
+    source: str
+    module_id: str
+    seq: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentRow:
+    source: str
+    label: str
+    content_hash: str
+    complete: bool
+    num_bytes: int
+
+
+class ChunkTable:
+    def __init__(self, path: Path) -> None:
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def _bump(self, db: sqlite3.Connection) -> None:
+        db.execute(
+            "INSERT INTO meta VALUES('generation', '1') "
+            "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1"
+        )
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
+        return int(row[0]) if row else 0
+
+    def document(self, source: str) -> DocumentRow | None:
+        row = self.db.execute(
+            "SELECT source, label, content_hash, complete, num_bytes FROM documents WHERE source = ?", (source,)
+        ).fetchone()
+        return DocumentRow(row[0], row[1], row[2], bool(row[3]), row[4]) if row else None
+
+    def documents(self) -> list[DocumentRow]:
+        rows = self.db.execute("SELECT source, label, content_hash, complete, num_bytes FROM documents ORDER BY source")
+        return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]) for r in rows]
+
+    def chunk_ids(self, source: str) -> set[str]:
+        return {r[0] for r in self.db.execute("SELECT module_id FROM chunks WHERE source = ?", (source,))}
+
+    def has_module(self, module_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM modules WHERE module_id = ?", (module_id,)).fetchone() is not None
+
+    def module_ids_for(self, faiss_ids: Sequence[int]) -> dict[int, str]:
+        marks = ",".join("?" * len(faiss_ids))
+        rows = self.db.execute(f"SELECT faiss_id, module_id FROM modules WHERE faiss_id IN ({marks})", list(faiss_ids))
+        return dict(rows.fetchall())
+
+    def module(self, module_id: str) -> tuple[str, int] | None:
+        """(module text, token count)."""
+        row = self.db.execute("SELECT text, num_tokens FROM modules WHERE module_id = ?", (module_id,)).fetchone()
+        return (row[0], row[1]) if row else None
+
+    def sources(self, module_id: str) -> list[tuple[str, int, int]]:
+        """(source, start, end) of every chunk that became this module."""
+        rows = self.db.execute("SELECT source, start, end FROM chunks WHERE module_id = ? ORDER BY source", (module_id,))
+        return [tuple(r) for r in rows]
+
+    def modules(self) -> Iterator[tuple[str, str]]:
+        """(module id, text) in ingest order."""
+        yield from self.db.execute("SELECT module_id, text FROM modules ORDER BY rowid")
+
+    def vectors(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """(faiss ids [n] int64, vectors [n, dim] float32) of every module."""
+        rows = self.db.execute("SELECT faiss_id, vector FROM modules ORDER BY rowid").fetchall()
+        ids = np.array([r[0] for r in rows], dtype=np.int64)
+        vectors = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float32).reshape(len(rows), dim)
+        return ids, vectors
+
+    def counts(self) -> dict[str, int]:
+        one = lambda sql: self.db.execute(sql).fetchone()[0] or 0  # noqa: E731
+        return {
+            "num_documents": one("SELECT COUNT(*) FROM documents"),
+            "num_incomplete": one("SELECT COUNT(*) FROM documents WHERE complete = 0"),
+            "num_modules": one("SELECT COUNT(*) FROM modules"),
+            "num_tokens": one("SELECT SUM(num_tokens) FROM modules"),
+            "num_chunks": one("SELECT COUNT(*) FROM chunks"),
+        }
+
+    # -- writes (each one transaction) -----------------------------------------------------------
+
+    def begin_document(self, doc: DocumentRow) -> list[int]:
+        """Record that `doc` is being ingested. A changed document loses its old chunks first;
+        returns the faiss ids of modules no longer referenced by any document."""
+        with self._tx() as db:
+            old = self.document(doc.source)
+            dropped = self._drop_chunks(db, doc.source) if old is not None and old.content_hash != doc.content_hash else []
+            db.execute(
+                "INSERT INTO documents VALUES(?, ?, ?, 0, ?, ?) ON CONFLICT(source) DO UPDATE SET "
+                "label = excluded.label, content_hash = excluded.content_hash, complete = 0, "
+                "num_bytes = excluded.num_bytes, updated = excluded.updated",
+                (doc.source, doc.label, doc.content_hash, doc.num_bytes, time.time()),
+            )
+            self._bump(db)
+        return dropped
+
+    def commit_batch(self, modules: Iterable[ModuleRow], chunks: Iterable[ChunkRow], completed: Iterable[str]) -> None:
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO modules VALUES(?, ?, ?, ?, ?)",
+                [(m.module_id, m.faiss_id, m.text, m.num_tokens, np.asarray(m.vector, np.float32).tobytes()) for m in modules],
+            )
+            db.executemany(
+                "INSERT OR IGNORE INTO chunks VALUES(?, ?, ?, ?, ?)",
+                [(c.source, c.module_id, c.seq, c.start, c.end) for c in chunks],
+            )
+            db.executemany("UPDATE documents SET complete = 1 WHERE source = ?", [(s,) for s in completed])
+            self._bump(db)
+
+    def remove_document(self, source: str) -> list[int]:
+        """Forget a document; returns the faiss ids of modules no longer referenced."""
+        with self._tx() as db:
+            dropped = self._drop_chunks(db, source)
+            db.execute("DELETE FROM documents WHERE source = ?", (source,))
+            self._bump(db)
+        return dropped
+
+    def _drop_chunks(self, db: sqlite3.Connection, source: str) -> list[int]:
+        db.execute("DELETE FROM chunks WHERE source = ?", (source,))
+        orphans = db.execute(
+            "SELECT module_id, faiss_id FROM modules WHERE module_id NOT IN (SELECT module_id FROM chunks)"
+        ).fetchall()
+        db.executemany("DELETE FROM modules WHERE module_id = ?", [(m,) for m, _ in orphans])
+        return [f for _, f in orphans]
