@@ -99,7 +99,10 @@ class DiskStore:
         with self._lock:
             self._num_hits += 1
             self._touched[key] = time.time()
-        return decode(enc)
+        kv = decode(enc)
+        if enc.codec == "native":  # detach from the file mapping (see serialize.load_file)
+            kv = ModuleKV(kv.keys.clone(), kv.values.clone(), kv.start, kv.token_ids, kv.fingerprint, kv.mode)
+        return kv
 
     def put(self, key: str, kv: ModuleKV) -> None:
         path = self.path_for(key)

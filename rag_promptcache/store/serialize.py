@@ -16,6 +16,8 @@ import base64
 import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 
 import numpy as np
@@ -141,24 +143,59 @@ def loads(data: bytes, key: str) -> EncodedKV:
         raise CorruptEntry(f"unreadable entry: {e}") from e
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+
+
+def _parse_mapped(buf: mmap.mmap) -> tuple[dict[str, str] | None, dict[str, torch.Tensor]]:
+    """Tensors viewing one mapping of one open file: a consistent snapshot even if the path is
+    replaced meanwhile (safetensors' own loader may reopen the path, mixing two versions)."""
+    size = len(buf)
+    if size < 8:
+        raise CorruptEntry(f"truncated: {size} bytes")
+    n = int.from_bytes(buf[:8], "little")
+    if 8 + n > size:
+        raise CorruptEntry(f"truncated: {size} bytes, header alone needs {8 + n}")
+    header = json.loads(buf[8 : 8 + n])
+    meta = header.pop("__metadata__", None)
+    base, end = 8 + n, 8 + n
+    tensors = {}
+    for name, info in header.items():
+        dtype = _ST_DTYPES[info["dtype"]]
+        shape = [int(d) for d in info["shape"]]
+        lo, hi = (int(x) for x in info["data_offsets"])
+        numel = math.prod(shape)
+        if not (0 <= lo <= hi and base + hi <= size and hi - lo == numel * dtype.itemsize):
+            raise CorruptEntry(f"tensor {name} out of bounds ({lo}, {hi}) in a {size}-byte file")
+        end = max(end, base + hi)
+        if numel == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        elif (base + lo) % dtype.itemsize:
+            tensors[name] = torch.frombuffer(bytearray(buf[base + lo : base + hi]), dtype=dtype).view(shape)
+        else:
+            tensors[name] = torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + lo).view(shape)
+    if end != size:
+        raise CorruptEntry(f"{size}-byte file, tensors end at {end}")
+    return meta, tensors
+
+
 def load_file(path: str | os.PathLike[str], key: str) -> EncodedKV:
-    """Memory-mapped load of a file written from `dumps`; FileNotFoundError if absent, else `CorruptEntry`."""
+    """Memory-mapped load and check; FileNotFoundError if absent, `CorruptEntry` if not trustworthy.
+
+    The tensors are views of a private mapping: a "native" entry's tensors must be copied before
+    they outlive the call if the file could be truncated in place (ours never are; replace is atomic).
+    """
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError as e:  # an empty file cannot be mapped
+            raise CorruptEntry(f"unreadable entry: {e}") from e
     try:
-        with safe_open(os.fspath(path), framework="pt") as f:
-            meta = f.metadata()
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except FileNotFoundError:
-        raise
-    except _LOAD_ERRORS as e:
-        if isinstance(e, OSError) and not os.path.exists(path):
-            raise FileNotFoundError(path) from e
-        raise CorruptEntry(f"unreadable entry: {e}") from e
-    try:
+        meta, tensors = _parse_mapped(buf)
         return _check(key, meta, tensors)
     except CorruptEntry:
         raise
-    except _LOAD_ERRORS as e:
-        raise CorruptEntry(f"malformed header: {e}") from e
+    except (*_LOAD_ERRORS, AttributeError) as e:
+        raise CorruptEntry(f"malformed entry: {e}") from e
 
 
 def read_header(path: str | os.PathLike[str]) -> dict[str, str]:
