@@ -39,7 +39,8 @@ ARCHS = {
                                 rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     "phi_partial": lambda: cfg("phi", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     "gemma": lambda: gqa("gemma", head_dim=16),
-    "gemma2": lambda: gqa("gemma2", head_dim=16, sliding_window=4096, layer_types=["sliding_attention", "full_attention"]),
+    "gemma2": lambda: gqa("gemma2", head_dim=16, sliding_window=4096,
+                          layer_types=["sliding_attention", "full_attention"]),
     "gemma3_text": lambda: gqa("gemma3_text", head_dim=16, sliding_window=4096,
                                layer_types=["sliding_attention", "full_attention"]),
     "gpt_neox_pct25": lambda: cfg("gpt_neox", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
@@ -156,7 +157,10 @@ def test_unknown_model_type_is_refused():
 def test_length_dependent_rope_reports_exact_bound():
     assert relocator_for(build("llama_dynamic")).exact_below == 2047
     assert relocator_for(build("llama_longrope")).exact_below == 1024
-    assert relocator_for(build("llama_yarn")).exact_below is None
+    yarn = build("llama_yarn")
+    assert relocator_for(yarn).exact_below is None
+    # yarn scales cos/sin in the model; the contract test passing means rotate does not scale again
+    assert yarn.model.rotary_emb.attention_scaling > 1.1
 
 
 def test_rotate_preserves_bf16_and_input():

@@ -22,7 +22,8 @@ would have written at `p + d`. Values never carry position.
 
 Exactness (checked against the model in tests/test_positions.py, fp32, error <= 1e-4):
 - default, linear, yarn, llama3 RoPE, GPT-J/CodeGen, Cohere: exact for any delta, up to fp32
-  rounding of the model's own angles (p * inv_freq).
+  rounding of angles: the model rounds p * inv_freq, we round delta * inv_freq, so the error grows
+  with position like the model's own angle rounding does (a few 1e-5 on unit-size keys at p~500).
 - dynamic NTK and longrope change inv_freq with the sequence length of the forward call. We
   rotate with the original (short) inv_freq, which is what the model uses while every position
   stays below `exact_below` (max_position_embeddings - 1 for dynamic, the rope parameters'
@@ -76,7 +77,8 @@ def kv_geometry(model: PreTrainedModel) -> KVGeometry:
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     if config.model_type == "falcon":  # the new decoder architecture caches heads already expanded
-        num_kv_heads = num_heads if config.new_decoder_architecture else 1 if config.multi_query else config.num_kv_heads
+        multi_query_heads = 1 if config.multi_query else config.num_kv_heads
+        num_kv_heads = num_heads if config.new_decoder_architecture else multi_query_heads
     return KVGeometry(num_layers, num_kv_heads, head_dim, tuple(layer_types), getattr(config, "sliding_window", None))
 
 
@@ -85,16 +87,10 @@ def _check(keys: torch.Tensor, deltas: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class RopeGroup:
-    layers: tuple[int, ...]  # layers sharing this base
-    inv_freq: torch.Tensor  # [rotary_dim / 2] float32
-
-
-@dataclass(frozen=True, slots=True, eq=False)
 class RopeRelocator:
-    groups: tuple[RopeGroup, ...]  # layers absent from every group are NoPE: never rotated
-    num_layers: int
-    interleaved: bool = False  # GPT-J rotate_every_two layout instead of rotate_half
+    inv_freq: torch.Tensor  # [num_bases, rotary_dim / 2] float32; an all-zero row is NoPE (identity)
+    layer_base: torch.Tensor  # [num_layers] int64: row of inv_freq each layer uses
+    interleaved: bool = False  # pairs (2i, 2i+1) as GPT-J rotate_every_two; else (i, i + r/2), rotate_half
     exact_below: int | None = None
     kind: str = field(default="rope", init=False)
     relocatable: bool = field(default=True, init=False)
@@ -102,30 +98,42 @@ class RopeRelocator:
     def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         # keys: [L, H, S, D] at positions p; deltas: [S] -> [L, H, S, D] at positions p + deltas
         _check(keys, deltas)
-        assert keys.shape[0] == self.num_layers, f"{keys.shape=} {self.num_layers=}"
+        assert keys.shape[0] == self.layer_base.shape[0], f"{keys.shape=} {self.layer_base.shape=}"
         d = deltas.to(device=keys.device, dtype=torch.float32)
-        if len(self.groups) == 1 and len(self.groups[0].layers) == self.num_layers:
-            out = self._turn(keys.to(torch.float32), d, self.groups[0].inv_freq)
-            return out.to(keys.dtype)
-        out = keys.to(torch.float32, copy=True)
-        for g in self.groups:  # one op per distinct base (Gemma-3: local, global)
-            idx = torch.tensor(g.layers, device=keys.device)
-            out[idx] = self._turn(out[idx], d, g.inv_freq)
+        angle = d[None, :, None] * self.inv_freq.to(keys.device)[:, None, :]  # [bases, S, R/2]
+        cos, sin = angle.cos(), angle.sin()
+        if self.inv_freq.shape[0] > 1:  # Gemma-3 local/global, NoPE layers: pick each layer's row
+            base = self.layer_base.to(keys.device)
+            cos, sin = cos[base], sin[base]  # [L, S, R/2]
+        cos, sin = cos[:, None], sin[:, None]  # [L or 1, 1, S, R/2] broadcasts over heads
+        k = keys.to(torch.float32)
+        r = 2 * self.inv_freq.shape[1]  # partial rotary: dims r.. pass through
+        pairs = (slice(0, r, 2), slice(1, r, 2)) if self.interleaved else (slice(0, r // 2), slice(r // 2, r))
+        x1, x2 = k[..., pairs[0]], k[..., pairs[1]]
+        out = torch.empty_like(k)
+        out[..., r:] = k[..., r:]
+        o1, o2 = out[..., pairs[0]], out[..., pairs[1]]
+        torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+        torch.mul(x2, cos, out=o2).addcmul_(x1, sin)  # x2 cos + x1 sin
         return out.to(keys.dtype)
 
-    def _turn(self, k: torch.Tensor, d: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        # k: [l, H, S, D] float32; d: [S]; inv_freq: [R/2]
-        angle = d[:, None] * inv_freq.to(k.device)  # [S, R/2]
-        cos, sin = angle.cos(), angle.sin()
-        r = 2 * inv_freq.shape[0]
-        rot, rest = k[..., :r], k[..., r:]
-        if self.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-            turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((turned, rest), dim=-1) if rest.shape[-1] else turned
+
+def _rope_table(per_layer: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer inv_freq (None: NoPE) -> (distinct rows [bases, R/2], layer -> row [L])."""
+    sizes = {f.shape[0] for f in per_layer if f is not None}
+    assert len(sizes) == 1, f"{sizes=}"  # one rotary width per model
+    (width,) = sizes
+    device = next(f.device for f in per_layer if f is not None)  # the model's: no copy per rotate call
+    rows: list[torch.Tensor] = []
+    index: list[int] = []
+    for f in per_layer:
+        f = torch.zeros(width, device=device) if f is None else f.detach().to(torch.float32)
+        hit = next((i for i, row in enumerate(rows) if torch.equal(row, f)), None)
+        if hit is None:
+            rows.append(f)
+            hit = len(rows) - 1
+        index.append(hit)
+    return torch.stack(rows), torch.tensor(index, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,29 +174,29 @@ def _rotary_module(model: PreTrainedModel) -> torch.nn.Module:
 def _rope(interleaved: bool = False, nope: Callable[[PretrainedConfig], set[int]] = lambda c: set()):
     def build(model: PreTrainedModel, config: PretrainedConfig) -> RopeRelocator:
         rot = _rotary_module(model)
-        num_layers = config.num_hidden_layers
         per_type = isinstance(rot.rope_type, dict)  # Gemma-3: one base per layer type
-        keyed: dict[str | None, list[int]] = {}
         skip = nope(config)
-        for i in range(num_layers):
-            if i not in skip:
-                keyed.setdefault(config.layer_types[i] if per_type else None, []).append(i)
-        groups, bounds = [], []
-        for layer_type, layers in keyed.items():
+        per_layer: list[torch.Tensor | None] = []
+        bounds: list[int] = []
+        for i in range(config.num_hidden_layers):
+            if i in skip:
+                per_layer.append(None)
+                continue
+            layer_type = config.layer_types[i] if per_type else None
             rope_type = rot.rope_type[layer_type] if per_type else rot.rope_type
             params = config.rope_parameters[layer_type] if per_type else config.rope_parameters
             prefix = f"{layer_type}_" if per_type else ""
             if rope_type in _STATIC_ROPE:
-                inv_freq = getattr(rot, f"{prefix}inv_freq")
+                per_layer.append(getattr(rot, f"{prefix}inv_freq"))
             elif rope_type in _LENGTH_DEPENDENT_ROPE:
-                inv_freq = getattr(rot, f"{prefix}original_inv_freq")  # the short-sequence frequencies
+                per_layer.append(getattr(rot, f"{prefix}original_inv_freq"))  # the short-sequence frequencies
                 longrope = rope_type == "longrope"
                 bounds.append(params["original_max_position_embeddings"] if longrope else rot.original_max_seq_len - 1)
             else:
                 valid = sorted(_STATIC_ROPE | _LENGTH_DEPENDENT_ROPE)
                 raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; supported: {valid}")
-            groups.append(RopeGroup(tuple(layers), inv_freq.detach().to(torch.float32).clone()))
-        return RopeRelocator(tuple(groups), num_layers, interleaved, min(bounds) if bounds else None)
+        inv_freq, layer_base = _rope_table(per_layer)
+        return RopeRelocator(inv_freq, layer_base, interleaved, min(bounds) if bounds else None)
 
     return build
 
@@ -198,8 +206,8 @@ def _gptj(model: PreTrainedModel, config: PretrainedConfig) -> RopeRelocator:
     # (create_sinusoidal_positions); this is the same float32 inv_freq it is built from.
     dim = config.rotary_dim or config.hidden_size // config.num_attention_heads
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
-    layers = tuple(range(config.num_hidden_layers))
-    return RopeRelocator((RopeGroup(layers, inv_freq),), len(layers), True, config.max_position_embeddings)
+    table, layer_base = _rope_table([inv_freq] * config.num_hidden_layers)
+    return RopeRelocator(table, layer_base, True, config.max_position_embeddings)
 
 
 def _non_sliding(config: PretrainedConfig) -> set[int]:
