@@ -117,7 +117,7 @@ class Compiler:
         units: dict[str, Unit],
     ) -> int:
         """Compile one unit and, recursively, its children. Returns its full size in schema positions."""
-        flat = _flatten(children, self.markup, lead)
+        flat = _flatten(children, self.markup, lead, structural=name == ROOT)
         token_ids: list[int] = list(lead_ids)
         segs: list[Seg] = []
         params: dict[str, int] = {}
@@ -164,10 +164,12 @@ class Compiler:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         pieces: list[Piece] = []
         imports = [c for c in prompt.children if isinstance(c, ast.Import)]
-        first_text = _first_own_content(prompt.children)
-        if first_text is not None and any(_after(imp, first_text) for imp in imports):
-            raise PMLError("prompt text must come after the module imports; put fixed text in the schema",
-                           first_text.line, first_text.column)
+        own = [i for i, c in enumerate(prompt.children) if isinstance(c, ast.Role) or
+               (isinstance(c, ast.Text) and c.text.strip())]
+        late = [c for c in prompt.children[own[0]:] if isinstance(c, ast.Import)] if own else []
+        if late:
+            raise PMLError(f"import of {late[0].name!r} follows the prompt's own text; imports come first "
+                           "(put fixed text in the schema)", late[0].line, late[0].column)
         cursor = self._emit(compiled, compiled.units[ROOT], None, imports, layout, 0, pieces)
         if layout == "schema":
             cursor = max(compiled.size, cursor)
@@ -215,7 +217,9 @@ class Compiler:
         return cursor
 
 
-def _flatten(children: tuple[ast.Node, ...], markup: RoleMarkup, lead: str) -> list[str | ast.Param | list[ast.Node]]:
+def _flatten(
+    children: tuple[ast.Node, ...], markup: RoleMarkup, lead: str, structural: bool
+) -> list[str | ast.Param | list[ast.Node]]:
     """Children → merged text strings, params, and runs of sibling modules/unions.
 
     Role tags become template text. Whitespace-only text between modules is formatting and is dropped;
@@ -247,19 +251,8 @@ def _flatten(children: tuple[ast.Node, ...], markup: RoleMarkup, lead: str) -> l
                 else:
                     out.append([node])
 
-    walk(children, structural=False)
+    walk(children, structural)
     return out
-
-
-def _first_own_content(children: tuple[ast.PromptNode, ...]) -> ast.Text | ast.Role | None:
-    for c in children:
-        if isinstance(c, ast.Role) or (isinstance(c, ast.Text) and c.text.strip()):
-            return c
-    return None
-
-
-def _after(a: ast.Import, b: ast.Text | ast.Role) -> bool:
-    return (a.line, a.column) > (b.line, b.column)
 
 
 def _render_prompt_tail(children: tuple[ast.PromptNode, ...], markup: RoleMarkup) -> str:

@@ -137,8 +137,8 @@ class PromptCache:
         for n in names:
             if n not in compiled.units:
                 raise ValueError(f"schema {schema_name!r} has no module {n!r}")
-        todo = [compiled.units[n] for n in names if compiled.units[n].token_ids]
-        todo = [u for u in todo if not self.store.contains(self._key(compiled, u, chat))]
+        wanted = [compiled.units[n] for n in names if compiled.units[n].token_ids]
+        todo = [u for u in wanted if not self.store.contains(self._key(compiled, u, chat))]
         num_tokens = 0
         for b in range(0, len(todo), self.batch_size):
             batch = todo[b : b + self.batch_size]
@@ -148,7 +148,7 @@ class PromptCache:
                 num_tokens += kv.num_tokens
             if progress is not None:
                 progress(len(batch))
-        return EncodeReport(len(todo), num_tokens, len(names) - len(todo), time.perf_counter() - t0)
+        return EncodeReport(len(todo), num_tokens, len(wanted) - len(todo), time.perf_counter() - t0)
 
     # -- generation ------------------------------------------------------------------------------
 

@@ -1,0 +1,79 @@
+"""Tiny random-weight configs (2 layers, hidden 64) for exactness tests across architectures.
+
+Adding an architecture to every contract test is one line in ARCHS.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=2048,
+)
+
+
+def cfg(model_type: str, **overrides):
+    return AutoConfig.for_model(model_type, **{**TINY, **overrides})
+
+
+def gqa(model_type: str, **overrides):
+    return cfg(model_type, num_key_value_heads=2, **overrides)
+
+
+def llama_scaled(**rope):
+    return gqa("llama", rope_parameters={"rope_theta": 10000.0, **rope})
+
+
+HALF = 8  # head_dim 16 -> 8 rotary frequencies
+ARCHS = {
+    "llama": lambda **kw: gqa("llama", **kw),
+    "mistral": lambda **kw: gqa("mistral", sliding_window=4096, **kw),
+    "mixtral": lambda **kw: gqa("mixtral", num_local_experts=2, sliding_window=4096, **kw),
+    "qwen2": lambda **kw: gqa("qwen2", **kw),
+    "qwen3": lambda **kw: gqa("qwen3", head_dim=16, **kw),
+    "phi3_partial": lambda **kw: gqa("phi3", pad_token_id=0,
+                                     rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **kw),
+    "phi_partial": lambda **kw: cfg("phi", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **kw),
+    "gemma": lambda **kw: gqa("gemma", head_dim=16, **kw),
+    "gemma2": lambda **kw: gqa("gemma2", head_dim=16, sliding_window=4096,
+                               layer_types=["sliding_attention", "full_attention"], **kw),
+    "gemma3_text": lambda **kw: gqa("gemma3_text", head_dim=16, sliding_window=4096,
+                                    layer_types=["sliding_attention", "full_attention"], **kw),
+    "gpt_neox_pct25": lambda **kw: cfg("gpt_neox", rope_parameters={"rope_theta": 10000.0,
+                                                                    "partial_rotary_factor": 0.25}, **kw),
+    "stablelm": lambda **kw: gqa("stablelm", **kw),
+    "granite": lambda **kw: gqa("granite", **kw),
+    "olmo2": lambda **kw: gqa("olmo2", **kw),
+    "starcoder2": lambda **kw: gqa("starcoder2", sliding_window=4096, **kw),
+    "smollm3_nope": lambda **kw: gqa("smollm3", pad_token_id=0, no_rope_layers=[1, 0], **kw),
+    "cohere_interleaved": lambda **kw: gqa("cohere", **kw),
+    "cohere2_interleaved_nope": lambda **kw: gqa("cohere2", sliding_window=4096,
+                                                 layer_types=["sliding_attention", "full_attention"], **kw),
+    "gptj_interleaved": lambda **kw: cfg("gptj", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=2048, **kw),
+    "codegen_interleaved": lambda **kw: cfg("codegen", n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                            n_positions=2048, **kw),
+    "falcon_rope": lambda **kw: cfg("falcon", alibi=False, **kw),
+    "falcon_rope_new_decoder": lambda **kw: cfg("falcon", alibi=False, new_decoder_architecture=True,
+                                                num_kv_heads=2, **kw),
+    "llama_linear": lambda **kw: llama_scaled(rope_type="linear", factor=2.0),
+    "llama_dynamic": lambda **kw: llama_scaled(rope_type="dynamic", factor=2.0),
+    "llama_yarn": lambda **kw: llama_scaled(rope_type="yarn", factor=4.0, original_max_position_embeddings=512),
+    "llama_llama3": lambda **kw: llama_scaled(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0, original_max_position_embeddings=256),
+    "llama_longrope": lambda **kw: llama_scaled(rope_type="longrope", original_max_position_embeddings=1024,
+                                                short_factor=[1.0 + i / 10 for i in range(HALF)],
+                                                long_factor=[2.0 + i for i in range(HALF)]),
+    "bloom_alibi": lambda **kw: cfg("bloom", n_embed=64, n_layer=2, n_head=4, **kw),
+    "mpt_alibi": lambda **kw: cfg("mpt", d_model=64, n_layers=2, n_heads=4, **kw),
+    "falcon_alibi": lambda **kw: cfg("falcon", alibi=True, **kw),
+    "gpt2": lambda **kw: cfg("gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=2048, **kw),
+    "opt": lambda **kw: cfg("opt", ffn_dim=128, word_embed_proj_dim=64, **kw),
+}
+
+
+def build(name: str, **overrides):
+    """A tiny fp32 model of architecture `name` in eval mode, same weights every call."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(ARCHS[name](**overrides), dtype=torch.float32).eval()
