@@ -130,13 +130,15 @@ def _resolve_directory(name_or_path: str) -> str:
 
 
 def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        # The config first: an unreachable hub id then fails after one round of retries, not three.
+        config = AutoConfig.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype, attn_implementation="sdpa", device_map=str(device)
+            directory, config=config, dtype=dtype, attn_implementation="sdpa", device_map=str(device)
         )
+        tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as e:
         where = "local directory" if Path(directory).is_dir() else "hub id"
         raise ValueError(
