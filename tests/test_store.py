@@ -385,7 +385,7 @@ def test_two_writers_racing_on_one_key(kind: str, tmp_path: Path, request: pytes
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(WRITER.format(tests=tests, kind=kind, where=where, seed=s, n=150, key=key))],
+            [sys.executable, "-c", textwrap.dedent(WRITER.format(tests=tests, kind=kind, where=where, seed=s, n=40, key=key))],
             env=env,
             stderr=subprocess.PIPE,
         )
