@@ -101,6 +101,8 @@ def test_rotate_matches_model_at_new_position(name):
     keys, values = encode(model, ids, base)
     geo = kv_geometry(model)
     assert keys.shape == (geo.num_layers, geo.num_kv_heads, NUM_TOKENS, geo.head_dim), f"{keys.shape=} {geo=}"
+    cache_kinds = [type(layer).__name__ for layer in DynamicCache(config=model.config).layers]
+    assert [t == "sliding_attention" for t in geo.layer_types] == ["Sliding" in k for k in cache_kinds], f"{geo=}"
 
     for delta in (37, 500, -START):
         deltas = torch.full((NUM_TOKENS,), delta)

@@ -28,8 +28,10 @@ Exactness (checked against the model in tests/test_positions.py, fp32, error <= 
   rotate with the original (short) inv_freq, which is what the model uses while every position
   stays below `exact_below` (max_position_embeddings - 1 for dynamic, the rope parameters'
   original_max_position_embeddings for longrope). Past that bound the relocated keys would be
-  wrong, and so would a cached prefix in general: the engine must recompute there. We refuse by
-  contract (the bound) rather than guess.
+  wrong, and so would a cached prefix in general. `rotate` sees deltas, not absolute positions,
+  so it cannot refuse by itself: callers check `exact_below` and recompute beyond it. (GPT-J and
+  CodeGen set it to their sin/cos table length, past which the model itself cannot go.)
+- Any other rope_type (and any model_type not in `SUPPORTED`) raises UnsupportedModelError.
 
 Out of scope, refused with UnsupportedModelError: anything not in `SUPPORTED`, including MLA
 caches (DeepSeek-V2/3), hybrid linear attention (Qwen3-Next, Jamba), M-RoPE (Qwen2-VL) and
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -65,8 +68,8 @@ class KVGeometry:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" | ... per layer
-    sliding_window: int | None  # sliding layers keep only this many tokens in the cache
+    layer_types: tuple[str, ...]  # per layer, as the model's DynamicCache sees them: "full_attention", ...
+    sliding_window: int | None  # "sliding_attention" layers keep only the last sliding_window - 1 tokens
 
 
 def kv_geometry(model: PreTrainedModel) -> KVGeometry:
@@ -74,7 +77,7 @@ def kv_geometry(model: PreTrainedModel) -> KVGeometry:
     num_layers = config.num_hidden_layers
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    layer_types, _ = get_layer_types_and_kwargs(config)  # exactly what DynamicCache(config=...) builds
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     if config.model_type == "falcon":  # the new decoder architecture caches heads already expanded
         multi_query_heads = 1 if config.multi_query else config.num_kv_heads
