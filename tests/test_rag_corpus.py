@@ -35,6 +35,10 @@ class FakeEngine:
         self.stored: dict[str, str] = {}  # module text -> module id (content-addressed, like the store)
         self.encode_calls: list[str] = []
         self.prompts: list[str] = []
+        self.store = self  # closed by a corpus that loaded this engine
+
+    def close(self) -> None:
+        pass
 
     def add_schema(self, schema: ast.Schema) -> ast.Schema:
         self.schemas[schema.name] = schema
@@ -42,6 +46,7 @@ class FakeEngine:
 
     def encode(self, schema_name: str, module_names=None, progress=None) -> EncodeReport:
         schema = self.schemas[schema_name]
+        module_names = list(schema.modules) if module_names is None else module_names
         todo = [n for n in module_names if schema.modules[n].children[0].text not in self.stored]
         for n in todo:
             self.stored[schema.modules[n].children[0].text] = n

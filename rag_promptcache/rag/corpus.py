@@ -166,7 +166,8 @@ class Corpus:
             return corpus
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ValueError(f"{path} exists and is not a corpus; pass an empty or new directory to --corpus")
-        params = ChunkParams(chunk_tokens or 256, 32 if overlap is None else overlap, max_tokens)
+        chunk_tokens = chunk_tokens or 256
+        params = ChunkParams(chunk_tokens, min(32, chunk_tokens // 8) if overlap is None else overlap, max_tokens)
         VectorIndex(1, index or "flat")  # validates the kind before anything is loaded
         docs, report = _collect(inputs, field)
         _check_budget(docs, token_budget)
@@ -305,7 +306,8 @@ class Corpus:
             # Only this batch's modules: a module's KV key depends on the text before it in the
             # schema (the instructions), not on its siblings, so this matches the full schema.
             engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"))
-            engine.encode(self.manifest.name + ".ingest", list(new))
+            # All units: the batch's modules and the root (instructions), so no question pays for them.
+            engine.encode(self.manifest.name + ".ingest")
             stats["encode_s"] += time.perf_counter() - t
         modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v) for (m, c), v in zip(new.items(), vectors)]
         chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]

@@ -1,0 +1,86 @@
+"""The `rag-promptcache` command: one typer app, its error policy, and where subcommands plug in.
+
+Exit codes: 0 ok, 1 user error (one line on stderr, no traceback), 2 internal error, 130 interrupted.
+Heavy imports (torch, transformers, faiss) happen inside commands so `--help` stays fast.
+
+Other packages add commands by exposing `register(app: typer.Typer) -> None` in a `cli` module
+(`rag_promptcache.bench.cli` for `bench`); `_register_optional` picks them up when present.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
+
+import typer
+
+app = typer.Typer(
+    name="rag-promptcache",
+    help="Answer questions over your documents fast: each chunk's KV cache is computed once and reused.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+F = TypeVar("F", bound=Callable[..., object])
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """User errors → exit 1 with one line; anything else → exit 2 (traceback with RAG_PROMPTCACHE_DEBUG=1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise
+        except KeyboardInterrupt:
+            typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
+            raise typer.Exit(130) from None
+        except USER_ERRORS as e:
+            raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+        except Exception as e:  # noqa: BLE001 - the last line of defence: report, exit 2
+            if os.environ.get("RAG_PROMPTCACHE_DEBUG"):
+                traceback.print_exc()
+            hint = "" if os.environ.get("RAG_PROMPTCACHE_DEBUG") else " (set RAG_PROMPTCACHE_DEBUG=1 for the traceback)"
+            raise fail(f"internal error: {type(e).__name__}: {e}{hint}", code=2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _register_optional(target: typer.Typer) -> None:
+    for module in ("rag_promptcache.bench.cli",):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is not None and module.startswith(e.name):
+                continue  # that package has no CLI (yet)
+            raise
+        mod.register(target)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point. Usage errors exit 1, like every other user error."""
+    from rag_promptcache.cli import commands, demo, store_cmds  # noqa: F401 - registers the commands
+
+    _register_optional(app)
+    try:
+        code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
+    except typer.TyperException as e:  # usage errors (typer vendors click; this is its base class)
+        e.show() if hasattr(e, "show") else typer.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,190 @@
+"""The CLI: exit codes and messages for bad input, and the commands over a fake engine and embedder.
+
+Bad input must exit 1 with one clear line and leave nothing behind (no half-made corpus)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rag_promptcache.cli import main
+from rag_promptcache.cli.store_cmds import parse_size
+from rag_promptcache.rag import Corpus
+from rag_promptcache.rag import corpus as corpus_mod
+from test_rag_corpus import TOPICS, FakeEmbedder, FakeEngine, write_docs
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    engine = FakeEngine()
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode: engine)
+    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    return engine
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:
+    code, _, err = result
+    assert code == 1, result
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") or "Error" in err, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.fixture
+def built(tmp_path: Path, fakes, capsys) -> Path:
+    docs = write_docs(tmp_path / "docs")
+    code, out, err = run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32", "--overlap", "8")
+    assert code == 0, err
+    assert "created corpus" in out
+    return tmp_path / "c"
+
+
+def test_help_is_friendly(capsys) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and all(cmd in out for cmd in ("ingest", "ask", "chat", "info", "demo", "store"))
+
+
+def test_ingest_ask_info_remove(built: Path, tmp_path: Path, capsys) -> None:
+    code, out, err = run(capsys, "ask", "--corpus", built, "which river is in Africa?", "-k", "2", "--json")
+    assert code == 0, err
+    answer = json.loads(out)
+    assert {"answer", "module_ids", "sources", "ttft_s", "cached_tokens", "computed_tokens", "missed_modules"} <= set(answer)
+    assert len(answer["module_ids"]) == 2 and answer["sources"][0] == "rivers.md"
+    code, out, _ = run(capsys, "ask", "--corpus", built, "volcano lava?", "--stream")
+    assert code == 0 and out.startswith("echo: ") and "sources: sub/volcano.txt" in out
+    code, out, _ = run(capsys, "info", "--corpus", built)
+    assert code == 0 and "documents  3" in out and "fake-model" in out
+    code, out, _ = run(capsys, "ingest", tmp_path / "docs", "--corpus", built)
+    assert code == 0 and "3 unchanged" in out
+    code, out, _ = run(capsys, "remove", tmp_path / "docs" / "cats.txt", "--corpus", built)
+    assert code == 0 and "removed" in out
+    assert json.loads(run(capsys, "info", "--corpus", built, "--json")[1])["num_documents"] == 2
+
+
+def test_chat(built: Path, capsys, monkeypatch) -> None:
+    lines = iter(["tell me about cats", "/sources", "/nope", "and rivers?", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, out, _ = run(capsys, "chat", "--corpus", built, "-k", "1")
+    assert code == 0 and out.count("bot> echo: m") == 2 and "cats.txt  (m" in out and "commands:" in out
+
+
+def test_missing_path(tmp_path: Path, capsys) -> None:
+    assert_user_error(run(capsys, "ingest", tmp_path / "nope", "--corpus", tmp_path / "c"), "no such file or directory")
+    assert not (tmp_path / "c").exists()
+
+
+def test_empty_directory(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    assert_user_error(run(capsys, "ingest", tmp_path / "empty", "--corpus", tmp_path / "c"), "empty directory")
+    assert not (tmp_path / "c").exists()
+
+
+def test_empty_file(tmp_path: Path, capsys) -> None:
+    (tmp_path / "e.txt").write_text("")
+    result = run(capsys, "ingest", tmp_path / "e.txt", "--corpus", tmp_path / "c")
+    assert_user_error(result, "nothing to ingest", "empty file")
+    assert "warning: skipping" in result[2]
+    assert not (tmp_path / "c").exists()
+
+
+def test_non_utf8_file(tmp_path: Path, capsys) -> None:
+    (tmp_path / "latin1.txt").write_bytes("café au lait, crème brûlée".encode("latin-1"))
+    assert_user_error(run(capsys, "ingest", tmp_path / "latin1.txt", "--corpus", tmp_path / "c"), "not UTF-8")
+    assert not (tmp_path / "c").exists()
+
+
+def test_non_utf8_file_among_good_ones_is_skipped(tmp_path: Path, fakes, capsys) -> None:
+    docs = write_docs(tmp_path / "docs")
+    (docs / "bad.txt").write_bytes(b"\xff\xfe bad bytes \x80")
+    (docs / "image.png").write_bytes(b"\x89PNG\r\n")
+    code, out, err = run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32")
+    assert code == 0 and err.count("warning: skipping") == 2 and "3 documents" in out
+
+
+def test_50mb_file_is_refused_without_reading_it_into_memory(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda *a: pytest.fail("the model must not load"))
+    line = b"A log line that repeats, with some words in it to look like text.\n"
+    with (tmp_path / "big.txt").open("wb") as f:
+        for _ in range(50 * 2**20 // (len(line) * 1024) + 1):
+            f.write(line * 1024)
+    assert (tmp_path / "big.txt").stat().st_size >= 50 * 2**20
+    assert_user_error(run(capsys, "ingest", tmp_path / "big.txt", "--corpus", tmp_path / "c"), "exceeds the ingest budget", "--max-ingest-tokens")
+    assert not (tmp_path / "c").exists()
+
+
+def test_not_a_corpus(tmp_path: Path, capsys) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("hello")
+    assert_user_error(run(capsys, "ask", "--corpus", tmp_path / "d", "why?"), "is not a corpus")
+    assert_user_error(run(capsys, "info", "--corpus", tmp_path / "nope"), "does not exist")
+    assert_user_error(run(capsys, "ingest", tmp_path / "d" / "x.txt", "--corpus", tmp_path / "d"), "exists and is not a corpus")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["x.txt"]  # nothing written into it
+
+
+def test_question_on_an_empty_corpus(built: Path, tmp_path: Path, capsys) -> None:
+    c = Corpus.open(built, FakeEngine(), embedder=FakeEmbedder())
+    for source in [d.source for d in c.table.documents()]:
+        c.remove(source)
+    c.close()
+    assert_user_error(run(capsys, "ask", "--corpus", built, "anything?"), "is empty")
+
+
+@pytest.mark.parametrize("k", ["0", "-3"])
+def test_bad_k(built: Path, capsys, k: str) -> None:
+    assert_user_error(run(capsys, "ask", "--corpus", built, "cats?", "-k", k), "-k must be at least 1")
+
+
+def test_usage_errors_exit_1(capsys) -> None:
+    code, _, err = run(capsys, "ask")
+    assert code == 1 and "Missing" in err
+    code, _, _ = run(capsys, "ask", "--corpus", "x", "q", "-k", "two")
+    assert code == 1
+
+
+def test_settings_of_an_existing_corpus_cannot_change(built: Path, tmp_path: Path, capsys) -> None:
+    assert_user_error(run(capsys, "ingest", tmp_path / "docs", "--corpus", built, "--chunk-tokens", "64"), "chunk_tokens=32, not 64")
+    assert_user_error(run(capsys, "ingest", tmp_path / "docs", "--corpus", built, "--model", "other"), "'fake-model', not 'other'")
+
+
+def test_interrupted_ingest_exits_130_and_resumes(tmp_path: Path, fakes, capsys, monkeypatch) -> None:
+    docs = write_docs(tmp_path / "docs", {**TOPICS, **{f"x{i}.txt": f"Extra document number {i}. " * 40 for i in range(4)}})
+    monkeypatch.setattr(corpus_mod, "BATCH_CHUNKS", 4)
+    real_flush = Corpus._flush
+    calls = []
+
+    def flaky_flush(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_flush(self, *args)
+
+    monkeypatch.setattr(Corpus, "_flush", flaky_flush)
+    code, _, err = run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32")
+    assert code == 130 and "resume" in err
+    monkeypatch.setattr(Corpus, "_flush", real_flush)
+    code, out, _ = run(capsys, "ingest", docs, "--corpus", tmp_path / "c")
+    assert code == 0 and "updated corpus" in out
+    assert json.loads(run(capsys, "info", "--corpus", tmp_path / "c", "--json")[1])["num_incomplete"] == 0
+
+
+def test_internal_error_exits_2(built: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(Corpus, "ask", lambda *a, **k: 1 / 0)
+    code, _, err = run(capsys, "ask", "--corpus", built, "cats?")
+    assert code == 2 and "internal error: ZeroDivisionError" in err and "Traceback" not in err
+
+
+def test_parse_size() -> None:
+    assert parse_size("1024") == 1024 and parse_size("2MB") == 2_000_000 and parse_size("1GiB") == 2**30
+    with pytest.raises(ValueError, match="bad size"):
+        parse_size("lots")
