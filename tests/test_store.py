@@ -223,3 +223,15 @@ def test_tiered_validates_write_policy(tmp_path: Path) -> None:
         TieredStore([MemoryStore()], write="around")
     with pytest.raises(ValueError, match="on_evict"):
         TieredStore([DiskStore(tmp_path), MemoryStore()], write="back")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec", ["native", "int8"])
+def test_memory_store_on_the_model_device_and_pinned_host(codec: str) -> None:
+    kv = make_kv(1)
+    on_gpu = MemoryStore(codec=codec, device="cuda")
+    on_gpu.put("k", kv)
+    assert on_gpu.get("k").keys.device.type == "cuda"
+    host = MemoryStore(codec=codec)
+    host.put("k", kv)
+    assert host._entries["k"].tensors["k"].is_pinned()

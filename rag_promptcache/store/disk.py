@@ -84,6 +84,7 @@ class DiskStore:
     def get(self, key: str) -> ModuleKV | None:
         path = self.path_for(key)
         try:
+            inode = path.stat().st_ino
             enc = load_file(path, key)
         except FileNotFoundError:
             with self._lock:
@@ -91,7 +92,7 @@ class DiskStore:
             return None
         except CorruptEntry as e:
             self._warn(key, "disk store %s: dropping bad entry %s: %s", self.root, key, e)
-            self._drop(key, path)
+            self._drop(key, path, inode)
             with self._lock:
                 self._num_misses += 1
                 self._num_errors += 1
@@ -275,8 +276,12 @@ class DiskStore:
             return
         self._index_stamp = self._stamp()
 
-    def _drop(self, key: str, path: Path) -> None:
+    def _drop(self, key: str, path: Path, inode: int) -> None:
+        """Remove a bad file, unless a writer has meanwhile replaced it with a new one."""
         with self._locked():
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_ino != inode:
+                    return
             self._sync()
             self._index.remove(key)
             path.unlink(missing_ok=True)

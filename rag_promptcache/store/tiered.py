@@ -6,6 +6,7 @@
   down to the lower tiers when the first tier evicts it (through the first tier's `on_evict` hook,
   which MemoryStore has), on `flush()` and on `close()`. Cheaper puts, but dirty entries are lost
   if the process dies before a flush. Promoted entries are clean (the lower tier already holds them).
+  `flush()` reads dirty entries back through the first tier's `get`, so they count as its hits.
 
 stats() counts hits and misses at this level (a hit in any tier is one hit) and sums entries and
 bytes over the tiers (a promoted entry counts in each tier that holds it); `tier_stats()` gives each
