@@ -218,7 +218,10 @@ class PromptCache:
                 pieces.append(Piece(last.token_ids[:-1], last.position, last.unit, last.offset))
             pieces.append(Piece(last.token_ids[-1:], last.position + len(last.token_ids) - 1))
         recomputed: list[str] = []
-        if not self.relocator.relocatable:
+        end = max(p.position + len(p.token_ids) for p in pieces)
+        bound = self.relocator.exact_below
+        if not self.relocator.relocatable or (bound is not None and end >= bound):
+            # a moved module's keys would be wrong here: compute its tokens in the prefill instead
             for i, p in enumerate(pieces):
                 unit = compiled.units[p.unit] if p.cached else None
                 if unit is not None and p.position != unit.encode_start + p.offset:
