@@ -345,3 +345,15 @@ def test_unescape_errors_point_into_the_string() -> None:
 def test_pml_error_is_a_value_error() -> None:
     assert issubclass(PMLError, ValueError)
     assert isinstance(schema_error("<schema/>"), ValueError)
+
+
+def test_prompt_pml_builds_parseable_escaped_prompts():
+    from rag_promptcache.pml.build import prompt_pml
+
+    schema = parse_schema('<schema name="s&amp;"><module name="a">x <param name="p" len="3"/></module></schema>')
+    text = prompt_pml("s&", [("a", {"p": 'a<"b'})], [("user", "Q <&> ?")])
+    prompt = parse_prompt(text, {"s&": schema})
+    assert prompt.children[0].args == (("p", 'a<"b'),)
+    assert prompt.children[1].children[0].text == "Q <&> ?"
+    with pytest.raises(ValueError, match="valid: system, user, assistant"):
+        prompt_pml("s&", [], [("tool", "x")])
