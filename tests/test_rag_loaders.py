@@ -1,0 +1,136 @@
+"""Loaders: every format from real files, directories, framework objects, skips, and streaming."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from rag_promptcache.rag.loaders import LoaderWarning, LoadReport, load
+
+
+def text_of(doc) -> str:
+    return "".join(doc.blocks())
+
+
+def minimal_pdf(text: str) -> bytes:
+    """A one-page PDF with one line of Helvetica text, byte offsets computed for the xref table."""
+    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def test_each_format(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("Plain text.\r\nSecond line.")
+    (tmp_path / "b.md").write_text("# Title\n\nMarkdown body.")
+    (tmp_path / "c.html").write_text(
+        "<html><head><style>p{}</style><script>var x = 1;</script></head>"
+        "<body><h1>Heading</h1><p>First paragraph.</p><p>Second <b>bold</b> one.</p></body></html>"
+    )
+    (tmp_path / "d.pdf").write_bytes(minimal_pdf("Hello from a PDF page"))
+    (tmp_path / "e.json").write_text(json.dumps([{"body": "json one"}, {"body": "json two"}, {"other": "x"}]))
+    (tmp_path / "f.jsonl").write_text('{"body": "line one"}\n\n{"body": "line two"}\n')
+    docs = {Path(d.source).name: d for d in load([tmp_path], field_name="body")}
+    assert sorted(docs) == ["a.txt", "b.md", "c.html", "d.pdf", "e.json", "f.jsonl"]
+    assert text_of(docs["a.txt"]) == "Plain text.\nSecond line."
+    assert "Markdown body." in text_of(docs["b.md"])
+    html = text_of(docs["c.html"])
+    assert "First paragraph." in html and "bold" in html and "var x" not in html and "p{}" not in html
+    assert "Hello from a PDF page" in text_of(docs["d.pdf"])
+    assert text_of(docs["e.json"]).split("\n\n")[:2] == ["json one", "json two"]
+    assert "line one" in text_of(docs["f.jsonl"]) and "line two" in text_of(docs["f.jsonl"])
+    assert docs["a.txt"].label == "a.txt" and docs["a.txt"].source == str((tmp_path / "a.txt").resolve())
+
+
+def test_directories_are_walked_recursively_and_hidden_files_ignored(tmp_path: Path) -> None:
+    (tmp_path / "x" / "y").mkdir(parents=True)
+    (tmp_path / "x" / "y" / "deep.txt").write_text("deep")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD.txt").write_text("ref")
+    (tmp_path / "top.md").write_text("top")
+    labels = [d.label for d in load([tmp_path])]
+    assert labels == ["top.md", "x/y/deep.txt"]
+
+
+def test_skips_warn_once_each_and_summarise(tmp_path: Path) -> None:
+    (tmp_path / "ok.txt").write_text("fine")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin.txt").write_bytes("naïve".encode("latin-1"))
+    (tmp_path / "bin.txt").write_bytes(b"\x00\x01\x02binary")
+    (tmp_path / "pic.png").write_bytes(b"\x89PNG")
+    (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.4 nonsense")
+    report = LoadReport()
+    with pytest.warns(LoaderWarning) as caught:
+        docs = list(load([tmp_path], report=report))
+    assert [Path(d.source).name for d in docs] == ["ok.txt"]
+    assert len(caught) == len(report.skipped) == 5
+    why = {Path(s).name: w for s, w in report.skipped}
+    assert why["empty.txt"] == "empty file" and why["latin.txt"].startswith("not UTF-8")
+    assert why["bin.txt"] == "binary file" and why["pic.png"].startswith("unsupported type")
+    assert why["broken.pdf"].startswith("unreadable PDF")
+    assert report.summary().startswith("skipped 5 file(s)")
+
+
+def test_missing_path_raises(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        list(load([tmp_path / "missing.txt"]))
+
+
+def test_framework_objects_by_duck_typing() -> None:
+    class LangChainDocument:
+        page_content = "from langchain"
+        metadata = {"source": "lc.txt"}
+
+    class LlamaIndexNode:
+        id_ = "node-1"
+        metadata: dict = {}
+
+        def get_content(self) -> str:
+            return "from llamaindex"
+
+    lc, li = load([LangChainDocument(), LlamaIndexNode()])
+    assert (lc.source, text_of(lc)) == ("lc.txt", "from langchain")
+    assert (li.source, text_of(li)) == ("node-1", "from llamaindex")
+    with pytest.raises(ValueError, match="cannot load a int"):
+        list(load([42]))
+
+
+def test_hash_changes_with_content_only(tmp_path: Path) -> None:
+    f = tmp_path / "a.txt"
+    f.write_text("one")
+    h1 = next(load([f])).content_hash
+    assert next(load([f])).content_hash == h1
+    f.write_text("two")
+    assert next(load([f])).content_hash != h1
+
+
+def test_large_file_streams_in_bounded_memory(tmp_path: Path) -> None:
+    big = tmp_path / "big.txt"
+    line = "Streaming keeps memory bounded no matter how large the file is.\n"
+    with big.open("w") as f:
+        for _ in range(48):
+            f.write(line * (2**20 // len(line)))  # ~48 MB
+    tracemalloc.start()
+    doc = next(load([big]))
+    total = sum(len(block) for block in doc.blocks())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert total > 45 * 2**20
+    assert peak < 12 * 2**20, f"{peak=}"
