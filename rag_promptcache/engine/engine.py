@@ -25,6 +25,7 @@ from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import check_mode, encode_units
+from rag_promptcache.engine.recovery import Recovery, recover
 from rag_promptcache.engine.result import Comparison, EncodeReport, Result, Stream
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
@@ -65,19 +66,22 @@ class PromptCache:
         layout: Layout = "contiguous",
         name: str | None = None,
         batch_size: int = 8,
+        recovery: str | Recovery | None = None,
+        codec: str = "native",
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is None:
             from rag_promptcache.store import MemoryStore
 
-            store = MemoryStore()
+            store = MemoryStore(codec=codec)
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
         self.mode = check_mode(mode)
         self.layout = layout
         self.batch_size = batch_size
+        self.recovery = Recovery.parse(recovery)
         self.model_name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.relocator = relocator_for(model)
@@ -152,14 +156,19 @@ class PromptCache:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def generate(self, prompt: str | ast.Prompt, *, use_cache: bool = True, **sampling) -> Result:
-        """Generate a completion. `use_cache=False` prefills the same token sequence from scratch."""
-        return self.stream(prompt, use_cache=use_cache, **sampling).consume()
+    def generate(
+        self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None, **sampling
+    ) -> Result:
+        """Generate a completion. `use_cache=False` prefills the same token sequence from scratch;
+        `recovery` ("none", "first_k:K", "selective:R") overrides the engine's default for this call."""
+        return self.stream(prompt, use_cache=use_cache, recovery=recovery, **sampling).consume()
 
-    def stream(self, prompt: str | ast.Prompt, *, use_cache: bool = True, **sampling) -> Stream:
+    def stream(
+        self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None, **sampling
+    ) -> Stream:
         s = Sampling(**{k: tuple(v) if k == "stop" else v for k, v in sampling.items()})
         t0 = time.perf_counter()
-        plan = self.plan(prompt, use_cache=use_cache)  # raises here, before the first next()
+        plan = self.plan(prompt, use_cache=use_cache, recovery=recovery)  # raises here, before the first next()
         return Stream(self._run(plan, s, t0))
 
     async def agenerate(self, prompt: str | ast.Prompt, **kwargs) -> Result:
@@ -175,9 +184,9 @@ class PromptCache:
                 return
             yield piece
 
-    def compare(self, prompt: str | ast.Prompt) -> Comparison:
+    def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""
-        plan = self.plan(prompt)
+        plan = self.plan(prompt, recovery=recovery)
         cached = self._prefill(plan)[1]
         full = self._prefill(_uncached(plan))[1]
         log_p, log_q = full.log_softmax(-1), cached.log_softmax(-1)
@@ -202,7 +211,9 @@ class PromptCache:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True) -> Plan:
+    def plan(
+        self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None
+    ) -> Plan:
         """Compile the prompt and fetch (or encode and store) the KV of every module it uses."""
         parsed = self._parse(prompt)
         chat = _uses_roles(self._schemas[parsed.schema].children) or _uses_roles(parsed.children)
@@ -243,6 +254,8 @@ class PromptCache:
                 self.store.put(self._key(compiled, u, chat), kv)
                 kvs[u.name] = kv
                 encoded += kv.num_tokens
+        chosen = self.recovery if recovery is None else Recovery.parse(recovery)
+        pieces = recover(chosen, pieces, kvs, self.model, self.relocator)
         return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in {u.name for u in misses}),
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
 

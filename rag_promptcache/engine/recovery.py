@@ -1,0 +1,187 @@
+"""Quality recovery: recompute a few cached tokens in the prefill so the answer drifts less.
+
+A module encoded on its own never attended to the modules before it (Prompt Cache §3.3). Each
+strategy picks cached tokens to compute again, in place, against everything before them:
+
+- `first_k:K` (as EPIC): the first K tokens of every cached piece, the tokens that otherwise each
+  act as an attention sink. The piece that opens the sequence at its encoded position is exact
+  already and is left alone.
+- `selective:R` (as CacheBlend): the fraction R of cached tokens whose KV deviates most from a fresh
+  computation, measured at an early layer (`@L`, default 1) by a prefill truncated after that layer.
+
+Both only split pieces: the chosen tokens become new tokens, and the assembler's mask keeps the
+single prefill causal. Recomputing everything is full prefill; recomputing nothing is `none`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from rag_promptcache.engine.assemble import assemble
+from rag_promptcache.engine.compiler import Piece
+from rag_promptcache.model.positions import Relocator
+from rag_promptcache.store.base import ModuleKV
+
+KINDS: tuple[str, ...] = ("none", "first_k", "selective")
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    kind: Literal["none", "first_k", "selective"] = "none"
+    budget: float = 0.0  # K tokens for first_k; a fraction R in [0, 1] for selective
+    layer: int = 1  # selective: where deviation is measured
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown recovery {self.kind!r}; valid: {', '.join(KINDS)}")
+        if self.kind == "first_k" and (self.budget < 0 or self.budget != int(self.budget)):
+            raise ValueError(f"first_k needs a whole number of tokens k >= 0, got {self.budget}")
+        if self.kind == "selective" and not 0 <= self.budget <= 1:
+            raise ValueError(f"selective needs a fraction r in [0, 1], got {self.budget}")
+        if self.layer < 0:
+            raise ValueError(f"the deviation layer must be >= 0, got {self.layer}")
+
+    @classmethod
+    def parse(cls, spec: str | Recovery | None) -> Recovery:
+        """"none", "first_k:8", "selective:0.15" or "selective:0.15@2"."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, Recovery):
+            return spec
+        kind, _, rest = spec.partition(":")
+        budget, _, layer = rest.partition("@")
+        try:
+            return cls(kind, float(budget) if budget else 0.0, int(layer) if layer else 1)  # type: ignore[arg-type]
+        except ValueError as e:
+            if "valid:" in str(e) or "needs" in str(e) or "layer" in str(e):
+                raise
+            raise ValueError(f"bad recovery {spec!r}: write none, first_k:K or selective:R[@layer]") from e
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        budget = int(self.budget) if self.kind == "first_k" else self.budget
+        return f"{self.kind}:{budget}" + (f"@{self.layer}" if self.kind == "selective" and self.layer != 1 else "")
+
+
+def recover(
+    recovery: Recovery,
+    pieces: Sequence[Piece],
+    kvs: dict[str, ModuleKV],
+    model: PreTrainedModel,
+    relocator: Relocator,
+) -> list[Piece]:
+    """The pieces with the chosen cached tokens turned into new ones."""
+    if recovery.kind == "none" or recovery.budget == 0:
+        return list(pieces)
+    if recovery.kind == "first_k":
+        chosen = _first_k(pieces, kvs, int(recovery.budget))
+    else:
+        chosen = _most_deviating(pieces, kvs, model, relocator, recovery.budget, recovery.layer)
+    return split(pieces, chosen)
+
+
+def split(pieces: Sequence[Piece], chosen: set[int]) -> list[Piece]:
+    """Turn the cached tokens at sequence indices `chosen` into new tokens, keeping order."""
+    out: list[Piece] = []
+    seq = 0
+    for p in pieces:
+        n = len(p.token_ids)
+        if not p.cached or not any(seq + i in chosen for i in range(n)):
+            out.append(p)
+        else:
+            i = 0
+            while i < n:
+                fresh = seq + i in chosen
+                j = i
+                while j < n and (seq + j in chosen) == fresh:
+                    j += 1
+                ids = p.token_ids[i:j]
+                out.append(Piece(ids, p.position + i) if fresh else Piece(ids, p.position + i, p.unit, p.offset + i))
+                i = j
+        seq += n
+    return out
+
+
+def _first_k(pieces: Sequence[Piece], kvs: dict[str, ModuleKV], k: int) -> set[int]:
+    chosen: set[int] = set()
+    seq = 0
+    for i, p in enumerate(pieces):
+        exact = i == 0 and p.cached and p.position == kvs[p.unit].start + p.offset
+        if p.cached and not exact:
+            chosen.update(range(seq, seq + min(k, len(p.token_ids))))
+        seq += len(p.token_ids)
+    return chosen
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.inference_mode()
+def _most_deviating(
+    pieces: Sequence[Piece],
+    kvs: dict[str, ModuleKV],
+    model: PreTrainedModel,
+    relocator: Relocator,
+    ratio: float,
+    layer: int,
+) -> set[int]:
+    cached_seq: list[int] = []
+    seq = 0
+    for p in pieces:
+        if p.cached:
+            cached_seq.extend(range(seq, seq + len(p.token_ids)))
+        seq += len(p.token_ids)
+    num = round(ratio * len(cached_seq))
+    if num == 0:
+        return set()
+    if num >= len(cached_seq):
+        return set(cached_seq)
+    device = model.device
+    asm = assemble(pieces, kvs, relocator, model.config, device, model.dtype)
+    fresh = _early_cache(model, pieces, layer)
+    idx = torch.tensor(cached_seq, device=device)
+    # each [H, C, D]: the same tokens at the same positions, fresh against cached
+    dk = fresh.layers[layer].keys[0, :, idx] - asm.cache.layers[layer].keys[0]
+    dv = fresh.layers[layer].values[0, :, idx] - asm.cache.layers[layer].values[0]
+    deviation = dk.float().pow(2).sum((0, 2)) + dv.float().pow(2).sum((0, 2))  # [C]
+    top = torch.topk(deviation, num).indices
+    return {cached_seq[i] for i in top.tolist()}
+
+
+def _early_cache(model: PreTrainedModel, pieces: Sequence[Piece], layer: int) -> DynamicCache:
+    """A full prefill of the sequence, stopped after decoder layer `layer`: its KV up to there."""
+    layers = _decoder_layers(model)
+    if layer >= len(layers):
+        raise ValueError(f"deviation layer {layer} is past the model's {len(layers)} layers")
+    device = model.device
+    ids = torch.tensor([[t for p in pieces for t in p.token_ids]], device=device)
+    pos = torch.tensor([[p.position + i for p in pieces for i in range(len(p.token_ids))]], device=device)
+    cache = DynamicCache(config=model.config)
+
+    def stop(*_):
+        raise _Stop
+
+    handle = layers[layer].register_forward_hook(stop)
+    try:
+        model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return cache
+
+
+def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise ValueError(f"selective recovery cannot find the decoder layers of {type(model).__name__}")

@@ -1,0 +1,84 @@
+"""Encoding modes and quality recovery against full prefill: 100% recompute is full prefill, 0% is
+`none`, budgets in between are monotone on a fixed example, and bad parameters are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.recovery import Recovery
+from rag_promptcache.store import MemoryStore
+from tests.tiny import build
+
+SCHEMA = """<schema name="s"><system>You are helpful. Answer from the documents.</system>
+<module name="a">The quick brown fox jumps over the lazy dog near the river bank.</module>
+<module name="b">Paris is the capital of France and the Seine runs through it.</module>
+<module name="c">Tokyo is the capital of Japan and has great food.</module></schema>"""
+PROMPT = '<prompt schema="s"><b/><a/><c/><user>What jumps?</user></prompt>'
+
+
+def engine(arch, tokenizer, **kw) -> PromptCache:
+    pc = PromptCache(build(arch, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), **kw)
+    pc.add_schema(SCHEMA)
+    return pc
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gpt_neox_pct25"])
+@pytest.mark.parametrize("mode", ["isolated", "shared_prefix"])
+def test_full_recompute_is_full_prefill_and_zero_is_none(arch, mode, tokenizer):
+    pc = engine(arch, tokenizer, mode=mode)
+    none = pc.compare(PROMPT, recovery="none")
+    assert none.max_abs_logit_diff > 1e-3  # there is a gap to close
+    for everything in ("selective:1.0", "first_k:1000"):
+        assert pc.compare(PROMPT, recovery=everything).max_abs_logit_diff <= 1e-3, everything
+    for nothing in ("selective:0", "first_k:0"):
+        assert pc.compare(PROMPT, recovery=nothing).max_abs_logit_diff == pytest.approx(none.max_abs_logit_diff)
+
+
+@pytest.mark.parametrize("kind,budgets", [("selective", [0, 0.1, 0.25, 0.5, 1.0]), ("first_k", [0, 1, 4, 16])])
+def test_budgets_are_monotone(kind, budgets, tokenizer):
+    pc = engine("llama", tokenizer)
+    errors, cached = [], []
+    for b in budgets:
+        errors.append(pc.compare(PROMPT, recovery=f"{kind}:{b}").max_abs_logit_diff)
+        cached.append(pc.plan(PROMPT, recovery=f"{kind}:{b}").num_cached)
+    assert errors == sorted(errors, reverse=True), errors
+    assert cached == sorted(cached, reverse=True) and cached[0] > cached[-1], cached
+
+
+def test_shared_prefix_beats_isolated_and_keys_differ(tokenizer):
+    iso, shared = engine("llama", tokenizer), engine("llama", tokenizer, mode="shared_prefix")
+    assert shared.compare(PROMPT).kl < iso.compare(PROMPT).kl
+    # a module encoded after the system text is a different entry from the same module alone
+    k_iso = iso.plan(PROMPT).kvs["a"]
+    k_shared = shared.plan(PROMPT).kvs["a"]
+    assert k_iso.mode == "isolated" and k_shared.mode == "shared_prefix"
+    assert (k_iso.values - k_shared.values).abs().max() > 1e-4
+
+
+def test_generation_uses_recovery_and_counts_recomputed_tokens(tokenizer):
+    pc = engine("llama", tokenizer, recovery="first_k:4")
+    base = pc.generate(PROMPT, max_new_tokens=2, recovery="none")
+    rec = pc.generate(PROMPT, max_new_tokens=2)  # the engine default, first_k:4
+    assert rec.cached_tokens == base.cached_tokens - 3 * 4  # the 3 modules; the system text opens the sequence
+    assert rec.computed_tokens > base.computed_tokens
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("selective:1.5", r"fraction r in \[0, 1\]"), ("selective:-0.1", r"fraction r in \[0, 1\]"),
+    ("first_k:-1", "k >= 0"), ("first_k:2.5", "whole number"), ("blend:0.1", "valid: none, first_k, selective"),
+    ("selective:abc", "bad recovery"), ("selective:0.2@-1", "layer must be >= 0"),
+])
+def test_bad_recovery_parameters(spec, match):
+    with pytest.raises(ValueError, match=match):
+        Recovery.parse(spec)
+
+
+def test_recovery_round_trips_and_bad_layer(tokenizer):
+    for spec in ("none", "first_k:8", "selective:0.15", "selective:0.15@3"):
+        assert str(Recovery.parse(spec)) == spec
+    pc = engine("llama", tokenizer)
+    with pytest.raises(ValueError, match="past the model's 2 layers"):
+        pc.compare(PROMPT, recovery="selective:0.2@5")
+    with pytest.raises(ValueError, match="valid: isolated, shared_prefix"):
+        PromptCache(pc.model, tokenizer, mode="shared")
