@@ -58,6 +58,7 @@ def test_shared_prefix_beats_isolated_and_keys_differ(tokenizer):
 
 def test_generation_uses_recovery_and_counts_recomputed_tokens(tokenizer):
     pc = engine("llama", tokenizer, recovery="first_k:4")
+    pc.encode("s")
     base = pc.generate(PROMPT, max_new_tokens=2, recovery="none")
     rec = pc.generate(PROMPT, max_new_tokens=2)  # the engine default, first_k:4
     assert rec.cached_tokens == base.cached_tokens - 3 * 4  # the 3 modules; the system text opens the sequence
