@@ -1,0 +1,138 @@
+"""`ChatPromptCache`: a LangChain `BaseChatModel` on a `PromptCache` engine, for chatbots.
+
+Messages become (role, text) turns rendered with the tokenizer's chat template; `format_modules`
+references in any message are imported from the corpus. Text content only. Translation only."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, model_validator
+
+from langchain_rag_promptcache.modules import build_prompt, engine_of, pieces, result_info, sampling
+
+ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
+
+
+def _turn(message: BaseMessage) -> tuple[str, str]:
+    role = getattr(message, "role", None) if message.type == "chat" else message.type
+    if role not in ROLES:
+        raise ValueError(f"unsupported message type {message.type!r} (role {role!r}); valid: system, human, ai")
+    content = message.content
+    if isinstance(content, str):
+        return ROLES[role], content
+    texts = []
+    for block in content:
+        if isinstance(block, str):
+            texts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            texts.append(block["text"])
+        elif not (isinstance(block, dict) and block.get("type") in ("reasoning", "thinking")):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"unsupported content block {kind!r} in a {message.type} message; ChatPromptCache takes text only")
+    return ROLES[role], "".join(texts)
+
+
+def _usage(result: Any) -> UsageMetadata:
+    return UsageMetadata(input_tokens=result.prompt_tokens, output_tokens=result.num_generated,
+                         total_tokens=result.prompt_tokens + result.num_generated,
+                         input_token_details={"cache_read": result.cached_tokens})
+
+
+class ChatPromptCache(BaseChatModel):
+    """`ChatPromptCache(corpus=Corpus.open(dir))` or `ChatPromptCache(engine=PromptCache.from_pretrained(…))`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    corpus: Any = None
+    engine: Any = None
+    model_name: str = ""
+    max_tokens: int = Field(default=256, gt=0)
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+
+    @model_validator(mode="after")
+    def _bind(self) -> ChatPromptCache:
+        self.engine = engine_of(self.corpus, self.engine)
+        self.model_name = self.model_name or self.engine.model_name
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "rag-promptcache-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="rag_promptcache", ls_model_name=self.model_name, ls_model_type="chat",
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    def _args(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if not messages:
+            raise ValueError("empty prompt: no messages")
+        kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # `stream=` is LangChain's, already acted on
+        prompt = build_prompt(self.corpus, [_turn(m) for m in messages], chat=True)
+        defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                    "top_k": self.top_k, "seed": self.seed}
+        return prompt, sampling(defaults, stop if stop is not None else self.stop, kwargs)
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        prompt, options = self._args(messages, stop, kwargs)
+        result = self.engine.generate(prompt, **options)
+        return self._chat_result(result)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        prompt, options = self._args(messages, stop, kwargs)
+        return self._chat_result(await self.engine.agenerate(prompt, **options))
+
+    def _chat_result(self, result: Any) -> ChatResult:
+        info = result_info(result)
+        message = AIMessage(content=result.text, usage_metadata=_usage(result),
+                            response_metadata={"model_name": self.model_name, **info})
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+    def _last(self, result: Any) -> ChatGenerationChunk:
+        info = result_info(result)
+        message = AIMessageChunk(content="", usage_metadata=_usage(result), chunk_position="last",
+                                 response_metadata={"model_name": self.model_name, **info})
+        return ChatGenerationChunk(message=message, generation_info=info)
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        prompt, options = self._args(messages, stop, kwargs)
+        stream = self.engine.stream(prompt, **options)
+        for piece in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield self._last(stream.result)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        prompt, options = self._args(messages, stop, kwargs)
+        stream = await asyncio.to_thread(self.engine.stream, prompt, **options)
+        async for piece in pieces(stream):
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield self._last(stream.result)

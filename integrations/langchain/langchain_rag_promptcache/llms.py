@@ -1,0 +1,99 @@
+"""`PromptCacheLLM`: a LangChain `BaseLLM` (drop-in for `HuggingFacePipeline`) on a `PromptCache` engine.
+
+A prompt is PML (`<prompt schema=…>`), text holding `format_modules` references (imported from the
+corpus; the rest is the user turn), or plain text (generated as is). Translation only."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict, Field, model_validator
+
+from langchain_rag_promptcache.modules import build_prompt, engine_of, pieces, result_info, sampling
+
+
+class PromptCacheLLM(BaseLLM):
+    """`PromptCacheLLM(corpus=Corpus.open(dir))` or `PromptCacheLLM(engine=PromptCache.from_pretrained(…))`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    corpus: Any = None
+    engine: Any = None
+    model_name: str = ""
+    max_tokens: int = Field(default=256, gt=0)
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _bind(self) -> PromptCacheLLM:
+        self.engine = engine_of(self.corpus, self.engine)
+        self.model_name = self.model_name or self.engine.model_name
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "rag-promptcache"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature}
+
+    def _args(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("empty prompt")
+        engine_prompt = prompt if prompt.lstrip().startswith("<prompt") else build_prompt(self.corpus, [("user", prompt)], chat=False)
+        defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                    "top_k": self.top_k, "seed": self.seed}
+        return engine_prompt, sampling(defaults, stop if stop is not None else self.stop, kwargs)
+
+    def _generate(self, prompts: list[str], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            if run_manager is not None:  # stream so callbacks get tokens
+                chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
+                text, info = "".join(c.text for c in chunks), chunks[-1].generation_info
+            else:
+                engine_prompt, options = self._args(prompt, stop, kwargs)
+                result = self.engine.generate(engine_prompt, **options)
+                text, info = result.text, result_info(result)
+            generations.append([Generation(text=text, generation_info=info)])
+        return LLMResult(generations=generations, llm_output={"model_name": self.model_name})
+
+    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            chunks = [c async for c in self._astream(prompt, stop, run_manager, **kwargs)]
+            generations.append([Generation(text="".join(c.text for c in chunks), generation_info=chunks[-1].generation_info)])
+        return LLMResult(generations=generations, llm_output={"model_name": self.model_name})
+
+    def _stream(self, prompt: str, stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
+        engine_prompt, options = self._args(prompt, stop, kwargs)
+        stream = self.engine.stream(engine_prompt, **options)
+        for piece in stream:
+            chunk = GenerationChunk(text=piece)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=result_info(stream.result))
+
+    async def _astream(self, prompt: str, stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[GenerationChunk]:
+        engine_prompt, options = self._args(prompt, stop, kwargs)
+        stream = await asyncio.to_thread(self.engine.stream, engine_prompt, **options)
+        async for piece in pieces(stream):
+            chunk = GenerationChunk(text=piece)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=result_info(stream.result))
