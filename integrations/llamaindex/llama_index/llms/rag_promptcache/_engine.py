@@ -1,0 +1,30 @@
+"""Engine and corpus calls the core does not offer publicly yet (see each CORE GAP); to move to core."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+
+def info(result: Any) -> dict[str, Any]:
+    if result is None:
+        return {}
+    names = ("finish_reason", "ttft_s", "total_s", "prompt_tokens", "cached_tokens", "computed_tokens",
+             "hit_modules", "missed_modules", "recomputed_modules")
+    return {n: getattr(result, n) for n in names}
+
+
+def register(corpus: Any) -> str:
+    """CORE GAP (as in the LangChain adapter): `Corpus` has no public way to give the engine its schema."""
+    if corpus._registered != corpus.table.generation:
+        corpus.engine.add_schema(corpus.schema)
+        corpus._registered = corpus.table.generation
+    return corpus.manifest.name
+
+
+async def pieces(stream: Any) -> AsyncIterator[str]:
+    """CORE GAP: `PromptCache.astream` yields text only, never the `Result`; step the sync stream in a thread."""
+    done = object()
+    while (piece := await asyncio.to_thread(next, stream, done)) is not done:
+        yield piece
