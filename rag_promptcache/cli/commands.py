@@ -66,7 +66,7 @@ def ingest(
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
                              index=index, field=field, token_budget=max_ingest_tokens)
-            report = None
+            report = c.last_report
     info = c.info()
     if report is not None:
         typer.echo(report.summary())

@@ -63,10 +63,9 @@ def demo(
     typer.echo(f"{'building' if fresh else 'reusing'} the demo corpus at {where} "
                f"({len(TOPICS)} topics of the Python language reference)")
     c = Corpus.build(demo_documents(), where) if fresh else Corpus.open(where)
-    if not fresh:
-        report = c.add(demo_documents())
-        if report.num_ingested:
-            typer.echo(report.summary())
+    report = c.last_report if fresh else c.add(demo_documents())
+    if report is not None and report.num_ingested:
+        typer.echo(report.summary())
     info = c.info()
     typer.echo(f"corpus: {info['num_documents']} documents, {info['num_modules']} modules, {info['num_tokens']} tokens, "
                f"store {info['store_bytes'] / 2**20:.0f} MiB, model {info['model']}\n")

@@ -46,6 +46,7 @@ DEFAULT_INSTRUCTIONS = (
 )
 DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to tens of GB
 BATCH_CHUNKS = 16
+DISK_CODEC = "fp16"
 _TEXT_KINDS = ("txt", "md", "markdown", "rst", "text", "json", "jsonl", "html", "htm", "object")
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
@@ -66,7 +67,9 @@ def _load_embedder(name: str | None) -> EmbedderLike:
 def _open_store(path: Path, memory_bytes: int) -> Store:
     from rag_promptcache.store import DiskStore, MemoryStore, TieredStore
 
-    return TieredStore([MemoryStore(max_bytes=memory_bytes), DiskStore(path)])
+    # fp16 at rest halves the disk (an fp32 CPU model writes 46 KB per token natively); entries are
+    # decoded back to the model's dtype, and the codec is in each entry's header.
+    return TieredStore([MemoryStore(max_bytes=memory_bytes), DiskStore(path, codec=DISK_CODEC)])
 
 
 def _package_version() -> str:
@@ -98,6 +101,7 @@ class Corpus:
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
         self._embedder = embedder
         self._registered = -1  # table generation of the schema the engine holds
+        self.last_report: IngestReport | None = None
         self.index = self._load_index()
         self._index_generation = self.table.generation
 
@@ -284,11 +288,12 @@ class Corpus:
             bar.close()
             self._save_index()
         seconds = time.perf_counter() - t0
-        return IngestReport(
+        self.last_report = IngestReport(
             num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
             num_modules=stats["modules"], num_tokens=stats["tokens"], num_reused=stats["reused"], seconds=seconds,
             encode_seconds=stats["encode_s"], skipped=tuple(report.skipped),
         )
+        return self.last_report
 
     def _unchanged(self, doc: Document) -> bool:
         row = self.table.document(doc.source)
