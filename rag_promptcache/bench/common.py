@@ -1,0 +1,177 @@
+"""What every scenario shares: the run's settings, the loaded model, the text corpus, and timing.
+
+The corpus is CPython's own `pydoc_data.topics` (on every machine, no download), cut into modules of
+exactly N tokens so every system times the same token sequence. Timing is wall-clock around the
+whole call, synchronised on CUDA, median of several runs after a warm-up; systems are interleaved
+run by run so a noisy neighbour slows all of them alike and the ratios stay meaningful.
+
+Not here: any scenario's logic, or output formatting (report.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rag_promptcache.pml.parser import escape
+
+SYSTEM = "You are a helpful assistant. Answer the question using only the documents below.\n\n"
+QUESTION = (
+    "Using only the documents above, explain in a few sentences how this part of the Python language "
+    "works, and name the statement or keyword involved?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One run's sizes. `quick()` fits in about five minutes on two CPU cores; `full()` is the README run."""
+
+    contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # retrieved-context tokens for TTFT
+    module_tokens: int = 256
+    warmup: int = 1
+    repeats_slow: int = 3  # full, prefix, miss: whole-prompt prefills
+    repeats_fast: int = 7  # cached_memory, cached_disk, lower_bound
+    warmup_each_context: bool = True
+    questions: int = 24
+    ks: tuple[int, ...] = (4, 8)
+    continuation: int = 32  # greedy tokens compared / scored by NLL
+    quality_configs: tuple[tuple[str, str], ...] = (
+        ("isolated", "none"), ("shared_prefix", "none"),
+        ("isolated", "first_k:8"), ("shared_prefix", "first_k:8"),
+        ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"),
+    )
+    codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4")
+    codec_k: int = 4  # the k of the per-codec quality rows
+    faiss_sizes: tuple[int, ...] = (10_000, 100_000)
+    faiss_queries: int = 200
+    embed: bool = True
+    store_repeats: int = 5
+
+    @classmethod
+    def quick(cls) -> BenchConfig:
+        return cls(
+            contexts=(512, 2048), repeats_slow=2, repeats_fast=5, warmup_each_context=False, questions=20, ks=(4,),
+            quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8")),
+            faiss_queries=100, store_repeats=3,
+        )
+
+    @classmethod
+    def full(cls) -> BenchConfig:
+        return cls()
+
+
+@dataclass(slots=True)
+class Bench:
+    """The loaded model and the run's settings, handed to every scenario."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    config: BenchConfig
+    log: Callable[[str], None] = print
+    extras: dict[str, object] = field(default_factory=dict)  # scenario results later ones may reuse
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def interleaved(
+    systems: dict[str, tuple[Callable[[], object], int, int]], device: torch.device
+) -> dict[str, list[float]]:
+    """Time each system (fn, repeats, warm-ups) round-robin after its untimed warm-up calls → seconds per run."""
+    for fn, _, warmup in systems.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for r in range(max(n for _, n, _ in systems.values())):
+        for name, (fn, n, _) in systems.items():
+            if r < n:
+                times[name].append(timed(fn, device)[0])
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+# -- corpus ----------------------------------------------------------------------------------------
+
+
+def topic_texts(names: Sequence[str] | None = None) -> dict[str, str]:
+    """pydoc topics by name (all of them, sorted, when `names` is None)."""
+    from pydoc_data.topics import topics
+
+    return {n: topics[n] for n in (sorted(topics) if names is None else names) if n in topics}
+
+
+def windows(tokenizer: PreTrainedTokenizerBase, text: str, num_tokens: int, limit: int | None = None,
+            exact: bool = True) -> list[str]:
+    """Cut `text` into pieces that each tokenize (alone, no special tokens) to exactly `num_tokens`
+    tokens (`exact`), or to at most that many. Decoded windows can re-tokenize differently at their
+    edges, so a window that does not round-trip is nudged by a token."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    out: list[str] = []
+    i = 0
+    while i + (num_tokens if exact else 1) <= len(ids) and (limit is None or len(out) < limit):
+        end = min(i + num_tokens, len(ids))
+        piece = tokenizer.decode(ids[i:end])
+        n = len(tokenizer(piece, add_special_tokens=False)["input_ids"])
+        if exact and n != num_tokens:
+            for cut in (end - 1, end + 1, end - 2, end + 2):
+                piece = tokenizer.decode(ids[i:cut])
+                if len(tokenizer(piece, add_special_tokens=False)["input_ids"]) == num_tokens:
+                    break
+            else:
+                i += 1
+                continue
+        if piece.strip():
+            out.append(piece)
+        i = end
+    return out
+
+
+def module_texts(tokenizer: PreTrainedTokenizerBase, count: int, num_tokens: int) -> list[str]:
+    """`count` modules of exactly `num_tokens` tokens, from the pydoc topics in sorted order."""
+    out: list[str] = []
+    for text in topic_texts().values():
+        out.extend(windows(tokenizer, text, num_tokens, limit=count - len(out)))
+        if len(out) >= count:
+            return out
+    raise ValueError(f"the pydoc topics hold fewer than {count} modules of {num_tokens} tokens")
+
+
+def schema_pml(name: str, modules: dict[str, str], system: str = SYSTEM) -> str:
+    """The corpus schema shape of rag/: instructions then every module, inside the system turn."""
+    body = "".join(f'<module name="{m}">{escape(t)}</module>' for m, t in modules.items())
+    return f'<schema name="{name}"><system>{escape(system)}{body}</system></schema>'
+
+
+def fit_question(tokenizer: PreTrainedTokenizerBase, text: str, num_tokens: int) -> str:
+    """`text` cut or padded (with QUESTION's words) to about `num_tokens` tokens."""
+    words = text.split()
+    filler = QUESTION.split()
+    count = lambda ws: len(tokenizer(" ".join(ws), add_special_tokens=False)["input_ids"])  # noqa: E731
+    while count(words) < num_tokens:
+        words.append(filler[len(words) % len(filler)])
+    while count(words) > num_tokens and len(words) > 1:
+        words.pop()
+    return " ".join(words)

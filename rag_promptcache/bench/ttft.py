@@ -1,0 +1,154 @@
+"""TTFT against retrieved-context size, for every system on the same token sequence.
+
+Systems (each timed from the call to the first sampled token):
+- `full`: plain transformers prefill of the whole token sequence;
+- `prefix`: plain transformers with the KV of everything before the first module (chat prefix and
+  system instructions) computed once and reused: the best prefix caching (vLLM, SGLang) can do when
+  the retrieved chunks change from request to request;
+- `cached_memory` / `cached_disk`: `PromptCache.generate` with every module in a MemoryStore /
+  DiskStore (page cache warm: read once before timing);
+- `miss`: `PromptCache.generate` over a NullStore, so every module is encoded in the request;
+- `lower_bound`: only the forward over the new tokens against an already assembled cache (cropped
+  back between runs), i.e. what is left when fetching and assembly cost nothing.
+
+The baselines get the token ids ready-made (no tokenizing), which only flatters them. Modules are
+imported in a shuffled order, so relocation is always exercised. Not here: quality (quality.py).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import torch
+from transformers import DynamicCache
+
+from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml, timed
+from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.assemble import assemble
+from rag_promptcache.engine.compiler import ROOT
+from rag_promptcache.engine.decode import forward_last
+from rag_promptcache.pml.build import prompt_pml
+from rag_promptcache.store import DiskStore, MemoryStore, NullStore
+
+SCHEMA = "bench_ttft"
+QUERY_TOKENS = 32
+
+
+def run(bench: Bench) -> list[dict[str, object]]:
+    cfg, model, tok = bench.config, bench.model, bench.tokenizer
+    num_modules = [max(1, c // cfg.module_tokens) for c in cfg.contexts]
+    texts = module_texts(tok, max(num_modules), cfg.module_tokens)
+    schema = schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(texts)})
+    question = fit_question(tok, QUESTION, QUERY_TOKENS)
+
+    mem = PromptCache(model, tok, store=MemoryStore(), name=bench.model_name)
+    mem.add_schema(schema)
+    report = mem.encode(SCHEMA)
+    bench.log(f"ttft: encoded {report.num_modules} modules ({report.num_tokens} tokens) in {report.seconds:.1f} s")
+    bench.extras["ttft_encode"] = report
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rpc-bench-") as tmp:
+        disk_store = DiskStore(tmp)
+        for key in mem.store.keys():
+            disk_store.put(key, mem.store.get(key))
+        disk = PromptCache(model, tok, store=disk_store, name=bench.model_name)
+        miss = PromptCache(model, tok, store=NullStore(), name=bench.model_name)
+        for pc in (disk, miss):
+            pc.add_schema(schema)
+        for i, m in enumerate(num_modules):
+            order = list(range(m))
+            random.Random(m).shuffle(order)
+            prompt = prompt_pml(SCHEMA, [f"d{j}" for j in order], [("user", question)])
+            rows.append(_one(bench, prompt, m, question, mem, disk, miss, first=i == 0))
+            r = rows[-1]
+            bench.log(f"ttft {r['context_tokens']:>5} tok: full {r['full_s']:.3f} s, prefix {r['prefix_s']:.3f}, "
+                      f"memory {r['cached_memory_s']:.3f}, disk {r['cached_disk_s']:.3f}, miss {r['miss_s']:.3f}, "
+                      f"lower bound {r['lower_bound_s']:.3f}; speed-up {r['speedup']:.1f}x")
+        disk_store.close()
+    return rows
+
+
+@torch.inference_mode()
+def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, disk: PromptCache,
+         miss: PromptCache, first: bool) -> dict[str, object]:
+    cfg, model, device = bench.config, bench.model, bench.device
+    plan = mem.plan(prompt)
+    assert not plan.misses, f"{plan.misses=}"
+    ids = torch.tensor([[t for p in mem.plan(prompt, use_cache=False).pieces for t in p.token_ids]], device=device)
+    n = ids.shape[1]
+    num_prefix = 0  # tokens before the first module: what a prefix cache can reuse
+    for p in plan.pieces:
+        if p.unit not in (None, ROOT):
+            break
+        num_prefix += len(p.token_ids)
+    prefix_out = model(input_ids=ids[:, :num_prefix], use_cache=True)
+    prefix_kv = [(layer.keys, layer.values) for layer in prefix_out.past_key_values.layers]
+    prefix_pos = torch.arange(num_prefix, n, device=device)[None]
+
+    def full() -> int:
+        return int(model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+
+    def prefix() -> int:
+        cache = DynamicCache(ddp_cache_data=prefix_kv, config=model.config)
+        out = model(input_ids=ids[:, num_prefix:], position_ids=prefix_pos, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    def engine(pc: PromptCache, missed: int) -> callable:
+        def go() -> int:
+            res = pc.generate(prompt, max_new_tokens=1)
+            assert len(res.missed_modules) == missed, f"{res.missed_modules=} {missed=}"
+            return res.token_ids[0]
+        return go
+
+    asm = assemble(plan.pieces, plan.kvs, mem.relocator, model.config, device, model.dtype)
+
+    def lower_bound() -> int:
+        extra = asm.cache.get_seq_length() - asm.num_cached
+        if extra:
+            asm.cache.crop(-extra)  # back to the assembled cache: transformers 5 crops by tokens to remove
+        return int(forward_last(model, asm.new_ids, asm.new_positions, asm.cache, asm.mask).argmax())
+
+    def plan_only() -> object:
+        return mem.plan(prompt)
+
+    def assemble_only() -> object:
+        return assemble(plan.pieces, plan.kvs, mem.relocator, model.config, device, model.dtype)
+
+    slow_warm = cfg.warmup if (first or cfg.warmup_each_context) else 0
+    times = interleaved({
+        "full": (full, cfg.repeats_slow, slow_warm),
+        "prefix": (prefix, cfg.repeats_slow, slow_warm),
+        "miss": (engine(miss, m), cfg.repeats_slow, slow_warm),
+        "cached_memory": (engine(mem, 0), cfg.repeats_fast, cfg.warmup),
+        "cached_disk": (engine(disk, 0), cfg.repeats_fast, max(1, cfg.warmup)),  # the warm-up warms the page cache
+        "lower_bound": (lower_bound, cfg.repeats_fast, cfg.warmup),
+        "plan": (plan_only, cfg.repeats_fast, cfg.warmup),
+        "assemble": (assemble_only, cfg.repeats_fast, cfg.warmup),
+    }, device)
+    s = {k: median(v) for k, v in times.items()}
+    top_full, top_cached = timed(full, device)[1], engine(mem, 0)()
+    return {
+        "context_tokens": sum(len(p.token_ids) for p in plan.pieces if p.unit not in (None, ROOT)),
+        "modules": m,
+        "query_tokens": len(bench.tokenizer(question, add_special_tokens=False)["input_ids"]),
+        "prompt_tokens": n,
+        "prefix_tokens": num_prefix,
+        "new_tokens": int(asm.new_ids.shape[1]),
+        "full_s": s["full"],
+        "prefix_s": s["prefix"],
+        "cached_memory_s": s["cached_memory"],
+        "cached_disk_s": s["cached_disk"],
+        "miss_s": s["miss"],
+        "lower_bound_s": s["lower_bound"],
+        "speedup": s["full"] / s["cached_memory"],
+        "overhead_vs_lower_bound": s["cached_memory"] / s["lower_bound"],
+        "prefix_speedup": s["full"] / s["prefix"],
+        "miss_over_full": s["miss"] / s["full"],
+        "disk_over_memory": s["cached_disk"] / s["cached_memory"],
+        "plan_s": s["plan"],  # fetch from the memory tier, compile: part of cached_memory_s
+        "assemble_s": s["assemble"],  # concatenate, relocate, build the cache: part of cached_memory_s
+        "top1_match": top_full == top_cached,
+        "runs": {k: [round(x, 5) for x in v] for k, v in times.items()},
+    }
