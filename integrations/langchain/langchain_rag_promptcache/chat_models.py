@@ -76,7 +76,7 @@ class ChatPromptCache(BaseChatModel):
         return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="rag_promptcache", ls_model_name=self.model_name, ls_model_type="chat",
+        params = LangSmithParams(ls_provider="rag_promptcache", ls_model_name=kwargs.get("model", self.model_name), ls_model_type="chat",
                                  ls_temperature=kwargs.get("temperature", self.temperature),
                                  ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
         if stop or self.stop:
