@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from test_rag_corpus import TOPICS, FakeEmbedder, FakeEngine, write_docs
 
 from rag_promptcache.cli import main
 from rag_promptcache.cli.store_cmds import parse_size
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag import corpus as corpus_mod
-from test_rag_corpus import TOPICS, FakeEmbedder, FakeEngine, write_docs
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import random
 import re
 
 import pytest
+from test_rag_corpus import FakeTokenizer
 
 from rag_promptcache.rag.chunker import Chunker, ChunkParams, module_id, module_text
-from test_rag_corpus import FakeTokenizer
 
 WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hex jolly bankers".split()
 

@@ -6,7 +6,8 @@ Out of scope: KV computation and reuse (`rag_promptcache.engine`), storage tiers
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.corpus import DEFAULT_INSTRUCTIONS, DEFAULT_MODEL, Corpus, is_corpus
 from rag_promptcache.rag.embed import DEFAULT_EMBEDDER, Embedder
-from rag_promptcache.rag.index import KINDS as INDEX_KINDS, VectorIndex, faiss_id
+from rag_promptcache.rag.index import KINDS as INDEX_KINDS
+from rag_promptcache.rag.index import VectorIndex, faiss_id
 from rag_promptcache.rag.loaders import Document, LoaderWarning, LoadReport, load
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
 

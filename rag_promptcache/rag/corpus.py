@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -31,7 +30,8 @@ from rag_promptcache.pml.parser import escape
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike, resolve
 from rag_promptcache.rag.index import VectorIndex, faiss_id
-from rag_promptcache.rag.loaders import Document, LoadReport, load
+from rag_promptcache.rag.ingest import check_budget, collect, progress_bar, stale
+from rag_promptcache.rag.loaders import Document, LoadReport
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
 from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, ModuleRow
 
@@ -47,7 +47,6 @@ DEFAULT_INSTRUCTIONS = (
 DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to tens of GB
 BATCH_CHUNKS = 16
 DISK_CODEC = "fp16"
-_TEXT_KINDS = ("txt", "md", "markdown", "rst", "text", "json", "jsonl", "html", "htm", "object")
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
 
@@ -173,8 +172,8 @@ class Corpus:
         chunk_tokens = chunk_tokens or 256
         params = ChunkParams(chunk_tokens, min(32, chunk_tokens // 8) if overlap is None else overlap, max_tokens)
         VectorIndex(1, index or "flat")  # validates the kind before anything is loaded
-        docs, report = _collect(inputs, field)
-        _check_budget(docs, token_budget)
+        docs, report = collect(inputs, field)
+        check_budget(docs, token_budget)
         owns = engine is None
         engine = engine or _load_engine(model or DEFAULT_MODEL, _open_store(path / "store", 1 << 30), mode)
         emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
@@ -230,7 +229,7 @@ class Corpus:
         """Ingest new and changed documents; unchanged ones cost a hash. Files gone from an ingested
         directory are removed. `on_batch` runs after each committed batch."""
         inputs = list(inputs)
-        docs, report = _collect(inputs, field)
+        docs, report = collect(inputs, field)
         return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
 
     def remove(self, source: str | os.PathLike[str]) -> int:
@@ -260,15 +259,16 @@ class Corpus:
     ) -> IngestReport:
         t0 = time.perf_counter()
         todo = [d for d in docs if not self._unchanged(d)]
-        _check_budget(todo, token_budget)
-        gone = _stale(self.table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
+        check_budget(todo, token_budget)
+        gone = stale(self.table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
         stats = {"modules": 0, "tokens": 0, "reused": 0, "encode_s": 0.0}
-        bar = _progress_bar(progress)
+        bar = progress_bar(progress)
         try:
             for source in gone:
                 self.index.remove(np.array(self.table.remove_document(source), dtype=np.int64))
                 self._index_generation = self.table.generation
-            chunker = Chunker(self.engine.tokenizer, ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens))
+            params = ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens)
+            chunker = Chunker(self.engine.tokenizer, params) if todo else None  # no model for a no-op
             batch: list[tuple[str, int, Chunk]] = []
             finished: list[str] = []
             for doc in todo:
@@ -276,6 +276,7 @@ class Corpus:
                 self.index.remove(np.array(dropped, dtype=np.int64))
                 self._index_generation = self.table.generation
                 done = self.table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
+                assert chunker is not None
                 for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
                     if chunk.module_id not in done:
                         batch.append((doc.source, seq, chunk))
@@ -459,57 +460,7 @@ def _schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str 
     return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={})
 
 
-def _collect(inputs: list[object], field: str) -> tuple[list[Document], LoadReport]:
-    if not inputs:
-        raise ValueError("nothing to ingest: no paths or documents given")
-    report = LoadReport()
-    for item in inputs:
-        if isinstance(item, (str, os.PathLike)) and Path(item).is_dir() and not any(Path(item).iterdir()):
-            raise ValueError(f"{item} is an empty directory")
-    docs = list(load(inputs, field_name=field, report=report))
-    if not docs:
-        raise ValueError(f"nothing to ingest: {report.summary() or 'no supported files found'}")
-    return docs, report
-
-
-def _check_budget(docs: list[Document], budget: int) -> None:
-    """Refuse, before anything is computed, an ingest whose KV would be absurd (a 50 MB log, say)."""
-    estimate = {d.source: d.num_bytes // 4 for d in docs if d.kind in _TEXT_KINDS}
-    if (total := sum(estimate.values())) > budget:
-        biggest = max(estimate, key=estimate.__getitem__)
-        raise ValueError(
-            f"about {total:,} tokens of new text (largest: {biggest}, {estimate[biggest] * 4 / 1e6:.1f} MB) "
-            f"exceeds the ingest budget of {budget:,} tokens, each of which becomes stored KV; "
-            "raise it with --max-ingest-tokens or ingest less"
-        )
-
-
-def _stale(rows: list[DocumentRow], inputs: list[object], seen: set[str], skipped: set[str]) -> list[str]:
-    """Documents under an ingested directory whose files are gone."""
-    roots = [str(Path(i).resolve()) + os.sep for i in inputs if isinstance(i, (str, os.PathLike)) and Path(i).is_dir()]
-    return [r.source for r in rows if any(r.source.startswith(p) for p in roots)
-            and r.source not in seen and r.source not in skipped and not Path(r.source).exists()]
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
-
-
-class _NoBar:
-    format_dict = {"elapsed": 0.0}
-
-    def update(self, n: int) -> None: ...
-    def set_postfix(self, **kw: object) -> None: ...
-    def close(self) -> None: ...
-
-
-def _progress_bar(progress: bool | None):
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(unit=" modules", desc="ingest", dynamic_ncols=True)

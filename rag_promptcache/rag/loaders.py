@@ -227,7 +227,7 @@ def _jsonl_records(path: Path, field_name: str) -> Iterator[str]:
 def _from_object(obj: object) -> Document:
     """A LangChain `Document` (page_content) or a LlamaIndex node (get_content()), duck-typed."""
     if hasattr(obj, "page_content"):
-        text = str(getattr(obj, "page_content"))
+        text = str(obj.page_content)
     elif callable(getattr(obj, "get_content", None)):
         text = str(obj.get_content())  # type: ignore[attr-defined]
     elif isinstance(obj, str):

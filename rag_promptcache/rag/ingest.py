@@ -1,0 +1,65 @@
+"""Ingest planning, apart from the corpus: gather inputs, refuse absurd ones, find deleted files.
+
+Pure bookkeeping over `Document`s and table rows; nothing here tokenizes, embeds or encodes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from rag_promptcache.rag.loaders import Document, LoadReport, load
+from rag_promptcache.rag.table import DocumentRow
+
+_TEXT_KINDS = ("txt", "md", "markdown", "rst", "text", "json", "jsonl", "html", "htm", "object")
+
+
+def collect(inputs: list[object], field: str) -> tuple[list[Document], LoadReport]:
+    if not inputs:
+        raise ValueError("nothing to ingest: no paths or documents given")
+    report = LoadReport()
+    for item in inputs:
+        if isinstance(item, (str, os.PathLike)) and Path(item).is_dir() and not any(Path(item).iterdir()):
+            raise ValueError(f"{item} is an empty directory")
+    docs = list(load(inputs, field_name=field, report=report))
+    if not docs:
+        raise ValueError(f"nothing to ingest: {report.summary() or 'no supported files found'}")
+    return docs, report
+
+
+def check_budget(docs: list[Document], budget: int) -> None:
+    """Refuse, before anything is computed, an ingest whose KV would be absurd (a 50 MB log, say)."""
+    estimate = {d.source: d.num_bytes // 4 for d in docs if d.kind in _TEXT_KINDS}
+    if (total := sum(estimate.values())) > budget:
+        biggest = max(estimate, key=estimate.__getitem__)
+        raise ValueError(
+            f"about {total:,} tokens of new text (largest: {biggest}, {estimate[biggest] * 4 / 1e6:.1f} MB) "
+            f"exceeds the ingest budget of {budget:,} tokens, each of which becomes stored KV; "
+            "raise it with --max-ingest-tokens or ingest less"
+        )
+
+
+def stale(rows: list[DocumentRow], inputs: list[object], seen: set[str], skipped: set[str]) -> list[str]:
+    """Documents under an ingested directory whose files are gone."""
+    roots = [str(Path(i).resolve()) + os.sep for i in inputs if isinstance(i, (str, os.PathLike)) and Path(i).is_dir()]
+    return [r.source for r in rows if any(r.source.startswith(p) for p in roots)
+            and r.source not in seen and r.source not in skipped and not Path(r.source).exists()]
+
+
+class _NoBar:
+    format_dict = {"elapsed": 0.0}
+
+    def update(self, n: int) -> None: ...
+    def set_postfix(self, **kw: object) -> None: ...
+    def close(self) -> None: ...
+
+
+def progress_bar(progress: bool | None):
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(unit=" modules", desc="ingest", dynamic_ncols=True)
