@@ -114,6 +114,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
         bench.log(f"quality: encoded {report.num_modules} modules ({report.num_tokens} tokens, {mode}) "
                   f"in {report.seconds:.1f} s")
         stores[mode] = pc.store
+    bench.extras["quality_stores"] = stores
 
     runs = [(mode, rec, "native", k) for k in cfg.ks for mode, rec in configs]
     runs += [(default_mode, default_recovery, c, cfg.codec_k) for c in cfg.codecs if c != "native"]

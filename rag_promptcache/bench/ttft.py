@@ -47,6 +47,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
     report = mem.encode(SCHEMA)
     bench.log(f"ttft: encoded {report.num_modules} modules ({report.num_tokens} tokens) in {report.seconds:.1f} s")
     bench.extras["ttft_encode"] = report
+    bench.extras["ttft_engine"] = mem
     rows = []
     with tempfile.TemporaryDirectory(prefix="rpc-bench-") as tmp:
         disk_store = DiskStore(tmp)

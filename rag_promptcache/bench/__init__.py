@@ -1,0 +1,105 @@
+"""The benchmark: TTFT, quality, memory, throughput and LangChain end to end, on one loaded model.
+
+    from rag_promptcache.bench import run
+    report = run(quick=True, json_path="out/bench.json", plots_dir="out")
+
+Every scenario compares systems on the same token sequence inside one run, so ratios hold on a
+shared, noisy machine even when absolute times wander. One file per scenario; `report.py` writes
+the JSON, the Markdown table and the plots. Not here: assertions on speed (the README records the
+numbers; tests/test_bench.py checks the report's shape only).
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rag_promptcache.bench.common import Bench, BenchConfig
+
+SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain")
+
+
+def run(
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    plots_dir: str | Path | None = None,
+    model: str = "smollm2-135m-instruct",
+    device: str | None = None,
+    *,
+    config: BenchConfig | None = None,
+    scenarios: tuple[str, ...] = SCENARIOS,
+    log: Callable[[str], None] = print,
+) -> dict[str, object]:
+    """Load `model` on `device` (CUDA when present, else CPU), run the scenarios, write the outputs."""
+    from rag_promptcache.model.loading import load_model
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    hf_model, tokenizer = load_model(model, device=device)
+    log(f"loaded {model} on {hf_model.device} ({hf_model.dtype}) in {time.perf_counter() - t0:.1f} s")
+    bench = Bench(hf_model, tokenizer, model, config or (BenchConfig.quick() if quick else BenchConfig.full()), log)
+    return run_loaded(bench, quick, json_path, plots_dir, scenarios)
+
+
+def run_loaded(
+    bench: Bench,
+    quick: bool,
+    json_path: str | Path | None = None,
+    plots_dir: str | Path | None = None,
+    scenarios: tuple[str, ...] = SCENARIOS,
+) -> dict[str, object]:
+    """Run the scenarios on an already loaded model (tests use a tiny one)."""
+    from rag_promptcache.bench import langchain_e2e, memory, quality, report, throughput, ttft
+
+    if unknown := set(scenarios) - set(SCENARIOS):
+        raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
+    dev = bench.device
+    out: dict[str, object] = {
+        "model": bench.model_name,
+        "device": f"cuda: {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else dev.type,
+        "threads": torch.get_num_threads(),
+        "dtype": str(bench.model.dtype).removeprefix("torch."),
+        "quick": quick,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+        "torch": torch.__version__,
+        "ttft": [], "quality": [], "memory": [], "langchain": {"skipped": "not run"},
+    }
+    seconds: dict[str, float] = {}
+    t_all = time.perf_counter()
+    for name in SCENARIOS:
+        if name not in scenarios:
+            continue
+        t0 = time.perf_counter()
+        if name == "ttft":
+            out["ttft"] = ttft.run(bench)
+        elif name == "quality":
+            out["quality"] = quality.run(bench)
+            if "quality_note" in bench.extras:
+                out["quality_note"] = bench.extras["quality_note"]
+        elif name == "memory":
+            mem = memory.run(bench)
+            out["memory"] = mem.pop("memory")
+            out.update(mem)
+        elif name == "throughput":
+            out["throughput"] = throughput.run(bench)
+        else:
+            out["langchain"] = langchain_e2e.run(bench)
+        seconds[name] = time.perf_counter() - t0
+    seconds["total"] = time.perf_counter() - t_all
+    out["seconds"] = seconds
+    text = report.markdown(out)
+    bench.log("\n" + text)
+    if json_path is not None:
+        report.write_json(out, json_path)
+    if plots_dir is not None:
+        Path(plots_dir).mkdir(parents=True, exist_ok=True)
+        (Path(plots_dir) / "bench.md").write_text(text + "\n")
+        out_plots = report.plots(out, plots_dir)
+        bench.log("wrote " + ", ".join(str(p) for p in [Path(plots_dir) / "bench.md", *out_plots]))
+    return out

@@ -1,0 +1,34 @@
+"""`rag-promptcache bench`: plugged into the CLI through `register(app)`, the hook cli/app.py looks for.
+
+Heavy imports happen inside the command so `--help` stays fast. Not here: the scenarios.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    from rag_promptcache.cli.app import handle_errors
+
+    @app.command()
+    @handle_errors
+    def bench(
+        quick: Annotated[bool, typer.Option("--quick", help="About 5 minutes on two CPU cores (512 and 2048 tokens).")] = False,
+        json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
+        plots: Annotated[Path | None, typer.Option("--plots", help="Write bench.md and the PNG plots into this folder.")] = None,
+        model: Annotated[str, typer.Option("--model", help="Model name, hub id, directory or .gguf.")] = "smollm2-135m-instruct",
+        device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 … [default: cuda if present, else cpu]")] = None,
+        threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
+    ) -> None:
+        """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
+        import torch
+
+        from rag_promptcache.bench import run
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        run(quick=quick, json_path=json_out, plots_dir=plots, model=model, device=device, log=typer.echo)

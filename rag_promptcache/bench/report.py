@@ -1,0 +1,123 @@
+"""The benchmark's outputs: the JSON report, a Markdown summary (printed and saved as bench.md), and
+PNG plots (TTFT against context per system; quality against TTFT, the Pareto plot of issue 7).
+
+Only formats what the scenarios measured; computes nothing new.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SYSTEMS = ("full", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
+
+
+def write_json(report: dict[str, object], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def _table(header: list[str], rows: list[list[object]]) -> str:
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(report: dict[str, object]) -> str:
+    out = [f"# rag-promptcache bench ({'quick' if report.get('quick') else 'full'})", "",
+           f"model `{report['model']}`, device {report['device']}, {report['threads']} threads, "
+           f"{report.get('dtype', '')}, {report.get('date', '')}", ""]
+    if report.get("ttft"):
+        out += ["## TTFT (seconds, median)", "", _table(
+            ["context", "modules", *SYSTEMS, "speed-up", "overhead vs lower bound", "miss/full", "disk/memory"],
+            [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), r["speedup"],
+              r["overhead_vs_lower_bound"], r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
+    if report.get("quality"):
+        out += ["## Quality against full prefill", "", _table(
+            ["k", "mode", "recovery", "codec", "questions", "top-1", "mean KL", "greedy exact", "NLL full",
+             "NLL cached", "NLL change", "TTFT s", "speed-up", "default"],
+            [[r["k"], r["mode"], r["recovery"], r["codec"], r["questions"], r["top1_agreement"], r["mean_kl"],
+              r["greedy_exact_match"], r["nll_full"], r["nll_cached"], f"{100 * r['nll_rel_change']:+.1f}%",
+              r["ttft_s"], r["speedup"], "yes" if r["default"] else ""] for r in report["quality"]]), ""]
+        if report.get("quality_note"):
+            out += [f"Note: {report['quality_note']}", ""]
+    if report.get("memory"):
+        out += ["## Memory per cached token", "", _table(
+            ["codec", "bytes/token", "formula", "disk bytes/token"],
+            [[r["codec"], r["bytes_per_token"], r["formula_bytes_per_token"], r.get("disk_bytes_per_token", "")]
+             for r in report["memory"]]), ""]
+    tiers = report.get("store_tiers")
+    if isinstance(tiers, dict) and tiers:
+        names = [k.removesuffix("_s") for k in tiers if k.endswith("_s") and k != "recompute_s"]
+        out += [f"## One {tiers['module_tokens']}-token module: load vs recompute ({tiers['recompute_s']:.4g} s)", "",
+                _table(["tier", "seconds", "x faster than recompute"],
+                       [[n, tiers[f"{n}_s"], tiers[f"{n}_vs_recompute"]] for n in names]), ""]
+    thr = report.get("throughput")
+    if isinstance(thr, dict):
+        rows = [[f"encode ({r['mode']})", f"{r['modules_per_s']:.2f} modules/s", f"{r['tokens_per_s']:.0f} tokens/s"]
+                for r in thr.get("encode", [])]
+        emb = thr.get("embed", {})
+        rows.append(["embed", emb.get("skipped") or f"{emb['chunks_per_s']:.1f} chunks/s", "" if "skipped" in emb
+                     else f"{emb['tokens_per_s']:.0f} tokens/s"])
+        rows += [[f"FAISS flat, {f['vectors']} vectors", f"{f['search_ms_median']:.3f} ms median",
+                  f"{f['search_ms_p95']:.3f} ms p95"] for f in thr.get("faiss", [])]
+        out += ["## Throughput", "", _table(["what", "rate", ""], rows), ""]
+    lc = report.get("langchain")
+    if isinstance(lc, dict):
+        out += ["## LangChain end to end", ""]
+        if "skipped" in lc:
+            out += [f"skipped: {lc['skipped']}", ""]
+        else:
+            out += [_table(["chain LLM", "first streamed token s"],
+                           [["HuggingFacePipeline", lc["huggingface_pipeline_first_token_s"]],
+                            ["PromptCacheLLM", lc["promptcache_first_token_s"]]]),
+                    "", f"speed-up {lc['speedup']:.1f}x over {lc['questions']} questions, k={lc['k']}", ""]
+    return "\n".join(out)
+
+
+def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    ttft = report.get("ttft") or []
+    if ttft:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        xs = [r["context_tokens"] for r in ttft]
+        for s in SYSTEMS:
+            ax.plot(xs, [r[f"{s}_s"] for r in ttft], marker="o", label=s)
+        ax.set(xscale="log", yscale="log", xlabel="retrieved context (tokens)", ylabel="time to first token (s)",
+               title=f"TTFT vs context — {report['model']} on {report['device']}")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        written.append(folder / "ttft.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    quality = report.get("quality") or []
+    if quality:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+        for ax, metric, label in ((axes[0], "mean_kl", "mean first-token KL (lower is better)"),
+                                  (axes[1], "greedy_exact_match", "greedy exact match (higher is better)")):
+            for k in sorted({r["k"] for r in quality}):
+                rows = [r for r in quality if r["k"] == k]
+                ax.scatter([r["speedup"] for r in rows], [r[metric] for r in rows], label=f"k={k}")
+                for r in rows:
+                    tag = f"{r['mode']}/{r['recovery']}" + ("" if r["codec"] == "native" else f"/{r['codec']}")
+                    ax.annotate(tag + (" *" if r["default"] else ""), (r["speedup"], r[metric]), fontsize=7)
+            ax.set(xlabel="TTFT speed-up over full prefill", ylabel=label)
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        fig.suptitle("Quality vs speed per mode / recovery / codec (* = default)")
+        fig.tight_layout()
+        written.append(folder / "quality_pareto.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written

@@ -1,0 +1,85 @@
+"""The benchmark runs end to end at tiny sizes on a tiny random model and writes a report with the
+contract's fields and sane types. No wall-clock assertions: speed is recorded, never tested."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rag_promptcache.bench import run_loaded
+from rag_promptcache.bench.common import Bench, BenchConfig, module_texts
+from tests.tiny import build
+
+TINY = BenchConfig(
+    contexts=(32, 64), module_tokens=32, warmup=0, repeats_slow=1, repeats_fast=1, questions=2, ks=(2,),
+    continuation=4, quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2")),
+    codecs=("native", "int8"), codec_k=2, faiss_sizes=(500,), faiss_queries=3, embed=False, store_repeats=1,
+)
+
+
+@pytest.fixture(scope="module")
+def report(tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", TINY, log=lambda _: None)
+    result = run_loaded(bench, quick=True, json_path=out / "bench.json", plots_dir=out,
+                        scenarios=("ttft", "quality", "memory", "throughput"))
+    return result, out
+
+
+def positive(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_modules_are_exactly_the_asked_length(tokenizer):
+    for text in module_texts(tokenizer, 5, 32):
+        assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 32
+
+
+def test_report_header_and_files(report):
+    result, out = report
+    assert result["model"] == "tiny-llama" and result["device"] == "cpu"
+    assert isinstance(result["threads"], int) and result["threads"] >= 1
+    assert json.loads((out / "bench.json").read_text())["ttft"] == json.loads(json.dumps(result["ttft"]))
+    assert (out / "bench.md").read_text().startswith("# rag-promptcache bench")
+    assert (out / "ttft.png").stat().st_size > 0 and (out / "quality_pareto.png").stat().st_size > 0
+    assert result["langchain"] == {"skipped": "not run"}
+
+
+def test_ttft_rows(report):
+    rows = report[0]["ttft"]
+    assert [r["context_tokens"] for r in rows] == [32, 64] and [r["modules"] for r in rows] == [1, 2]
+    for r in rows:
+        assert isinstance(r["query_tokens"], int) and r["query_tokens"] > 0
+        for key in ("full_s", "prefix_s", "cached_memory_s", "cached_disk_s", "miss_s", "lower_bound_s", "speedup",
+                    "overhead_vs_lower_bound"):
+            assert positive(r[key]), (key, r[key])
+        assert r["top1_match"] is True  # a tiny llama is exact under relocation
+
+
+def test_quality_rows(report):
+    rows = report[0]["quality"]
+    assert {(r["mode"], r["codec"]) for r in rows} >= {("isolated", "native"), ("shared_prefix", "native"),
+                                                        ("isolated", "int8")}
+    assert sum(r["default"] for r in rows) == 1
+    for r in rows:
+        assert r["questions"] == 2 and r["k"] == 2 and isinstance(r["recovery"], str)
+        assert isinstance(r["budget"], float)
+        for key in ("top1_agreement", "greedy_exact_match"):
+            assert 0.0 <= r[key] <= 1.0
+        assert r["mean_kl"] >= -1e-6 and positive(r["nll_full"]) and positive(r["nll_cached"])
+
+
+def test_memory_and_throughput(report):
+    result = report[0]
+    by_codec = {r["codec"]: r for r in result["memory"]}
+    assert set(by_codec) == {"native", "int8"}
+    native = by_codec["native"]
+    assert native["bytes_per_token"] == native["formula_bytes_per_token"]  # fp32, no codec overhead
+    assert by_codec["int8"]["formula_bytes_per_token"] <= by_codec["int8"]["bytes_per_token"] < native["bytes_per_token"]
+    assert positive(result["store_tiers"]["recompute_s"]) and positive(result["store_tiers"]["memory_native_s"])
+    thr = result["throughput"]
+    assert thr["encode"] and positive(thr["encode"][0]["tokens_per_s"])
+    assert thr["faiss"][0]["vectors"] == 500 and positive(thr["faiss"][0]["search_ms_median"])
+    assert "skipped" in thr["embed"]
