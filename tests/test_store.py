@@ -6,10 +6,6 @@ is missing. Tensors are random; no model is needed.
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +29,8 @@ from rag_promptcache.store import (
     module_key,
 )
 
-REDIS_BIN = shutil.which("redis-server")
+from conftest import REDIS_BIN
+
 needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server binary not found (apt-get install redis-server)")
 
 
@@ -48,63 +45,6 @@ def make_kv(seed: int, num_tokens: int = 16, fingerprint: str = "model-a", shape
 
 def key_of(kv: ModuleKV) -> str:
     return module_key(kv.fingerprint, kv.mode, kv.token_ids, kv.start)
-
-
-# -- a real redis-server --------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        args = [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    if REDIS_BIN is None:
-        pytest.skip("redis-server binary not found (apt-get install redis-server)")
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def own_redis():
-    """A server this test may kill and restart."""
-    if REDIS_BIN is None:
-        pytest.skip("redis-server binary not found (apt-get install redis-server)")
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.stop()
 
 
 # -- the contract ---------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_store import RedisServer, free_port, key_of, make_kv, needs_redis, own_redis, redis_server  # noqa: F401
+from conftest import RedisServer, free_port
+from test_store import key_of, make_kv, needs_redis
 
 from rag_promptcache.store import DiskStore, ModuleKV, RedisStore, Store, verify
 from rag_promptcache.store import disk as disk_module
