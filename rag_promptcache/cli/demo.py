@@ -10,6 +10,7 @@ the questions.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -56,13 +57,25 @@ def demo(
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 96,
 ) -> None:
     """Ingest a slice of the Python reference (first run only), then answer questions from it."""
-    from rag_promptcache.rag import Corpus, is_corpus
+    from rag_promptcache.rag import Corpus, ModelMismatchError, is_corpus
 
     where = corpus or demo_home()
-    fresh = not is_corpus(where)
+    c = None
+    if is_corpus(where):
+        c = Corpus.open(where)
+        try:
+            c.engine  # noqa: B018 - loads the model and checks its fingerprint against the corpus
+        except ModelMismatchError as e:
+            if not all(d.source.startswith("pydoc_data.topics/") for d in c.table.documents()):
+                raise  # not a demo corpus: never delete someone's documents
+            typer.echo(f"the demo corpus is stale ({e}); rebuilding it", err=True)
+            c.close()
+            shutil.rmtree(where)
+            c = None
+    fresh = c is None
     typer.echo(f"{'building' if fresh else 'reusing'} the demo corpus at {where} "
                f"({len(TOPICS)} topics of the Python language reference)")
-    c = Corpus.build(demo_documents(), where) if fresh else Corpus.open(where)
+    c = Corpus.build(demo_documents(), where) if c is None else c
     report = c.last_report if fresh else c.add(demo_documents())
     if report is not None and report.num_ingested:
         typer.echo(report.summary())

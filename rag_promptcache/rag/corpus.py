@@ -445,9 +445,21 @@ class Corpus:
             self._engine.store.close()
 
 
+class ModelMismatchError(ValueError):
+    """The corpus's modules were encoded by another model (or other weights) than the engine's."""
+
+
 def _check_engine(engine: PromptCache, manifest: Manifest, path: Path) -> None:
+    if engine.fingerprint == manifest.fingerprint:
+        return
+    if engine.model_name == manifest.model:
+        raise ModelMismatchError(
+            f"corpus {path} was built with model {manifest.model!r} whose fingerprint was "
+            f"{manifest.fingerprint[:16]}; it is now {engine.fingerprint[:16]} (other weights, or a "
+            "rag-promptcache upgrade changed it); re-ingest into a new corpus"
+        )
     if engine.fingerprint != manifest.fingerprint:
-        raise ValueError(
+        raise ModelMismatchError(
             f"corpus {path} was built with model {manifest.model!r} (fingerprint {manifest.fingerprint[:16]}), "
             f"not {engine.model_name!r} (fingerprint {engine.fingerprint[:16]})"
         )
