@@ -188,3 +188,21 @@ def test_parse_size() -> None:
     assert parse_size("1024") == 1024 and parse_size("2MB") == 2_000_000 and parse_size("1GiB") == 2**30
     with pytest.raises(ValueError, match="bad size"):
         parse_size("lots")
+
+
+def test_demo_builds_then_reuses(tmp_path: Path, fakes, capsys) -> None:
+    code, out, err = run(capsys, "demo", "--corpus", tmp_path / "demo", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert "building the demo corpus" in out and out.count("TTFT cached") == 3 and "pydoc_data.topics/" in out
+    code, out, _ = run(capsys, "demo", "--corpus", tmp_path / "demo")
+    assert code == 0 and "reusing the demo corpus" in out and "ingested" not in out
+
+
+def test_store_commands(built: Path, capsys) -> None:
+    code, out, _ = run(capsys, "store", "info", "--corpus", built)
+    assert code == 0 and json.loads(out)["kind"] == "DiskStore"
+    code, out, _ = run(capsys, "store", "verify", "--corpus", built)
+    assert code == 0 and out.startswith("checked")
+    code, out, _ = run(capsys, "store", "evict", "--corpus", built, "--to", "0")
+    assert code == 0 and out.startswith("evicted")
+    assert_user_error(run(capsys, "store", "info", "--corpus", built.parent), "is not a corpus")

@@ -53,6 +53,9 @@ class FakeEngine:
             self.encode_calls.append(n)
         return EncodeReport(len(todo), 10 * len(todo), len(module_names) - len(todo), 0.0)
 
+    def full_prefill_ttft(self, prompt: str) -> float:
+        return 0.5
+
     def stream(self, prompt: str, **sampling) -> Stream:
         self.prompts.append(prompt)
         imports = re.findall(r"<(m[0-9a-f]{16})/>", prompt)
