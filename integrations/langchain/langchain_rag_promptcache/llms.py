@@ -14,7 +14,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field, model_validator
 
-from langchain_rag_promptcache.modules import build_prompt, engine_of, pieces, result_info, sampling
+from langchain_rag_promptcache.modules import build_prompt, engine_of, pieces, register, result_info, sampling
 
 
 class PromptCacheLLM(BaseLLM):
@@ -49,7 +49,12 @@ class PromptCacheLLM(BaseLLM):
     def _args(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("empty prompt")
-        engine_prompt = prompt if prompt.lstrip().startswith("<prompt") else build_prompt(self.corpus, [("user", prompt)], chat=False)
+        if prompt.lstrip().startswith("<prompt"):
+            if self.corpus is not None:
+                register(self.corpus)  # the PML may name the corpus schema
+            engine_prompt = prompt
+        else:
+            engine_prompt = build_prompt(self.corpus, [("user", prompt)], chat=False)
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                     "top_k": self.top_k, "seed": self.seed}
         return engine_prompt, sampling(defaults, stop if stop is not None else self.stop, kwargs)

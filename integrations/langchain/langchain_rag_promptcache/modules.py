@@ -64,7 +64,13 @@ def build_prompt(corpus: Corpus | None, turns: Sequence[tuple[str, str]], chat: 
             raise ValueError(f"unknown module {module_id!r}: not in {where}, and the reference carries no text to fall back on")
         return unescape(text)
 
-    resolved = [(role, MODULE_REF.sub(resolve, text).strip() if MODULE_REF.search(text) else text) for role, text in turns]
+    resolved = []
+    for role, text in turns:
+        if MODULE_REF.search(text):
+            text = MODULE_REF.sub(resolve, text).strip()
+            if not text:  # a message of references only: its modules sit in the corpus schema's system turn
+                continue
+        resolved.append((role, text))
     if not any(t.strip() for _, t in resolved) and not imports:
         raise ValueError("empty prompt: no text and no module references")
     if imports:

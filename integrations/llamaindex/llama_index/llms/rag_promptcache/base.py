@@ -94,6 +94,8 @@ class PromptCacheLLM(CustomLLM):
     def _completion(self, prompt: str, module_ids: Sequence[ModuleRef]) -> Any:
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt is text (str), got {type(prompt).__name__}")
+        if self.corpus is not None and prompt.lstrip().startswith("<prompt"):
+            _register(self.corpus)  # PML goes as is, and may name the corpus schema
         return self._prompt([("user", prompt)], module_ids, chat=bool(module_ids))
 
     def _chat(self, messages: Sequence[ChatMessage], module_ids: Sequence[ModuleRef]) -> Any:
