@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +25,14 @@ def register(corpus: Any) -> str:
 
 
 async def pieces(stream: Any) -> AsyncIterator[str]:
-    """CORE GAP: `PromptCache.astream` yields text only, never the `Result`; step the sync stream in a thread."""
+    """A sync engine `Stream` → async text pieces; `stream.result` is set at the end.
+
+    CORE GAP: `PromptCache.astream` yields text only, never the `Result`; and it steps the stream
+    with `asyncio.to_thread`, so steps land on different threads, where the generator's
+    `torch.inference_mode()` (thread-local) is not active: the KV cache update then raises. Here
+    every step of one stream runs on one dedicated thread."""
     done = object()
-    while (piece := await asyncio.to_thread(next, stream, done)) is not done:
-        yield piece
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        while (piece := await loop.run_in_executor(thread, next, stream, done)) is not done:
+            yield piece
