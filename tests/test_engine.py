@@ -252,3 +252,23 @@ def test_smollm2_eos_ends_generation(smollm):
                       max_new_tokens=200)
     assert res.finish_reason == "eos" and len(res.token_ids) < 200
     assert res.token_ids[-1] in pc.eos_ids
+
+
+def test_reserved_layer_grows_and_crops_like_a_dynamic_layer():
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    from rag_promptcache.engine.assemble import ReservedLayer
+
+    buf_k, buf_v = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
+    reserved, plain = ReservedLayer(buf_k, buf_v, 0), DynamicLayer()
+    for n in (2, 1, 4, 1):  # the third update overflows the 3 reserved slots
+        k, v = torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)
+        got, want = reserved.update(k, v), plain.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert reserved.get_seq_length() == plain.get_seq_length() == 8
+    reserved.crop(-3)
+    plain.crop(-3)
+    assert torch.equal(reserved.keys, plain.keys) and reserved.get_seq_length() == 5
+    k = torch.randn(1, 2, 1, 4)
+    assert torch.equal(reserved.update(k, k)[0], plain.update(k, k)[0])

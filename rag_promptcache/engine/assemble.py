@@ -2,8 +2,13 @@
 
 Cached tokens go into the cache first (in sequence order); new tokens are prefilled after them. When
 a new token comes *before* some cached token in the sequence (a parameter value inside a module, text
-between modules), a 4D mask keeps it from attending to what follows it, so the result is what a
-causal prefill of the same sequence would see.
+between modules, a recovered token), a 4D mask keeps it from attending to what follows it, so the
+single prefill sees what a causal prefill of the same sequence would.
+
+The cache has room reserved up front for the prompt and the answer (`ReservedLayer`): module KV is
+written straight into it, relocated on the way, and prefill and decode write in place. A plain
+`DynamicCache` would copy the whole cache on every update, about 100 MB per generated token at 2k
+context on SmolLM2. Models with sliding-window layers keep transformers' own layers.
 """
 
 from __future__ import annotations
@@ -13,10 +18,56 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
 
 from rag_promptcache.engine.compiler import Piece
-from rag_promptcache.model.positions import Relocator
+from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
+
+
+class ReservedLayer(DynamicLayer):
+    """One layer's KV in a buffer with room to spare; `update` writes in place, as gpt-fast's KVCache."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self._keys, self._values = keys, values  # [B, H, capacity, D]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._set_length(length)
+
+    def _set_length(self, n: int) -> None:
+        self.length = n
+        self.keys, self.values = self._keys[..., :n, :], self._values[..., :n, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n, s = self.length, key_states.shape[-2]
+        if n + s > self._keys.shape[-2]:  # out of room: double it
+            grow = max(n + s, 2 * self._keys.shape[-2]) - self._keys.shape[-2]
+            pad = (*self._keys.shape[:-2], grow, self._keys.shape[-1])
+            self._keys = torch.cat([self._keys, self._keys.new_empty(pad)], dim=-2)
+            self._values = torch.cat([self._values, self._values.new_empty(pad)], dim=-2)
+        self._keys[..., n : n + s, :] = key_states
+        self._values[..., n : n + s, :] = value_states
+        self._set_length(n + s)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # validates the argument as transformers does
+        self._set_length(self.keys.shape[-2])
+
+
+def reserved_cache(
+    config: PretrainedConfig, g: KVGeometry, capacity: int, dtype: torch.dtype, device: torch.device
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor] | None:
+    """An empty cache with `capacity` tokens reserved, and its key/value buffers [L, H, capacity, D];
+    None when the model's cache needs transformers' own layer types (sliding windows)."""
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != g.num_layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    keys = torch.empty(g.num_layers, g.num_kv_heads, capacity, g.head_dim, dtype=dtype, device=device)
+    values = torch.empty_like(keys)
+    cache.layers[:] = [ReservedLayer(k[None], v[None], 0) for k, v in zip(keys, values)]
+    return cache, keys, values
 
 
 @dataclass(slots=True)
@@ -33,17 +84,48 @@ def assemble(
     kvs: Mapping[str, ModuleKV],
     relocator: Relocator,
     config: PretrainedConfig,
+    geometry: KVGeometry,
     device: torch.device,
     dtype: torch.dtype,
+    extra: int = 0,
 ) -> Assembled:
+    """`extra`: tokens to reserve beyond the prompt (the answer)."""
     cached = [p for p in pieces if p.cached]
     new = [p for p in pieces if not p.cached]
-    assert new, "the last token must be computed: the compiler guarantees a new piece"
+    assert new, "the last token must be computed: the planner guarantees a new piece"
     new_ids = torch.tensor([[t for p in new for t in p.token_ids]], device=device)
     new_pos = torch.tensor([[p.position + i for p in new for i in range(len(p.token_ids))]], device=device)
-    if not cached:
-        return Assembled(DynamicCache(config=config), new_ids, new_pos, None, 0)
+    num_cached = sum(len(p.token_ids) for p in cached)
+    reserved = reserved_cache(config, geometry, num_cached + new_ids.shape[1] + extra, dtype, device)
+    if reserved is None:
+        cache = _concatenated(cached, kvs, relocator, config, device, dtype)
+    else:
+        cache, keys, values = reserved
+        at = 0
+        for p in cached:  # keys, values: [L, H, capacity, D]; each piece written once, relocated on the way
+            kv, n = kvs[p.unit], len(p.token_ids)
+            k = kv.keys[:, :, p.offset : p.offset + n].to(device=device, dtype=dtype)
+            shift = p.position - (kv.start + p.offset)
+            if shift:
+                k = relocator.rotate(k, torch.full((n,), shift, dtype=torch.long, device=device))
+            keys[:, :, at : at + n] = k
+            values[:, :, at : at + n] = kv.values[:, :, p.offset : p.offset + n]
+            at += n
+        for layer in cache.layers:
+            layer._set_length(num_cached)
+    return Assembled(cache, new_ids, new_pos, _mask(pieces, dtype, device), num_cached)
 
+
+def _concatenated(
+    cached: list[Piece],
+    kvs: Mapping[str, ModuleKV],
+    relocator: Relocator,
+    config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> DynamicCache:
+    if not cached:
+        return DynamicCache(config=config)
     # keys, values: [L, H, C, D], the cached pieces in sequence order
     slices = [(kvs[p.unit], p.offset, p.offset + len(p.token_ids)) for p in cached]
     keys = torch.cat([kv.keys[:, :, a:b] for kv, a, b in slices], dim=2).to(device=device, dtype=dtype)
@@ -52,8 +134,7 @@ def assemble(
     if any(shifts):
         deltas = torch.cat([torch.full((len(p.token_ids),), s, dtype=torch.long) for p, s in zip(cached, shifts)])
         keys = relocator.rotate(keys, deltas.to(device))
-    cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)], config=config)
-    return Assembled(cache, new_ids, new_pos, _mask(pieces, dtype, device), keys.shape[2])
+    return DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)], config=config)
 
 
 def _mask(pieces: Sequence[Piece], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

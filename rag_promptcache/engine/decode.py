@@ -35,6 +35,7 @@ class Sampling:
             raise ValueError("stop strings must be non-empty")
 
 
+@torch.inference_mode()  # per call: a stream may resume on another thread, and the mode is thread-local
 def forward_last(
     model: PreTrainedModel,
     ids: torch.Tensor,

@@ -29,7 +29,7 @@ from rag_promptcache.engine.recovery import Recovery, recover
 from rag_promptcache.engine.result import Comparison, EncodeReport, Result, Stream
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
-from rag_promptcache.model.positions import relocator_for
+from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.parser import parse_prompt, parse_schema
 from rag_promptcache.store.base import ModuleKV, Store, module_key
@@ -85,6 +85,7 @@ class PromptCache:
         self.model_name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.relocator = relocator_for(model)
+        self.geometry = kv_geometry(model)
         self.context_window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.compiler = Compiler(tokenizer, role_markup(tokenizer))
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -187,8 +188,8 @@ class PromptCache:
     def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""
         plan = self.plan(prompt, recovery=recovery)
-        cached = self._prefill(plan)[1]
-        full = self._prefill(_uncached(plan))[1]
+        cached = self._prefill(plan, 0)[1]
+        full = self._prefill(_uncached(plan), 0)[1]
         log_p, log_q = full.log_softmax(-1), cached.log_softmax(-1)
         return Comparison(
             max_abs_logit_diff=float((full - cached).abs().max()),
@@ -260,36 +261,36 @@ class PromptCache:
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
 
     @torch.inference_mode()
-    def _prefill(self, plan: Plan) -> tuple[DynamicCache, torch.Tensor, int]:
-        """→ (cache, next-token logits [V] fp32, next position)."""
-        asm = assemble(plan.pieces, plan.kvs, self.relocator, self.model.config, self.model.device, self.model.dtype)
+    def _prefill(self, plan: Plan, max_new_tokens: int) -> tuple[DynamicCache, torch.Tensor, int]:
+        """→ (cache with room for the answer, next-token logits [V] fp32, next position)."""
+        asm = assemble(plan.pieces, plan.kvs, self.relocator, self.model.config, self.geometry,
+                       self.model.device, self.model.dtype, extra=max_new_tokens)
         logits = forward_last(self.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
         next_position = max(p.position + len(p.token_ids) for p in plan.pieces)
         return asm.cache, logits, next_position
 
     def _run(self, plan: Plan, s: Sampling, t0: float) -> Generator[str, None, Result]:
-        with torch.inference_mode():
-            cache, logits, next_position = self._prefill(plan)
-            text = TextStream(self.tokenizer, s.stop)
-            ids: list[int] = []
-            ttft = 0.0
-            finish = "length"
-            for token in decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids):
-                if not ids:
-                    ttft = time.perf_counter() - t0
-                ids.append(token)
-                if token in self.eos_ids:
-                    finish = "eos"
-                    break
-                piece = text.push(token)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    finish = "stop"
-                    break
-            tail = text.finish()
-            if tail:
-                yield tail
+        cache, logits, next_position = self._prefill(plan, s.max_new_tokens)
+        text = TextStream(self.tokenizer, s.stop)
+        ids: list[int] = []
+        ttft = 0.0
+        finish = "length"
+        for token in decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids):
+            if not ids:
+                ttft = time.perf_counter() - t0
+            ids.append(token)
+            if token in self.eos_ids:
+                finish = "eos"
+                break
+            piece = text.push(token)
+            if piece:
+                yield piece
+            if text.stopped:
+                finish = "stop"
+                break
+        tail = text.finish()
+        if tail:
+            yield tail
         return Result(
             text=text.text,
             token_ids=tuple(ids),

@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import Piece
-from rag_promptcache.model.positions import Relocator
+from rag_promptcache.model.positions import Relocator, kv_geometry
 from rag_promptcache.store.base import ModuleKV
 
 KINDS: tuple[str, ...] = ("none", "first_k", "selective")
@@ -144,7 +144,7 @@ def _most_deviating(
     if num >= len(cached_seq):
         return set(cached_seq)
     device = model.device
-    asm = assemble(pieces, kvs, relocator, model.config, device, model.dtype)
+    asm = assemble(pieces, kvs, relocator, model.config, kv_geometry(model), device, model.dtype)
     fresh = _early_cache(model, pieces, layer)
     idx = torch.tensor(cached_seq, device=device)
     # each [H, C, D]: the same tokens at the same positions, fresh against cached
