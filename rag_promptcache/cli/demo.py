@@ -79,6 +79,7 @@ def demo(
     report = c.last_report if fresh else c.add(demo_documents())
     if report is not None and report.num_ingested:
         typer.echo(report.summary())
+    c.prepare()
     info = c.info()
     typer.echo(f"corpus: {info['num_documents']} documents, {info['num_modules']} modules, {info['num_tokens']} tokens, "
                f"store {info['store_bytes'] / 2**20:.0f} MiB, model {info['model']}\n")

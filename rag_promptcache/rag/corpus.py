@@ -398,12 +398,19 @@ class Corpus:
         hits = self._fit(self.search(question, k), question, history, max_new_tokens)
         sources = [self._label(m) for m, _ in hits]
         prompt = self.prompt(question, [m for m, _ in hits], history)
+        engine = self.prepare()
+        out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling), hits, sources, prompt)
+        return out if stream else out.consume()
+
+    def prepare(self) -> PromptCache:
+        """Load the engine and register and compile the corpus schema (once per process and change),
+        so that the first question's TTFT does not pay for tokenizing every module."""
         engine = self.engine
         if self._registered != self.table.generation:
             engine.add_schema(self.schema)
+            engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
             self._registered = self.table.generation
-        out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling), hits, sources, prompt)
-        return out if stream else out.consume()
+        return engine
 
     def ask_stream(self, question: str, k: int = 4, **kwargs: object) -> AnswerStream:
         out = self.ask(question, k, stream=True, **kwargs)
