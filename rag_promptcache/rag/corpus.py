@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rag_promptcache.pml import ast
-from rag_promptcache.pml.parser import escape
+from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike, resolve
 from rag_promptcache.rag.index import VectorIndex, faiss_id
@@ -379,9 +379,8 @@ class Corpus:
 
     def prompt(self, question: str, module_ids: Sequence[str], history: Sequence[tuple[str, str]] = ()) -> str:
         """The PML prompt: retrieved modules in order, earlier turns, then the question."""
-        turns = "".join(f"<user>{escape(u)}</user><assistant>{escape(a)}</assistant>" for u, a in history)
-        imports = "".join(f"<{m}/>" for m in module_ids)
-        return f'<prompt schema="{self.manifest.name}">{imports}{turns}<user>{escape(question)}</user></prompt>'
+        turns = [t for u, a in history for t in (("user", u), ("assistant", a))]
+        return prompt_pml(self.manifest.name, module_ids, [*turns, ("user", question)])
 
     def ask(
         self,
