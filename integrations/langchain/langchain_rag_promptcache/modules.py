@@ -83,13 +83,8 @@ def build_prompt(corpus: Corpus | None, turns: Sequence[tuple[str, str]], chat: 
 
 
 def register(corpus: Corpus) -> str:
-    """Give the engine the corpus schema if the table changed since; → the schema name.
-
-    CORE GAP: `Corpus.ask` does this with private state (`_registered`), shared here so the two never
-    disagree; `Corpus` should expose it (or `Corpus.prompt` should do it)."""
-    if corpus._registered != corpus.table.generation:
-        corpus.engine.add_schema(corpus.schema)
-        corpus._registered = corpus.table.generation
+    """Make sure the engine holds the corpus schema (`Corpus.prepare`: once per table change); → its name."""
+    corpus.prepare()
     return corpus.manifest.name
 
 
@@ -118,10 +113,8 @@ def result_info(result: Any) -> dict[str, Any]:
 async def pieces(stream: Any) -> AsyncIterator[str]:
     """A sync engine `Stream` → async text pieces; `stream.result` is set at the end.
 
-    CORE GAP: `PromptCache.astream` yields text only, never the `Result`; and it steps the stream
-    with `asyncio.to_thread`, so steps land on different threads, where the generator's
-    `torch.inference_mode()` (thread-local) is not active: the KV cache update then raises. Here
-    every step of one stream runs on one dedicated thread."""
+    CORE GAP: `PromptCache.astream` yields text only, never the `Result`. One thread per stream
+    (the engine once kept `inference_mode` thread-locally across steps; harmless now)."""
     done = object()
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=1) as thread:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
@@ -17,20 +17,16 @@ def info(result: Any) -> dict[str, Any]:
 
 
 def register(corpus: Any) -> str:
-    """CORE GAP (as in the LangChain adapter): `Corpus` has no public way to give the engine its schema."""
-    if corpus._registered != corpus.table.generation:
-        corpus.engine.add_schema(corpus.schema)
-        corpus._registered = corpus.table.generation
+    """Make sure the engine holds the corpus schema (`Corpus.prepare`: once per table change); → its name."""
+    corpus.prepare()
     return corpus.manifest.name
 
 
 async def pieces(stream: Any) -> AsyncIterator[str]:
     """A sync engine `Stream` → async text pieces; `stream.result` is set at the end.
 
-    CORE GAP: `PromptCache.astream` yields text only, never the `Result`; and it steps the stream
-    with `asyncio.to_thread`, so steps land on different threads, where the generator's
-    `torch.inference_mode()` (thread-local) is not active: the KV cache update then raises. Here
-    every step of one stream runs on one dedicated thread."""
+    CORE GAP: `PromptCache.astream` yields text only, never the `Result`. One thread per stream
+    (the engine once kept `inference_mode` thread-locally across steps; harmless now)."""
     done = object()
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=1) as thread:
