@@ -14,7 +14,8 @@ from tests.tiny import build
 
 TINY = BenchConfig(
     contexts=(32, 64), module_tokens=32, warmup=0, repeats_slow=1, repeats_fast=1, questions=2, ks=(2,),
-    continuation=4, quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2")),
+    continuation=4, quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"),
+                     ("isolated", "selective:1.0")),
     codecs=("native", "int8"), codec_k=2, faiss_sizes=(500,), faiss_queries=3, embed=False, store_repeats=1,
 )
 
@@ -69,6 +70,10 @@ def test_quality_rows(report):
         for key in ("top1_agreement", "greedy_exact_match"):
             assert 0.0 <= r[key] <= 1.0
         assert r["mean_kl"] >= -1e-6 and positive(r["nll_full"]) and positive(r["nll_cached"])
+    everything = [r for r in rows if r["recovery"].startswith("selective:1")]
+    if everything:  # recomputing every token is full prefill: the scoring path must see no difference
+        (r,) = everything
+        assert r["top1_agreement"] == 1.0 and r["greedy_exact_match"] == 1.0 and r["mean_kl"] < 1e-4
 
 
 def test_memory_and_throughput(report):

@@ -46,10 +46,10 @@ def run(bench: Bench) -> dict[str, object]:
         for codec in cfg.codecs:
             mem = MemoryStore(codec=codec)
             disk = DiskStore(Path(tmp) / codec, codec=codec)
-            for key in keys:
-                kv = native.get(key)
-                mem.put(key, kv)
-                disk.put(key, kv)
+            for k in keys:
+                kv = native.get(k)
+                mem.put(k, kv)
+                disk.put(k, kv)
             ms, ds = mem.stats(), disk.stats()
             on_disk = sum(f.stat().st_size for f in (Path(tmp) / codec).rglob("*") if f.is_file())
             rows.append({

@@ -120,17 +120,18 @@ def run(bench: Bench) -> list[dict[str, object]]:
     runs += [(default_mode, default_recovery, c, cfg.codec_k) for c in cfg.codecs if c != "native"]
     rows = []
     refs: dict[tuple[int, int], _Reference] = {}
+    for k in dict.fromkeys(k for _, _, _, k in runs):  # full prefill first: the cached timings follow no cold start
+        pc = PromptCache(model, tok, store=stores[default_mode], mode=default_mode, name=bench.model_name)
+        pc.add_schema(schema)
+        for qi, (_, question, picked) in enumerate(qs):
+            refs[(qi, k)] = _reference(pc, prompt_pml(SCHEMA, picked[:k], [("user", question)]), cfg.continuation, eos)
     for mode, rec, codec, k in runs:
         store = stores[mode] if codec == "native" else _recoded(stores[mode], codec)
         pc = PromptCache(model, tok, store=store, mode=mode, name=bench.model_name)
         pc.add_schema(schema)
-        per_q = []
-        for qi, (_, question, picked) in enumerate(qs):
-            prompt = prompt_pml(SCHEMA, picked[:k], [("user", question)])
-            ref = refs.get((qi, k))
-            if ref is None:
-                ref = refs[(qi, k)] = _reference(pc, prompt, cfg.continuation, eos)
-            per_q.append(_cached(pc, prompt, rec if supported else None, ref))
+        prompts = [prompt_pml(SCHEMA, picked[:k], [("user", question)]) for _, question, picked in qs]
+        _cached(pc, prompts[0], rec if supported else None, refs[(0, k)])  # warm-up
+        per_q = [_cached(pc, p, rec if supported else None, refs[(qi, k)]) for qi, p in enumerate(prompts)]
         rows.append(_row(mode, rec, codec, k, per_q, [refs[(qi, k)] for qi in range(len(qs))],
                          default=(mode, _canonical(rec), codec) == (default_mode, default_recovery, "native")))
         r = rows[-1]
@@ -182,7 +183,8 @@ def _cached(pc: PromptCache, prompt: str, recovery: str | None, ref: _Reference)
     sync(device)
     t0 = time.perf_counter()
     plan = pc.plan(prompt) if recovery is None else pc.plan(prompt, recovery=recovery)
-    asm = assemble(plan.pieces, plan.kvs, pc.relocator, model.config, device, model.dtype)
+    asm = assemble(plan.pieces, plan.kvs, pc.relocator, model.config, pc.geometry, device, model.dtype,
+                   extra=len(ref.tokens))  # room for the continuation, as generate reserves it
     first = forward_last(model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
     int(first.argmax())
     seconds = time.perf_counter() - t0

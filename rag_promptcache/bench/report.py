@@ -56,7 +56,7 @@ def markdown(report: dict[str, object]) -> str:
                        [[n, tiers[f"{n}_s"], tiers[f"{n}_vs_recompute"]] for n in names]), ""]
     thr = report.get("throughput")
     if isinstance(thr, dict):
-        rows = [[f"encode ({r['mode']})", f"{r['modules_per_s']:.2f} modules/s", f"{r['tokens_per_s']:.0f} tokens/s"]
+        rows = [[f"encode ({r.get('what', '')}, {r['mode']})", f"{r['modules_per_s']:.2f} modules/s", f"{r['tokens_per_s']:.0f} tokens/s"]
                 for r in thr.get("encode", [])]
         emb = thr.get("embed", {})
         rows.append(["embed", emb.get("skipped") or f"{emb['chunks_per_s']:.1f} chunks/s", "" if "skipped" in emb

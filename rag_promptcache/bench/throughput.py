@@ -23,17 +23,17 @@ def run(bench: Bench) -> dict[str, object]:
 
 
 def _encode(bench: Bench) -> list[dict[str, object]]:
-    reports = [("isolated", bench.extras["ttft_encode"])] if "ttft_encode" in bench.extras else []
-    reports += list(bench.extras.get("quality_encode", {}).items())
+    reports = [("isolated", "ttft modules", bench.extras["ttft_encode"])] if "ttft_encode" in bench.extras else []
+    reports += [(mode, "demo modules", r) for mode, r in bench.extras.get("quality_encode", {}).items()]
     if not reports:
         pc = PromptCache(bench.model, bench.tokenizer, store=NullStore(), name=bench.model_name)
         pc.add_schema(schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(module_texts(bench.tokenizer, 4, 256))}))
-        reports = [("isolated", pc.encode(SCHEMA))]
+        reports = [("isolated", "4 modules", pc.encode(SCHEMA))]
     rows = []
-    for mode, r in reports:
-        rows.append({"mode": mode, "modules": r.num_modules, "tokens": r.num_tokens, "seconds": r.seconds,
+    for mode, what, r in reports:
+        rows.append({"mode": mode, "what": what, "modules": r.num_modules, "tokens": r.num_tokens, "seconds": r.seconds,
                      "modules_per_s": r.num_modules / r.seconds, "tokens_per_s": r.tokens_per_s})
-        bench.log(f"encode ({mode}): {rows[-1]['modules_per_s']:.2f} modules/s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
+        bench.log(f"encode ({what}, {mode}): {rows[-1]['modules_per_s']:.2f} modules/s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
     return rows
 
 

@@ -103,7 +103,7 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
             return res.token_ids[0]
         return go
 
-    asm = assemble(plan.pieces, plan.kvs, mem.relocator, model.config, device, model.dtype)
+    asm = assemble(plan.pieces, plan.kvs, mem.relocator, model.config, mem.geometry, device, model.dtype)
 
     def lower_bound() -> int:
         extra = asm.cache.get_seq_length() - asm.num_cached
@@ -115,7 +115,7 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
         return mem.plan(prompt)
 
     def assemble_only() -> object:
-        return assemble(plan.pieces, plan.kvs, mem.relocator, model.config, device, model.dtype)
+        return assemble(plan.pieces, plan.kvs, mem.relocator, model.config, mem.geometry, device, model.dtype)
 
     slow_warm = cfg.warmup if (first or cfg.warmup_each_context) else 0
     times = interleaved({
