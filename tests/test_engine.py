@@ -204,11 +204,18 @@ def test_stream_matches_generate_and_async(tokenizer):
     assert stream.result.token_ids == res.token_ids
 
     async def run():
-        got = [p async for p in pc.astream(prompt, max_new_tokens=12)]
-        return "".join(got), await pc.agenerate(prompt, max_new_tokens=12)
+        astream = pc.astream(prompt, max_new_tokens=12)
+        got = [p async for p in astream]
+        return "".join(got), astream.result, await pc.agenerate(prompt, max_new_tokens=12)
 
-    streamed, agen = asyncio.run(run())
-    assert streamed == res.text and agen.token_ids == res.token_ids
+    streamed, result, agen = asyncio.run(run())
+    assert streamed == res.text == result.text and agen.token_ids == res.token_ids == result.token_ids
+
+    async def bad():
+        return [p async for p in pc.astream('<prompt schema="s"><nope/></prompt>')]
+
+    with pytest.raises(PMLError, match="nope"):
+        asyncio.run(bad())
 
 
 def test_text_stream_holds_back_stop_strings(tokenizer):

@@ -2,7 +2,7 @@
 
 from rag_promptcache.engine.decode import Sampling
 from rag_promptcache.engine.encoder import MODES
-from rag_promptcache.engine.engine import Plan, PromptCache
-from rag_promptcache.engine.result import Comparison, EncodeReport, Result, Stream
+from rag_promptcache.engine.engine import PLAIN, Plan, PromptCache
+from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
 
-__all__ = ["MODES", "Comparison", "EncodeReport", "Plan", "PromptCache", "Result", "Sampling", "Stream"]
+__all__ = ["MODES", "PLAIN", "AsyncStream", "Comparison", "EncodeReport", "Plan", "PromptCache", "Result", "Sampling", "Stream"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generator
 
@@ -26,7 +26,7 @@ from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compi
 from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import check_mode, encode_units
 from rag_promptcache.engine.recovery import Recovery, recover
-from rag_promptcache.engine.result import Comparison, EncodeReport, Result, Stream
+from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
@@ -175,15 +175,9 @@ class PromptCache:
     async def agenerate(self, prompt: str | ast.Prompt, **kwargs) -> Result:
         return await asyncio.to_thread(self.generate, prompt, **kwargs)
 
-    async def astream(self, prompt: str | ast.Prompt, **kwargs) -> AsyncIterator[str]:
-        """Async text pieces; the model runs in a worker thread so the event loop stays free."""
-        stream = await asyncio.to_thread(self.stream, prompt, **kwargs)
-        done = object()
-        while True:
-            piece = await asyncio.to_thread(next, stream, done)
-            if piece is done:
-                return
-            yield piece
+    def astream(self, prompt: str | ast.Prompt, **kwargs) -> AsyncStream:
+        """`async for piece in pc.astream(...)`; `.result` once done. Errors surface on the first step."""
+        return AsyncStream(lambda: self.stream(prompt, **kwargs))
 
     def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""

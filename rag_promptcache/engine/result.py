@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -77,6 +78,34 @@ class Stream(Iterator[str]):
 
     def consume(self) -> Result:
         for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class AsyncStream(AsyncIterator[str]):
+    """Async text pieces; `.result` holds the `Result` once exhausted. The model runs in worker
+    threads (planning on the first step), so the event loop never blocks."""
+
+    def __init__(self, start: Callable[[], Stream]) -> None:
+        self._start = start
+        self._stream: Stream | None = None
+        self.result: Result | None = None
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._stream is None:
+            self._stream = await asyncio.to_thread(self._start)
+        piece = await asyncio.to_thread(next, self._stream, None)
+        if piece is None:
+            self.result = self._stream.result
+            raise StopAsyncIteration
+        return piece
+
+    async def consume(self) -> Result:
+        async for _ in self:
             pass
         assert self.result is not None
         return self.result

@@ -377,6 +377,9 @@ class Corpus:
             raise ValueError(f"no module {module_id!r} in corpus {self.path}")
         return rows[0][0]
 
+    def has_module(self, module_id: str) -> bool:
+        return self.table.has_module(module_id)
+
     def prompt(self, question: str, module_ids: Sequence[str], history: Sequence[tuple[str, str]] = ()) -> str:
         """The PML prompt: retrieved modules in order, earlier turns, then the question."""
         turns = [t for u, a in history for t in (("user", u), ("assistant", a))]

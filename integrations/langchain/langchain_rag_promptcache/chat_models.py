@@ -5,7 +5,6 @@ references in any message are imported from the corpus. Text content only. Trans
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -15,7 +14,9 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Usag
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, model_validator
 
-from langchain_rag_promptcache.modules import build_prompt, engine_of, pieces, result_info, sampling
+from rag_promptcache.rag.prompts import build_prompt, generation_options, result_stats
+
+from langchain_rag_promptcache.modules import engine_of
 
 ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 
@@ -87,10 +88,10 @@ class ChatPromptCache(BaseChatModel):
         if not messages:
             raise ValueError("empty prompt: no messages")
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # `stream=` is LangChain's, already acted on
-        prompt = build_prompt(self.corpus, [_turn(m) for m in messages], chat=True)
+        prompt = build_prompt([_turn(m) for m in messages], corpus=self.corpus, chat=True)
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                    "top_k": self.top_k, "seed": self.seed}
-        return prompt, sampling(defaults, stop if stop is not None else self.stop, kwargs)
+                    "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
+        return prompt, generation_options(defaults, {**kwargs, "stop": stop})
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -104,13 +105,13 @@ class ChatPromptCache(BaseChatModel):
         return self._chat_result(await self.engine.agenerate(prompt, **options))
 
     def _chat_result(self, result: Any) -> ChatResult:
-        info = result_info(result)
+        info = result_stats(result)
         message = AIMessage(content=result.text, usage_metadata=_usage(result),
                             response_metadata={"model_name": self.model_name, **info})
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
     def _last(self, result: Any) -> ChatGenerationChunk:
-        info = result_info(result)
+        info = result_stats(result)
         message = AIMessageChunk(content="", usage_metadata=_usage(result), chunk_position="last",
                                  response_metadata={"model_name": self.model_name, **info})
         return ChatGenerationChunk(message=message, generation_info=info)
@@ -129,8 +130,8 @@ class ChatPromptCache(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         prompt, options = self._args(messages, stop, kwargs)
-        stream = await asyncio.to_thread(self.engine.stream, prompt, **options)
-        async for piece in pieces(stream):
+        stream = self.engine.astream(prompt, **options)
+        async for piece in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager is not None:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)

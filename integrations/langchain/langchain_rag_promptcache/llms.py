@@ -5,7 +5,6 @@ corpus; the rest is the user turn), or plain text (generated as is). Translation
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -14,7 +13,9 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field, model_validator
 
-from langchain_rag_promptcache.modules import build_prompt, engine_of, pieces, register, result_info, sampling
+from rag_promptcache.rag.prompts import build_prompt, generation_options, result_stats
+
+from langchain_rag_promptcache.modules import engine_of
 
 
 class PromptCacheLLM(BaseLLM):
@@ -49,15 +50,10 @@ class PromptCacheLLM(BaseLLM):
     def _args(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("empty prompt")
-        if prompt.lstrip().startswith("<prompt"):
-            if self.corpus is not None:
-                register(self.corpus)  # the PML may name the corpus schema
-            engine_prompt = prompt
-        else:
-            engine_prompt = build_prompt(self.corpus, [("user", prompt)], chat=False)
+        engine_prompt = build_prompt([("user", prompt)], corpus=self.corpus, chat=False)
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                    "top_k": self.top_k, "seed": self.seed}
-        return engine_prompt, sampling(defaults, stop if stop is not None else self.stop, kwargs)
+                    "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
+        return engine_prompt, generation_options(defaults, {**kwargs, "stop": stop})
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
@@ -69,7 +65,7 @@ class PromptCacheLLM(BaseLLM):
             else:
                 engine_prompt, options = self._args(prompt, stop, kwargs)
                 result = self.engine.generate(engine_prompt, **options)
-                text, info = result.text, result_info(result)
+                text, info = result.text, result_stats(result)
             generations.append([Generation(text=text, generation_info=info)])
         return LLMResult(generations=generations, llm_output={"model_name": self.model_name})
 
@@ -90,15 +86,15 @@ class PromptCacheLLM(BaseLLM):
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=result_info(stream.result))
+        yield GenerationChunk(text="", generation_info=result_stats(stream.result))
 
     async def _astream(self, prompt: str, stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[GenerationChunk]:
         engine_prompt, options = self._args(prompt, stop, kwargs)
-        stream = await asyncio.to_thread(self.engine.stream, engine_prompt, **options)
-        async for piece in pieces(stream):
+        stream = self.engine.astream(engine_prompt, **options)
+        async for piece in stream:
             chunk = GenerationChunk(text=piece)
             if run_manager is not None:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=result_info(stream.result))
+        yield GenerationChunk(text="", generation_info=result_stats(stream.result))

@@ -1,0 +1,108 @@
+"""Requests from chat frameworks → engine calls, written once for every adapter.
+
+- Module references: `format_refs` writes retrieved chunks as `<module id="m…">text</module>`. Any
+  LLM can read that (the text is there); ours import the module's stored KV instead and drop the tag.
+  A reference the corpus does not know falls back to its text; one without text is an error.
+- `build_prompt`: (role, text) turns + references → a PML prompt, a chat prompt with no schema, or
+  plain completion text.
+- `generation_options`: framework call options (`max_tokens`, …) → engine keyword arguments.
+- `result_stats`: an engine `Result` → the statistics adapters report, under the engine's names.
+
+Out of scope: any framework's types (the adapters translate those), retrieval, generation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rag_promptcache.pml import ast
+from rag_promptcache.pml.build import prompt_pml
+from rag_promptcache.pml.parser import escape, unescape
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine import Result
+    from rag_promptcache.rag.corpus import Corpus
+
+ModuleRef = str | tuple[str, str]  # a module id, or (id, text to fall back on)
+REFERENCE = re.compile(r'<module id="([^"<>]+)"\s*(?:/>|>(.*?)</module>)', re.S)
+OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+STATS = ("finish_reason", "ttft_s", "total_s", "prompt_tokens", "cached_tokens", "computed_tokens",
+         "hit_modules", "missed_modules", "recomputed_modules")
+
+
+def format_refs(refs: Iterable[tuple[str, str]]) -> str:
+    """(module id, text) pairs → references, one per line, text escaped."""
+    return "\n".join(f'<module id="{escape(i, quote=True)}">{escape(t)}</module>' for i, t in refs)
+
+
+def build_prompt(
+    turns: Sequence[tuple[str, str]],
+    *,
+    corpus: Corpus | None = None,
+    module_ids: Sequence[ModuleRef] = (),
+    chat: bool = True,
+) -> str | ast.Prompt:
+    """Turns whose text may hold references, plus `module_ids` → what `PromptCache.generate` takes.
+
+    Known modules are imported (their KV is reused); unknown ones with text fall back to it: inline
+    where the reference stood, or before the last turn's text for `module_ids`. Without imports a
+    chat prompt still gets the chat template (the engine's empty schema); a completion is the text
+    as is, and PML text passes through unchanged."""
+    imports: list[str] = []
+
+    def resolve(module_id: str, text: str | None) -> str:
+        if corpus is not None and corpus.has_module(module_id):
+            imports.append(module_id)
+            return ""
+        if text is None:
+            where = f"corpus {corpus.path}" if corpus is not None else "this engine (no corpus given)"
+            raise ValueError(f"unknown module {module_id!r}: not in {where}, and no text to fall back on")
+        return text
+
+    if not chat and len(turns) == 1 and turns[0][1].lstrip().startswith("<prompt"):
+        if corpus is not None:
+            corpus.prepare()  # the PML may name the corpus schema
+        return turns[0][1]
+    fallback = [resolve(*((ref, None) if isinstance(ref, str) else ref)) for ref in module_ids]
+    resolved: list[tuple[str, str]] = []
+    for role, text in turns:
+        if REFERENCE.search(text):
+            text = REFERENCE.sub(lambda m: resolve(unescape(m.group(1)), _text(m.group(2))), text).strip()
+            if not text:  # references only: those modules sit in the corpus schema's system turn
+                continue
+        resolved.append((role, text))
+    if resolved and any(fallback):
+        role, text = resolved[-1]
+        resolved[-1] = (role, "\n\n".join([*(t for t in fallback if t), text]))
+    if not any(t.strip() for _, t in resolved) and not imports:
+        raise ValueError("empty prompt: no text and no module references")
+    if imports:
+        assert corpus is not None
+        corpus.prepare()
+        return prompt_pml(corpus.manifest.name, dict.fromkeys(imports), resolved)
+    if not chat:
+        return "\n\n".join(t for _, t in resolved)
+    return ast.Prompt("", tuple(ast.Role(r, (ast.Text(t),)) for r, t in resolved))  # type: ignore[arg-type]
+
+
+def _text(raw: str | None) -> str | None:
+    return None if raw is None else unescape(raw)
+
+
+def generation_options(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Call options over defaults (None means unset) → engine keyword arguments."""
+    if unknown := set(overrides) - set(OPTIONS):
+        raise ValueError(f"unsupported option(s) {sorted(unknown)}; valid: {', '.join(OPTIONS)}")
+    merged = {**defaults, **{k: v for k, v in overrides.items() if v is not None}}
+    max_tokens = merged.get("max_tokens")
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    out = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in merged.items() if v is not None}
+    out["stop"] = tuple(merged.get("stop") or ())
+    return out
+
+
+def result_stats(result: Result | None) -> dict[str, Any]:
+    return {} if result is None else {n: getattr(result, n) for n in STATS}
