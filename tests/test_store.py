@@ -17,7 +17,6 @@ from rag_promptcache.store import (
     CODECS,
     DiskStore,
     MemoryStore,
-    ModuleKV,
     NullStore,
     RedisStore,
     Store,
@@ -26,25 +25,9 @@ from rag_promptcache.store import (
     dumps,
     encode,
     evict_to,
-    module_key,
 )
 
-from conftest import REDIS_BIN
-
-needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server binary not found (apt-get install redis-server)")
-
-
-def make_kv(seed: int, num_tokens: int = 16, fingerprint: str = "model-a", shape=(2, 2, 8)) -> ModuleKV:
-    g = torch.Generator().manual_seed(seed)
-    L, H, D = shape
-    keys = torch.randn(L, H, num_tokens, D, generator=g)
-    values = torch.randn(L, H, num_tokens, D, generator=g)
-    token_ids = tuple(range(seed, seed + num_tokens))
-    return ModuleKV(keys, values, start=seed % 7, token_ids=token_ids, fingerprint=fingerprint, mode="alone")
-
-
-def key_of(kv: ModuleKV) -> str:
-    return module_key(kv.fingerprint, kv.mode, kv.token_ids, kv.start)
+from tests.store_helpers import key_of, make_kv
 
 
 # -- the contract ---------------------------------------------------------------------------------

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RedisServer, free_port
-from test_store import key_of, make_kv, needs_redis
+from tests.store_helpers import RedisServer, free_port, key_of, make_kv, needs_redis
 
 from rag_promptcache.store import DiskStore, ModuleKV, RedisStore, Store, verify
 from rag_promptcache.store import disk as disk_module
@@ -135,7 +134,7 @@ def test_a_second_process_reads_what_the_first_wrote(tmp_path: Path) -> None:
     out = _run_python(f"""
         import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch
-        from test_store import make_kv, key_of
+        from tests.store_helpers import key_of, make_kv
         from rag_promptcache.store import DiskStore, MemoryStore, TieredStore
         store = TieredStore([MemoryStore(), DiskStore({str(tmp_path)!r}, codec="int8")])
         for i in range(3):
