@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.compiler import Unit
+from rag_promptcache.engine.decode import native_gqa
 from rag_promptcache.store.base import ModuleKV
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")
@@ -52,13 +53,14 @@ def encode_units(
     for i, u in enumerate(units):
         assert u.token_ids, f"{u.name=} has no tokens"
         groups[u.context_ids if mode == "shared_prefix" else ()].append(i)
-    for context, idx in groups.items():
-        idx.sort(key=lambda i: len(units[i].token_ids))  # similar lengths share a batch: less padding
-        prefix = _prefix_kv(model, context) if context else None
-        for b in range(0, len(idx), batch_size):
-            batch = [units[i] for i in idx[b : b + batch_size]]
-            for i, kv in zip(idx[b : b + batch_size], _encode_batch(model, batch, prefix, mode, fingerprint)):
-                out[i] = kv
+    with native_gqa(model.device):  # a unit after a shared prefix is a masked prefill
+        for context, idx in groups.items():
+            idx.sort(key=lambda i: len(units[i].token_ids))  # similar lengths share a batch: less padding
+            prefix = _prefix_kv(model, context) if context else None
+            for b in range(0, len(idx), batch_size):
+                batch = [units[i] for i in idx[b : b + batch_size]]
+                for i, kv in zip(idx[b : b + batch_size], _encode_batch(model, batch, prefix, mode, fingerprint)):
+                    out[i] = kv
     return [out[i] for i in range(len(units))]
 
 
