@@ -47,7 +47,7 @@ def test_budgets_are_monotone(kind, budgets, tokenizer):
 
 
 def test_shared_prefix_beats_isolated_and_keys_differ(tokenizer):
-    iso, shared = engine("llama", tokenizer), engine("llama", tokenizer, mode="shared_prefix")
+    iso, shared = engine("llama", tokenizer, mode="isolated"), engine("llama", tokenizer, mode="shared_prefix")
     assert shared.compare(PROMPT).kl < iso.compare(PROMPT).kl
     # a module encoded after the system text is a different entry from the same module alone
     k_iso = iso.plan(PROMPT).kvs["a"]

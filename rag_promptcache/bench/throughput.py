@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from rag_promptcache.bench.common import Bench, median, module_texts, schema_pml
-from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine import DEFAULT_MODE, PromptCache
 from rag_promptcache.store import NullStore
 
 SCHEMA = "bench_throughput"
@@ -23,12 +23,12 @@ def run(bench: Bench) -> dict[str, object]:
 
 
 def _encode(bench: Bench) -> list[dict[str, object]]:
-    reports = [("isolated", "ttft modules", bench.extras["ttft_encode"])] if "ttft_encode" in bench.extras else []
+    reports = [(DEFAULT_MODE, "ttft modules", bench.extras["ttft_encode"])] if "ttft_encode" in bench.extras else []
     reports += [(mode, "demo modules", r) for mode, r in bench.extras.get("quality_encode", {}).items()]
     if not reports:
         pc = PromptCache(bench.model, bench.tokenizer, store=NullStore(), name=bench.model_name)
         pc.add_schema(schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(module_texts(bench.tokenizer, 4, 256))}))
-        reports = [("isolated", "4 modules", pc.encode(SCHEMA))]
+        reports = [(pc.mode, "4 modules", pc.encode(SCHEMA))]
     rows = []
     for mode, what, r in reports:
         rows.append({"mode": mode, "what": what, "modules": r.num_modules, "tokens": r.num_tokens, "seconds": r.seconds,

@@ -22,6 +22,8 @@ from rag_promptcache.engine.decode import native_gqa
 from rag_promptcache.store.base import ModuleKV
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")
+# Measured (README, "Quality"): first-token KL about 3-4x lower than isolated for the same time to first token.
+DEFAULT_MODE = "shared_prefix"
 
 
 def check_mode(mode: str) -> str:

@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
-from rag_promptcache.engine.encoder import check_mode, encode_units
+from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
 from rag_promptcache.engine.recovery import Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
 from rag_promptcache.model.chat import role_markup
@@ -62,7 +62,7 @@ class PromptCache:
         tokenizer: PreTrainedTokenizerBase,
         *,
         store: Store | None = None,
-        mode: str = "isolated",
+        mode: str = DEFAULT_MODE,
         layout: Layout = "contiguous",
         name: str | None = None,
         batch_size: int = 8,

@@ -51,10 +51,10 @@ DISK_CODEC = "fp16"
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
 
 
-def _load_engine(model: str, store: Store | None, mode: str) -> PromptCache:
+def _load_engine(model: str, store: Store | None, mode: str | None) -> PromptCache:
     from rag_promptcache.engine import PromptCache
 
-    return PromptCache.from_pretrained(model, store=store, mode=mode)
+    return PromptCache.from_pretrained(model, store=store, **({} if mode is None else {"mode": mode}))
 
 
 def _load_embedder(name: str | None) -> EmbedderLike:
@@ -149,7 +149,7 @@ class Corpus:
         max_tokens: int | None = None,
         index: str | None = None,
         instructions: str | None = None,
-        mode: str = "isolated",
+        mode: str | None = None,
         field: str = "text",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         on_batch: OnBatch | None = None,
