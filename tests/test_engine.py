@@ -34,8 +34,9 @@ SCHEMA = f"""<schema name="s">
 
 
 def engine(arch: str, tokenizer, **kwargs) -> PromptCache:
+    """Raw assembly (no recovery) unless a test asks otherwise: these tests look at the pieces."""
     model = build(arch, vocab_size=len(tokenizer))
-    pc = PromptCache(model, tokenizer, store=MemoryStore(), **kwargs)
+    pc = PromptCache(model, tokenizer, store=MemoryStore(), **{"recovery": "none", **kwargs})
     pc.add_schema(SCHEMA)
     return pc
 

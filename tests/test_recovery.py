@@ -18,7 +18,7 @@ PROMPT = '<prompt schema="s"><b/><a/><c/><user>What jumps?</user></prompt>'
 
 
 def engine(arch, tokenizer, **kw) -> PromptCache:
-    pc = PromptCache(build(arch, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), **kw)
+    pc = PromptCache(build(arch, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), **{"recovery": "none", **kw})
     pc.add_schema(SCHEMA)
     return pc
 
@@ -83,3 +83,8 @@ def test_recovery_round_trips_and_bad_layer(tokenizer):
         pc.compare(PROMPT, recovery="selective:0.2@5")
     with pytest.raises(ValueError, match="valid: isolated, shared_prefix"):
         PromptCache(pc.model, tokenizer, mode="shared")
+
+
+def test_the_default_is_shared_prefix_with_first_k_2(tokenizer):
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore())
+    assert (pc.mode, str(pc.recovery)) == ("shared_prefix", "first_k:2")

@@ -42,7 +42,8 @@ class BenchConfig:
     continuation: int = 32  # greedy tokens compared / scored by NLL
     quality_configs: tuple[tuple[str, str], ...] = (  # the sweep behind the default (README, "Quality")
         ("isolated", "none"), ("shared_prefix", "none"),
-        ("isolated", "first_k:8"), ("shared_prefix", "first_k:2"), ("shared_prefix", "first_k:8"),
+        ("isolated", "first_k:2"), ("isolated", "first_k:8"), ("shared_prefix", "first_k:2"),
+        ("shared_prefix", "first_k:8"),
         ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"),
     )
     codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4")

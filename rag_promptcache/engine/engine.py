@@ -25,7 +25,7 @@ from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
-from rag_promptcache.engine.recovery import Recovery, recover
+from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
@@ -66,7 +66,7 @@ class PromptCache:
         layout: Layout = "contiguous",
         name: str | None = None,
         batch_size: int = 8,
-        recovery: str | Recovery | None = None,
+        recovery: str | Recovery | None = DEFAULT_RECOVERY,
         codec: str = "native",
     ) -> None:
         if layout not in LAYOUTS:

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 # Bumped whenever the meaning of stored KV changes; it is part of every key and every file header.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32 entry checksums
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 The header (safetensors metadata, all strings) records: format and version, the key the entry was
 written under, model fingerprint, encoding mode, original dtype, shape, codec and codec version,
-start, token ids (base64 of little-endian ints) and a blake2b checksum over the rest of the header
+start, token ids (base64 of little-endian ints) and a CRC-32 checksum over the rest of the header
 and every tensor's bytes. Loading checks all of it: anything off raises `CorruptEntry`, which tiers
 turn into a miss. Keys are content addresses, so a file whose header names another key (another
 model, mode or text) under our name is corruption, not a hit.
@@ -13,12 +13,12 @@ Out of scope: where the bytes live (the tiers) and choosing a codec (codecs.py).
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 import math
 import mmap
 import os
+import zlib
 
 import numpy as np
 import torch
@@ -53,14 +53,16 @@ class WarnOnce:
 
 
 def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
+    # CRC-32 catches truncation and flipped bytes at about 2 GB/s (blake2b: 0.6 GB/s, a third of a
+    # disk hit's time). It is not a defence against forgery; foreign entries are caught by the key
+    # recorded in the header.
+    crc = zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name].contiguous()
-        h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        crc = zlib.crc32(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode(), crc)
         if t.numel():
-            h.update(t.view(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+            crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 
 def _pack_ids(token_ids: tuple[int, ...]) -> tuple[str, str]:
