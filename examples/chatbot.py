@@ -11,10 +11,14 @@ import argparse
 import sys
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-from rag_promptcache.cli.demo import demo_documents, demo_home
-from rag_promptcache.rag import Corpus
+from langchain_rag_promptcache import (
+    ChatPromptCache,
+    PromptCacheRetriever,
+    format_modules,
+)
 
-from langchain_rag_promptcache import ChatPromptCache, PromptCacheRetriever, format_modules
+from rag_promptcache.rag import Corpus
+from rag_promptcache.rag.sample import demo_home, sample_documents
 
 
 def questions(asked: list[str]):
@@ -34,7 +38,7 @@ def main() -> None:
     ap.add_argument("--ask", nargs="*", default=[], help="questions to ask instead of reading the terminal")
     args = ap.parse_args()
 
-    corpus = Corpus.build(demo_documents()[: args.topics], args.corpus)  # creates, or adds what is new
+    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus)  # creates, or adds what is new
     retriever = PromptCacheRetriever(corpus=corpus, k=3)
     chat = ChatPromptCache(corpus=corpus, max_tokens=args.max_tokens)
     history: list[HumanMessage | AIMessage] = []

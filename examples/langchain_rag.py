@@ -12,10 +12,14 @@ import argparse
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
-from rag_promptcache.cli.demo import QUESTIONS, demo_documents, demo_home
-from rag_promptcache.rag import Corpus
+from langchain_rag_promptcache import (
+    PromptCacheLLM,
+    PromptCacheRetriever,
+    format_modules,
+)
 
-from langchain_rag_promptcache import PromptCacheLLM, PromptCacheRetriever, format_modules
+from rag_promptcache.rag import Corpus
+from rag_promptcache.rag.sample import QUESTIONS, demo_home, sample_documents
 
 
 def main() -> None:
@@ -26,7 +30,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
 
-    corpus = Corpus.build(demo_documents()[: args.topics], args.corpus)  # creates, or adds what is new
+    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus)  # creates, or adds what is new
     prompt = PromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}")
 
     # The two-line swap. The HuggingFacePipeline baseline re-reads every chunk's text on every question:

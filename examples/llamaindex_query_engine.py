@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from rag_promptcache.cli.demo import QUESTIONS, demo_documents, demo_home
-from rag_promptcache.rag import Corpus
-
 from llama_index.llms.rag_promptcache import PromptCacheQueryEngine
+
+from rag_promptcache.rag import Corpus
+from rag_promptcache.rag.sample import QUESTIONS, demo_home, sample_documents
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
 
-    corpus = Corpus.build(demo_documents()[: args.topics], args.corpus)  # creates, or adds what is new
+    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus)  # creates, or adds what is new
     engine = PromptCacheQueryEngine(corpus=corpus, similarity_top_k=3, streaming=True, max_tokens=args.max_tokens)
     for question in QUESTIONS[: args.questions]:
         print(f"Q: {question}\nA: ", end="", flush=True)

@@ -10,7 +10,7 @@ except ImportError:
     given = st = None  # type: ignore[assignment]
 
 from rag_promptcache.pml import (
-    Import, Module, Param, PMLError, Prompt, Role, Schema, Text, Union,
+    Import, Module, Param, PMLError, Role, Schema, Text, Union,
     escape, parse_prompt, parse_schema, to_pml, unescape,
 )
 

@@ -54,7 +54,14 @@ def run_loaded(
     scenarios: tuple[str, ...] = SCENARIOS,
 ) -> dict[str, object]:
     """Run the scenarios on an already loaded model (tests use a tiny one)."""
-    from rag_promptcache.bench import langchain_e2e, memory, quality, report, throughput, ttft
+    from rag_promptcache.bench import (
+        langchain_e2e,
+        memory,
+        quality,
+        report,
+        throughput,
+        ttft,
+    )
 
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
@@ -80,8 +87,6 @@ def run_loaded(
             out["ttft"] = ttft.run(bench)
         elif name == "quality":
             out["quality"] = quality.run(bench)
-            if "quality_note" in bench.extras:
-                out["quality_note"] = bench.extras["quality_note"]
         elif name == "memory":
             mem = memory.run(bench)
             out["memory"] = mem.pop("memory")

@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.pml.parser import escape
+from rag_promptcache.rag.sample import topic_texts
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents below.\n\n"
 QUESTION = (
@@ -52,6 +53,7 @@ class BenchConfig:
     faiss_queries: int = 200
     embed: bool = True
     store_repeats: int = 5
+    recovery: str | None = None  # the engine's recovery in the TTFT and LangChain scenarios; None: its default
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -76,6 +78,10 @@ class Bench:
     config: BenchConfig
     log: Callable[[str], None] = print
     extras: dict[str, object] = field(default_factory=dict)  # scenario results later ones may reuse
+
+    @property
+    def engine_options(self) -> dict[str, object]:
+        return {} if self.config.recovery is None else {"recovery": self.config.recovery}
 
     @property
     def device(self) -> torch.device:
@@ -115,13 +121,6 @@ def median(xs: Sequence[float]) -> float:
 
 
 # -- corpus ----------------------------------------------------------------------------------------
-
-
-def topic_texts(names: Sequence[str] | None = None) -> dict[str, str]:
-    """pydoc topics by name (all of them, sorted, when `names` is None)."""
-    from pydoc_data.topics import topics
-
-    return {n: topics[n] for n in (sorted(topics) if names is None else names) if n in topics}
 
 
 def windows(tokenizer: PreTrainedTokenizerBase, text: str, num_tokens: int, limit: int | None = None,

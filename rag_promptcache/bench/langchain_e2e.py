@@ -14,9 +14,10 @@ from __future__ import annotations
 import tempfile
 import time
 
-from rag_promptcache.bench.common import Bench, median, topic_texts
+from rag_promptcache.bench.common import Bench, median
 from rag_promptcache.bench.quality import TEMPLATES
 from rag_promptcache.engine import PromptCache
+from rag_promptcache.rag.sample import topic_texts
 from rag_promptcache.store import MemoryStore
 
 TOPICS = ("break", "continue", "pass", "return", "yield", "global", "nonlocal", "del", "assert", "raise")
@@ -29,7 +30,11 @@ def run(bench: Bench) -> dict[str, object]:
         from langchain_core.prompts import PromptTemplate
         from langchain_core.runnables import RunnablePassthrough
         from langchain_huggingface import HuggingFacePipeline
-        from langchain_rag_promptcache import PromptCacheLLM, PromptCacheRetriever, format_modules
+        from langchain_rag_promptcache import (
+            PromptCacheLLM,
+            PromptCacheRetriever,
+            format_modules,
+        )
     except ImportError as e:
         return {"skipped": f"{e.name or e} is not installed (pip install -e integrations/langchain langchain-huggingface)"}
     from transformers import pipeline
@@ -40,7 +45,7 @@ def run(bench: Bench) -> dict[str, object]:
     num_questions, k, max_new = (2, 2, 4) if cfg.questions < 20 else (5, 4, 8)
     docs = _documents()
     with tempfile.TemporaryDirectory(prefix="rpc-bench-lc-") as tmp:
-        engine = PromptCache(model, tok, store=MemoryStore(), name=bench.model_name)
+        engine = PromptCache(model, tok, store=MemoryStore(), name=bench.model_name, **bench.engine_options)
         t0 = time.perf_counter()
         corpus = Corpus.build(docs, f"{tmp}/corpus", engine=engine, progress=False)
         ingest_s = time.perf_counter() - t0

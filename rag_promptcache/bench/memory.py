@@ -11,7 +11,13 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from rag_promptcache.bench.common import Bench, interleaved, median, module_texts, schema_pml
+from rag_promptcache.bench.common import (
+    Bench,
+    interleaved,
+    median,
+    module_texts,
+    schema_pml,
+)
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.store import DiskStore, MemoryStore, ModuleKV, NullStore
 

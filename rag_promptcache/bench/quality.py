@@ -19,25 +19,21 @@ Not here: TTFT against context size (ttft.py).
 
 from __future__ import annotations
 
-import inspect
 import random
 import time
 
 import torch
 
-from rag_promptcache.bench.common import Bench, median, schema_pml, sync, topic_texts, windows
-from rag_promptcache.engine import PromptCache
+from rag_promptcache.bench.common import Bench, median, schema_pml, sync, windows
+from rag_promptcache.engine import DEFAULT_MODE, PromptCache
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.decode import eos_token_ids, forward_last
+from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.pml.build import prompt_pml
+from rag_promptcache.rag.sample import TOPICS, topic_texts
 from rag_promptcache.store import MemoryStore
 
 SCHEMA = "bench_quality"
-DEMO_TOPICS = (  # the demo corpus's topics (rag_promptcache/cli/demo.py), kept here so bench needs no CLI
-    "for", "while", "if", "else", "break", "continue", "pass", "try", "raise", "exceptions", "assert",
-    "with", "context-managers", "function", "lambda", "return", "yield", "class", "import", "global",
-    "nonlocal", "del", "async", "dict", "lists", "slicings", "truth", "booleans", "in",
-)
 TEMPLATES = (
     "What does the Python language reference say about {t}? Answer briefly.",
     "How does {t} work in Python, according to the documents?",
@@ -46,23 +42,12 @@ TEMPLATES = (
 )
 
 
-def recovery_supported() -> bool:
-    return "recovery" in inspect.signature(PromptCache.plan).parameters
-
-
 def engine_defaults() -> tuple[str, str]:
     """(mode, recovery) a PromptCache uses when not told otherwise."""
-    params = inspect.signature(PromptCache.__init__).parameters
-    mode = params["mode"].default
-    recovery = params["recovery"].default if "recovery" in params else None
-    return mode, _canonical(recovery or "none")
+    return DEFAULT_MODE, _canonical(DEFAULT_RECOVERY)
 
 
 def _canonical(spec: str) -> str:
-    if spec == "none" or not recovery_supported():
-        return spec
-    from rag_promptcache.engine.recovery import Recovery
-
     return str(Recovery.parse(spec))
 
 
@@ -76,7 +61,7 @@ def questions(bench: Bench) -> tuple[dict[str, str], list[tuple[str, str, list[s
     tok, cfg = bench.tokenizer, bench.config
     modules: dict[str, str] = {}
     topics: list[str] = []
-    for topic, text in topic_texts(DEMO_TOPICS).items():
+    for topic, text in topic_texts(TOPICS).items():
         chunk = windows(tok, text, cfg.module_tokens, limit=1, exact=False)
         if chunk:
             modules[f"t{len(modules)}"] = chunk[0]
@@ -98,10 +83,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
     cfg, model, tok = bench.config, bench.model, bench.tokenizer
     modules, qs = questions(bench)
     schema = schema_pml(SCHEMA, modules)
-    supported = recovery_supported()
-    configs = [(m, r) for m, r in cfg.quality_configs if supported or r == "none"]
-    if not supported:
-        bench.extras["quality_note"] = "the engine has no recovery= yet: only recovery 'none' was measured"
+    configs = list(cfg.quality_configs)
     default_mode, default_recovery = engine_defaults()
     eos = eos_token_ids(model, tok)
 
@@ -130,8 +112,8 @@ def run(bench: Bench) -> list[dict[str, object]]:
         pc = PromptCache(model, tok, store=store, mode=mode, name=bench.model_name)
         pc.add_schema(schema)
         prompts = [prompt_pml(SCHEMA, picked[:k], [("user", question)]) for _, question, picked in qs]
-        _cached(pc, prompts[0], rec if supported else None, refs[(0, k)])  # warm-up
-        per_q = [_cached(pc, p, rec if supported else None, refs[(qi, k)]) for qi, p in enumerate(prompts)]
+        _cached(pc, prompts[0], rec, refs[(0, k)])  # warm-up
+        per_q = [_cached(pc, p, rec, refs[(qi, k)]) for qi, p in enumerate(prompts)]
         rows.append(_row(mode, rec, codec, k, per_q, [refs[(qi, k)] for qi in range(len(qs))],
                          default=(mode, _canonical(rec), codec) == (default_mode, default_recovery, "native")))
         r = rows[-1]

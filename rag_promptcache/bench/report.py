@@ -41,8 +41,6 @@ def markdown(report: dict[str, object]) -> str:
             [[r["k"], r["mode"], r["recovery"], r["codec"], r["questions"], r["top1_agreement"], r["mean_kl"],
               r["greedy_exact_match"], r["nll_full"], r["nll_cached"], f"{100 * r['nll_rel_change']:+.1f}%",
               r["ttft_s"], r["speedup"], "yes" if r["default"] else ""] for r in report["quality"]]), ""]
-        if report.get("quality_note"):
-            out += [f"Note: {report['quality_note']}", ""]
     if report.get("memory"):
         out += ["## Memory per cached token", "", _table(
             ["codec", "bytes/token", "formula", "disk bytes/token"],

@@ -23,7 +23,16 @@ import tempfile
 import torch
 from transformers import DynamicCache
 
-from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml, timed
+from rag_promptcache.bench.common import (
+    QUESTION,
+    Bench,
+    fit_question,
+    interleaved,
+    median,
+    module_texts,
+    schema_pml,
+    timed,
+)
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import ROOT
@@ -42,7 +51,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
     schema = schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(texts)})
     question = fit_question(tok, QUESTION, QUERY_TOKENS)
 
-    mem = PromptCache(model, tok, store=MemoryStore(), name=bench.model_name)
+    mem = PromptCache(model, tok, store=MemoryStore(), name=bench.model_name, **bench.engine_options)
     mem.add_schema(schema)
     report = mem.encode(SCHEMA)
     bench.log(f"ttft: encoded {report.num_modules} modules ({report.num_tokens} tokens) in {report.seconds:.1f} s")
@@ -53,8 +62,8 @@ def run(bench: Bench) -> list[dict[str, object]]:
         disk_store = DiskStore(tmp)
         for key in mem.store.keys():
             disk_store.put(key, mem.store.get(key))
-        disk = PromptCache(model, tok, store=disk_store, name=bench.model_name)
-        miss = PromptCache(model, tok, store=NullStore(), name=bench.model_name)
+        disk = PromptCache(model, tok, store=disk_store, name=bench.model_name, **bench.engine_options)
+        miss = PromptCache(model, tok, store=NullStore(), name=bench.model_name, **bench.engine_options)
         for pc in (disk, miss):
             pc.add_schema(schema)
         for i, m in enumerate(num_modules):
@@ -131,7 +140,10 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
     s = {k: median(v) for k, v in times.items()}
     top_full, top_cached = timed(full, device)[1], engine(mem, 0)()
     return {
-        "context_tokens": sum(len(p.token_ids) for p in plan.pieces if p.unit not in (None, ROOT)),
+        # the retrieved modules' tokens, counted before recovery turns some of them into new tokens
+        "context_tokens": sum(len(p.token_ids) for p in mem.plan(prompt, recovery="none").pieces
+                              if p.unit not in (None, ROOT)),
+        "recovery": str(mem.recovery),
         "modules": m,
         "query_tokens": len(bench.tokenizer(question, add_special_tokens=False)["input_ids"]),
         "prompt_tokens": n,

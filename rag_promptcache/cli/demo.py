@@ -1,52 +1,21 @@
 """`rag-promptcache demo`: ingest part of the Python language reference that ships with CPython
 (`pydoc_data.topics`, no download), ask a few questions, and show TTFT cached vs full prefill.
 
-The subset is chosen for the budget: about 62k characters (~15k tokens, ~70 modules of ≤256
-tokens), which encodes in about a minute on two CPU cores. The first run ingests into
+The documents and questions are `rag_promptcache.rag.sample`. The first run ingests into
 `$RAG_PROMPTCACHE_HOME/demo-corpus`; later runs find every document unchanged and go straight to
 the questions.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from rag_promptcache.cli.app import app, handle_errors
-
-TOPICS = (
-    "for", "while", "if", "else", "break", "continue", "pass", "try", "raise", "exceptions", "assert",
-    "with", "context-managers", "function", "lambda", "return", "yield", "class", "import", "global",
-    "nonlocal", "del", "async", "dict", "lists", "slicings", "truth", "booleans", "in",
-)
-QUESTIONS = (
-    "What does the yield statement do inside a function?",
-    "How do break and continue behave inside a for loop?",
-    "What happens when an exception is raised inside a try statement with an except clause?",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class _Topic:
-    """Shaped like a LangChain Document, which the loaders accept."""
-
-    page_content: str
-    metadata: dict[str, str] = field(default_factory=dict)
-
-
-def demo_documents() -> list[_Topic]:
-    from pydoc_data.topics import topics
-
-    return [_Topic(topics[name], {"source": f"pydoc_data.topics/{name}"}) for name in TOPICS if name in topics]
-
-
-def demo_home() -> Path:
-    return Path(os.environ.get("RAG_PROMPTCACHE_HOME") or Path.home() / ".cache" / "rag-promptcache") / "demo-corpus"
+from rag_promptcache.rag.sample import QUESTIONS, TOPICS, demo_home, sample_documents
 
 
 @app.command()
@@ -75,8 +44,8 @@ def demo(
     fresh = c is None
     typer.echo(f"{'building' if fresh else 'reusing'} the demo corpus at {where} "
                f"({len(TOPICS)} topics of the Python language reference)")
-    c = Corpus.build(demo_documents(), where) if c is None else c
-    report = c.last_report if fresh else c.add(demo_documents())
+    c = Corpus.build(sample_documents(), where) if c is None else c
+    report = c.last_report if fresh else c.add(sample_documents())
     if report is not None and report.num_ingested:
         typer.echo(report.summary())
     c.prepare()
