@@ -25,22 +25,21 @@ def tokenizer(smollm):
 
 # -- a real redis-server, started by the tests that need one --------------------------------------
 
-@pytest.fixture(scope="session")
-def redis_server():
+def _serve():
     if REDIS_BIN is None:
         pytest.skip("redis-server binary not found (apt-get install redis-server)")
     server = RedisServer(free_port())
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    yield from _serve()
 
 
 @pytest.fixture
 def own_redis():
     """A server this test may kill and restart."""
-    if REDIS_BIN is None:
-        pytest.skip("redis-server binary not found (apt-get install redis-server)")
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.stop()
+    yield from _serve()
