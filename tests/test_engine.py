@@ -280,3 +280,13 @@ def test_reserved_layer_grows_and_crops_like_a_dynamic_layer():
     assert torch.equal(reserved.keys, plain.keys) and reserved.get_seq_length() == 5
     k = torch.randn(1, 2, 1, 4)
     assert torch.equal(reserved.update(k, k)[0], plain.update(k, k)[0])
+
+
+def test_entry_of_another_mode_under_our_key_is_not_used(tokenizer):
+    iso, shared = engine("llama", tokenizer, mode="isolated"), engine("llama", tokenizer, mode="shared_prefix")
+    assert iso.fingerprint == shared.fingerprint  # the same weights: only the mode differs
+    prompt = '<prompt schema="s"><a/> What?</prompt>'
+    planted = iso.plan(prompt).kvs["a"]
+    compiled = shared._compile("s", False)
+    shared.store.put(shared._key(compiled, compiled.units["a"], False), planted)
+    assert "a" in shared.generate(prompt, max_new_tokens=1).missed_modules

@@ -237,9 +237,12 @@ class PromptCache:
         kvs: dict[str, ModuleKV] = {}
         misses: list[Unit] = []
         for name in needed:
-            kv = self.store.get(self._key(compiled, compiled.units[name], chat))
-            if kv is None or kv.token_ids != compiled.units[name].token_ids or kv.fingerprint != self.fingerprint:
-                misses.append(compiled.units[name])
+            unit = compiled.units[name]
+            kv = self.store.get(self._key(compiled, unit, chat))
+            # keys are content addresses; this re-checks what the entry says of itself, so a foreign
+            # entry planted under our key is recomputed, never used
+            if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, self.fingerprint, self.mode):
+                misses.append(unit)
             else:
                 kvs[name] = kv
         encoded = 0
