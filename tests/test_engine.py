@@ -290,3 +290,11 @@ def test_entry_of_another_mode_under_our_key_is_not_used(tokenizer):
     compiled = shared._compile("s", False)
     shared.store.put(shared._key(compiled, compiled.units["a"], False), planted)
     assert "a" in shared.generate(prompt, max_new_tokens=1).missed_modules
+
+
+def test_a_prompt_record_for_an_unknown_schema_is_a_clear_error(tokenizer):
+    from rag_promptcache.pml import ast
+
+    pc = engine("llama", tokenizer)
+    with pytest.raises(ValueError, match="unknown schema 'nope'; known: "):
+        pc.generate(ast.Prompt("nope", (ast.Text("hi"),)))

@@ -90,6 +90,7 @@ class PromptCache:
         self.compiler = Compiler(tokenizer, role_markup(tokenizer))
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._schemas: dict[str, ast.Schema] = {PLAIN: ast.Schema(PLAIN, ())}
+        self._schema_chat: dict[str, bool] = {PLAIN: False}  # whether a schema uses role tags: once, not per request
         self._compiled: dict[tuple[str, bool], CompiledSchema] = {}
         self._keys: dict[tuple[str, bool, str], str] = {}
         self._lock = threading.Lock()
@@ -113,6 +114,7 @@ class PromptCache:
         parsed = parse_schema(schema) if isinstance(schema, str) else schema
         with self._lock:
             self._schemas[parsed.name] = parsed
+            self._schema_chat[parsed.name] = _uses_roles(parsed.children)
             for chat in (False, True):
                 self._compiled.pop((parsed.name, chat), None)
             self._keys = {k: v for k, v in self._keys.items() if k[0] != parsed.name}
@@ -136,7 +138,7 @@ class PromptCache:
         after each batch with the number of modules it encoded.
         """
         t0 = time.perf_counter()
-        chat = _uses_roles(self.schema(schema_name).children)
+        chat = self._schema_chat[self.schema(schema_name).name]
         compiled = self._compile(schema_name, chat)
         names = list(compiled.units) if module_names is None else list(module_names)
         for n in names:
@@ -200,7 +202,7 @@ class PromptCache:
         return self.generate(prompt, use_cache=False, max_new_tokens=1).ttft_s
 
     def is_cached(self, schema_name: str, module_name: str) -> bool:
-        chat = _uses_roles(self.schema(schema_name).children)
+        chat = self._schema_chat[self.schema(schema_name).name]
         compiled = self._compile(schema_name, chat)
         return self.store.contains(self._key(compiled, compiled.units[module_name], chat))
 
@@ -211,7 +213,7 @@ class PromptCache:
     ) -> Plan:
         """Compile the prompt and fetch (or encode and store) the KV of every module it uses."""
         parsed = self._parse(prompt)
-        chat = _uses_roles(self._schemas[parsed.schema].children) or _uses_roles(parsed.children)
+        chat = self._schema_chat[self.schema(parsed.schema).name] or _uses_roles(parsed.children)
         compiled = self._compile(parsed.schema, chat)
         pieces = self.compiler.compile_prompt(compiled, parsed, self.layout)
         if not pieces or not any(p.token_ids for p in pieces):
