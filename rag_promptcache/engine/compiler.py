@@ -36,7 +36,6 @@ class Seg:
     offset: int  # into the unit's own token_ids
     length: int  # tokens; 0 for a slot
     name: str = ""  # the parameter's name
-    group: tuple[str, ...] = ()  # for a slot: the child modules that may go here, in schema order
     schema_pos: int = 0  # absolute schema position of this seg's first token (paper layout)
 
 
@@ -47,7 +46,6 @@ class Unit:
     segs: tuple[Seg, ...]
     encode_start: int  # position of token 0 when encoded
     context_ids: tuple[int, ...]  # tokens before it in its smallest prompt (used by shared-prefix encoding)
-    param_lengths: dict[str, int]
     slot: tuple[str, int] = ("", -1)  # (parent unit, index of the slot seg in it) where this unit goes
 
 
@@ -120,7 +118,6 @@ class Compiler:
         flat = _flatten(children, self.markup, lead, structural=name == ROOT)
         token_ids: list[int] = list(lead_ids)
         segs: list[Seg] = []
-        params: dict[str, int] = {}
         pos = schema_start
         if lead_ids:
             segs.append(Seg("text", 0, len(lead_ids), schema_pos=pos))
@@ -133,28 +130,25 @@ class Compiler:
                     token_ids.extend(ids)
                     pos += len(ids)
             elif isinstance(item, ast.Param):
-                params[item.name] = item.length
                 segs.append(Seg("param", len(token_ids), item.length, item.name, schema_pos=pos))
                 token_ids.extend([self.filler] * item.length)
                 pos += item.length
             else:  # a run of sibling modules and unions
                 offset = len(token_ids)
                 child_context = context + tuple(token_ids)
-                group: list[str] = []
                 slot_pos = pos
                 for node in item:
                     members = node.modules if isinstance(node, ast.Union) else (node,)
                     widest = 0
                     for m in members:
-                        group.append(m.name)
                         widest = max(
                             widest,
                             self._unit(m.name, m.children, "", (), encode_start + offset, child_context, pos,
                                        (name, len(segs)), units),
                         )
                     pos += widest
-                segs.append(Seg("slot", offset, 0, group=tuple(group), schema_pos=slot_pos))
-        units[name] = Unit(name, tuple(token_ids), tuple(segs), encode_start, context, params, slot)
+                segs.append(Seg("slot", offset, 0, schema_pos=slot_pos))
+        units[name] = Unit(name, tuple(token_ids), tuple(segs), encode_start, context, slot)
         return pos - schema_start
 
     # -- prompt ----------------------------------------------------------------------------------
