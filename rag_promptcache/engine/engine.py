@@ -255,7 +255,7 @@ class PromptCache:
                 kvs[u.name] = kv
                 encoded += kv.num_tokens
         chosen = self.recovery if recovery is None else Recovery.parse(recovery)
-        pieces = recover(chosen, pieces, kvs, self.model, self.relocator)
+        pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
         return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in {u.name for u in misses}),
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
 

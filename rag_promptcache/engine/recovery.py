@@ -24,7 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import Piece
-from rag_promptcache.model.positions import Relocator, kv_geometry
+from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
 KINDS: tuple[str, ...] = ("none", "first_k", "selective")
@@ -78,6 +78,7 @@ def recover(
     kvs: dict[str, ModuleKV],
     model: PreTrainedModel,
     relocator: Relocator,
+    geometry: KVGeometry,
 ) -> list[Piece]:
     """The pieces with the chosen cached tokens turned into new ones."""
     if recovery.kind == "none" or recovery.budget == 0:
@@ -85,7 +86,7 @@ def recover(
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
     else:
-        chosen = _most_deviating(pieces, kvs, model, relocator, recovery.budget, recovery.layer)
+        chosen = _most_deviating(pieces, kvs, model, relocator, geometry, recovery.budget, recovery.layer)
     return split(pieces, chosen)
 
 
@@ -132,6 +133,7 @@ def _most_deviating(
     kvs: dict[str, ModuleKV],
     model: PreTrainedModel,
     relocator: Relocator,
+    geometry: KVGeometry,
     ratio: float,
     layer: int,
 ) -> set[int]:
@@ -147,7 +149,7 @@ def _most_deviating(
     if num >= len(cached_seq):
         return set(cached_seq)
     device = model.device
-    asm = assemble(pieces, kvs, relocator, model.config, kv_geometry(model), device, model.dtype)
+    asm = assemble(pieces, kvs, relocator, model.config, geometry, device, model.dtype)
     fresh = _early_cache(model, pieces, layer)
     idx = torch.tensor(cached_seq, device=device)
     # each [H, C, D]: the same tokens at the same positions, fresh against cached
