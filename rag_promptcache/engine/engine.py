@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generator
+from typing import TYPE_CHECKING, Generator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -33,6 +33,9 @@ from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.parser import parse_prompt, parse_schema
 from rag_promptcache.store.base import ModuleKV, Store, module_key
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine.batcher import Batcher
 
 PLAIN = ""  # the empty schema that plain-text prompts use
 
@@ -94,6 +97,7 @@ class PromptCache:
         self._compiled: dict[tuple[str, bool], CompiledSchema] = {}
         self._keys: dict[tuple[str, bool, str], str] = {}
         self._lock = threading.Lock()
+        self.model_lock = threading.RLock()
 
     @classmethod
     def from_pretrained(
@@ -180,6 +184,18 @@ class PromptCache:
     def astream(self, prompt: str | ast.Prompt, **kwargs) -> AsyncStream:
         """`async for piece in pc.astream(...)`; `.result` once done. Errors surface on the first step."""
         return AsyncStream(lambda: self.stream(prompt, **kwargs))
+
+    def scheduler(self, *, max_batch: int = 8, max_queue: int = 64) -> Batcher:
+        """A continuous-batching scheduler over this engine (a thread; `close()` it, or use `with`)."""
+        from rag_promptcache.engine.batcher import Batcher
+
+        return Batcher(self, max_batch=max_batch, max_queue=max_queue)
+
+    def generate_batch(self, prompts: Sequence[str | ast.Prompt], *, max_batch: int = 8, **kwargs) -> list[Result]:
+        """Generate for several prompts decoded together (one forward per token for all of them);
+        each gets the answer it gets alone. Takes `generate`'s keyword arguments."""
+        with self.scheduler(max_batch=max_batch, max_queue=max(len(prompts), 1)) as batcher:
+            return batcher.generate(prompts, **kwargs)
 
     def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""

@@ -1,0 +1,131 @@
+"""The batched KV cache and the batched decode step, gpt-fast style.
+
+One preallocated buffer per layer, keys and values [B, H, capacity, D]. Row b holds one sequence's
+assembled prompt KV (copied in after its own prefill) and its answer so far; rows have different
+lengths. A decode step feeds one token per running row (`ids` [n, 1], each row at its own position)
+and `BatchLayer.update` writes each row's new K/V at that row's own length (scatter by index). The
+step attends over the first `span` = longest row + 1 slots with an additive mask that hides each
+row's unused tail, so a short row is masked, never padded by recomputation. Running rows are the
+first n rows (the scheduler keeps them packed), so the step uses views, never a gather.
+
+Not here: who runs when (`scheduler.py`, `batcher.py`), sampling (`decode.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from rag_promptcache.engine.decode import native_gqa
+from rag_promptcache.model.positions import KVGeometry
+
+
+class BatchLayer(DynamicLayer):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, step: BatchStep) -> None:
+        super().__init__()
+        self._keys, self._values = keys, values  # [B, H, capacity, D]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.step = step
+        self.keys, self.values = keys[:0], values[:0]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [n, H, 1, D] → written at (row b, slot lengths[b]) for each running row b
+        s = self.step
+        self._keys[s.rows, :, s.lengths] = key_states[:, :, 0]
+        self._values[s.rows, :, s.lengths] = value_states[:, :, 0]
+        self.keys, self.values = self._keys[: s.n, :, : s.span], self._values[: s.n, :, : s.span]
+        return self.keys, self.values
+
+
+class BatchStep:
+    """Per-step state every layer reads: the running rows, their lengths before this token, the span."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.span = 0
+        self.rows = torch.zeros(0, dtype=torch.long)
+        self.lengths = torch.zeros(0, dtype=torch.long)
+
+
+class BatchCache:
+    """`max_batch` rows of KV with `capacity` slots each; grows (once, by copying) when a row needs more."""
+
+    @torch.inference_mode()  # the buffers are inference tensors: every write happens in the mode
+    def __init__(self, config: PretrainedConfig, g: KVGeometry, max_batch: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        probe = DynamicCache(config=config)
+        if len(probe.layers) != g.num_layers or any(type(layer) is not DynamicLayer for layer in probe.layers):
+            raise ValueError(f"batched decoding needs full-attention layers only; {config.model_type} uses "
+                             "sliding-window or other layer types: generate one request at a time")
+        self.config, self.geometry, self.dtype, self.device = config, g, dtype, device
+        self.max_batch = max_batch
+        self.step = BatchStep()
+        self.lengths = [0] * max_batch  # tokens of KV held per row
+        self.keys = torch.zeros(g.num_layers, max_batch, g.num_kv_heads, capacity, g.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.cache = self._wrap()
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[-2]
+
+    def _wrap(self) -> DynamicCache:
+        cache = DynamicCache(config=self.config)
+        cache.layers[:] = [BatchLayer(k, v, self.step) for k, v in zip(self.keys, self.values)]
+        return cache
+
+    @torch.inference_mode()  # the buffers are inference tensors: every write happens in the mode
+    def reserve(self, tokens: int) -> None:
+        """Make every row hold at least `tokens` slots."""
+        if tokens <= self.capacity:
+            return
+        grow = max(tokens, 2 * self.capacity) - self.capacity
+        pad = (*self.keys.shape[:-2], grow, self.keys.shape[-1])
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(pad)], dim=-2)
+        self.values = torch.cat([self.values, self.values.new_zeros(pad)], dim=-2)
+        self.cache = self._wrap()
+
+    @torch.inference_mode()  # the buffers are inference tensors: every write happens in the mode
+    def load(self, row: int, prompt_cache: DynamicCache, room: int = 1) -> None:
+        """Copy one prefilled sequence's KV (its own cache, batch 1) into `row`, with `room` slots to spare."""
+        n = prompt_cache.layers[0].keys.shape[-2]
+        self.reserve(n + room)
+        for i, layer in enumerate(prompt_cache.layers):
+            # layer.keys: [1, H, n, D]
+            self.keys[i, row, :, :n] = layer.keys[0]
+            self.values[i, row, :, :n] = layer.values[0]
+        self.lengths[row] = n
+
+    @torch.inference_mode()  # the buffers are inference tensors: every write happens in the mode
+    def move(self, src: int, dst: int) -> None:
+        n = self.lengths[src]
+        self.keys[:, dst, :, :n] = self.keys[:, src, :, :n]
+        self.values[:, dst, :, :n] = self.values[:, src, :, :n]
+        self.lengths[dst] = n
+
+
+@torch.inference_mode()
+def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int]) -> torch.Tensor:
+    """One token for each of the first len(ids) rows → next-token logits [n, V] fp32."""
+    n = len(ids)
+    device = batch.device
+    lengths = batch.lengths[:n]
+    batch.reserve(max(lengths) + 1)
+    s = batch.step
+    s.n, s.span = n, max(lengths) + 1
+    s.rows = torch.arange(n, device=device)
+    s.lengths = torch.tensor(lengths, device=device)
+    # mask: [n, 1, 1, span], 0 where a row has KV (its new token included), the dtype's min elsewhere
+    slots = torch.arange(s.span, device=device)
+    mask = torch.zeros(n, 1, 1, s.span, dtype=batch.dtype, device=device)
+    mask.masked_fill_((slots[None, :] > s.lengths[:, None])[:, None, None, :], torch.finfo(batch.dtype).min)
+    input_ids = torch.tensor(ids, device=device)[:, None]  # [n, 1]
+    position_ids = torch.tensor(positions, device=device)[:, None]  # [n, 1]
+    with native_gqa(device):
+        out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=batch.cache,
+                    attention_mask=mask, use_cache=True, logits_to_keep=1)
+    for r in range(n):
+        batch.lengths[r] += 1
+    return out.logits[:, -1].float()
