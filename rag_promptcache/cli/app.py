@@ -60,7 +60,7 @@ def handle_errors(fn: F) -> F:
 
 
 def _register_optional(target: typer.Typer) -> None:
-    for module in ("rag_promptcache.bench.cli",):
+    for module in ("rag_promptcache.bench.cli", "rag_promptcache.server.cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -1,0 +1,87 @@
+"""Chat turns over a corpus → the prompt to generate from, with its sources: what a server needs per request.
+
+The last turn is the question; earlier turns are history. Retrieval is `Corpus.search`, trimmed to
+the context window like `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
+imported (their stored KV reused) exactly as the framework adapters import them. `module_ids`
+skips retrieval. `completion_prompt` is the raw-prompt counterpart (PML or plain text).
+
+Not here: generation (the engine's scheduler) and any HTTP types (server/).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rag_promptcache.pml import ast
+from rag_promptcache.rag.prompts import build_prompt
+
+if TYPE_CHECKING:
+    from rag_promptcache.rag.corpus import Corpus
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    module_id: str
+    label: str  # the document the chunk came from
+    score: float | None  # cosine similarity to the question; None when the caller named the module
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    prompt: str | ast.Prompt  # what `PromptCache.generate` / `Batcher.submit` take
+    sources: tuple[Source, ...]
+
+
+class CorpusChat:
+    """One corpus shared by concurrent requests: retrieval and prompt building run under one lock
+    (the chunk table is one SQLite connection), generation does not."""
+
+    def __init__(self, corpus: Corpus) -> None:
+        self.corpus = corpus
+        self._lock = threading.Lock()
+        with self._lock:
+            corpus.prepare()
+
+    def chat_prompt(
+        self,
+        turns: Sequence[tuple[str, str]],
+        *,
+        k: int = 4,
+        module_ids: Sequence[str] | None = None,
+        max_new_tokens: int = 256,
+    ) -> ChatPrompt:
+        if not turns:
+            raise ValueError("no messages: send at least one user message")
+        for role, _ in turns:
+            if role not in ROLES:
+                raise ValueError(f"unsupported message role {role!r}; valid: {', '.join(ROLES)}")
+        if turns[-1][0] != "user":
+            raise ValueError(f"the last message must be the user's question, got a {turns[-1][0]!r} message")
+        question = turns[-1][1]
+        c = self.corpus
+        with self._lock:
+            if module_ids is None:
+                history = [(text, "") for _, text in turns[:-1]]  # counted for the window, as `ask` does
+                hits: list[tuple[str, float | None]] = list(c._fit(c.search(question, k), question, history, max_new_tokens))
+            else:
+                unknown = [m for m in module_ids if not c.has_module(m)]
+                if unknown:
+                    raise ValueError(f"unknown module id(s) {unknown} in corpus {c.path.name}; "
+                                     "module ids come from a response's sources")
+                hits = [(m, None) for m in dict.fromkeys(module_ids)]
+            sources = tuple(Source(m, c._label(m), None if s is None else round(float(s), 4)) for m, s in hits)
+            prompt = build_prompt(turns, corpus=c, module_ids=[m for m, _ in hits])
+        return ChatPrompt(prompt, sources)
+
+    def completion_prompt(self, text: str) -> ChatPrompt:
+        """A raw prompt: PML (which may import the corpus's modules by name) or plain text, as is."""
+        if not text.strip():
+            raise ValueError("the prompt is empty")
+        with self._lock:
+            prompt = build_prompt([("user", text)], corpus=self.corpus, chat=False)
+        return ChatPrompt(prompt, ())

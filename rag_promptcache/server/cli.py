@@ -1,0 +1,27 @@
+"""`rag-promptcache serve`: plugged into the CLI through `register(app)`, the hook cli/app.py looks for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    from rag_promptcache.cli.app import handle_errors
+
+    @app.command()
+    @handle_errors
+    def serve(
+        corpus: Annotated[Path, typer.Option("--corpus", help="The corpus directory to answer from.")],
+        host: Annotated[str, typer.Option("--host", help="Interface to listen on (no auth, no TLS: keep it on loopback or behind a proxy).")] = "127.0.0.1",
+        port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
+        k: Annotated[int, typer.Option("--k", "-k", min=1, help="Chunks retrieved per question (a request's `k` overrides it).")] = 4,
+        max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together.")] = 8,
+        max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a row; past it, 429 with Retry-After.")] = 64,
+    ) -> None:
+        """Serve a corpus over the OpenAI API (chat and completions, streaming), batching concurrent requests."""
+        from rag_promptcache.server import serve as run
+
+        run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, log=typer.echo)

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible server as users run it: `python -m rag_promptcache.cli serve` in a subprocess
+on a free loopback port, over a small corpus built with the real SmolLM2 and embedder, driven by
+real clients: the official `openai` client, LangChain's `ChatOpenAI`, LlamaIndex's `OpenAILike`,
+and raw HTTP for malformed requests and disconnects. One server for the whole module.
+
+The server runs with --max-batch 2 --max-queue 2, so four clients at once exercise rows joining a
+running batch, and a fifth is refused with 429."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.store_helpers import free_port
+
+pytestmark = pytest.mark.smollm
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = {
+    "zorblat.txt": "The zorblat is a purple fruit that grows only on the island of Quenti. "
+    "It tastes like lemon and honey.\n\nFarmers harvest zorblats in the month of Ember.",
+    "trains.md": "# Trains\n\nThe Blue Line train leaves the central station every 12 minutes. "
+    "It stops at Harbor, Museum and Airport.",
+    "castle.txt": "Castle Varn was built in 1342 by the glassmakers' guild. Its tower is 61 metres tall "
+    "and its bell rings at dawn.",
+}
+QUESTIONS = ["What colour is the zorblat?", "How often does the Blue Line train leave?",
+             "When was Castle Varn built?", "Where does the Blue Line stop?"]
+MODEL = "corpus"  # the corpus directory's name is the model id
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def base_url(smollm, tmp_path_factory):
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.rag import Corpus, Embedder
+    from rag_promptcache.store import MemoryStore
+
+    model, tokenizer = smollm
+    root = tmp_path_factory.mktemp("docs")
+    for name, text in DOCS.items():
+        (root / name).write_text(text)
+    path = tmp_path_factory.mktemp("srv") / MODEL
+    engine = PromptCache(model, tokenizer, store=MemoryStore(), name="smollm2-135m-instruct")
+    Corpus.build([root], path, engine=engine, embedder=Embedder(), chunk_tokens=64, overlap=8, progress=False).close()
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "rag_promptcache.cli", "serve", "--corpus", str(path),
+                             "--port", str(port), "--k", "2", "--max-batch", "2", "--max-queue", "2"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up in 300 s"
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _idle(base_url: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{base_url}/health").json()
+        if health["running"] == 0 and health["waiting"] == 0 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.1)
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["status"] == "ok" and health["max_batch"] == 2
+
+
+def test_openai_chat_usage_sources_and_streaming(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert "purple" in r.choices[0].message.content.lower()
+    u = r.usage
+    assert u.completion_tokens <= 12 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens > 20  # the retrieved modules came from the store
+    sources = r.model_extra["sources"]
+    assert len(sources) == 2 and sources[0]["label"].endswith("zorblat.txt") and sources[0]["score"] > 0
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                                 stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].model_extra["sources"] == sources
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == u.prompt_tokens_details.cached_tokens
+
+    # history, stop strings, module_ids (no retrieval), and the raw completions endpoint
+    history = [{"role": "system", "content": "Answer in one sentence."},
+               {"role": "user", "content": QUESTIONS[1]}, {"role": "assistant", "content": "Every 12 minutes."},
+               {"role": "user", "content": [{"type": "text", "text": QUESTIONS[3]}]}]
+    r2 = client.chat.completions.create(model=MODEL, messages=history, stop=["Museum"], **GREEDY,
+                                        extra_body={"module_ids": [sources[0]["module_id"]], "recovery": "none"})
+    assert "Museum" not in r2.choices[0].message.content
+    assert [s["module_id"] for s in r2.model_extra["sources"]] == [sources[0]["module_id"]]
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert c.object == "text_completion" and c.choices[0].text and c.usage.completion_tokens <= 4
+
+
+def test_frameworks_change_only_base_url(base_url):
+    from langchain_openai import ChatOpenAI
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    lc = ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", temperature=0, max_tokens=12)
+    assert "purple" in lc.invoke(QUESTIONS[0]).content.lower()
+    assert "".join(c.content for c in lc.stream(QUESTIONS[0])).lower().count("purple") >= 1
+    li = OpenAILike(model=MODEL, api_base=f"{base_url}/v1", api_key="unused", is_chat_model=True,
+                    temperature=0, max_tokens=12, context_window=8192)
+    assert "purple" in li.chat([ChatMessage(role="user", content=QUESTIONS[0])]).message.content.lower()
+
+
+def test_concurrent_clients_get_their_one_at_a_time_answers(client, base_url):
+    def ask(q: str) -> str:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], **GREEDY)
+        return r.choices[0].message.content
+
+    alone = [ask(q) for q in QUESTIONS]
+    together: list[str | None] = [None] * len(QUESTIONS)
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(QUESTIONS[i]))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
+
+
+def test_disconnect_mid_stream_frees_the_row_and_a_full_queue_is_429(client, base_url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[2]}], "stream": True,
+            "max_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        streams = []
+        for _ in range(4):  # 2 rows + 2 in the queue
+            cm = http.stream("POST", "/v1/chat/completions", json=body)
+            resp = cm.__enter__()
+            assert resp.status_code == 200
+            streams.append((cm, resp.iter_lines()))
+        next(line for line in streams[0][1] if line.startswith("data:"))
+        assert httpx.get(f"{base_url}/health").json()["running"] == 2
+        over = http.post("/v1/chat/completions", json=body)
+        assert over.status_code == 429 and over.headers["retry-after"] == "1"
+        assert over.json()["error"]["code"] == "queue_full"
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)  # hang up mid-stream
+    assert _idle(base_url)["running"] == 0  # rows freed long before 2000 tokens
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
+    assert r.choices[0].message.content
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "corpus", "messages": [', 400, None),
+    ("missing messages", {"model": MODEL}, 400, "messages"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("wrong type", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+    ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+    ("last not user", {"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]}, 400, None),
+    ("n=2", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("unknown model", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("unknown module", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "module_ids": ["nope"]}, 400, None),
+    ("bad recovery", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "recovery": "magic"}, 400, None),
+    ("past the window", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, None),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, base_url):
+    import openai
+
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        for what, body, status, param in BAD:
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == status, (what, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"] and set(err) == {"message", "type", "param", "code"}, what
+            if param is not None:
+                assert err["param"] == param, (what, err)
+        long = http.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4})
+        assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+        unknown_field = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}],
+                                                                "max_tokens": 2, "frequency_penalty": 0, "user": "x"})
+        assert unknown_field.status_code == 200  # unknown fields are ignored, as OpenAI's clients expect
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
+    assert "purple" in r.choices[0].message.content.lower()
