@@ -36,17 +36,23 @@ PROMPTS = [
 # -- bookkeeping ------------------------------------------------------------------------------------
 
 def test_rows_admit_in_order_stay_packed_and_bound_the_queue():
-    rows = Rows(max_batch=2, max_queue=3)
+    rows = Rows(max_batch=2, max_queue=1)
     for r in "abc":
         rows.submit(r)
-    with pytest.raises(QueueFull, match="max_queue=3"):
+    with pytest.raises(QueueFull, match="max_queue=1"):
+        rows.submit("d")  # 2 rows + 1 waiting
+    assert rows.has_room() and rows.next_waiting() == "a"
+    assert rows.has_room() and rows.next_waiting() == "b"  # both prefilling: they hold the rows
+    assert not rows.has_room() and rows.join("a") == 0 and rows.join("b") == 1
+    with pytest.raises(QueueFull):
         rows.submit("d")
-    assert rows.has_room() and rows.join(rows.next_waiting()) == 0
-    assert rows.join(rows.next_waiting()) == 1
     assert not rows.has_room() and rows.num_waiting == 1 and rows.running == ("a", "b")
     assert rows.leave("a") == Move("b", 1, 0)  # the last row fills the hole
     assert rows.running == ("b",) and rows.join(rows.next_waiting()) == 1
     assert rows.leave("c") is None and rows.running == ("b",)
+    rows.submit("f")
+    assert rows.next_waiting() == "f" and rows.leave("f") is None  # failed in its prefill
+    assert rows.running == ("b",) and rows.has_room() is False and rows.num_waiting == 0
     rows.submit("e")
     assert rows.leave("e") is None and rows.num_waiting == 0  # cancelled while waiting
     with pytest.raises(ValueError, match="max_batch"):

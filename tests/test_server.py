@@ -165,8 +165,11 @@ def test_disconnect_mid_stream_frees_the_row_and_a_full_queue_is_429(client, bas
             resp = cm.__enter__()
             assert resp.status_code == 200
             streams.append((cm, resp.iter_lines()))
-        next(line for line in streams[0][1] if line.startswith("data:"))
-        assert httpx.get(f"{base_url}/health").json()["running"] == 2
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{base_url}/health").json()["running"] < 2:  # both prefilled and decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(f"{base_url}/health").json()["waiting"] == 2
         over = http.post("/v1/chat/completions", json=body)
         assert over.status_code == 429 and over.headers["retry-after"] == "1"
         assert over.json()["error"]["code"] == "queue_full"

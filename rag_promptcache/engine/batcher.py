@@ -250,7 +250,7 @@ class Batcher:
                 with self.engine.model_lock:
                     cache, logits, position = self.engine._prefill(handle.plan, 0)
             except Exception as e:  # noqa: BLE001 - this request fails; the others go on
-                self._handles.pop(rid)._put(e)
+                self._finish(rid, e)
                 continue
             generator = None
             if s.seed is not None and s.temperature > 0:
