@@ -72,6 +72,10 @@ def markdown(report: dict[str, object]) -> str:
                            [["HuggingFacePipeline", lc["huggingface_pipeline_first_token_s"]],
                             ["PromptCacheLLM", lc["promptcache_first_token_s"]]]),
                     "", f"speed-up {lc['speedup']:.1f}x over {lc['questions']} questions, k={lc['k']}", ""]
+    if isinstance(report.get("serve"), dict):
+        from rag_promptcache.bench import serve
+
+        out += serve.markdown(report["serve"])
     return "\n".join(out)
 
 
@@ -118,4 +122,8 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         written.append(folder / "quality_pareto.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
+    if isinstance(report.get("serve"), dict):
+        from rag_promptcache.bench import serve
+
+        written += serve.plots(report["serve"], folder)
     return written
