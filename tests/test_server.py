@@ -220,3 +220,15 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, base_url
     assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
     assert "purple" in r.choices[0].message.content.lower()
+
+
+def test_serve_command_help_and_a_missing_corpus(capsys, tmp_path):
+    from rag_promptcache.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(o in out for o in ("--corpus", "--host", "--port", "--k", "--max-batch", "--max-queue"))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--corpus", str(tmp_path / "nope")])
+    assert e.value.code == 1 and "does not exist" in capsys.readouterr().err
