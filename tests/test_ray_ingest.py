@@ -18,8 +18,10 @@ from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.distributed import Fault, RayOptions
 from rag_promptcache.store import DiskStore
+from tests.tiny_llama import save_tiny_llama
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = {
@@ -33,20 +35,7 @@ TOPICS = {
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    """A 2-layer random llama with SmolLM2's tokenizer, saved as a model directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from rag_promptcache.model.loading import DEFAULT_MODEL, _resolve_directory
-
-    tokenizer = AutoTokenizer.from_pretrained(_resolve_directory(DEFAULT_MODEL))
-    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=2048, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

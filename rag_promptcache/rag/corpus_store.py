@@ -26,8 +26,9 @@ _SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def redis_url(explicit: str | None = None) -> str | None:
-    """The Redis URL to use: `explicit`, else `$RAG_PROMPTCACHE_REDIS_URL`, else None (no Redis tier)."""
-    url = explicit if explicit is not None else os.environ.get(ENV_REDIS_URL) or None
+    """The Redis URL to use: `explicit`, else `$RAG_PROMPTCACHE_REDIS_URL`, else None (no Redis tier).
+    An empty string, as either, means no Redis tier."""
+    url = (explicit if explicit is not None else os.environ.get(ENV_REDIS_URL, "")).strip() or None
     if url is not None and not url.startswith(_SCHEMES):
         where = "redis_url" if explicit is not None else f"${ENV_REDIS_URL}"
         raise ValueError(f"{where} {url!r} is not a Redis URL; valid forms: redis://host:6379/0, rediss://…, unix:///path.sock")
