@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from rag_promptcache.cli import main
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.distributed import Fault, RayOptions
@@ -141,7 +142,7 @@ def test_killed_worker_is_retried(cluster, docs: Path, tiny_model: str, referenc
 
 
 def test_batch_that_keeps_failing_is_reported_with_its_file(cluster, docs: Path, tiny_model: str, reference: Corpus,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, capsys) -> None:
     fault = Fault("Magma rises", action="raise")
     c = build(docs, tmp_path / "c", tiny_model, RayOptions(workers=1, max_retries=1, fault=fault))
     report = c.last_report
@@ -150,6 +151,13 @@ def test_batch_that_keeps_failing_is_reported_with_its_file(cluster, docs: Path,
     assert "FAILED 1 file(s)" in report.summary() and bad in report.summary()
     incomplete = [d.source for d in c.table.documents() if not d.complete]
     assert incomplete == [bad] and len(c.table.documents()) == len(TOPICS)  # the rest is kept
-    c.add([docs], progress=False)  # the next ingest retries it (here locally)
+    c.close()
+    # The next ingest retries it: the CLI, on Ray again (this cluster), KV returned to the driver.
+    with pytest.raises(SystemExit) as exit_:
+        main(["ingest", str(docs), "--corpus", str(tmp_path / "c"), "--ray", "--workers", "1", "--ray-kv", "driver"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "1 ingested, 4 unchanged" in out and "KV returned to the driver" in out
+    c = Corpus.open(tmp_path / "c")
     assert_same(c, reference)
     c.close()

@@ -21,7 +21,7 @@ import torch
 
 from rag_promptcache.bench.common import Bench, BenchConfig
 
-SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain")
+SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "ingest")
 
 
 def run(
@@ -93,6 +93,10 @@ def run_loaded(
             out.update(mem)
         elif name == "throughput":
             out["throughput"] = throughput.run(bench)
+        elif name == "ingest":
+            from rag_promptcache.bench import ingest
+
+            out["ingest"] = ingest.run(bench)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0

@@ -295,7 +295,8 @@ class Corpus:
                 commit = lambda b, f, new, vectors: self._commit(b, f, new, vectors, stats, bar, on_batch)  # noqa: E731
                 run = ingest_batches(self, batches, ray, commit)
                 stats["encode_s"] += run.encode_seconds
-                extra = {"workers": run.num_workers, "kv_written_by": run.kv_written_by, "failed": run.failed}
+                extra = {"workers": run.num_workers, "kv_written_by": run.kv_written_by, "failed": run.failed,
+                         "worker_start_seconds": run.start_seconds}
         finally:
             bar.close()
             self._save_index()

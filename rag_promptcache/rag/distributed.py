@@ -103,6 +103,7 @@ class RayRun:
     kv_written_by: str  # "workers" or "driver"
     failed: tuple[tuple[str, str], ...]  # (source file, why)
     encode_seconds: float  # summed over the workers
+    start_seconds: float  # until every worker had loaded the model and the embedder
 
 
 class _Collect:
@@ -207,8 +208,10 @@ def ingest_batches(corpus: Corpus, batches: Iterable[tuple[Batch, list[str]]], o
         sink, spec = _plan(ray, corpus, opts)
         actor_cls = ray.remote(num_cpus=opts.cpus_per_worker, max_restarts=opts.max_retries,
                                max_task_retries=opts.max_retries)(EncodeWorker)
+        t0 = time.perf_counter()
         actors = [actor_cls.remote(spec) for _ in range(opts.workers)]
         ray.get([a.pid.remote() for a in actors])  # a model or embedder a node cannot load fails here, once
+        start_s = time.perf_counter() - t0
         failed: dict[str, str] = {}
         encode_s = 0.0
         store = corpus.engine.store if sink == "driver" else None
@@ -246,7 +249,7 @@ def ingest_batches(corpus: Corpus, batches: Iterable[tuple[Batch, list[str]]], o
                 finish(pending.popleft())
         while pending:
             finish(pending.popleft())
-        return RayRun(len(actors), sink, tuple(failed.items()), encode_s)
+        return RayRun(len(actors), sink, tuple(failed.items()), encode_s, start_s)
     finally:
         for a in actors:
             ray.kill(a)

@@ -65,6 +65,7 @@ class IngestReport:
     workers: int = 0  # Ray actors that embedded and encoded (0: this process did)
     kv_written_by: str = "local"  # "local", "workers" (straight into the shared store) or "driver" (returned)
     failed: tuple[tuple[str, str], ...] = ()  # (file, why) of batches that kept failing; run ingest again
+    worker_start_seconds: float = 0.0  # of `seconds`: until every Ray worker had loaded its model
 
     @property
     def modules_per_s(self) -> float:
@@ -84,7 +85,7 @@ class IngestReport:
         ]
         if self.workers:
             where = "written by the workers into the corpus's store" if self.kv_written_by == "workers" else "returned to the driver and written here"
-            parts.append(f"{self.workers} Ray worker(s), module KV {where}")
+            parts.append(f"{self.workers} Ray worker(s) (started in {self.worker_start_seconds:.1f}s), module KV {where}")
         if self.skipped:
             parts.append(f"skipped {len(self.skipped)} file(s)")
         if self.failed:
