@@ -51,6 +51,7 @@ def ingest(
     ray: Annotated[bool, typer.Option("--ray", help="Embed and encode on a Ray cluster (needs the ray extra of rag-promptcache).")] = False,
     ray_address: Annotated[str | None, typer.Option(help="With --ray: 'auto' (a running cluster), ray://host:10001 (default: start a local one).")] = None,
     workers: Annotated[int, typer.Option(help="With --ray: Ray actors, each loading the model once.")] = 2,
+    cpus_per_worker: Annotated[float, typer.Option(help="With --ray: CPUs (and torch threads) per worker.")] = 1.0,
     ray_kv: Annotated[str, typer.Option(help="With --ray: who writes module KV: auto, workers (shared Redis or disk) or driver.")] = "auto",
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
@@ -61,7 +62,7 @@ def ingest(
     if ray:
         from rag_promptcache.rag.distributed import RayOptions
 
-        ray_opts = RayOptions(address=ray_address, workers=workers, kv=ray_kv)
+        ray_opts = RayOptions(address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker, kv=ray_kv)
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
 
