@@ -17,8 +17,10 @@ import torch
 from rag_promptcache.cli import main
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.corpus import Corpus
+from rag_promptcache.rag.corpus_store import redis_prefix
 from rag_promptcache.rag.distributed import Fault, RayOptions
-from rag_promptcache.store import DiskStore
+from rag_promptcache.store import DiskStore, RedisStore
+from tests.store_helpers import needs_redis
 from tests.tiny_llama import save_tiny_llama
 
 ray = pytest.importorskip("ray")
@@ -96,12 +98,17 @@ def assert_same(a: Corpus, b: Corpus) -> None:
     assert sa == sb
 
 
-def test_ray_ingest_builds_the_same_corpus(cluster, docs: Path, tiny_model: str, reference: Corpus, tmp_path: Path) -> None:
-    c = build(docs, tmp_path / "c", tiny_model, RayOptions(workers=2))
+@needs_redis
+def test_ray_ingest_builds_the_same_corpus(cluster, docs: Path, tiny_model: str, reference: Corpus, tmp_path: Path,
+                                           redis_server) -> None:
+    c = build(docs, tmp_path / "c", tiny_model, RayOptions(workers=2), redis_url=redis_server.url)
     report = c.last_report
     assert report.workers == 2 and report.kv_written_by == "workers" and not report.failed  # a local cluster shares the disk
     assert report.num_modules == len(reference) > 6
     assert_same(c, reference)
+    # The workers wrote every entry into the corpus's Redis tier as well, under its own prefix.
+    redis_keys = RedisStore(redis_server.url, prefix=redis_prefix(c.manifest.name)).keys()
+    assert sorted(redis_keys) == snapshot(reference)["store_keys"]
     store = DiskStore(c.path / "store")
     key = store.keys()[0]
     torch.testing.assert_close(store.get(key).keys, DiskStore(reference.path / "store").get(key).keys, rtol=0, atol=0)

@@ -19,9 +19,7 @@ from pathlib import Path
 import torch
 
 from rag_promptcache.bench.common import Bench
-from rag_promptcache.engine import PromptCache
 from rag_promptcache.rag.corpus import Corpus
-from rag_promptcache.rag.corpus_store import open_store
 from rag_promptcache.rag.sample import TOPICS, sample_documents
 
 
@@ -41,15 +39,11 @@ def run(bench: Bench) -> dict[str, object]:
             name = "local" if not workers else f"ray, {workers} worker(s)"
             bench.log(f"ingest: {name} …")
             with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "c"
-                # The bench's loaded model drives chunking (and, locally, encoding); Ray workers load their own.
-                engine = PromptCache(bench.model, bench.tokenizer, store=open_store(path / "store", 1 << 30, None, "bench"),
-                                     name=bench.model_name)
-                corpus = Corpus.build(docs, path, engine=engine, chunk_tokens=cfg.module_tokens, progress=False,
-                                      ray=RayOptions(workers=workers) if workers else None)
+                # The corpus loads its own model (before its clock starts), as `rag-promptcache ingest` does.
+                corpus = Corpus.build(docs, Path(tmp) / "c", model=bench.model_name, chunk_tokens=cfg.module_tokens,
+                                      progress=False, ray=RayOptions(workers=workers) if workers else None)
                 r = corpus.last_report
                 corpus.close()
-                engine.store.close()
             assert r is not None and not r.failed, f"{r=}"
             after = r.seconds - r.worker_start_seconds
             runs.append({
