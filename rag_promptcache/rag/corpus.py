@@ -28,8 +28,8 @@ import numpy as np
 
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
-from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag import corpus_store
+from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike, resolve
 from rag_promptcache.rag.index import VectorIndex, faiss_id
 from rag_promptcache.rag.ingest import check_budget, collect, progress_bar, stale

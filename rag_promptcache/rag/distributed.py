@@ -14,9 +14,12 @@ modules' KV. Where the KV goes (`RayOptions.kv`):
 Why plain actors and not Ray Data `map_batches` with an actor pool: the commit must follow the
 submission order (resume and per-document completion depend on it) and a failed batch must be
 named with its source files while the rest goes on; with actors that is a small in-order window of
-object refs, while Ray Data streams results out of order and fails the whole dataset on a batch
-that keeps failing (unless max_errored_blocks, which drops it silently). Ray Data's streaming
-executor also adds start-up time that a few-minute ingest feels. We did not benchmark Ray Data.
+object refs, while a Ray Data pipeline fails as a whole on a block that keeps failing (unless
+`DataContext.max_errored_blocks` lets it skip blocks, and then the driver must work out which
+files they held), and its output would have to be re-ordered for the commits. Ray Data's gains
+(streaming from storage, autoscaling pools) matter little here: the driver already holds the
+chunks, and the pool is fixed by the model's memory. Decided on these grounds; Ray Data was not
+benchmarked.
 
 Failures: an actor whose process dies is restarted and its batch retried (`max_restarts`,
 `max_task_retries`); a batch that raises is retried too; one that still fails is reported in
