@@ -168,3 +168,30 @@ def test_batch_that_keeps_failing_is_reported_with_its_file(cluster, docs: Path,
     c = Corpus.open(tmp_path / "c")
     assert_same(c, reference)
     c.close()
+
+
+def test_options_are_checked() -> None:
+    for bad, match in (({"workers": 0}, "workers must be at least 1"), ({"kv": "nfs"}, "valid: auto, workers, driver"),
+                       ({"cpus_per_worker": 0}, "cpus_per_worker must be > 0")):
+        with pytest.raises(ValueError, match=match):
+            RayOptions(**bad)
+    with pytest.raises(ValueError, match="valid: raise, exit"):
+        Fault("x", action="crash")
+
+
+def test_workers_that_cannot_load_the_model_are_a_clear_error(cluster, reference: Corpus, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    shutil.copytree(reference.path, tmp_path / "c")
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    manifest["model"] = str(tmp_path / "no-such-model")  # the workers load it by this name
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "lighthouse.txt").write_text("A lighthouse keeper trims the lamp's wick every night.")
+    c = Corpus.open(tmp_path / "c", engine=reference.engine)  # the driver has the right weights
+    with pytest.raises(ValueError, match="the Ray workers could not start: .*no-such-model"):
+        c.add([tmp_path / "new"], progress=False, ray=RayOptions(workers=1))
+    # Nothing lost and nothing half-done: the workers fail before the first document is started.
+    assert len(c) == len(reference) and [d.source for d in c.table.documents()] == [d.source for d in reference.table.documents()]
+    c.close()

@@ -63,6 +63,10 @@ class Fault:
     action: str = "raise"
     once_file: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.action not in ("raise", "exit"):
+            raise ValueError(f"unknown fault action {self.action!r}; valid: raise, exit")
+
 
 @dataclass(frozen=True, slots=True)
 class RayOptions:
@@ -213,7 +217,10 @@ def ingest_batches(corpus: Corpus, batches: Iterable[tuple[Batch, list[str]]], o
                                max_task_retries=opts.max_retries)(EncodeWorker)
         t0 = time.perf_counter()
         actors = [actor_cls.remote(spec) for _ in range(opts.workers)]
-        ray.get([a.pid.remote() for a in actors])  # a model or embedder a node cannot load fails here, once
+        try:
+            ray.get([a.pid.remote() for a in actors])  # a model or embedder a node cannot load fails here, once
+        except ray.exceptions.RayError as e:
+            raise ValueError(f"the Ray workers could not start: {_why(e)}") from e
         start_s = time.perf_counter() - t0
         failed: dict[str, str] = {}
         encode_s = 0.0
