@@ -14,6 +14,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
+	# [all] includes the ray extra, so tests/test_ray_ingest.py runs on a fresh clone.
 	$(BIN)/pip install -q -e ".[all]"
 	$(BIN)/pip install -q -e integrations/langchain -e integrations/llamaindex
 	$(BIN)/pip install -q "langchain-tests>=1.1,<2" "langchain-huggingface>=1.0,<2"

@@ -54,13 +54,15 @@ class BenchConfig:
     embed: bool = True
     store_repeats: int = 5
     recovery: str | None = None  # the engine's recovery in the TTFT and LangChain scenarios; None: its default
+    ingest_topics: int = 29  # sample topics the ingest scenario ingests (29: all, ~15k tokens)
+    ingest_workers: tuple[int, ...] = (1, 2)  # Ray worker counts compared with a local ingest
 
     @classmethod
     def quick(cls) -> BenchConfig:
         return cls(
             contexts=(512, 2048), repeats_slow=2, repeats_fast=5, warmup_each_context=False, questions=20, ks=(4,),
             quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8")),
-            faiss_queries=100, store_repeats=3,
+            faiss_queries=100, store_repeats=3, ingest_topics=8,
         )
 
     @classmethod

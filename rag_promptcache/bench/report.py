@@ -62,6 +62,12 @@ def markdown(report: dict[str, object]) -> str:
         rows += [[f"FAISS flat, {f['vectors']} vectors", f"{f['search_ms_median']:.3f} ms median",
                   f"{f['search_ms_p95']:.3f} ms p95"] for f in thr.get("faiss", [])]
         out += ["## Throughput", "", _table(["what", "rate", ""], rows), ""]
+    ing = report.get("ingest")
+    if isinstance(ing, dict) and ing.get("runs"):
+        out += [f"## Ingest: local vs Ray ({ing['modules']} modules, {ing['tokens']} tokens; {ing['note']})", "", _table(
+            ["run", "seconds", "workers' start s", "tokens/s", "modules/s", "tokens/s after start", "vs local", "KV written by"],
+            [[r["run"], r["seconds"], r["worker_start_s"], r["tokens_per_s"], r["modules_per_s"], r["tokens_per_s_after_start"],
+              r["vs_local"], r["kv_written_by"]] for r in ing["runs"]]), ""]
     lc = report.get("langchain")
     if isinstance(lc, dict):
         out += ["## LangChain end to end", ""]

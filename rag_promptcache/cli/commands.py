@@ -15,12 +15,14 @@ from rag_promptcache.cli.app import app, fail, handle_errors
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
 KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
+RedisOpt = Annotated[str | None, typer.Option(
+    "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]
 
 
-def _open(corpus: Path):
+def _open(corpus: Path, redis_url: str | None = None):
     from rag_promptcache.rag import Corpus
 
-    return Corpus.open(corpus)
+    return Corpus.open(corpus, redis_url=redis_url)
 
 
 def _check_k(k: int) -> None:
@@ -45,10 +47,24 @@ def ingest(
     index: Annotated[str | None, typer.Option(help="flat (exact, default), hnsw or ivf (large corpora).")] = None,
     field: Annotated[str, typer.Option(help="The text field of .json/.jsonl records.")] = "text",
     max_ingest_tokens: Annotated[int, typer.Option(help="Refuse to add more new tokens than this in one run.")] = 2_000_000,
+    redis_url: RedisOpt = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Embed and encode on a Ray cluster (needs the ray extra of rag-promptcache).")] = False,
+    ray_address: Annotated[str | None, typer.Option(help="With --ray: 'auto' (a running cluster), ray://host:10001 (default: start a local one).")] = None,
+    workers: Annotated[int, typer.Option(help="With --ray: Ray actors, each loading the model once.")] = 2,
+    cpus_per_worker: Annotated[float, typer.Option(help="With --ray: CPUs (and torch threads) per worker.")] = 1.0,
+    ray_kv: Annotated[str, typer.Option(help="With --ray: who writes module KV: auto, workers (shared Redis or disk) or driver.")] = "auto",
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
-    files gone from an ingested directory removed. Interrupted? Run it again to resume."""
+    files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray)."""
     from rag_promptcache.rag import Corpus, LoaderWarning, is_corpus
+
+    ray_opts = None
+    if ray:
+        from rag_promptcache.rag.distributed import RayOptions
+
+        ray_opts = RayOptions(address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker, kv=ray_kv)
+    elif ray_address is not None:
+        raise fail("--ray-address needs --ray")
 
     for p in paths:
         if not p.exists():
@@ -58,14 +74,14 @@ def ingest(
         warnings.simplefilter("always", LoaderWarning)
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
         if existed:
-            c = Corpus.open(corpus, model=model, embedder=embedder)
+            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url)
             for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
-            report = c.add(paths, field=field, token_budget=max_ingest_tokens)
+            report = c.add(paths, field=field, token_budget=max_ingest_tokens, ray=ray_opts)
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
-                             index=index, field=field, token_budget=max_ingest_tokens)
+                             index=index, field=field, token_budget=max_ingest_tokens, redis_url=redis_url, ray=ray_opts)
             report = c.last_report
     info = c.info()
     if report is not None:
@@ -73,6 +89,8 @@ def ingest(
     typer.echo(f"{'updated' if existed else 'created'} corpus {corpus}: {info['num_documents']} documents, "
                f"{info['num_modules']} modules, {info['num_tokens']} tokens")
     c.close()
+    if report is not None and report.failed:
+        raise fail(f"{len(report.failed)} file(s) failed and are kept incomplete; run the same command again to retry them")
 
 
 @app.command()
@@ -84,12 +102,13 @@ def ask(
     stream: Annotated[bool, typer.Option("--stream", help="Print the answer as it is generated.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     max_new_tokens: MaxNewOpt = 256,
+    redis_url: RedisOpt = None,
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
-    c = _open(corpus)
+    c = _open(corpus, redis_url)
     _check_nonempty(c)
     if stream and not as_json:
         s = c.ask_stream(question, k, max_new_tokens=max_new_tokens)
@@ -116,10 +135,11 @@ def _stats(answer) -> str:
 
 @app.command()
 @handle_errors
-def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256, turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3) -> None:
+def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256,
+         turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3, redis_url: RedisOpt = None) -> None:
     """Chat with the corpus: streaming answers, history, /sources, /quit."""
     _check_k(k)
-    c = _open(corpus)
+    c = _open(corpus, redis_url)
     _check_nonempty(c)
     typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, /quit ends")
     history: list[tuple[str, str]] = []

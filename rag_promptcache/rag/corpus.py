@@ -3,7 +3,8 @@
 Directory layout: `manifest.json` (model, fingerprint, embedder, chunking, versions),
 `chunks.sqlite` (documents, chunks with offsets, module texts and vectors: the source of truth),
 `index.faiss` + `index.json` (a saved index and the table generation it reflects; rebuilt from the
-table when they disagree), `store/` (module KV, memory → disk).
+table when they disagree), `store/` (module KV, memory → disk → an optional shared Redis, see
+`corpus_store.py`). Ingest can run its embedding and encoding on a Ray cluster (`distributed.py`).
 
 The schema is union-free: the instructions, then one module per chunk, all inside the system turn.
 A question imports the retrieved modules in retrieval order and adds the user turn.
@@ -18,7 +19,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ import numpy as np
 
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
+from rag_promptcache.rag import corpus_store
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike, resolve
 from rag_promptcache.rag.index import VectorIndex, faiss_id
@@ -37,6 +39,7 @@ from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, ModuleR
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
+    from rag_promptcache.rag.distributed import RayOptions
     from rag_promptcache.store.base import Store
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # = model.loading.DEFAULT_MODEL, without importing torch
@@ -46,9 +49,9 @@ DEFAULT_INSTRUCTIONS = (
 )
 DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to tens of GB
 BATCH_CHUNKS = 16
-DISK_CODEC = "fp16"
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
+Batch = list[tuple[str, int, Chunk]]  # (source, seq, chunk)
 
 
 def _load_engine(model: str, store: Store | None, mode: str | None) -> PromptCache:
@@ -61,14 +64,6 @@ def _load_embedder(name: str | None) -> EmbedderLike:
     from rag_promptcache.rag.embed import Embedder
 
     return Embedder(name)
-
-
-def _open_store(path: Path, memory_bytes: int) -> Store:
-    from rag_promptcache.store import DiskStore, MemoryStore, TieredStore
-
-    # fp16 at rest halves the disk (an fp32 CPU model writes 46 KB per token natively); entries are
-    # decoded back to the model's dtype, and the codec is in each entry's header.
-    return TieredStore([MemoryStore(max_bytes=memory_bytes), DiskStore(path, codec=DISK_CODEC)])
 
 
 def _package_version() -> str:
@@ -91,11 +86,15 @@ class Corpus:
         engine: PromptCache | None = None,
         embedder: EmbedderLike | None = None,
         memory_bytes: int = 1 << 30,
+        redis_url: str | None = None,
+        disk_tier: bool = True,
     ) -> None:
         self.path = path
         self.manifest = manifest
         self.table = ChunkTable(path / "chunks.sqlite")
         self.memory_bytes = memory_bytes
+        self.redis_url = redis_url
+        self.disk_tier = disk_tier
         self._engine = engine
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
         self._embedder = embedder
@@ -115,10 +114,15 @@ class Corpus:
         model: str | None = None,
         embedder: str | EmbedderLike | None = None,
         memory_bytes: int = 1 << 30,
+        redis_url: str | None = None,
+        disk_tier: bool = True,
     ) -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
-        with raises `ValueError` naming both."""
+        with raises `ValueError` naming both. `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
+        shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
+        the engine the corpus loads, not to a caller's `engine`."""
         path = Path(path)
+        redis_url = corpus_store.redis_url(redis_url)
         if not is_corpus(path):
             what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
             raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
@@ -133,7 +137,7 @@ class Corpus:
             if name != manifest.embedder:
                 raise ValueError(f"corpus {path} was built with embedder {manifest.embedder!r}, not {name!r}")
             emb_obj = None if isinstance(embedder, str) else embedder
-        return cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes)
+        return cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url, disk_tier=disk_tier)
 
     @classmethod
     def build(
@@ -154,18 +158,22 @@ class Corpus:
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         on_batch: OnBatch | None = None,
         progress: bool | None = None,
+        redis_url: str | None = None,
+        ray: RayOptions | None = None,
     ) -> Corpus:
-        """Create a corpus at `path` from `inputs`, or update the one there (its settings must match)."""
+        """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
+        `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`)."""
         path = Path(path)
         inputs = list(inputs)
+        redis_url = corpus_store.redis_url(redis_url)
         if is_corpus(path):
-            corpus = cls.open(path, engine, model=model, embedder=embedder)
+            corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url)
             m = corpus.manifest
             asked = {"chunk_tokens": chunk_tokens, "overlap": overlap, "max_tokens": max_tokens, "index": index}
             for key, value in asked.items():
                 if value is not None and value != getattr(m, key):
                     raise ValueError(f"corpus {path} uses {key}={getattr(m, key)!r}, not {value!r}; ingest into a new corpus to change it")
-            corpus.add(inputs, field=field, token_budget=token_budget, on_batch=on_batch, progress=progress)
+            corpus.add(inputs, field=field, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
             return corpus
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ValueError(f"{path} exists and is not a corpus; pass an empty or new directory to --corpus")
@@ -175,20 +183,21 @@ class Corpus:
         docs, report = collect(inputs, field)
         check_budget(docs, token_budget)
         owns = engine is None
-        engine = engine or _load_engine(model or DEFAULT_MODEL, _open_store(path / "store", 1 << 30), mode)
+        name = "rag_" + uuid.uuid4().hex[:12]  # before the store: it keys the Redis tier
+        engine = engine or _load_engine(model or DEFAULT_MODEL, corpus_store.open_store(path / "store", 1 << 30, redis_url, name), mode)
         emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
         now = time.time()
         manifest = Manifest(
-            name="rag_" + uuid.uuid4().hex[:12], model=model or engine.model_name, fingerprint=engine.fingerprint,
+            name=name, model=model or engine.model_name, fingerprint=engine.fingerprint,
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=_package_version(), created=now, updated=now,
         )
         path.mkdir(parents=True, exist_ok=True)
         _write_atomic(path / "manifest.json", manifest.to_json())
-        corpus = cls(path, manifest, engine=engine, embedder=emb)
+        corpus = cls(path, manifest, engine=engine, embedder=emb, redis_url=redis_url)
         corpus._owns_engine = owns
-        corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
+        corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
         return corpus
 
     # -- lazily loaded parts -------------------------------------------------------------------------
@@ -196,10 +205,15 @@ class Corpus:
     @property
     def engine(self) -> PromptCache:
         if self._engine is None:
-            engine = _load_engine(self.manifest.model, _open_store(self.path / "store", self.memory_bytes), self.manifest.mode)
+            engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode)
             _check_engine(engine, self.manifest, self.path)
             self._engine, self._owns_engine = engine, True
         return self._engine
+
+    def open_store(self) -> Store:
+        """A new handle on this corpus's KV store (memory → disk → Redis, as configured)."""
+        disk = self.path / "store" if self.disk_tier else None
+        return corpus_store.open_store(disk, self.memory_bytes, self.redis_url, self.manifest.name)
 
     @property
     def embedder(self) -> EmbedderLike:
@@ -225,12 +239,14 @@ class Corpus:
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         on_batch: OnBatch | None = None,
         progress: bool | None = None,
+        ray: RayOptions | None = None,
     ) -> IngestReport:
         """Ingest new and changed documents; unchanged ones cost a hash. Files gone from an ingested
-        directory are removed. `on_batch` runs after each committed batch."""
+        directory are removed. `on_batch` runs after each committed batch. `ray` runs the embedding
+        and encoding on a Ray cluster (`rag.distributed`); the result is the same corpus."""
         inputs = list(inputs)
         docs, report = collect(inputs, field)
-        return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
+        return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
 
     def remove(self, source: str | os.PathLike[str]) -> int:
         """Forget a document (by source path or id); returns the number of modules dropped."""
@@ -256,35 +272,31 @@ class Corpus:
         token_budget: int,
         on_batch: OnBatch | None,
         progress: bool | None,
+        ray: RayOptions | None = None,
     ) -> IngestReport:
         t0 = time.perf_counter()
         todo = [d for d in docs if not self._unchanged(d)]
         check_budget(todo, token_budget)
         gone = stale(self.table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
         stats = {"modules": 0, "tokens": 0, "reused": 0, "encode_s": 0.0}
+        extra: dict[str, object] = {}
         bar = progress_bar(progress)
         try:
             for source in gone:
                 self.index.remove(np.array(self.table.remove_document(source), dtype=np.int64))
                 self._index_generation = self.table.generation
-            params = ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens)
-            chunker = Chunker(self.engine.tokenizer, params) if todo else None  # no model for a no-op
-            batch: list[tuple[str, int, Chunk]] = []
-            finished: list[str] = []
-            for doc in todo:
-                dropped = self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes))
-                self.index.remove(np.array(dropped, dtype=np.int64))
-                self._index_generation = self.table.generation
-                done = self.table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
-                assert chunker is not None
-                for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
-                    if chunk.module_id not in done:
-                        batch.append((doc.source, seq, chunk))
-                    if len(batch) >= BATCH_CHUNKS:
-                        self._flush(batch, finished, stats, bar, on_batch)
-                        batch, finished = [], []
-                finished.append(doc.source)
-            self._flush(batch, finished, stats, bar, on_batch)
+            batches = self._batches(todo)
+            if ray is None:
+                for batch, finished in batches:
+                    self._flush(batch, finished, stats, bar, on_batch)
+            elif todo:
+                from rag_promptcache.rag.distributed import ingest_batches
+
+                commit = lambda b, f, new, vectors: self._commit(b, f, new, vectors, stats, bar, on_batch)  # noqa: E731
+                run = ingest_batches(self, batches, ray, commit)
+                stats["encode_s"] += run.encode_seconds
+                extra = {"workers": run.num_workers, "kv_written_by": run.kv_written_by, "failed": run.failed,
+                         "worker_start_seconds": run.start_seconds}
         finally:
             bar.close()
             self._save_index()
@@ -292,7 +304,7 @@ class Corpus:
         self.last_report = IngestReport(
             num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
             num_modules=stats["modules"], num_tokens=stats["tokens"], num_reused=stats["reused"], seconds=seconds,
-            encode_seconds=stats["encode_s"], skipped=tuple(report.skipped),
+            encode_seconds=stats["encode_s"], skipped=tuple(report.skipped), **extra,
         )
         return self.last_report
 
@@ -300,11 +312,39 @@ class Corpus:
         row = self.table.document(doc.source)
         return row is not None and row.complete and row.content_hash == doc.content_hash
 
-    def _flush(self, batch: list[tuple[str, int, Chunk]], finished: list[str], stats: dict, bar, on_batch: OnBatch | None) -> None:
-        """Embed and encode one batch, then commit its rows and vectors together."""
+    def _batches(self, todo: list[Document]) -> Iterator[tuple[Batch, list[str]]]:
+        """(chunks to embed and encode, documents complete once they are committed), in order.
+        Starts each document in the table as it reaches it; skips chunks an interrupted ingest committed."""
+        if not todo:
+            yield [], []
+            return
+        params = ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens)
+        chunker = Chunker(self.engine.tokenizer, params)
+        batch: Batch = []
+        finished: list[str] = []
+        for doc in todo:
+            dropped = self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes))
+            self.index.remove(np.array(dropped, dtype=np.int64))
+            self._index_generation = self.table.generation
+            done = self.table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
+            for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
+                if chunk.module_id not in done:
+                    batch.append((doc.source, seq, chunk))
+                if len(batch) >= BATCH_CHUNKS:
+                    yield batch, finished
+                    batch, finished = [], []
+            finished.append(doc.source)
+        yield batch, finished
+
+    def new_modules(self, batch: Batch) -> dict[str, Chunk]:
+        """The batch's modules the table does not hold yet (identical chunks share one module)."""
+        return {c.module_id: c for _, _, c in batch if not self.table.has_module(c.module_id)}
+
+    def _flush(self, batch: Batch, finished: list[str], stats: dict, bar, on_batch: OnBatch | None) -> None:
+        """Embed and encode one batch here, then commit it."""
         if not batch and not finished:
             return
-        new = {c.module_id: c for _, _, c in batch if not self.table.has_module(c.module_id)}
+        new = self.new_modules(batch)
         vectors = self.embedder.embed([c.module_text for c in new.values()]) if new else np.zeros((0, self.manifest.dim), np.float32)
         if new:
             t = time.perf_counter()
@@ -315,7 +355,19 @@ class Corpus:
             # All units: the batch's modules and the root (instructions), so no question pays for them.
             engine.encode(self.manifest.name + ".ingest")
             stats["encode_s"] += time.perf_counter() - t
-        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v) for (m, c), v in zip(new.items(), vectors)]
+        self._commit(batch, finished, new, vectors, stats, bar, on_batch)
+
+    def _commit(self, batch: Batch, finished: list[str], new: dict[str, Chunk], vectors: np.ndarray, stats: dict, bar,
+                on_batch: OnBatch | None) -> None:
+        """Commit one batch whose modules' KV is stored: its rows and vectors in one transaction,
+        then the index. `vectors` [len(new), dim] are the rows of `new`, in order. Shared by the
+        local and the Ray paths, so both build the same corpus."""
+        if not batch and not finished:
+            return
+        assert len(vectors) == len(new), f"{len(vectors)=} {len(new)=}"
+        # With batches in flight on a cluster, another batch may have committed the same module since.
+        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v)
+                   for (m, c), v in zip(new.items(), vectors) if not self.table.has_module(m)]
         chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]
         self.table.commit_batch(modules, chunks, finished)
         self.index.add(np.array([m.faiss_id for m in modules], dtype=np.int64), vectors)
@@ -446,6 +498,7 @@ class Corpus:
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "embedder": m.embedder, "dim": m.dim,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
+            "redis_url": self.redis_url,
         }
 
     def close(self) -> None:

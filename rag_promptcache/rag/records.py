@@ -62,6 +62,10 @@ class IngestReport:
     seconds: float
     encode_seconds: float
     skipped: tuple[tuple[str, str], ...]  # (file, why)
+    workers: int = 0  # Ray actors that embedded and encoded (0: this process did)
+    kv_written_by: str = "local"  # "local", "workers" (straight into the shared store) or "driver" (returned)
+    failed: tuple[tuple[str, str], ...] = ()  # (file, why) of batches that kept failing; run ingest again
+    worker_start_seconds: float = 0.0  # of `seconds`: until every Ray worker had loaded its model
 
     @property
     def modules_per_s(self) -> float:
@@ -79,8 +83,14 @@ class IngestReport:
             + (f" ({self.modules_per_s:.1f} modules/s, {self.tokens_per_s:.0f} tokens/s; "
                f"{self.encode_seconds:.1f}s of it encoding KV)" if self.num_modules else ""),
         ]
+        if self.workers:
+            where = "written by the workers into the corpus's store" if self.kv_written_by == "workers" else "returned to the driver and written here"
+            parts.append(f"{self.workers} Ray worker(s) (started in {self.worker_start_seconds:.1f}s), module KV {where}")
         if self.skipped:
             parts.append(f"skipped {len(self.skipped)} file(s)")
+        if self.failed:
+            parts.append(f"FAILED {len(self.failed)} file(s) (kept incomplete; run ingest again to retry): "
+                         + ", ".join(f"{f}: {why}" for f, why in self.failed))
         return "; ".join(parts)
 
 

@@ -1,0 +1,56 @@
+"""Where a corpus keeps its module KV: memory → disk (`<corpus>/store`) → an optional shared Redis.
+
+The Redis tier is what lets several serving replicas (and Ray ingest workers on other machines)
+share modules: one encodes, the others read. It is keyed under `rpc:<corpus name>`, so corpora in
+one Redis never mix their key indexes. Its URL comes from an argument, else the environment
+variable `RAG_PROMPTCACHE_REDIS_URL` (so any command that opens a corpus honours it unchanged).
+Redis being down is a miss, never an error (`store/redis.py`): requests recompute.
+
+Not here: the tiers themselves (`rag_promptcache.store`), or what is stored (the engine).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rag_promptcache.store.base import Store
+
+ENV_REDIS_URL = "RAG_PROMPTCACHE_REDIS_URL"
+# fp16 at rest halves the disk and the network (an fp32 CPU model writes 46 KB per token natively);
+# entries are decoded back to the model's dtype, and the codec is in each entry's header.
+AT_REST_CODEC = "fp16"
+_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def redis_url(explicit: str | None = None) -> str | None:
+    """The Redis URL to use: `explicit`, else `$RAG_PROMPTCACHE_REDIS_URL`, else None (no Redis tier).
+    An empty string, as either, means no Redis tier."""
+    url = (explicit if explicit is not None else os.environ.get(ENV_REDIS_URL, "")).strip() or None
+    if url is not None and not url.startswith(_SCHEMES):
+        where = "redis_url" if explicit is not None else f"${ENV_REDIS_URL}"
+        raise ValueError(f"{where} {url!r} is not a Redis URL; valid forms: redis://host:6379/0, rediss://…, unix:///path.sock")
+    return url
+
+
+def redis_prefix(corpus_name: str) -> str:
+    return f"rpc:{corpus_name}"
+
+
+def open_store(disk: Path | None, memory_bytes: int | None, redis: str | None, corpus_name: str) -> Store:
+    """The tiers, fastest first: memory (unless `memory_bytes` is None), disk (unless `disk` is None),
+    Redis (when `redis` names one). Writes go through to every tier."""
+    from rag_promptcache.store import DiskStore, MemoryStore, RedisStore, TieredStore
+
+    tiers: list[Store] = []
+    if memory_bytes is not None:
+        tiers.append(MemoryStore(max_bytes=memory_bytes))
+    if disk is not None:
+        tiers.append(DiskStore(disk, codec=AT_REST_CODEC))
+    if redis is not None:
+        tiers.append(RedisStore(redis, prefix=redis_prefix(corpus_name), codec=AT_REST_CODEC))
+    if not tiers:
+        raise ValueError("a corpus store needs at least one tier: memory, disk or redis")
+    return tiers[0] if len(tiers) == 1 else TieredStore(tiers)

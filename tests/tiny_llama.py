@@ -1,0 +1,23 @@
+"""A 2-layer random llama with SmolLM2's tokenizer, saved as a model directory: a real model that a
+subprocess or a Ray actor loads in a second, for tests of processes rather than of text quality."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def save_tiny_llama(out: Path) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rag_promptcache.model.loading import DEFAULT_MODEL, _resolve_directory
+
+    tokenizer = AutoTokenizer.from_pretrained(_resolve_directory(DEFAULT_MODEL))
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=2048, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
