@@ -176,6 +176,9 @@ def test_disconnect_mid_stream_frees_the_row_and_a_full_queue_is_429(client, bas
         for cm, _ in streams:
             cm.__exit__(None, None, None)  # hang up mid-stream
     assert _idle(base_url)["running"] == 0  # rows freed long before 2000 tokens
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up hangs up too
+        httpx.post(f"{base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=3))
+    assert _idle(base_url)["running"] == 0
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
     assert r.choices[0].message.content
 
