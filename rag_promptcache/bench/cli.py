@@ -25,12 +25,12 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 … [default: cuda if present, else cpu]")] = None,
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
         recovery: Annotated[str | None, typer.Option("--recovery", help="Recovery for the TTFT and LangChain runs, e.g. none or first_k:2 [default: the engine's].")] = None,
-        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain.")] = None,
+        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, fidelity [default: all but fidelity].")] = None,
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
 
-        from rag_promptcache.bench import SCENARIOS, run
+        from rag_promptcache.bench import DEFAULT_SCENARIOS, run
         from rag_promptcache.bench.common import BenchConfig
         from rag_promptcache.engine.recovery import Recovery
 
@@ -39,6 +39,6 @@ def register(app: typer.Typer) -> None:
         config = BenchConfig.quick() if quick else BenchConfig.full()
         if recovery is not None:
             config = dataclasses.replace(config, recovery=str(Recovery.parse(recovery)))
-        chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else SCENARIOS
+        chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else DEFAULT_SCENARIOS
         run(quick=quick, json_path=json_out, plots_dir=plots, model=model, device=device, log=typer.echo,
             config=config, scenarios=chosen)
