@@ -32,7 +32,7 @@ from rag_promptcache.engine.recovery import split
 from rag_promptcache.engine.result import Stream
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import answer_contains
-from rag_promptcache.store import MemoryStore
+from rag_promptcache.store import DiskStore
 
 NUMBER = re.compile(r"\b\d{1,4}\b")
 
@@ -103,14 +103,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--probes", default="", help="comma-separated subset [default: all]")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--workdir", type=Path, help="keep the corpus and its KV here between runs [default: a temp dir]")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     data = generate()
     qs = [q for q in data.questions if q.shape == "fact"][: args.questions]
-    engine = PromptCache.from_pretrained("smollm2-135m-instruct", store=MemoryStore())
     out: dict[str, object] = {"questions": len(qs), "new_tokens": args.new_tokens, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = Corpus.build(data.documents, f"{tmp}/c", engine=engine, chunk_tokens=CHUNK_TOKENS, progress=False)
+        where = args.workdir or Path(tmp)
+        engine = PromptCache.from_pretrained("smollm2-135m-instruct", store=DiskStore(where / "kv"))
+        corpus = Corpus.build(data.documents, where / "c", engine=engine, chunk_tokens=CHUNK_TOKENS, progress=False)
         corpus.prepare()
         texts = {m: t for m, t in corpus.table.modules()}
         for k in args.k:
