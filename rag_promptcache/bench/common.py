@@ -55,11 +55,12 @@ class BenchConfig:
     store_repeats: int = 5
     recovery: str | None = None  # the engine's recovery in the TTFT and LangChain scenarios; None: its default
     # fidelity (answer accuracy against full prefill, bench/fidelity.py)
+    fidelity_per_kind: int = 6  # documents per kind (six kinds and the reports): 42 in all
     fidelity_questions: int = 42
     fidelity_ks: tuple[int, ...] = (4, 8, 12)
     fidelity_settings: tuple[tuple[str, str], ...] = (
-        ("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"),
-        ("shared_prefix", "selective:0.15"), ("shared_prefix", "selective:0.8"),
+        ("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"), ("shared_prefix", "last:1"),
+        ("shared_prefix", "last:2"), ("shared_prefix", "attend:1"), ("shared_prefix", "selective:0.8"),
     )
     fidelity_new_tokens: int = 20
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
@@ -70,7 +71,9 @@ class BenchConfig:
         return cls(
             contexts=(512, 2048), repeats_slow=2, repeats_fast=5, warmup_each_context=False, questions=20, ks=(4,),
             quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8")),
-            faiss_queries=100, store_repeats=3, fidelity_questions=12, fidelity_ks=(4, 12), fidelity_ttft_questions=2,
+            faiss_queries=100, store_repeats=3, fidelity_questions=12, fidelity_ks=(4, 12), fidelity_ttft_questions=1,
+            fidelity_settings=(("shared_prefix", "none"), ("shared_prefix", "first_k:2"), ("shared_prefix", "last:1"),
+                               ("shared_prefix", "attend:1")),
         )
 
     @classmethod

@@ -386,8 +386,9 @@ class Corpus:
         return prompt_pml(self.manifest.name, module_ids, [*turns, ("user", question)])
 
     def order(self, module_ids: Sequence[str]) -> list[str]:
-        """Retrieved modules (best first) in the order the prompt imports them."""
-        return list(module_ids)
+        """Retrieved modules (best first) in the order the prompt imports them: best last, next to
+        the question, where recovery `last:N` recomputes it (docs/FIDELITY.md)."""
+        return list(module_ids)[::-1]
 
     def ask(
         self,

@@ -126,7 +126,8 @@ def read_questions(path: str | Path) -> list[EvalQuestion]:
 
 
 def references(
-    corpus: Corpus, questions: Iterable[EvalQuestion], k: int, max_new_tokens: int = DEFAULT_NEW_TOKENS
+    corpus: Corpus, questions: Iterable[EvalQuestion], k: int, max_new_tokens: int = DEFAULT_NEW_TOKENS,
+    stop: tuple[str, ...] = (),
 ) -> list[Reference]:
     """Retrieve as `Corpus.ask` does and answer each question by full prefill of the prompt's tokens."""
     engine = corpus.prepare()
@@ -134,18 +135,19 @@ def references(
     for q in questions:
         ids = tuple(m for m, _ in corpus.search(q.question, k))
         prompt = corpus.prompt(q.question, corpus.order(ids))
-        res = engine.generate(prompt, use_cache=False, max_new_tokens=max_new_tokens)
+        res = engine.generate(prompt, use_cache=False, max_new_tokens=max_new_tokens, stop=stop)
         context = sum(corpus.table.module(m)[1] for m in ids)
         out.append(Reference(q, ids, prompt, res.text, res.ttft_s, context))
     return out
 
 
-def cached(engine: PromptCache, refs: Sequence[Reference], recovery: str, max_new_tokens: int = DEFAULT_NEW_TOKENS) -> list[Outcome]:
+def cached(engine: PromptCache, refs: Sequence[Reference], recovery: str, max_new_tokens: int = DEFAULT_NEW_TOKENS,
+           stop: tuple[str, ...] = ()) -> list[Outcome]:
     """Each reference's prompt answered from the cache with `recovery`."""
     engine.generate(refs[0].prompt, recovery=recovery, max_new_tokens=1)  # warm-up: no cold first timing
     out = []
     for r in refs:
-        res = engine.generate(r.prompt, recovery=recovery, max_new_tokens=max_new_tokens)
+        res = engine.generate(r.prompt, recovery=recovery, max_new_tokens=max_new_tokens, stop=stop)
         right = None if r.question.answer is None else answer_contains(res.text, r.question.answer)
         out.append(Outcome(recovery, res.text, right, res.text.strip() == r.text.strip(), res.ttft_s))
     return out
