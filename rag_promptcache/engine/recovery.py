@@ -10,6 +10,7 @@ strategy picks cached tokens to compute again, in place, against everything befo
   computation, measured at an early layer (`@L`, default 1) by a prefill truncated after that layer.
 - `last:N`: the N retrieved modules nearest the question, whole. A corpus puts its best-ranked
   module there, so this recomputes the module the answer most likely comes from against the others.
+  A first module that is exact already (shared_prefix, not moved) is never counted.
 - `attend:N` (query-aware): the N modules the question's tokens attend to most at layer `@L`
   (default 8), found by running the question over the assembled cache up to that layer, recomputed
   whole. Needs attention with a `q_proj` (Llama, Mistral, Qwen, Gemma families).
@@ -36,9 +37,10 @@ from rag_promptcache.store.base import ModuleKV
 
 KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend")
 DEFAULT_LAYER = {"selective": 1, "attend": 8}
-# Measured (README, "Quality"): with shared_prefix encoding, recomputing 2 tokens per module cuts
-# first-token KL against full prefill by two thirds for about 20-90 ms at 1-2k context.
-DEFAULT_RECOVERY = "first_k:2"
+# Chosen on answers, not logits (docs/FIDELITY.md, `rag-promptcache bench --scenarios fidelity`): with
+# the best-ranked module next to the question, recomputing it whole keeps full prefill's answers on
+# confusable documents where first_k:2 and none lose most of them.
+DEFAULT_RECOVERY = "last:1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +101,8 @@ def recover(
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
     elif recovery.kind == "last":
-        chosen = _modules(pieces, _module_order(pieces)[-int(recovery.budget):])
+        stale = [m for m in _module_order(pieces) if m != _exact_module(pieces, kvs)]
+        chosen = _modules(pieces, stale[-int(recovery.budget):])
     elif recovery.kind == "attend":
         chosen = _modules(pieces, _most_attended(pieces, kvs, model, relocator, geometry, int(recovery.budget),
                                                  recovery.layer))
@@ -144,6 +147,16 @@ def _first_k(pieces: Sequence[Piece], kvs: dict[str, ModuleKV], k: int) -> set[i
 def _module_order(pieces: Sequence[Piece]) -> list[str]:
     """Cached modules in sequence order; the schema's own text (the root) is not a module."""
     return list(dict.fromkeys(p.unit for p in pieces if p.cached and p.unit != ROOT))
+
+
+def _exact_module(pieces: Sequence[Piece], kvs: dict[str, ModuleKV]) -> str | None:
+    """The first module, when its KV is already what full prefill computes: encoded after the same
+    context it follows here (shared_prefix) and not moved. Recomputing it would change nothing."""
+    first = next((p for p in pieces if p.cached and p.unit != ROOT), None)
+    if first is None or kvs[first.unit].mode != "shared_prefix":
+        return None
+    moved = any(p.unit == first.unit and p.position != kvs[p.unit].start + p.offset for p in pieces)
+    return None if moved else first.unit
 
 
 def _modules(pieces: Sequence[Piece], names: Sequence[str]) -> set[int]:
