@@ -16,7 +16,7 @@ from tests.tiny import build
 TINY = BenchConfig(
     contexts=(32, 64), module_tokens=32, warmup=0, repeats_slow=1, repeats_fast=1, questions=2, ks=(2,),
     continuation=4, quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"),
-                     ("isolated", "selective:1.0")),
+                     ("shared_prefix", "last:1"), ("isolated", "selective:1.0")),
     codecs=("native", "int8"), codec_k=2, faiss_sizes=(500,), faiss_queries=3, embed=False, store_repeats=1,
 )
 
@@ -90,3 +90,57 @@ def test_memory_and_throughput(report):
     assert thr["encode"] and positive(thr["encode"][0]["tokens_per_s"])
     assert thr["faiss"][0]["vectors"] == 500 and positive(thr["faiss"][0]["search_ms_median"])
     assert "skipped" in thr["embed"]
+
+
+# -- fidelity: the plumbing on a tiny random model (its answers are noise; accuracy is not checked) --
+
+FIDELITY = BenchConfig(
+    repeats_slow=1, fidelity_per_kind=1, fidelity_questions=3, fidelity_ks=(2, 3), fidelity_new_tokens=3, fidelity_ttft_context=200,
+    fidelity_ttft_questions=1, fidelity_settings=(("shared_prefix", "none"), ("isolated", "last:1"),
+                                                  ("shared_prefix", "last:9")),
+)
+
+
+@pytest.fixture(scope="module")
+def fidelity_report(tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fidelity")
+    bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", FIDELITY, log=lambda _: None)
+    return run_loaded(bench, quick=True, json_path=out / "bench.json", plots_dir=out, scenarios=("fidelity",)), out
+
+
+def test_fidelity_rows_and_files(fidelity_report):
+    result, out = fidelity_report
+    fid = result["fidelity"]
+    rows = fid["rows"]
+    assert [(r["k"], r["mode"], r["recovery"]) for r in rows] == [
+        (k, m, r) for k in (2, 3) for m, r in FIDELITY.fidelity_settings]
+    for r in rows:
+        assert r["questions"] == r["with_answer"] == 3
+        assert 0 <= r["cached_correct"] <= 3 and 0 <= r["full_correct"] <= 3 and 0.0 <= r["agreement"] <= 1.0
+        assert positive(r["full_ttft_s"]) and positive(r["cached_ttft_s"]) and positive(r["speedup"])
+    # every module recomputed (k <= 9): the same tokens as full prefill, so the same greedy answers
+    assert all(r["agreement"] == 1.0 for r in rows if r["recovery"] == "last:9")
+    assert {t["recovery"] for t in fid["ttft_at_context"]} == {"none", "last:1", "last:9"}
+    assert all(t["k"] >= 2 and positive(t["speedup"]) for t in fid["ttft_at_context"])
+    assert "## Answer fidelity" in (out / "bench.md").read_text()
+    assert (out / "fidelity.png").stat().st_size > 0
+    assert json.loads((out / "bench.json").read_text())["fidelity"]["rows"] == json.loads(json.dumps(rows))
+
+
+def test_choose_default_follows_the_rule():
+    from rag_promptcache.bench.fidelity import choose_default
+
+    def row(rec, k, retained):
+        return {"mode": "shared_prefix", "recovery": rec, "k": k, "retained": retained}
+
+    def at(rec, speedup):
+        return {"mode": "shared_prefix", "recovery": rec, "speedup": speedup}
+
+    rows = [row("none", 4, 0.3), row("none", 12, 0.2), row("a", 4, 0.96), row("a", 8, 0.5), row("a", 12, 1.0),
+            row("b", 4, 1.0), row("b", 12, 0.97), row("c", 4, 1.0), row("c", 12, 1.0)]
+    timing = [at("none", 20.0), at("a", 9.0), at("b", 6.0), at("c", 2.0)]
+    assert choose_default(rows, timing)["recovery"] == "a"  # k=8 is not one of the two ends
+    timing = [at("none", 20.0), at("a", 4.0), at("b", 3.5), at("c", 2.0)]
+    chosen = choose_default(rows, timing)  # none reaches 5x: the most faithful keeping 3x
+    assert chosen["recovery"] == "b" and "most faithful" in chosen["rule"]
+    assert choose_default(rows, [at("none", 2.0), at("a", 2.0), at("b", 2.0), at("c", 2.0)]) is None

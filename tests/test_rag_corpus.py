@@ -126,14 +126,16 @@ def test_build_search_text_source(docs: Path, tmp_path: Path) -> None:
         c.search("x", k=0)
 
 
-def test_ask_imports_retrieved_modules_in_order(docs: Path, tmp_path: Path) -> None:
+def test_ask_imports_retrieved_modules_best_last(docs: Path, tmp_path: Path) -> None:
     engine = FakeEngine()
     c = build(docs, tmp_path / "c", engine)
     answer = c.ask("what do cats do all day?", k=2, history=[("hi <there>", "hello & welcome")])
-    assert answer.answer == "echo: " + " ".join(answer.module_ids)
+    # module_ids and sources stay in retrieval order (best first); the prompt puts the best next to
+    # the question (docs/FIDELITY.md)
+    assert answer.answer == "echo: " + " ".join(reversed(answer.module_ids))
     assert len(answer.module_ids) == 2 and answer.sources[0] == "cats.txt"
     prompt = engine.prompts[-1]
-    assert prompt.startswith(f'<prompt schema="{c.manifest.name}"><{answer.module_ids[0]}/><{answer.module_ids[1]}/>')
+    assert prompt.startswith(f'<prompt schema="{c.manifest.name}"><{answer.module_ids[1]}/><{answer.module_ids[0]}/>')
     assert "<user>hi &lt;there&gt;</user><assistant>hello &amp; welcome</assistant><user>what do cats" in prompt
     assert c.manifest.name in engine.schemas  # the full schema was registered for the question
     stream = c.ask_stream("volcano lava", k=1)

@@ -21,9 +21,9 @@ import torch
 
 from rag_promptcache.bench.common import Bench, BenchConfig
 
-SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "ingest", "serve")
-# ingest (local vs Ray) and serve (concurrent HTTP clients) take minutes of their own and build a corpus:
-# only when asked for (--scenarios ingest, --scenarios serve).
+SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "fidelity", "ingest", "serve")
+# fidelity (answers on confusable documents), ingest (local vs Ray) and serve (concurrent HTTP clients) build
+# their own corpus and take minutes: only when asked for (--scenarios fidelity,ingest,serve).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain")
 
 
@@ -58,6 +58,7 @@ def run_loaded(
 ) -> dict[str, object]:
     """Run the scenarios on an already loaded model (tests use a tiny one)."""
     from rag_promptcache.bench import (
+        fidelity,
         langchain_e2e,
         memory,
         quality,
@@ -96,6 +97,8 @@ def run_loaded(
             out.update(mem)
         elif name == "throughput":
             out["throughput"] = throughput.run(bench)
+        elif name == "fidelity":
+            out["fidelity"] = fidelity.run(bench)
         elif name == "ingest":
             from rag_promptcache.bench import ingest
 

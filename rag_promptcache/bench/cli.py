@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 … [default: cuda if present, else cpu]")] = None,
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
         recovery: Annotated[str | None, typer.Option("--recovery", help="Recovery for the TTFT and LangChain runs, e.g. none or first_k:2 [default: the engine's].")] = None,
-        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, ingest (local vs Ray), serve (concurrent HTTP clients); those two only when named.")] = None,
+        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients); the last three only when named.")] = None,
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch

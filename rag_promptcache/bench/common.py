@@ -45,7 +45,7 @@ class BenchConfig:
         ("isolated", "none"), ("shared_prefix", "none"),
         ("isolated", "first_k:2"), ("isolated", "first_k:8"), ("shared_prefix", "first_k:2"),
         ("shared_prefix", "first_k:8"),
-        ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"),
+        ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"), ("shared_prefix", "last:1"),
     )
     codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4")
     codec_k: int = 4  # the k of the per-codec quality rows
@@ -56,13 +56,28 @@ class BenchConfig:
     recovery: str | None = None  # the engine's recovery in the TTFT and LangChain scenarios; None: its default
     ingest_topics: int = 29  # sample topics the ingest scenario ingests (29: all, ~15k tokens)
     ingest_workers: tuple[int, ...] = (1, 2)  # Ray worker counts compared with a local ingest
+    # fidelity (answer accuracy against full prefill, bench/fidelity.py)
+    fidelity_per_kind: int = 6  # documents per kind (six kinds and the reports): 42 in all
+    fidelity_questions: int = 42
+    fidelity_ks: tuple[int, ...] = (4, 8, 12)
+    fidelity_settings: tuple[tuple[str, str], ...] = (
+        ("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"), ("shared_prefix", "last:1"),
+        ("shared_prefix", "last:2"), ("shared_prefix", "attend:1"), ("shared_prefix", "selective:0.8"),
+    )
+    fidelity_new_tokens: int = 20
+    fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
+    fidelity_ttft_questions: int = 3
 
     @classmethod
     def quick(cls) -> BenchConfig:
         return cls(
             contexts=(512, 2048), repeats_slow=2, repeats_fast=5, warmup_each_context=False, questions=20, ks=(4,),
-            quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8")),
-            faiss_queries=100, store_repeats=3, ingest_topics=8,
+            quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8"),
+                             ("shared_prefix", "last:1")),
+            faiss_queries=100, store_repeats=3, ingest_topics=8, fidelity_questions=12, fidelity_ks=(4, 12),
+            fidelity_ttft_questions=1,
+            fidelity_settings=(("shared_prefix", "none"), ("shared_prefix", "first_k:2"), ("shared_prefix", "last:1"),
+                               ("shared_prefix", "attend:1")),
         )
 
     @classmethod

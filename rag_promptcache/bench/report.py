@@ -68,6 +68,9 @@ def markdown(report: dict[str, object]) -> str:
             ["run", "seconds", "workers' start s", "tokens/s", "modules/s", "tokens/s after start", "vs local", "KV written by"],
             [[r["run"], r["seconds"], r["worker_start_s"], r["tokens_per_s"], r["modules_per_s"], r["tokens_per_s_after_start"],
               r["vs_local"], r["kv_written_by"]] for r in ing["runs"]]), ""]
+    fid = report.get("fidelity")
+    if isinstance(fid, dict):
+        out += _fidelity_markdown(fid)
     lc = report.get("langchain")
     if isinstance(lc, dict):
         out += ["## LangChain end to end", ""]
@@ -83,6 +86,24 @@ def markdown(report: dict[str, object]) -> str:
 
         out += serve.markdown(report["serve"])
     return "\n".join(out)
+
+
+def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
+    pct = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    at = {(t["mode"], t["recovery"]): t for t in fid["ttft_at_context"]}
+    ctx = next(iter(at.values()))["context_tokens"] if at else 0
+    rows = [[r["k"], r["mode"], r["recovery"], f"{r['full_correct']}/{r['with_answer']}",
+             f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]), pct(r["agreement"]), f"{r['speedup']:.1f}x",
+             f"{at[(r['mode'], r['recovery'])]['speedup']:.1f}x" if (r["mode"], r["recovery"]) in at else ""]
+            for r in fid["rows"]]
+    chosen = fid.get("chosen")
+    return ["## Answer fidelity against full prefill", "",
+            f"{fid['questions']} questions over confusable documents, greedy, {fid['new_tokens']} new tokens; "
+            f"an answer is right when it contains the fact.", "",
+            _table(["k", "mode", "recovery", "full right", "cached right", "retained", "agreement", "speed-up",
+                    f"speed-up at ~{ctx:.0f} tok"], rows), "",
+            f"engine default: {fid['engine_default']}; the rule picks: "
+            + (f"{chosen['mode']}/{chosen['recovery']} ({chosen['rule']})" if chosen else "nothing (no setting keeps 3x)"), ""]
 
 
 def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
@@ -132,4 +153,25 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         from rag_promptcache.bench import serve
 
         written += serve.plots(report["serve"], folder)
+    fid = report.get("fidelity")
+    if isinstance(fid, dict) and fid.get("rows"):
+        at = {(t["mode"], t["recovery"]): t["speedup"] for t in fid["ttft_at_context"]}
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for k in sorted({r["k"] for r in fid["rows"]}):
+            rows = [r for r in fid["rows"] if r["k"] == k and r["retained"] is not None]
+            xs = [at.get((r["mode"], r["recovery"]), r["speedup"]) for r in rows]
+            ax.scatter(xs, [r["retained"] for r in rows], label=f"k={k}")
+            for x, r in zip(xs, rows):
+                ax.annotate(f"{r['mode'][:3]}/{r['recovery']}", (x, r["retained"]), fontsize=7)
+        ax.axhline(0.95, color="grey", linestyle="--", linewidth=0.8)
+        if any(r["retained"] is not None for r in fid["rows"]):  # none when full prefill got nothing right
+            ax.set_xscale("log")
+        ax.set(xlabel="TTFT speed-up over full prefill at ~2k context",
+               ylabel="retained answer accuracy (cached / full)", title="Answer fidelity vs speed")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        written.append(folder / "fidelity.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
     return written

@@ -72,7 +72,7 @@ def _register_optional(target: typer.Typer) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 1, like every other user error."""
-    from rag_promptcache.cli import commands, demo, store_cmds  # noqa: F401 - registers the commands
+    from rag_promptcache.cli import commands, demo, eval_cmd, store_cmds  # noqa: F401 - registers the commands
 
     _register_optional(app)
     try:

@@ -8,13 +8,20 @@ strategy picks cached tokens to compute again, in place, against everything befo
   already and is left alone.
 - `selective:R` (as CacheBlend): the fraction R of cached tokens whose KV deviates most from a fresh
   computation, measured at an early layer (`@L`, default 1) by a prefill truncated after that layer.
+- `last:N`: the N retrieved modules nearest the question, whole. A corpus puts its best-ranked
+  module there, so this recomputes the module the answer most likely comes from against the others.
+  A first module that is exact already (shared_prefix, not moved) is never counted.
+- `attend:N` (query-aware): the N modules the question's tokens attend to most at layer `@L`
+  (default 8), found by running the question over the assembled cache up to that layer, recomputed
+  whole. Needs attention with a `q_proj` (Llama, Mistral, Qwen, Gemma families).
 
-Both only split pieces: the chosen tokens become new tokens, and the assembler's mask keeps the
+All only split pieces: the chosen tokens become new tokens, and the assembler's mask keeps the
 single prefill causal. Recomputing everything is full prefill; recomputing nothing is `none`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -23,27 +30,32 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.assemble import assemble
-from rag_promptcache.engine.compiler import Piece
+from rag_promptcache.engine.compiler import ROOT, Piece
+from rag_promptcache.engine.decode import native_gqa
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
-KINDS: tuple[str, ...] = ("none", "first_k", "selective")
-# Measured (README, "Quality"): with shared_prefix encoding, recomputing 2 tokens per module cuts
-# first-token KL against full prefill by two thirds for about 20-90 ms at 1-2k context.
-DEFAULT_RECOVERY = "first_k:2"
+KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend")
+DEFAULT_LAYER = {"selective": 1, "attend": 8}
+# Chosen on answers, not logits (docs/FIDELITY.md, `rag-promptcache bench --scenarios fidelity`): with
+# the best-ranked module next to the question, recomputing it whole keeps full prefill's answers on
+# confusable documents where first_k:2 and none lose most of them.
+DEFAULT_RECOVERY = "last:1"
 
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
-    kind: Literal["none", "first_k", "selective"] = "none"
-    budget: float = 0.0  # K tokens for first_k; a fraction R in [0, 1] for selective
-    layer: int = 1  # selective: where deviation is measured
+    kind: Literal["none", "first_k", "selective", "last", "attend"] = "none"
+    budget: float = 0.0  # K tokens for first_k; a fraction R in [0, 1] for selective; N modules for last/attend
+    layer: int = 1  # selective: where deviation is measured; attend: where the question's attention is read
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown recovery {self.kind!r}; valid: {', '.join(KINDS)}")
         if self.kind == "first_k" and (self.budget < 0 or self.budget != int(self.budget)):
             raise ValueError(f"first_k needs a whole number of tokens k >= 0, got {self.budget}")
+        if self.kind in ("last", "attend") and (self.budget < 0 or self.budget != int(self.budget)):
+            raise ValueError(f"{self.kind} needs a whole number of modules n >= 0, got {self.budget}")
         if self.kind == "selective" and not 0 <= self.budget <= 1:
             raise ValueError(f"selective needs a fraction r in [0, 1], got {self.budget}")
         if self.layer < 0:
@@ -51,7 +63,7 @@ class Recovery:
 
     @classmethod
     def parse(cls, spec: str | Recovery | None) -> Recovery:
-        """"none", "first_k:8", "selective:0.15" or "selective:0.15@2"."""
+        """"none", "first_k:8", "selective:0.15[@2]", "last:1", "attend:1[@8]"."""
         if spec is None:
             return cls()
         if isinstance(spec, Recovery):
@@ -59,17 +71,20 @@ class Recovery:
         kind, _, rest = spec.partition(":")
         budget, _, layer = rest.partition("@")
         try:
-            return cls(kind, float(budget) if budget else 0.0, int(layer) if layer else 1)  # type: ignore[arg-type]
+            return cls(kind, float(budget) if budget else 0.0,  # type: ignore[arg-type]
+                       int(layer) if layer else DEFAULT_LAYER.get(kind, 1))
         except ValueError as e:
             if "valid:" in str(e) or "needs" in str(e) or "layer" in str(e):
                 raise
-            raise ValueError(f"bad recovery {spec!r}: write none, first_k:K or selective:R[@layer]") from e
+            raise ValueError(f"bad recovery {spec!r}: write none, first_k:K, selective:R[@layer], last:N "
+                             "or attend:N[@layer]") from e
 
     def __str__(self) -> str:
         if self.kind == "none":
             return "none"
-        budget = int(self.budget) if self.kind == "first_k" else self.budget
-        return f"{self.kind}:{budget}" + (f"@{self.layer}" if self.kind == "selective" and self.layer != 1 else "")
+        budget = self.budget if self.kind == "selective" else int(self.budget)
+        layer = DEFAULT_LAYER.get(self.kind)
+        return f"{self.kind}:{budget}" + (f"@{self.layer}" if layer is not None and self.layer != layer else "")
 
 
 def recover(
@@ -85,6 +100,12 @@ def recover(
         return list(pieces)
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
+    elif recovery.kind == "last":
+        stale = [m for m in _module_order(pieces) if m != _exact_module(pieces, kvs)]
+        chosen = _modules(pieces, stale[-int(recovery.budget):])
+    elif recovery.kind == "attend":
+        chosen = _modules(pieces, _most_attended(pieces, kvs, model, relocator, geometry, int(recovery.budget),
+                                                 recovery.layer))
     else:
         chosen = _most_deviating(pieces, kvs, model, relocator, geometry, recovery.budget, recovery.layer)
     return split(pieces, chosen)
@@ -123,8 +144,99 @@ def _first_k(pieces: Sequence[Piece], kvs: dict[str, ModuleKV], k: int) -> set[i
     return chosen
 
 
+def _module_order(pieces: Sequence[Piece]) -> list[str]:
+    """Cached modules in sequence order; the schema's own text (the root) is not a module."""
+    return list(dict.fromkeys(p.unit for p in pieces if p.cached and p.unit != ROOT))
+
+
+def _exact_module(pieces: Sequence[Piece], kvs: dict[str, ModuleKV]) -> str | None:
+    """The first module, when its KV is already what full prefill computes: encoded after the same
+    context it follows here (shared_prefix) and not moved. Recomputing it would change nothing."""
+    first = next((p for p in pieces if p.cached and p.unit != ROOT), None)
+    if first is None or kvs[first.unit].mode != "shared_prefix":
+        return None
+    moved = any(p.unit == first.unit and p.position != kvs[p.unit].start + p.offset for p in pieces)
+    return None if moved else first.unit
+
+
+def _modules(pieces: Sequence[Piece], names: Sequence[str]) -> set[int]:
+    """Sequence indices of every cached token of the named modules."""
+    wanted = set(names)
+    chosen: set[int] = set()
+    seq = 0
+    for p in pieces:
+        if p.cached and p.unit in wanted:
+            chosen.update(range(seq, seq + len(p.token_ids)))
+        seq += len(p.token_ids)
+    return chosen
+
+
 class _Stop(Exception):
     pass
+
+
+@torch.inference_mode()
+def _most_attended(
+    pieces: Sequence[Piece],
+    kvs: dict[str, ModuleKV],
+    model: PreTrainedModel,
+    relocator: Relocator,
+    geometry: KVGeometry,
+    num: int,
+    layer: int,
+) -> list[str]:
+    """The `num` modules holding the most attention mass of the question's tokens at `layer`."""
+    names = _module_order(pieces)
+    if num >= len(names):
+        return names
+    layers = _decoder_layers(model)
+    if layer >= len(layers):
+        raise ValueError(f"attention layer {layer} is past the model's {len(layers)} layers")
+    attn = layers[layer].self_attn if hasattr(layers[layer], "self_attn") else None
+    if attn is None or not hasattr(attn, "q_proj"):
+        raise ValueError(f"attend recovery reads queries through q_proj, which {type(model).__name__} lacks; "
+                         "use last:N or selective:R")
+    device = model.device
+    asm = assemble(pieces, kvs, relocator, model.config, geometry, device, model.dtype)
+    seen: dict[str, object] = {}
+
+    def grab(_module, args, kwargs):
+        seen["h"] = kwargs.get("hidden_states", args[0] if args else None)
+        seen["pe"] = kwargs.get("position_embeddings")
+        raise _Stop
+
+    handle = attn.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with native_gqa(device):
+            model.base_model(input_ids=asm.new_ids, position_ids=asm.new_positions, past_key_values=asm.cache,
+                             attention_mask=asm.mask, use_cache=True)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    h, (cos, sin) = seen["h"], seen["pe"]  # h: [1, N, hidden]
+    q = attn.q_proj(h).view(1, h.shape[1], -1, geometry.head_dim)
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    q = q.transpose(1, 2)  # [1, Hq, N, D]
+    rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q = rotary(q, q, cos, sin)[0][0]  # [Hq, N, D]
+    keys = asm.cache.layers[layer].keys[0, :, : asm.num_cached]  # [Hkv, C, D], in cache (= sequence) order
+    keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    # the question's tokens are the new ones after the last cached token
+    cached_seq, new_seq, seq = [], [], 0
+    for p in pieces:
+        (cached_seq if p.cached else new_seq).extend(range(seq, seq + len(p.token_ids)))
+        seq += len(p.token_ids)
+    after = torch.tensor([s > cached_seq[-1] for s in new_seq], device=device)
+    scores = (q[:, after].float() @ keys.float().transpose(-1, -2)) * geometry.head_dim ** -0.5  # [Hq, Nq, C]
+    mass = scores.softmax(-1).sum((0, 1))  # [C]
+    unit_of = [p.unit for p in pieces if p.cached for _ in p.token_ids]
+    per: dict[str, float] = dict.fromkeys(names, 0.0)
+    for u, m in zip(unit_of, mass.tolist()):
+        if u in per:
+            per[u] += m
+    return sorted(names, key=lambda n: -per[n])[:num]
 
 
 @torch.inference_mode()

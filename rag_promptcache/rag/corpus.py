@@ -437,6 +437,11 @@ class Corpus:
         turns = [t for u, a in history for t in (("user", u), ("assistant", a))]
         return prompt_pml(self.manifest.name, module_ids, [*turns, ("user", question)])
 
+    def order(self, module_ids: Sequence[str]) -> list[str]:
+        """Retrieved modules (best first) in the order the prompt imports them: best last, next to
+        the question, where recovery `last:N` recomputes it (docs/FIDELITY.md)."""
+        return list(module_ids)[::-1]
+
     def ask(
         self,
         question: str,
@@ -451,7 +456,7 @@ class Corpus:
         `AnswerStream` (iterate for text; `.answer` when done)."""
         hits = self._fit(self.search(question, k), question, history, max_new_tokens)
         sources = [self._label(m) for m, _ in hits]
-        prompt = self.prompt(question, [m for m, _ in hits], history)
+        prompt = self.prompt(question, self.order([m for m, _ in hits]), history)
         engine = self.prepare()
         out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling), hits, sources, prompt)
         return out if stream else out.consume()

@@ -49,7 +49,9 @@ def build_prompt(
     Known modules are imported (their KV is reused); unknown ones with text fall back to it: inline
     where the reference stood, or before the last turn's text for `module_ids`. Without imports a
     chat prompt still gets the chat template (the engine's empty schema); a completion is the text
-    as is, and PML text passes through unchanged."""
+    as is, and PML text passes through unchanged. References and `module_ids` are taken as ranked,
+    best first (as retrievers return them); the prompt imports them in `Corpus.order`, best last, next
+    to the question, where the default recovery recomputes it (docs/FIDELITY.md)."""
     imports: list[str] = []
 
     def resolve(module_id: str, text: str | None) -> str:
@@ -81,7 +83,7 @@ def build_prompt(
     if imports:
         assert corpus is not None
         corpus.prepare()
-        return prompt_pml(corpus.manifest.name, dict.fromkeys(imports), resolved)
+        return prompt_pml(corpus.manifest.name, corpus.order(list(dict.fromkeys(imports))), resolved)
     if not chat:
         return "\n\n".join(t for _, t in resolved)
     return ast.Prompt("", tuple(ast.Role(r, (ast.Text(t),)) for r, t in resolved))  # type: ignore[arg-type]
