@@ -17,6 +17,9 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
+    """Sampling options. `stop` takes one string or a sequence of strings (as OpenAI, LangChain and
+    LlamaIndex do) and is held as a tuple: a bare string is one stop string, never its characters."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -25,6 +28,10 @@ class Sampling:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) for s in stop):
+            raise ValueError(f"stop takes a string or a sequence of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)  # normalised once here: every caller gets a tuple
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:

@@ -169,7 +169,7 @@ class PromptCache:
     def stream(
         self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None, **sampling
     ) -> Stream:
-        s = Sampling(**{k: tuple(v) if k == "stop" else v for k, v in sampling.items()})
+        s = Sampling(**sampling)
         t0 = time.perf_counter()
         plan = self.plan(prompt, use_cache=use_cache, recovery=recovery)  # raises here, before the first next()
         return Stream(self._run(plan, s, t0))
