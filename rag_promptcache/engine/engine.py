@@ -52,7 +52,15 @@ class Plan:
 
     @property
     def num_cached(self) -> int:
+        """Tokens assembled from module KV, whether fetched from the store or encoded just now."""
         return sum(len(p.token_ids) for p in self.pieces if p.cached)
+
+    @property
+    def num_from_store(self) -> int:
+        """Tokens served from stored KV (hits only): what `Result.cached_tokens` reports. A missed
+        module's KV was computed in this request, so its tokens count as computed."""
+        hits = set(self.hits)
+        return sum(len(p.token_ids) for p in self.pieces if p.cached and p.unit in hits)
 
 
 class PromptCache:
@@ -67,14 +75,20 @@ class PromptCache:
         name: str | None = None,
         batch_size: int = 8,
         recovery: str | Recovery | None = DEFAULT_RECOVERY,
-        codec: str = "native",
+        codec: str | None = None,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+        if store is not None and codec is not None:
+            # a store holds entries in its own codec; silently ignoring the argument stored native KV
+            raise ValueError(
+                f"codec={codec!r} applies only to the engine's default MemoryStore, not to a store you pass; "
+                f"set it on the store instead, e.g. MemoryStore(codec={codec!r}) or DiskStore(path, codec={codec!r})"
+            )
         if store is None:
             from rag_promptcache.store import MemoryStore
 
-            store = MemoryStore(codec=codec)
+            store = MemoryStore(codec=codec or "native")
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -171,7 +185,8 @@ class PromptCache:
     ) -> Stream:
         s = Sampling(**sampling)
         t0 = time.perf_counter()
-        plan = self.plan(prompt, use_cache=use_cache, recovery=recovery)  # raises here, before the first next()
+        # raises here, before the first next()
+        plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
         return Stream(self._run(plan, s, t0))
 
     async def agenerate(self, prompt: str | ast.Prompt, **kwargs) -> Result:
@@ -209,15 +224,22 @@ class PromptCache:
     # -- internals -------------------------------------------------------------------------------
 
     def plan(
-        self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None
+        self,
+        prompt: str | ast.Prompt,
+        *,
+        use_cache: bool = True,
+        recovery: str | Recovery | None = None,
+        max_new_tokens: int = 0,
     ) -> Plan:
-        """Compile the prompt and fetch (or encode and store) the KV of every module it uses."""
+        """Compile the prompt and fetch (or encode and store) the KV of every module it uses.
+        Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window."""
         parsed = self._parse(prompt)
         chat = self._schema_chat[self.schema(parsed.schema).name] or _uses_roles(parsed.children)
         compiled = self._compile(parsed.schema, chat)
         pieces = self.compiler.compile_prompt(compiled, parsed, self.layout)
         if not pieces or not any(p.token_ids for p in pieces):
             raise ValueError("empty prompt: it compiles to no tokens")
+        self._check_window(pieces, max_new_tokens)
         if not use_cache:
             return _uncached(Plan(tuple(pieces), {}, (), (), (), 0))
         if pieces[-1].cached:  # the last token's logits are needed: compute it
@@ -297,12 +319,24 @@ class PromptCache:
             ttft_s=ttft,
             total_s=time.perf_counter() - t0,
             prompt_tokens=plan.num_tokens,
-            cached_tokens=plan.num_cached,
+            cached_tokens=plan.num_from_store,
             computed_tokens=plan.num_tokens - plan.num_cached + plan.num_encoded_tokens,
             hit_modules=tuple(n for n in plan.hits if n != ROOT),
             missed_modules=tuple(n for n in plan.misses if n != ROOT),
             recomputed_modules=tuple(n for n in plan.recomputed if n != ROOT),
         )
+
+    def _check_window(self, pieces: Sequence[Piece], max_new_tokens: int) -> None:
+        # positions, not token counts: the schema layout leaves gaps, and RoPE tables end at the window
+        end = max(p.position + len(p.token_ids) for p in pieces)
+        if end + max_new_tokens > self.context_window:
+            num_tokens = sum(len(p.token_ids) for p in pieces)
+            where = "" if end == num_tokens else f" reaching position {end}"
+            raise ValueError(
+                f"prompt of {num_tokens} tokens{where} plus max_new_tokens={max_new_tokens} is "
+                f"{end + max_new_tokens}, past the model's {self.context_window}-token context window; "
+                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens"
+            )
 
     def _parse(self, prompt: str | ast.Prompt) -> ast.Prompt:
         if isinstance(prompt, ast.Prompt):
