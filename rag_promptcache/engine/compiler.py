@@ -164,6 +164,11 @@ class Compiler:
         if late:
             raise PMLError(f"import of {late[0].name!r} follows the prompt's own text; imports come first "
                            "(put fixed text in the schema)", late[0].line, late[0].column)
+        for imp in imports:
+            if imp.name not in compiled.units:  # a Prompt record built in Python skips the parser's check
+                where = f"schema {compiled.name!r}" if compiled.name else 'a prompt without a schema (write <prompt schema="...">)'
+                known = ", ".join(n for n in compiled.units if n != ROOT) or "none"
+                raise PMLError(f"unknown module {imp.name!r} in {where}; valid: {known}", imp.line, imp.column)
         cursor = self._emit(compiled, compiled.units[ROOT], None, imports, layout, 0, pieces)
         if layout == "schema":
             cursor = max(compiled.size, cursor)
@@ -191,7 +196,13 @@ class Compiler:
                 out.append(Piece(ids, pos, unit.name, seg.offset))
                 cursor = pos + seg.length
             elif seg.kind == "param":
-                value = args.get(seg.name, "")
+                if seg.name not in args:
+                    assert imp is not None, f"{seg=}"  # params live in modules, and a module is imported
+                    raise PMLError(
+                        f"module {unit.name!r} needs its parameter {seg.name!r} (a value of at most {seg.length} "
+                        f"tokens): write <{unit.name} {seg.name}=\"...\"/> (an empty value is allowed)",
+                        imp.line, imp.column)
+                value = args[seg.name]
                 ids = self.tokenize(value)
                 if len(ids) > seg.length:
                     assert imp is not None, f"{seg=}"

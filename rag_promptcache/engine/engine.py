@@ -31,7 +31,7 @@ from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.pml import ast
-from rag_promptcache.pml.parser import parse_prompt, parse_schema
+from rag_promptcache.pml.parser import parse_prompt, parse_schema, to_pml
 from rag_promptcache.store.base import ModuleKV, Store, module_key
 
 PLAIN = ""  # the empty schema that plain-text prompts use
@@ -123,10 +123,19 @@ class PromptCache:
 
     # -- schemas ---------------------------------------------------------------------------------
 
-    def add_schema(self, schema: str | ast.Schema) -> ast.Schema:
-        """Register (or replace) a schema, given as PML or as a parsed `Schema`."""
+    def add_schema(self, schema: str | ast.Schema, *, replace: bool = False) -> ast.Schema:
+        """Register a schema, given as PML or as a parsed `Schema`. Registering the same content
+        again is a no-op; a name already registered to other content needs `replace=True`."""
         parsed = parse_schema(schema) if isinstance(schema, str) else schema
+        if not parsed.name:
+            raise ValueError("a schema needs a non-empty name (the empty name is the engine's plain-prompt schema)")
         with self._lock:
+            old = self._schemas.get(parsed.name)
+            if old is not None and _same_schema(old, parsed):
+                return old
+            if old is not None and not replace:
+                raise ValueError(f"schema {parsed.name!r} is already registered with other content; "
+                                 "pass replace=True to replace it, or register it under another name")
             self._schemas[parsed.name] = parsed
             self._schema_chat[parsed.name] = _uses_roles(parsed.children)
             for chat in (False, True):
@@ -136,7 +145,8 @@ class PromptCache:
 
     def schema(self, name: str) -> ast.Schema:
         if name not in self._schemas:
-            raise ValueError(f"unknown schema {name!r}; known: {', '.join(sorted(self._schemas)) or 'none'}")
+            known = ", ".join(repr(n) for n in sorted(self._schemas) if n != PLAIN) or "none"
+            raise ValueError(f"unknown schema {name!r}; known: {known}")
         return self._schemas[name]
 
     def encode(
@@ -373,6 +383,11 @@ def _uncached(plan: Plan) -> Plan:
     )
     pieces = (merged,) if contiguous else tuple(Piece(p.token_ids, p.position) for p in plan.pieces if p.token_ids)
     return Plan(pieces, {}, (), (), (), 0)
+
+
+def _same_schema(a: ast.Schema, b: ast.Schema) -> bool:
+    """The same content, wherever it was written: positions in the PML source do not count."""
+    return to_pml(a) == to_pml(b)
 
 
 def _uses_roles(nodes: Iterable[object]) -> bool:
