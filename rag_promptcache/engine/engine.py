@@ -105,8 +105,9 @@ class PromptCache:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._schemas: dict[str, ast.Schema] = {PLAIN: ast.Schema(PLAIN, ())}
         self._schema_chat: dict[str, bool] = {PLAIN: False}  # whether a schema uses role tags: once, not per request
-        self._compiled: dict[tuple[str, bool], CompiledSchema] = {}
-        self._keys: dict[tuple[str, bool, str], str] = {}
+        self._first_role: dict[str, str | None] = {PLAIN: None}  # its first role tag, in document order
+        self._compiled: dict[tuple[str, bool, bool], CompiledSchema] = {}
+        self._keys: dict[tuple[str, bool, bool, str], str] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -138,8 +139,8 @@ class PromptCache:
                                  "pass replace=True to replace it, or register it under another name")
             self._schemas[parsed.name] = parsed
             self._schema_chat[parsed.name] = _uses_roles(parsed.children)
-            for chat in (False, True):
-                self._compiled.pop((parsed.name, chat), None)
+            self._first_role[parsed.name] = _first_role(parsed.children)
+            self._compiled = {k: v for k, v in self._compiled.items() if k[0] != parsed.name}
             self._keys = {k: v for k, v in self._keys.items() if k[0] != parsed.name}
         return parsed
 
@@ -162,20 +163,20 @@ class PromptCache:
         after each batch with the number of modules it encoded.
         """
         t0 = time.perf_counter()
-        chat = self._schema_chat[self.schema(schema_name).name]
-        compiled = self._compile(schema_name, chat)
+        chat, default = self._chat_of(schema_name, ())
+        compiled = self._compile(schema_name, chat, default)
         names = list(compiled.units) if module_names is None else list(module_names)
         for n in names:
             if n not in compiled.units:
                 raise ValueError(f"schema {schema_name!r} has no module {n!r}")
         wanted = [compiled.units[n] for n in names if compiled.units[n].token_ids]
-        todo = [u for u in wanted if not self.store.contains(self._key(compiled, u, chat))]
+        todo = [u for u in wanted if not self.store.contains(self._key(compiled, u, chat, default))]
         num_tokens = 0
         for b in range(0, len(todo), self.batch_size):
             batch = todo[b : b + self.batch_size]
             for u, kv in zip(batch, encode_units(self.model, batch, mode=self.mode, fingerprint=self.fingerprint,
                                                  batch_size=self.batch_size)):
-                self.store.put(self._key(compiled, u, chat), kv)
+                self.store.put(self._key(compiled, u, chat, default), kv)
                 num_tokens += kv.num_tokens
             if progress is not None:
                 progress(len(batch))
@@ -227,9 +228,9 @@ class PromptCache:
         return self.generate(prompt, use_cache=False, max_new_tokens=1).ttft_s
 
     def is_cached(self, schema_name: str, module_name: str) -> bool:
-        chat = self._schema_chat[self.schema(schema_name).name]
-        compiled = self._compile(schema_name, chat)
-        return self.store.contains(self._key(compiled, compiled.units[module_name], chat))
+        chat, default = self._chat_of(schema_name, ())
+        compiled = self._compile(schema_name, chat, default)
+        return self.store.contains(self._key(compiled, compiled.units[module_name], chat, default))
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -244,8 +245,8 @@ class PromptCache:
         """Compile the prompt and fetch (or encode and store) the KV of every module it uses.
         Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window."""
         parsed = self._parse(prompt)
-        chat = self._schema_chat[self.schema(parsed.schema).name] or _uses_roles(parsed.children)
-        compiled = self._compile(parsed.schema, chat)
+        chat, default = self._chat_of(parsed.schema, parsed.children)
+        compiled = self._compile(parsed.schema, chat, default)
         pieces = self.compiler.compile_prompt(compiled, parsed, self.layout)
         if not pieces or not any(p.token_ids for p in pieces):
             raise ValueError("empty prompt: it compiles to no tokens")
@@ -272,7 +273,7 @@ class PromptCache:
         misses: list[Unit] = []
         for name in needed:
             unit = compiled.units[name]
-            kv = self.store.get(self._key(compiled, unit, chat))
+            kv = self.store.get(self._key(compiled, unit, chat, default))
             # keys are content addresses; this re-checks what the entry says of itself, so a foreign
             # entry planted under our key is recomputed, never used
             if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, self.fingerprint, self.mode):
@@ -283,7 +284,7 @@ class PromptCache:
         if misses:
             for u, kv in zip(misses, encode_units(self.model, misses, mode=self.mode, fingerprint=self.fingerprint,
                                                   batch_size=self.batch_size)):
-                self.store.put(self._key(compiled, u, chat), kv)
+                self.store.put(self._key(compiled, u, chat, default), kv)
                 kvs[u.name] = kv
                 encoded += kv.num_tokens
         chosen = self.recovery if recovery is None else Recovery.parse(recovery)
@@ -357,16 +358,24 @@ class PromptCache:
             return parse_prompt(prompt, self._schemas)
         return ast.Prompt(PLAIN, (ast.Text(prompt),))
 
-    def _compile(self, name: str, chat: bool) -> CompiledSchema:
+    def _chat_of(self, name: str, prompt_children: Sequence[ast.PromptNode]) -> tuple[bool, bool]:
+        """(whether the sequence is a conversation, whether the template's default system turn opens
+        it: its first role, the schema's or else the prompt's, is not a system message)."""
+        schema = self.schema(name).name
+        chat = self._schema_chat[schema] or _uses_roles(prompt_children)
+        first = self._first_role[schema] or _first_role(prompt_children)
+        return chat, chat and bool(self.compiler.markup.default_system) and first != "system"
+
+    def _compile(self, name: str, chat: bool, default_system: bool = False) -> CompiledSchema:
         with self._lock:
-            compiled = self._compiled.get((name, chat))
+            compiled = self._compiled.get((name, chat, default_system))
             if compiled is None:
-                compiled = self.compiler.compile_schema(self.schema(name), chat)
-                self._compiled[(name, chat)] = compiled
+                compiled = self.compiler.compile_schema(self.schema(name), chat, default_system)
+                self._compiled[(name, chat, default_system)] = compiled
             return compiled
 
-    def _key(self, compiled: CompiledSchema, unit: Unit, chat: bool) -> str:
-        memo = (compiled.name, chat, unit.name)
+    def _key(self, compiled: CompiledSchema, unit: Unit, chat: bool, default_system: bool = False) -> str:
+        memo = (compiled.name, chat, default_system, unit.name)
         key = self._keys.get(memo)
         if key is None:
             context = unit.context_ids if self.mode == "shared_prefix" else ()
@@ -388,6 +397,16 @@ def _uncached(plan: Plan) -> Plan:
 def _same_schema(a: ast.Schema, b: ast.Schema) -> bool:
     """The same content, wherever it was written: positions in the PML source do not count."""
     return to_pml(a) == to_pml(b)
+
+
+def _first_role(nodes: Iterable[object]) -> str | None:
+    for n in nodes:
+        if isinstance(n, ast.Role):
+            return n.role
+        children = getattr(n, "children", None) or getattr(n, "modules", None)
+        if children and (role := _first_role(children)) is not None:
+            return role
+    return None
 
 
 def _uses_roles(nodes: Iterable[object]) -> bool:
