@@ -9,8 +9,10 @@ index change). Why it is safe:
   removed;
 - the files are the truth and the index only a cache of their sizes: a missing or unreadable index
   is rebuilt from the files, and an index entry whose file is gone is dropped.
-A put that fails for lack of space (or any other OSError) is a lost cache entry, logged once, never
-an error raised into generation.
+A put that fails for lack of space, on a read-only directory or filesystem (or any other OSError)
+is a lost cache entry, counted in `num_write_errors` and logged once per cause, never an error raised
+into generation; reads go on. A directory that cannot even hold the `.lock` file is read without the
+cross-process lock: nobody can change it through this store.
 
 Out of scope: durability against power loss (no fsync: a torn file fails its checksum and is
 recomputed), and network filesystems without working flock.
@@ -61,10 +63,12 @@ class DiskStore:
         self._index_path = self.root / "index.json"
         self._index_stamp: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
+        self._error_lock = threading.Lock()
         self._touched: dict[str, float] = {}  # key -> last use, not yet written to index.json
         self._num_hits = 0
         self._num_misses = 0
         self._num_errors = 0
+        self._num_write_errors = 0
         self._warn = WarnOnce(log)
         self._write_errors: set[int] = set()
         with self._locked():
@@ -117,13 +121,16 @@ class DiskStore:
         except OSError as e:
             self._write_failed(tmp, e)
             return
-        with self._locked():
-            self._sync()
-            os.replace(tmp, path)
-            victims = self._index.add(key, len(data), kv.num_tokens)
-            for victim in victims:
-                self.path_for(victim.key).unlink(missing_ok=True)
-            self._save_index()
+        try:
+            with self._locked():
+                self._sync()
+                os.replace(tmp, path)
+                victims = self._index.add(key, len(data), kv.num_tokens)
+                for victim in victims:
+                    self.path_for(victim.key).unlink(missing_ok=True)
+                self._save_index()
+        except OSError as e:
+            self._write_failed(tmp, e)
 
     def contains(self, key: str) -> bool:
         return self.path_for(key).exists()
@@ -148,6 +155,7 @@ class DiskStore:
                 self._num_misses,
                 self._index.num_tokens,
                 self._num_errors,
+                self._num_write_errors,
             )
 
     def close(self) -> None:
@@ -193,12 +201,25 @@ class DiskStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The in-process lock, then the cross-process one (flock on .lock)."""
-        with self._lock, open(self.root / ".lock", "a+b") as f:
+        with self._lock, self._lock_file() as f:
+            if f is None:  # a read-only directory without a lock file: nothing can change it through us
+                yield
+                return
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _lock_file(self) -> contextlib.AbstractContextManager:
+        path = self.root / ".lock"
+        for mode in ("a+b", "rb"):  # flock works on a read-only descriptor too
+            try:
+                return open(path, mode)
+            except OSError as e:
+                if mode == "a+b" and e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+                    raise
+        return contextlib.nullcontext(None)
 
     def _files(self) -> Iterator[tuple[str, Path]]:
         for path in self.root.glob(f"??/*{SUFFIX}"):
@@ -248,7 +269,7 @@ class DiskStore:
         self._reset_index()
         now = time.time()
         for path in self.root.glob("??/.tmp-*"):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone already, or a read-only directory
                 if now - path.stat().st_mtime > _STALE_TMP_S:
                     path.unlink()
         for key, path in self._files():
@@ -262,7 +283,10 @@ class DiskStore:
                 continue
             except (CorruptEntry, ValueError, KeyError) as e:
                 log.warning("disk store %s: removing unreadable entry %s: %s", self.root, key, e)
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as err:
+                    self._write_failed(None, err)
 
     def _save_index(self) -> None:
         """Under the lock: write index.json atomically. Failing to is harmless (it is rebuildable)."""
@@ -278,6 +302,12 @@ class DiskStore:
 
     def _drop(self, key: str, path: Path, inode: int) -> None:
         """Remove a bad file, unless a writer has meanwhile replaced it with a new one."""
+        try:
+            self._drop_locked(key, path, inode)
+        except OSError as e:  # a read-only directory: the bad file stays, and stays a miss
+            self._write_failed(None, e)
+
+    def _drop_locked(self, key: str, path: Path, inode: int) -> None:
         with self._locked():
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_ino != inode:
@@ -287,10 +317,13 @@ class DiskStore:
             path.unlink(missing_ok=True)
             self._save_index()
 
-    def _write_failed(self, tmp: Path, e: OSError) -> None:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        self._num_errors += 1
+    def _write_failed(self, tmp: Path | None, e: OSError) -> None:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        with self._error_lock:  # not self._lock: this runs both under it (index saves) and outside it
+            self._num_errors += 1
+            self._num_write_errors += 1
         if e.errno not in self._write_errors:
             self._write_errors.add(e.errno or 0)
             reason = "disk full" if e.errno == errno.ENOSPC else os.strerror(e.errno) if e.errno else str(e)
