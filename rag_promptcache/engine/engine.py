@@ -108,7 +108,11 @@ class PromptCache:
         self._first_role: dict[str, str | None] = {PLAIN: None}  # its first role tag, in document order
         self._compiled: dict[tuple[str, bool, bool], CompiledSchema] = {}
         self._keys: dict[tuple[str, bool, bool, str], str] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the schema, compiled-schema and key maps
+        # Every forward pass of this model runs under it: prefill, each decode step, encoding, recovery
+        # passes (whose layer hooks would otherwise fire in another thread's forward). Reentrant, so a
+        # caller (the batch scheduler) may hold it around engine calls.
+        self.model_lock = threading.RLock()
 
     @classmethod
     def from_pretrained(
@@ -174,8 +178,10 @@ class PromptCache:
         num_tokens = 0
         for b in range(0, len(todo), self.batch_size):
             batch = todo[b : b + self.batch_size]
-            for u, kv in zip(batch, encode_units(self.model, batch, mode=self.mode, fingerprint=self.fingerprint,
-                                                 batch_size=self.batch_size)):
+            with self.model_lock:
+                kvs = encode_units(self.model, batch, mode=self.mode, fingerprint=self.fingerprint,
+                                   batch_size=self.batch_size)
+            for u, kv in zip(batch, kvs):
                 self.store.put(self._key(compiled, u, chat, default), kv)
                 num_tokens += kv.num_tokens
             if progress is not None:
@@ -282,13 +288,16 @@ class PromptCache:
                 kvs[name] = kv
         encoded = 0
         if misses:
-            for u, kv in zip(misses, encode_units(self.model, misses, mode=self.mode, fingerprint=self.fingerprint,
-                                                  batch_size=self.batch_size)):
+            with self.model_lock:
+                encoded_kvs = encode_units(self.model, misses, mode=self.mode, fingerprint=self.fingerprint,
+                                           batch_size=self.batch_size)
+            for u, kv in zip(misses, encoded_kvs):
                 self.store.put(self._key(compiled, u, chat, default), kv)
                 kvs[u.name] = kv
                 encoded += kv.num_tokens
         chosen = self.recovery if recovery is None else Recovery.parse(recovery)
-        pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
+        with self.model_lock:
+            pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
         return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in {u.name for u in misses}),
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
 
@@ -297,7 +306,8 @@ class PromptCache:
         """→ (cache with room for the answer, next-token logits [V] fp32, next position)."""
         asm = assemble(plan.pieces, plan.kvs, self.relocator, self.model.config, self.geometry,
                        self.model.device, self.model.dtype, extra=max_new_tokens)
-        logits = forward_last(self.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
+        with self.model_lock:
+            logits = forward_last(self.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
         next_position = max(p.position + len(p.token_ids) for p in plan.pieces)
         return asm.cache, logits, next_position
 
@@ -307,7 +317,12 @@ class PromptCache:
         ids: list[int] = []
         ttft = 0.0
         finish = "length"
-        for token in decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids):
+        steps = decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids)
+        while True:
+            with self.model_lock:  # one decode step; never held across a yield to the caller
+                token = next(steps, None)
+            if token is None:
+                break
             if not ids:
                 ttft = time.perf_counter() - t0
             ids.append(token)
@@ -376,11 +391,14 @@ class PromptCache:
 
     def _key(self, compiled: CompiledSchema, unit: Unit, chat: bool, default_system: bool = False) -> str:
         memo = (compiled.name, chat, default_system, unit.name)
-        key = self._keys.get(memo)
+        with self._lock:
+            key = self._keys.get(memo)
         if key is None:
             context = unit.context_ids if self.mode == "shared_prefix" else ()
             key = module_key(self.fingerprint, self.mode, unit.token_ids, unit.encode_start, context)
-            self._keys[memo] = key
+            with self._lock:  # memoised only for the current compilation: a schema may be replaced meanwhile
+                if self._compiled.get((compiled.name, chat, default_system)) is compiled:
+                    self._keys[memo] = key
         return key
 
 

@@ -1,14 +1,19 @@
 """The disk tier: one safetensors file per entry, shared safely by several processes.
 
 Layout under `path`: `ab/<key>.safetensors` (sharded by the key's first two hex digits),
-`index.json` (sizes, last use and hits per key, for the budget), `.lock` (flock'd around every
-index change). Why it is safe:
+`index.json` (sizes, last use and hits per key, for the budget), `stats.json` (hits and misses of
+every process that used the store), `.lock` (flock'd around every index or stats change). Why it is safe:
 - a put writes a temp file in the entry's own directory, then `os.replace`s it in: readers see the
   old file or the new one, never half of either;
 - every file carries a checksummed header (serialize.py); anything that fails it is a miss and is
   removed;
 - the files are the truth and the index only a cache of their sizes: a missing or unreadable index
-  is rebuilt from the files, and an index entry whose file is gone is dropped.
+  is rebuilt from the files, and an index entry whose file is gone is dropped;
+- hit and miss counts are kept per process and added into `stats.json` under the lock at most every
+  `STATS_FLUSH_S` seconds and on close, so `stats()` in any process (`store info`) counts every
+  process's lookups of this tier (those a process's memory tier answered never reach it). A process
+  killed before its flush loses at most that many seconds of counts; an unreadable stats file
+  restarts the counts from zero.
 A put that fails for lack of space, on a read-only directory or filesystem (or any other OSError)
 is a lost cache entry, counted in `num_write_errors` and logged once per cause, never an error raised
 into generation; reads go on. A directory that cannot even hold the `.lock` file is read without the
@@ -41,6 +46,8 @@ log = logging.getLogger(__name__)
 INDEX_VERSION = 1
 SUFFIX = ".safetensors"
 _STALE_TMP_S = 600.0
+STATS_VERSION = 1
+STATS_FLUSH_S = 5.0
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -65,8 +72,10 @@ class DiskStore:
         self._lock = threading.Lock()
         self._error_lock = threading.Lock()
         self._touched: dict[str, float] = {}  # key -> last use, not yet written to index.json
-        self._num_hits = 0
+        self._num_hits = 0  # not yet added into stats.json
         self._num_misses = 0
+        self._stats_path = self.root / "stats.json"
+        self._flushed_at = time.monotonic()
         self._num_errors = 0
         self._num_write_errors = 0
         self._warn = WarnOnce(log)
@@ -93,6 +102,7 @@ class DiskStore:
         except FileNotFoundError:
             with self._lock:
                 self._num_misses += 1
+            self._maybe_flush_counts()
             return None
         except CorruptEntry as e:
             self._warn(key, "disk store %s: dropping bad entry %s: %s", self.root, key, e)
@@ -104,6 +114,7 @@ class DiskStore:
         with self._lock:
             self._num_hits += 1
             self._touched[key] = time.time()
+        self._maybe_flush_counts()
         kv = decode(enc)
         if enc.codec == "native":  # detach from the file mapping (see serialize.load_file)
             kv = ModuleKV(kv.keys.clone(), kv.values.clone(), kv.start, kv.token_ids, kv.fingerprint, kv.mode)
@@ -148,11 +159,12 @@ class DiskStore:
     def stats(self) -> StoreStats:
         with self._locked():
             self._sync()
+            hits, misses = self._saved_counts()
             return StoreStats(
                 len(self._index),
                 self._index.num_bytes,
-                self._num_hits,
-                self._num_misses,
+                hits + self._num_hits,
+                misses + self._num_misses,
                 self._index.num_tokens,
                 self._num_errors,
                 self._num_write_errors,
@@ -162,6 +174,7 @@ class DiskStore:
         with self._locked():
             self._sync()
             self._save_index()
+            self._flush_counts()
 
     # -- management ----------------------------------------------------------------------------
 
@@ -299,6 +312,45 @@ class DiskStore:
             self._write_failed(tmp, e)
             return
         self._index_stamp = self._stamp()
+
+    def _saved_counts(self) -> tuple[int, int]:
+        """Under the lock: (hits, misses) in stats.json; zeros if it is missing or unreadable."""
+        try:
+            raw = json.loads(self._stats_path.read_bytes())
+            if raw.get("version") != STATS_VERSION:
+                raise ValueError(f"stats version {raw.get('version')!r}, expected {STATS_VERSION}")
+            return int(raw["num_hits"]), int(raw["num_misses"])
+        except FileNotFoundError:
+            return 0, 0
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+            self._warn("stats.json", "disk store %s: unreadable stats.json (%s); counting hits from zero", self.root, e)
+            return 0, 0
+
+    def _flush_counts(self) -> None:
+        """Under the lock: add this process's counts into stats.json (kept here if that fails)."""
+        self._flushed_at = time.monotonic()
+        if not (self._num_hits or self._num_misses):
+            return
+        hits, misses = self._saved_counts()
+        data = {"version": STATS_VERSION, "num_hits": hits + self._num_hits, "num_misses": misses + self._num_misses}
+        tmp = self.root / f".stats.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self._stats_path)
+        except OSError as e:
+            self._write_failed(tmp, e)
+            return
+        self._num_hits = self._num_misses = 0
+
+    def _maybe_flush_counts(self) -> None:
+        if time.monotonic() - self._flushed_at < STATS_FLUSH_S:
+            return
+        try:
+            with self._locked():
+                if time.monotonic() - self._flushed_at >= STATS_FLUSH_S:  # another thread may have just done it
+                    self._flush_counts()
+        except OSError as e:
+            self._write_failed(None, e)
 
     def _drop(self, key: str, path: Path, inode: int) -> None:
         """Remove a bad file, unless a writer has meanwhile replaced it with a new one."""
