@@ -22,13 +22,14 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *extra: str) -> None:
         self.port = port
+        self.extra = extra  # more redis-server arguments, e.g. "--maxmemory", "1mb"
         self.url = f"redis://127.0.0.1:{port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        args = [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args = [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

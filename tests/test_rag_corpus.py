@@ -40,7 +40,7 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
-    def add_schema(self, schema: ast.Schema) -> ast.Schema:
+    def add_schema(self, schema: ast.Schema, replace: bool = False) -> ast.Schema:
         self.schemas[schema.name] = schema
         return schema
 

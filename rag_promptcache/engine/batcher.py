@@ -72,7 +72,7 @@ class Handle:
 
     @property
     def cached_tokens(self) -> int:
-        return self.plan.num_cached
+        return self.plan.num_from_store
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -167,17 +167,13 @@ class Batcher:
     def submit(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None, ignore_eos: bool = False,
                use_cache: bool = True, **sampling) -> Handle:
         """Plan `prompt` (raising here on bad input) and queue it; `QueueFull` when the queue is full."""
-        s = Sampling(**{k: (v,) if k == "stop" and isinstance(v, str) else tuple(v) if k == "stop" else v
-                        for k, v in sampling.items()})
+        s = Sampling(**sampling)
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("this scheduler is closed")
-        with self.engine.model_lock:  # planning encodes missing modules: a forward pass
-            plan = self.engine.plan(prompt, use_cache=use_cache, recovery=recovery)
-        window = self.engine.context_window
-        if plan.num_tokens + s.max_new_tokens > window:
-            raise ValueError(f"the prompt ({plan.num_tokens} tokens) plus max_new_tokens={s.max_new_tokens} exceed "
-                             f"the model's {window}-token context window")
+        # planning may encode missing modules (forward passes under engine.model_lock); raises on a
+        # prompt past the context window
+        plan = self.engine.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
         handle = Handle(next(self._ids), plan, s, ignore_eos, t0)
         handle._batcher = self
         with self._cv:
@@ -320,7 +316,7 @@ def _result(run: _Running, finish: FinishReason) -> Result:
         ttft_s=run.ttft,
         total_s=time.perf_counter() - run.handle.t0,
         prompt_tokens=plan.num_tokens,
-        cached_tokens=plan.num_cached,
+        cached_tokens=plan.num_from_store,
         computed_tokens=plan.num_tokens - plan.num_cached + plan.num_encoded_tokens,
         hit_modules=tuple(n for n in plan.hits if n != ROOT),
         missed_modules=tuple(n for n in plan.misses if n != ROOT),

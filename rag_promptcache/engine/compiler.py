@@ -93,13 +93,35 @@ class Compiler:
                 self._memo[text] = ids
         return ids
 
+    def tokenize_before_word(self, text: str) -> tuple[int, ...]:
+        """`text` as the tokenizer splits it when a word follows: the text before a slot of modules.
+
+        A module is tokenized on its own, but `apply_chat_template` tokenizes the whole conversation,
+        and byte-level BPE splits a run of newlines differently at the end of a string ("\n\n" is one
+        token) than before a word ("\n", "\n"): the corpus schema's instructions end so. Tokenizing
+        the text with a word after it and dropping that word's token gives the whole-string split;
+        where the word would merge with the text (a trailing space joins it), the text is kept as is.
+        """
+        ids = self.tokenize(text)
+        if not text or not text[-1].isspace():
+            return ids
+        word = self.tokenize("x")
+        joined = self.tokenize(text + "x")
+        if len(word) == 1 and joined[-1:] == word and self.tokenizer.decode(joined[:-1]) == self.tokenizer.decode(ids):
+            return joined[:-1]
+        return ids
+
     # -- schema ----------------------------------------------------------------------------------
 
-    def compile_schema(self, schema: ast.Schema, chat: bool) -> CompiledSchema:
-        """`chat`: whether the template's prefix (BOS and the like) opens the sequence."""
+    def compile_schema(self, schema: ast.Schema, chat: bool, default_system: bool = False) -> CompiledSchema:
+        """`chat`: the sequence is a conversation, opened by the template's prefix (which holds BOS
+        if the template writes it) and, with `default_system`, by the system turn the template injects
+        when the first message is not a system message. Chat text gets no BOS from the tokenizer:
+        `apply_chat_template(..., tokenize=True)` adds none, so a tokenizer whose post-processor adds
+        BOS and a template that writes it give one BOS, not two. Plain text gets the tokenizer's BOS."""
         units: dict[str, Unit] = {}
-        lead = self.markup.prefix if chat else ""
-        size = self._unit(ROOT, schema.children, lead, self.bos, 0, (), 0, ("", -1), units)
+        lead = self.markup.prefix + (self.markup.default_system if default_system else "") if chat else ""
+        size = self._unit(ROOT, schema.children, lead, () if chat else self.bos, 0, (), 0, ("", -1), units)
         return CompiledSchema(schema.name, units, size)
 
     def _unit(
@@ -122,9 +144,10 @@ class Compiler:
         if lead_ids:
             segs.append(Seg("text", 0, len(lead_ids), schema_pos=pos))
             pos += len(lead_ids)
-        for item in flat:
+        for i, item in enumerate(flat):
             if isinstance(item, str):
-                ids = self.tokenize(item)
+                before_slot = i + 1 < len(flat) and isinstance(flat[i + 1], list)
+                ids = self.tokenize_before_word(item) if before_slot else self.tokenize(item)
                 if ids:
                     segs.append(Seg("text", len(token_ids), len(ids), schema_pos=pos))
                     token_ids.extend(ids)
@@ -164,6 +187,11 @@ class Compiler:
         if late:
             raise PMLError(f"import of {late[0].name!r} follows the prompt's own text; imports come first "
                            "(put fixed text in the schema)", late[0].line, late[0].column)
+        for imp in imports:
+            if imp.name not in compiled.units:  # a Prompt record built in Python skips the parser's check
+                where = f"schema {compiled.name!r}" if compiled.name else 'a prompt without a schema (write <prompt schema="...">)'
+                known = ", ".join(n for n in compiled.units if n != ROOT) or "none"
+                raise PMLError(f"unknown module {imp.name!r} in {where}; valid: {known}", imp.line, imp.column)
         cursor = self._emit(compiled, compiled.units[ROOT], None, imports, layout, 0, pieces)
         if layout == "schema":
             cursor = max(compiled.size, cursor)
@@ -191,7 +219,13 @@ class Compiler:
                 out.append(Piece(ids, pos, unit.name, seg.offset))
                 cursor = pos + seg.length
             elif seg.kind == "param":
-                value = args.get(seg.name, "")
+                if seg.name not in args:
+                    assert imp is not None, f"{seg=}"  # params live in modules, and a module is imported
+                    raise PMLError(
+                        f"module {unit.name!r} needs its parameter {seg.name!r} (a value of at most {seg.length} "
+                        f"tokens): write <{unit.name} {seg.name}=\"...\"/> (an empty value is allowed)",
+                        imp.line, imp.column)
+                value = args[seg.name]
                 ids = self.tokenize(value)
                 if len(ids) > seg.length:
                     assert imp is not None, f"{seg=}"

@@ -7,6 +7,7 @@ a stop string or is an incomplete UTF-8 sequence. Nothing here knows about modul
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
+    """Sampling options. `stop` takes one string or a sequence of strings (as OpenAI, LangChain and
+    LlamaIndex do) and is held as a tuple: a bare string is one stop string, never its characters."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -25,6 +29,10 @@ class Sampling:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) for s in stop):
+            raise ValueError(f"stop takes a string or a sequence of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)  # normalised once here: every caller gets a tuple
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -40,6 +48,33 @@ class Sampling:
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
+class _Switch:
+    """The environment switch is process-global: count the forward passes that need it, so that one
+    thread leaving never unsets it under another thread's forward (of this engine or another)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._set_outside = False  # the user set it: never unset it
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._set_outside = os.environ.get(_FORCE_GQA) is not None
+                if not self._set_outside:
+                    os.environ[_FORCE_GQA] = "1"
+            self._users += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and not self._set_outside:
+                os.environ.pop(_FORCE_GQA, None)
+
+
+_GQA = _Switch()
+
+
 @contextmanager
 def native_gqa(device: torch.device) -> Iterator[None]:
     """On CPU, let SDPA do grouped-query attention itself, masks included.
@@ -49,14 +84,14 @@ def native_gqa(device: torch.device) -> Iterator[None]:
     time to first token. transformers reads this switch on every call; we set it only around our own
     forward passes and only on CPU (on CUDA a mask with GQA would fall back to the slow math kernel).
     """
-    if device.type != "cpu" or os.environ.get(_FORCE_GQA) is not None:
+    if device.type != "cpu":
         yield
         return
-    os.environ[_FORCE_GQA] = "1"
+    _GQA.enter()
     try:
         yield
     finally:
-        os.environ.pop(_FORCE_GQA, None)
+        _GQA.exit()
 
 
 @torch.inference_mode()  # per call: a stream may resume on another thread, and the mode is thread-local

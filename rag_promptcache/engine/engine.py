@@ -31,7 +31,7 @@ from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.pml import ast
-from rag_promptcache.pml.parser import parse_prompt, parse_schema
+from rag_promptcache.pml.parser import parse_prompt, parse_schema, to_pml
 from rag_promptcache.store.base import ModuleKV, Store, module_key
 
 if TYPE_CHECKING:
@@ -55,7 +55,15 @@ class Plan:
 
     @property
     def num_cached(self) -> int:
+        """Tokens assembled from module KV, whether fetched from the store or encoded just now."""
         return sum(len(p.token_ids) for p in self.pieces if p.cached)
+
+    @property
+    def num_from_store(self) -> int:
+        """Tokens served from stored KV (hits only): what `Result.cached_tokens` reports. A missed
+        module's KV was computed in this request, so its tokens count as computed."""
+        hits = set(self.hits)
+        return sum(len(p.token_ids) for p in self.pieces if p.cached and p.unit in hits)
 
 
 class PromptCache:
@@ -70,14 +78,20 @@ class PromptCache:
         name: str | None = None,
         batch_size: int = 8,
         recovery: str | Recovery | None = DEFAULT_RECOVERY,
-        codec: str = "native",
+        codec: str | None = None,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+        if store is not None and codec is not None:
+            # a store holds entries in its own codec; silently ignoring the argument stored native KV
+            raise ValueError(
+                f"codec={codec!r} applies only to the engine's default MemoryStore, not to a store you pass; "
+                f"set it on the store instead, e.g. MemoryStore(codec={codec!r}) or DiskStore(path, codec={codec!r})"
+            )
         if store is None:
             from rag_promptcache.store import MemoryStore
 
-            store = MemoryStore(codec=codec)
+            store = MemoryStore(codec=codec or "native")
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -94,9 +108,13 @@ class PromptCache:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._schemas: dict[str, ast.Schema] = {PLAIN: ast.Schema(PLAIN, ())}
         self._schema_chat: dict[str, bool] = {PLAIN: False}  # whether a schema uses role tags: once, not per request
-        self._compiled: dict[tuple[str, bool], CompiledSchema] = {}
-        self._keys: dict[tuple[str, bool, str], str] = {}
-        self._lock = threading.Lock()
+        self._first_role: dict[str, str | None] = {PLAIN: None}  # its first role tag, in document order
+        self._compiled: dict[tuple[str, bool, bool], CompiledSchema] = {}
+        self._keys: dict[tuple[str, bool, bool, str], str] = {}
+        self._lock = threading.Lock()  # the schema, compiled-schema and key maps
+        # Every forward pass of this model runs under it: prefill, each decode step, encoding, recovery
+        # passes (whose layer hooks would otherwise fire in another thread's forward). Reentrant, so a
+        # caller (the batch scheduler) may hold it around engine calls.
         self.model_lock = threading.RLock()
 
     @classmethod
@@ -113,20 +131,30 @@ class PromptCache:
 
     # -- schemas ---------------------------------------------------------------------------------
 
-    def add_schema(self, schema: str | ast.Schema) -> ast.Schema:
-        """Register (or replace) a schema, given as PML or as a parsed `Schema`."""
+    def add_schema(self, schema: str | ast.Schema, *, replace: bool = False) -> ast.Schema:
+        """Register a schema, given as PML or as a parsed `Schema`. Registering the same content
+        again is a no-op; a name already registered to other content needs `replace=True`."""
         parsed = parse_schema(schema) if isinstance(schema, str) else schema
+        if not parsed.name:
+            raise ValueError("a schema needs a non-empty name (the empty name is the engine's plain-prompt schema)")
         with self._lock:
+            old = self._schemas.get(parsed.name)
+            if old is not None and _same_schema(old, parsed):
+                return old
+            if old is not None and not replace:
+                raise ValueError(f"schema {parsed.name!r} is already registered with other content; "
+                                 "pass replace=True to replace it, or register it under another name")
             self._schemas[parsed.name] = parsed
             self._schema_chat[parsed.name] = _uses_roles(parsed.children)
-            for chat in (False, True):
-                self._compiled.pop((parsed.name, chat), None)
+            self._first_role[parsed.name] = _first_role(parsed.children)
+            self._compiled = {k: v for k, v in self._compiled.items() if k[0] != parsed.name}
             self._keys = {k: v for k, v in self._keys.items() if k[0] != parsed.name}
         return parsed
 
     def schema(self, name: str) -> ast.Schema:
         if name not in self._schemas:
-            raise ValueError(f"unknown schema {name!r}; known: {', '.join(sorted(self._schemas)) or 'none'}")
+            known = ", ".join(repr(n) for n in sorted(self._schemas) if n != PLAIN) or "none"
+            raise ValueError(f"unknown schema {name!r}; known: {known}")
         return self._schemas[name]
 
     def encode(
@@ -142,20 +170,22 @@ class PromptCache:
         after each batch with the number of modules it encoded.
         """
         t0 = time.perf_counter()
-        chat = self._schema_chat[self.schema(schema_name).name]
-        compiled = self._compile(schema_name, chat)
+        chat, default = self._chat_of(schema_name, ())
+        compiled = self._compile(schema_name, chat, default)
         names = list(compiled.units) if module_names is None else list(module_names)
         for n in names:
             if n not in compiled.units:
                 raise ValueError(f"schema {schema_name!r} has no module {n!r}")
         wanted = [compiled.units[n] for n in names if compiled.units[n].token_ids]
-        todo = [u for u in wanted if not self.store.contains(self._key(compiled, u, chat))]
+        todo = [u for u in wanted if not self.store.contains(self._key(compiled, u, chat, default))]
         num_tokens = 0
         for b in range(0, len(todo), self.batch_size):
             batch = todo[b : b + self.batch_size]
-            for u, kv in zip(batch, encode_units(self.model, batch, mode=self.mode, fingerprint=self.fingerprint,
-                                                 batch_size=self.batch_size)):
-                self.store.put(self._key(compiled, u, chat), kv)
+            with self.model_lock:
+                kvs = encode_units(self.model, batch, mode=self.mode, fingerprint=self.fingerprint,
+                                   batch_size=self.batch_size)
+            for u, kv in zip(batch, kvs):
+                self.store.put(self._key(compiled, u, chat, default), kv)
                 num_tokens += kv.num_tokens
             if progress is not None:
                 progress(len(batch))
@@ -173,9 +203,10 @@ class PromptCache:
     def stream(
         self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None, **sampling
     ) -> Stream:
-        s = Sampling(**{k: tuple(v) if k == "stop" else v for k, v in sampling.items()})
+        s = Sampling(**sampling)
         t0 = time.perf_counter()
-        plan = self.plan(prompt, use_cache=use_cache, recovery=recovery)  # raises here, before the first next()
+        # raises here, before the first next()
+        plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
         return Stream(self._run(plan, s, t0))
 
     async def agenerate(self, prompt: str | ast.Prompt, **kwargs) -> Result:
@@ -218,22 +249,29 @@ class PromptCache:
         return self.generate(prompt, use_cache=False, max_new_tokens=1).ttft_s
 
     def is_cached(self, schema_name: str, module_name: str) -> bool:
-        chat = self._schema_chat[self.schema(schema_name).name]
-        compiled = self._compile(schema_name, chat)
-        return self.store.contains(self._key(compiled, compiled.units[module_name], chat))
+        chat, default = self._chat_of(schema_name, ())
+        compiled = self._compile(schema_name, chat, default)
+        return self.store.contains(self._key(compiled, compiled.units[module_name], chat, default))
 
     # -- internals -------------------------------------------------------------------------------
 
     def plan(
-        self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None
+        self,
+        prompt: str | ast.Prompt,
+        *,
+        use_cache: bool = True,
+        recovery: str | Recovery | None = None,
+        max_new_tokens: int = 0,
     ) -> Plan:
-        """Compile the prompt and fetch (or encode and store) the KV of every module it uses."""
+        """Compile the prompt and fetch (or encode and store) the KV of every module it uses.
+        Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window."""
         parsed = self._parse(prompt)
-        chat = self._schema_chat[self.schema(parsed.schema).name] or _uses_roles(parsed.children)
-        compiled = self._compile(parsed.schema, chat)
+        chat, default = self._chat_of(parsed.schema, parsed.children)
+        compiled = self._compile(parsed.schema, chat, default)
         pieces = self.compiler.compile_prompt(compiled, parsed, self.layout)
         if not pieces or not any(p.token_ids for p in pieces):
             raise ValueError("empty prompt: it compiles to no tokens")
+        self._check_window(pieces, max_new_tokens)
         if not use_cache:
             return _uncached(Plan(tuple(pieces), {}, (), (), (), 0))
         if pieces[-1].cached:  # the last token's logits are needed: compute it
@@ -256,7 +294,7 @@ class PromptCache:
         misses: list[Unit] = []
         for name in needed:
             unit = compiled.units[name]
-            kv = self.store.get(self._key(compiled, unit, chat))
+            kv = self.store.get(self._key(compiled, unit, chat, default))
             # keys are content addresses; this re-checks what the entry says of itself, so a foreign
             # entry planted under our key is recomputed, never used
             if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, self.fingerprint, self.mode):
@@ -265,13 +303,16 @@ class PromptCache:
                 kvs[name] = kv
         encoded = 0
         if misses:
-            for u, kv in zip(misses, encode_units(self.model, misses, mode=self.mode, fingerprint=self.fingerprint,
-                                                  batch_size=self.batch_size)):
-                self.store.put(self._key(compiled, u, chat), kv)
+            with self.model_lock:
+                encoded_kvs = encode_units(self.model, misses, mode=self.mode, fingerprint=self.fingerprint,
+                                           batch_size=self.batch_size)
+            for u, kv in zip(misses, encoded_kvs):
+                self.store.put(self._key(compiled, u, chat, default), kv)
                 kvs[u.name] = kv
                 encoded += kv.num_tokens
         chosen = self.recovery if recovery is None else Recovery.parse(recovery)
-        pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
+        with self.model_lock:
+            pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
         return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in {u.name for u in misses}),
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
 
@@ -280,7 +321,8 @@ class PromptCache:
         """→ (cache with room for the answer, next-token logits [V] fp32, next position)."""
         asm = assemble(plan.pieces, plan.kvs, self.relocator, self.model.config, self.geometry,
                        self.model.device, self.model.dtype, extra=max_new_tokens)
-        logits = forward_last(self.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
+        with self.model_lock:
+            logits = forward_last(self.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
         next_position = max(p.position + len(p.token_ids) for p in plan.pieces)
         return asm.cache, logits, next_position
 
@@ -290,7 +332,12 @@ class PromptCache:
         ids: list[int] = []
         ttft = 0.0
         finish = "length"
-        for token in decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids):
+        steps = decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids)
+        while True:
+            with self.model_lock:  # one decode step; never held across a yield to the caller
+                token = next(steps, None)
+            if token is None:
+                break
             if not ids:
                 ttft = time.perf_counter() - t0
             ids.append(token)
@@ -313,12 +360,24 @@ class PromptCache:
             ttft_s=ttft,
             total_s=time.perf_counter() - t0,
             prompt_tokens=plan.num_tokens,
-            cached_tokens=plan.num_cached,
+            cached_tokens=plan.num_from_store,
             computed_tokens=plan.num_tokens - plan.num_cached + plan.num_encoded_tokens,
             hit_modules=tuple(n for n in plan.hits if n != ROOT),
             missed_modules=tuple(n for n in plan.misses if n != ROOT),
             recomputed_modules=tuple(n for n in plan.recomputed if n != ROOT),
         )
+
+    def _check_window(self, pieces: Sequence[Piece], max_new_tokens: int) -> None:
+        # positions, not token counts: the schema layout leaves gaps, and RoPE tables end at the window
+        end = max(p.position + len(p.token_ids) for p in pieces)
+        if end + max_new_tokens > self.context_window:
+            num_tokens = sum(len(p.token_ids) for p in pieces)
+            where = "" if end == num_tokens else f" reaching position {end}"
+            raise ValueError(
+                f"prompt of {num_tokens} tokens{where} plus max_new_tokens={max_new_tokens} is "
+                f"{end + max_new_tokens}, past the model's {self.context_window}-token context window; "
+                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens"
+            )
 
     def _parse(self, prompt: str | ast.Prompt) -> ast.Prompt:
         if isinstance(prompt, ast.Prompt):
@@ -329,21 +388,32 @@ class PromptCache:
             return parse_prompt(prompt, self._schemas)
         return ast.Prompt(PLAIN, (ast.Text(prompt),))
 
-    def _compile(self, name: str, chat: bool) -> CompiledSchema:
+    def _chat_of(self, name: str, prompt_children: Sequence[ast.PromptNode]) -> tuple[bool, bool]:
+        """(whether the sequence is a conversation, whether the template's default system turn opens
+        it: its first role, the schema's or else the prompt's, is not a system message)."""
+        schema = self.schema(name).name
+        chat = self._schema_chat[schema] or _uses_roles(prompt_children)
+        first = self._first_role[schema] or _first_role(prompt_children)
+        return chat, chat and bool(self.compiler.markup.default_system) and first != "system"
+
+    def _compile(self, name: str, chat: bool, default_system: bool = False) -> CompiledSchema:
         with self._lock:
-            compiled = self._compiled.get((name, chat))
+            compiled = self._compiled.get((name, chat, default_system))
             if compiled is None:
-                compiled = self.compiler.compile_schema(self.schema(name), chat)
-                self._compiled[(name, chat)] = compiled
+                compiled = self.compiler.compile_schema(self.schema(name), chat, default_system)
+                self._compiled[(name, chat, default_system)] = compiled
             return compiled
 
-    def _key(self, compiled: CompiledSchema, unit: Unit, chat: bool) -> str:
-        memo = (compiled.name, chat, unit.name)
-        key = self._keys.get(memo)
+    def _key(self, compiled: CompiledSchema, unit: Unit, chat: bool, default_system: bool = False) -> str:
+        memo = (compiled.name, chat, default_system, unit.name)
+        with self._lock:
+            key = self._keys.get(memo)
         if key is None:
             context = unit.context_ids if self.mode == "shared_prefix" else ()
             key = module_key(self.fingerprint, self.mode, unit.token_ids, unit.encode_start, context)
-            self._keys[memo] = key
+            with self._lock:  # memoised only for the current compilation: a schema may be replaced meanwhile
+                if self._compiled.get((compiled.name, chat, default_system)) is compiled:
+                    self._keys[memo] = key
         return key
 
 
@@ -355,6 +425,21 @@ def _uncached(plan: Plan) -> Plan:
     )
     pieces = (merged,) if contiguous else tuple(Piece(p.token_ids, p.position) for p in plan.pieces if p.token_ids)
     return Plan(pieces, {}, (), (), (), 0)
+
+
+def _same_schema(a: ast.Schema, b: ast.Schema) -> bool:
+    """The same content, wherever it was written: positions in the PML source do not count."""
+    return to_pml(a) == to_pml(b)
+
+
+def _first_role(nodes: Iterable[object]) -> str | None:
+    for n in nodes:
+        if isinstance(n, ast.Role):
+            return n.role
+        children = getattr(n, "children", None) or getattr(n, "modules", None)
+        if children and (role := _first_role(children)) is not None:
+            return role
+    return None
 
 
 def _uses_roles(nodes: Iterable[object]) -> bool:

@@ -6,10 +6,17 @@ sentinel contents through the tokenizer's own template, slices the text between 
 and keeps the result only if re-assembling the pieces reproduces `apply_chat_template` exactly
 for several conversations.
 
+BOS: a template that writes `{{ bos_token }}` has it in `prefix` (as text, which tokenizes to the
+BOS id); a tokenizer whose post-processor adds BOS does not add it here, because
+`apply_chat_template(..., tokenize=True)` tokenizes without special tokens. The compiler therefore
+tokenizes chat text without adding BOS, so a Llama-3 or Mistral style tokenizer gets exactly one.
+
+A default system prompt that a template injects when the first message is not a system message
+(SmolLM2 and Qwen2 do) is detected and kept in `default_system`; `render` puts it after `prefix`
+for such conversations, as the template does.
+
 What it deliberately does not model:
-- text a template injects only in some conversations. SmolLM2, for one, adds a default system
-  prompt when the first message is not a system message; `prefix` never contains it, so `render`
-  matches `apply_chat_template` for conversations that begin with a system message.
+- other text a template injects only in some conversations.
 - templates that cannot put a system message in a turn of its own (Gemma rejects or merges it):
   there a system message is rendered as a user turn.
 - per-message rewriting beyond trimming whitespace (`trims_content`).
@@ -20,7 +27,7 @@ with `from_template=False`.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
@@ -58,6 +65,7 @@ class RoleMarkup:
     generation_prompt: str
     from_template: bool = True
     trims_content: bool = False  # the template strips whitespace around each message's content
+    default_system: str = ""  # a whole system turn the template adds when the first message is not one
 
 
 PLAIN_MARKUP = RoleMarkup(
@@ -72,6 +80,8 @@ PLAIN_MARKUP = RoleMarkup(
 def render(markup: RoleMarkup, messages: Sequence[Message], add_generation_prompt: bool) -> str:
     """Assemble a conversation with `markup`; equals the template's output where it is verified."""
     parts = [markup.prefix]
+    if messages and messages[0][0] != "system":
+        parts.append(markup.default_system)
     for role, content in messages:
         if role not in markup.open:
             raise ValueError(f"unknown chat role {role!r}; valid roles: {sorted(markup.open)}")
@@ -88,7 +98,8 @@ def role_markup(tokenizer: PreTrainedTokenizerBase) -> RoleMarkup:
         for with_system in (True, False):
             for candidate in _candidates(tokenizer, with_system):
                 if _verified(tokenizer, candidate, with_system):
-                    return _with_trimming(tokenizer, candidate, with_system)
+                    markup = _with_trimming(tokenizer, candidate, with_system)
+                    return _with_default_system(tokenizer, markup) if with_system else markup
     bos = getattr(tokenizer, "bos_token", None)
     adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
     if adds_bos:
@@ -195,7 +206,31 @@ def _with_trimming(tokenizer: PreTrainedTokenizerBase, markup: RoleMarkup, with_
         text = _apply(tokenizer, msgs, True)
     except (TemplateError, ValueError, TypeError):
         return markup
-    trimmed = RoleMarkup(markup.prefix, markup.open, markup.close, markup.generation_prompt, True, True)
+    trimmed = replace(markup, trims_content=True)
     if text != render(markup, msgs, True) and text == render(trimmed, msgs, True):
         return trimmed
     return markup
+
+
+def _with_default_system(tokenizer: PreTrainedTokenizerBase, markup: RoleMarkup) -> RoleMarkup:
+    """Detect a system turn the template injects before a conversation that does not start with one;
+    kept only if it reproduces the template for every check conversation without a system message."""
+    msgs: tuple[Message, ...] = (("user", _U),)
+    try:
+        text = _apply(tokenizer, msgs, False)
+    except (TemplateError, ValueError, TypeError):
+        return markup
+    plain = render(markup, msgs, False)
+    body = plain[len(markup.prefix):]
+    if text == plain or not text.startswith(markup.prefix) or not text.endswith(body):
+        return markup
+    candidate = replace(markup, default_system=text[len(markup.prefix): len(text) - len(body)])
+    for convo in _CHECK_CONVERSATIONS:
+        no_system = tuple(m for m in convo if m[0] != "system")
+        for gen in (False, True):
+            try:
+                if _apply(tokenizer, no_system, gen) != render(candidate, no_system, gen):
+                    return markup
+            except (TemplateError, ValueError, TypeError):
+                return markup
+    return candidate

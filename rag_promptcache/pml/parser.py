@@ -347,7 +347,7 @@ def parse_prompt(text: str, schemas: Mapping[str, Schema]) -> Prompt:
     _check_attrs(root, ("schema",))
     attr = _required(root, "schema")
     if (schema := schemas.get(attr.value)) is None:
-        raise PMLError(f"unknown schema {attr.value!r}; known: {_few(sorted(schemas))}",
+        raise PMLError(f"unknown schema {attr.value!r}; known: {_few(sorted(n for n in schemas if n))}",
                        attr.line, attr.column)
     importer = _Importer(schema)
     children: list[PromptNode] = []

@@ -351,7 +351,7 @@ class Corpus:
             engine = self.engine
             # Only this batch's modules: a module's KV key depends on the text before it in the
             # schema (the instructions), not on its siblings, so this matches the full schema.
-            engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"))
+            engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"), replace=True)
             # All units: the batch's modules and the root (instructions), so no question pays for them.
             engine.encode(self.manifest.name + ".ingest")
             stats["encode_s"] += time.perf_counter() - t
@@ -466,7 +466,7 @@ class Corpus:
         so that the first question's TTFT does not pay for tokenizing every module."""
         engine = self.engine
         if self._registered != self.table.generation:
-            engine.add_schema(self.schema)
+            engine.add_schema(self.schema, replace=True)
             engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
             self._registered = self.table.generation
         return engine

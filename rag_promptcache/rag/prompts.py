@@ -102,7 +102,7 @@ def generation_options(defaults: Mapping[str, Any], overrides: Mapping[str, Any]
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     out = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in merged.items() if v is not None}
-    out["stop"] = tuple(merged.get("stop") or ())
+    out["stop"] = merged.get("stop") or ()  # Sampling makes it a tuple: a bare string is one stop string
     return out
 
 

@@ -18,6 +18,7 @@ def _stats_dict(stats: StoreStats) -> dict[str, float | int]:
         "num_hits": stats.num_hits,
         "num_misses": stats.num_misses,
         "num_errors": stats.num_errors,
+        "num_write_errors": stats.num_write_errors,
         "hit_rate": stats.hit_rate,
         "bytes_per_token": stats.bytes_per_token,
     }

@@ -55,6 +55,7 @@ class StoreStats:
     num_misses: int
     num_tokens: int = 0
     num_errors: int = 0  # entries found bad, or writes that failed (each one a lost cache entry)
+    num_write_errors: int = 0  # of those, writes the tier refused (full, read-only, no permission)
 
     @property
     def hit_rate(self) -> float:
@@ -76,7 +77,10 @@ class VerifyReport:
 
 @runtime_checkable
 class Store(Protocol):
-    """A tier. `get` returns None on a miss (or on an entry it cannot trust); it never raises for one.
+    """A tier. `get` returns None on a miss (or on an entry it cannot trust, or a read that failed);
+    it never raises for one. `put` never raises for a write the backend refuses (full, read-only,
+    no permission, unreachable): the entry is not cached, the failure is counted in
+    `stats().num_write_errors` and logged once, and the request goes on.
 
     Tensors returned by `get` may be shared with the tier: treat them as read-only. `put` copies.
     """

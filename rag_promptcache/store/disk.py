@@ -1,16 +1,23 @@
 """The disk tier: one safetensors file per entry, shared safely by several processes.
 
 Layout under `path`: `ab/<key>.safetensors` (sharded by the key's first two hex digits),
-`index.json` (sizes, last use and hits per key, for the budget), `.lock` (flock'd around every
-index change). Why it is safe:
+`index.json` (sizes, last use and hits per key, for the budget), `stats.json` (hits and misses of
+every process that used the store), `.lock` (flock'd around every index or stats change). Why it is safe:
 - a put writes a temp file in the entry's own directory, then `os.replace`s it in: readers see the
   old file or the new one, never half of either;
 - every file carries a checksummed header (serialize.py); anything that fails it is a miss and is
   removed;
 - the files are the truth and the index only a cache of their sizes: a missing or unreadable index
-  is rebuilt from the files, and an index entry whose file is gone is dropped.
-A put that fails for lack of space (or any other OSError) is a lost cache entry, logged once, never
-an error raised into generation.
+  is rebuilt from the files, and an index entry whose file is gone is dropped;
+- hit and miss counts are kept per process and added into `stats.json` under the lock at most every
+  `STATS_FLUSH_S` seconds and on close, so `stats()` in any process (`store info`) counts every
+  process's lookups of this tier (those a process's memory tier answered never reach it). A process
+  killed before its flush loses at most that many seconds of counts; an unreadable stats file
+  restarts the counts from zero.
+A put that fails for lack of space, on a read-only directory or filesystem (or any other OSError)
+is a lost cache entry, counted in `num_write_errors` and logged once per cause, never an error raised
+into generation; reads go on. A directory that cannot even hold the `.lock` file is read without the
+cross-process lock: nobody can change it through this store.
 
 Out of scope: durability against power loss (no fsync: a torn file fails its checksum and is
 recomputed), and network filesystems without working flock.
@@ -39,6 +46,8 @@ log = logging.getLogger(__name__)
 INDEX_VERSION = 1
 SUFFIX = ".safetensors"
 _STALE_TMP_S = 600.0
+STATS_VERSION = 1
+STATS_FLUSH_S = 5.0
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -61,10 +70,14 @@ class DiskStore:
         self._index_path = self.root / "index.json"
         self._index_stamp: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
+        self._error_lock = threading.Lock()
         self._touched: dict[str, float] = {}  # key -> last use, not yet written to index.json
-        self._num_hits = 0
+        self._num_hits = 0  # not yet added into stats.json
         self._num_misses = 0
+        self._stats_path = self.root / "stats.json"
+        self._flushed_at = time.monotonic()
         self._num_errors = 0
+        self._num_write_errors = 0
         self._warn = WarnOnce(log)
         self._write_errors: set[int] = set()
         with self._locked():
@@ -89,6 +102,7 @@ class DiskStore:
         except FileNotFoundError:
             with self._lock:
                 self._num_misses += 1
+            self._maybe_flush_counts()
             return None
         except CorruptEntry as e:
             self._warn(key, "disk store %s: dropping bad entry %s: %s", self.root, key, e)
@@ -100,6 +114,7 @@ class DiskStore:
         with self._lock:
             self._num_hits += 1
             self._touched[key] = time.time()
+        self._maybe_flush_counts()
         kv = decode(enc)
         if enc.codec == "native":  # detach from the file mapping (see serialize.load_file)
             kv = ModuleKV(kv.keys.clone(), kv.values.clone(), kv.start, kv.token_ids, kv.fingerprint, kv.mode)
@@ -117,13 +132,16 @@ class DiskStore:
         except OSError as e:
             self._write_failed(tmp, e)
             return
-        with self._locked():
-            self._sync()
-            os.replace(tmp, path)
-            victims = self._index.add(key, len(data), kv.num_tokens)
-            for victim in victims:
-                self.path_for(victim.key).unlink(missing_ok=True)
-            self._save_index()
+        try:
+            with self._locked():
+                self._sync()
+                os.replace(tmp, path)
+                victims = self._index.add(key, len(data), kv.num_tokens)
+                for victim in victims:
+                    self.path_for(victim.key).unlink(missing_ok=True)
+                self._save_index()
+        except OSError as e:
+            self._write_failed(tmp, e)
 
     def contains(self, key: str) -> bool:
         return self.path_for(key).exists()
@@ -141,19 +159,22 @@ class DiskStore:
     def stats(self) -> StoreStats:
         with self._locked():
             self._sync()
+            hits, misses = self._saved_counts()
             return StoreStats(
                 len(self._index),
                 self._index.num_bytes,
-                self._num_hits,
-                self._num_misses,
+                hits + self._num_hits,
+                misses + self._num_misses,
                 self._index.num_tokens,
                 self._num_errors,
+                self._num_write_errors,
             )
 
     def close(self) -> None:
         with self._locked():
             self._sync()
             self._save_index()
+            self._flush_counts()
 
     # -- management ----------------------------------------------------------------------------
 
@@ -193,12 +214,25 @@ class DiskStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The in-process lock, then the cross-process one (flock on .lock)."""
-        with self._lock, open(self.root / ".lock", "a+b") as f:
+        with self._lock, self._lock_file() as f:
+            if f is None:  # a read-only directory without a lock file: nothing can change it through us
+                yield
+                return
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _lock_file(self) -> contextlib.AbstractContextManager:
+        path = self.root / ".lock"
+        for mode in ("a+b", "rb"):  # flock works on a read-only descriptor too
+            try:
+                return open(path, mode)
+            except OSError as e:
+                if mode == "a+b" and e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+                    raise
+        return contextlib.nullcontext(None)
 
     def _files(self) -> Iterator[tuple[str, Path]]:
         for path in self.root.glob(f"??/*{SUFFIX}"):
@@ -248,7 +282,7 @@ class DiskStore:
         self._reset_index()
         now = time.time()
         for path in self.root.glob("??/.tmp-*"):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone already, or a read-only directory
                 if now - path.stat().st_mtime > _STALE_TMP_S:
                     path.unlink()
         for key, path in self._files():
@@ -262,7 +296,10 @@ class DiskStore:
                 continue
             except (CorruptEntry, ValueError, KeyError) as e:
                 log.warning("disk store %s: removing unreadable entry %s: %s", self.root, key, e)
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as err:
+                    self._write_failed(None, err)
 
     def _save_index(self) -> None:
         """Under the lock: write index.json atomically. Failing to is harmless (it is rebuildable)."""
@@ -276,8 +313,53 @@ class DiskStore:
             return
         self._index_stamp = self._stamp()
 
+    def _saved_counts(self) -> tuple[int, int]:
+        """Under the lock: (hits, misses) in stats.json; zeros if it is missing or unreadable."""
+        try:
+            raw = json.loads(self._stats_path.read_bytes())
+            if raw.get("version") != STATS_VERSION:
+                raise ValueError(f"stats version {raw.get('version')!r}, expected {STATS_VERSION}")
+            return int(raw["num_hits"]), int(raw["num_misses"])
+        except FileNotFoundError:
+            return 0, 0
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+            self._warn("stats.json", "disk store %s: unreadable stats.json (%s); counting hits from zero", self.root, e)
+            return 0, 0
+
+    def _flush_counts(self) -> None:
+        """Under the lock: add this process's counts into stats.json (kept here if that fails)."""
+        self._flushed_at = time.monotonic()
+        if not (self._num_hits or self._num_misses):
+            return
+        hits, misses = self._saved_counts()
+        data = {"version": STATS_VERSION, "num_hits": hits + self._num_hits, "num_misses": misses + self._num_misses}
+        tmp = self.root / f".stats.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self._stats_path)
+        except OSError as e:
+            self._write_failed(tmp, e)
+            return
+        self._num_hits = self._num_misses = 0
+
+    def _maybe_flush_counts(self) -> None:
+        if time.monotonic() - self._flushed_at < STATS_FLUSH_S:
+            return
+        try:
+            with self._locked():
+                if time.monotonic() - self._flushed_at >= STATS_FLUSH_S:  # another thread may have just done it
+                    self._flush_counts()
+        except OSError as e:
+            self._write_failed(None, e)
+
     def _drop(self, key: str, path: Path, inode: int) -> None:
         """Remove a bad file, unless a writer has meanwhile replaced it with a new one."""
+        try:
+            self._drop_locked(key, path, inode)
+        except OSError as e:  # a read-only directory: the bad file stays, and stays a miss
+            self._write_failed(None, e)
+
+    def _drop_locked(self, key: str, path: Path, inode: int) -> None:
         with self._locked():
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_ino != inode:
@@ -287,10 +369,13 @@ class DiskStore:
             path.unlink(missing_ok=True)
             self._save_index()
 
-    def _write_failed(self, tmp: Path, e: OSError) -> None:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        self._num_errors += 1
+    def _write_failed(self, tmp: Path | None, e: OSError) -> None:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        with self._error_lock:  # not self._lock: this runs both under it (index saves) and outside it
+            self._num_errors += 1
+            self._num_write_errors += 1
         if e.errno not in self._write_errors:
             self._write_errors.add(e.errno or 0)
             reason = "disk full" if e.errno == errno.ENOSPC else os.strerror(e.errno) if e.errno else str(e)

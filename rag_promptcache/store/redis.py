@@ -12,6 +12,11 @@ Redis being down is a miss, not an error: the first failure is logged once, then
 for `retry_after_s` (so a dead server costs nothing per request), then tried again; its return is
 logged too. Nothing is retried within a request.
 
+A server that answers but refuses a command (`maxmemory` reached under `noeviction`, a read-only
+replica, an ACL user without write permission) is not down: a refused write is a lost cache entry,
+counted in `num_write_errors` and logged once per kind of refusal, and reads go on; a refused read
+is a miss.
+
 Out of scope: a byte budget (configure Redis' own `maxmemory` and an eviction policy), and
 cleaning chunks orphaned by a writer that died between its chunks and its manifest (use a TTL).
 """
@@ -62,12 +67,14 @@ class RedisStore:
             url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._refused = redis.exceptions.RedisError  # the server answered with an error: OOM, READONLY, NOPERM
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._down = False
         self._num_hits = 0
         self._num_misses = 0
         self._num_errors = 0
+        self._num_write_errors = 0
         self._warn = WarnOnce(log)
 
     def _k(self, key: str) -> str:
@@ -92,6 +99,14 @@ class RedisStore:
             log.warning(
                 "redis store %s unreachable (%s): treating it as empty, retrying every %.1fs", self.url, e, self.retry_after_s
             )
+
+    def _refusal(self, e: Exception, write: bool) -> None:
+        with self._lock:
+            self._num_errors += 1
+            self._num_write_errors += write
+        what = "writes" if write else "reads"
+        self._warn(f"{what}:{type(e).__name__}", "redis store %s refuses %s (%s): %s", self.url, what,
+                   type(e).__name__, e)
 
     def _ok(self) -> None:
         if self._down:
@@ -140,6 +155,9 @@ class RedisStore:
         except self._errors as e:
             self._failed(e)
             return None
+        except self._refused as e:  # answered, but refused: a miss
+            self._refusal(e, write=False)
+            return None
         self._ok()
         if any(c is None for c in chunks):
             return None  # overwritten or expired under us: a miss
@@ -182,6 +200,11 @@ class RedisStore:
                 self._client.delete(*stale)
         except self._errors as e:
             self._failed(e)
+            with self._lock:
+                self._num_write_errors += 1
+            return
+        except self._refused as e:
+            self._refusal(e, write=True)
             return
         self._ok()
 
@@ -192,6 +215,9 @@ class RedisStore:
             found = bool(self._client.exists(self._k(key)))
         except self._errors as e:
             self._failed(e)
+            return False
+        except self._refused as e:
+            self._refusal(e, write=False)
             return False
         self._ok()
         return found
@@ -208,6 +234,9 @@ class RedisStore:
         except self._errors as e:
             self._failed(e)
             return False
+        except self._refused as e:
+            self._refusal(e, write=True)
+            return False
         self._ok()
         return old is not None
 
@@ -220,11 +249,15 @@ class RedisStore:
             except self._errors as e:
                 self._failed(e)
                 rows = []
+            except self._refused as e:
+                self._refusal(e, write=False)
+                rows = []
             for row in rows:
                 b, t = row.split(b",")
                 num_entries, num_bytes, num_tokens = num_entries + 1, num_bytes + int(b), num_tokens + int(t)
         with self._lock:
-            return StoreStats(num_entries, num_bytes, self._num_hits, self._num_misses, num_tokens, self._num_errors)
+            return StoreStats(num_entries, num_bytes, self._num_hits, self._num_misses, num_tokens, self._num_errors,
+                              self._num_write_errors)
 
     def close(self) -> None:
         self._client.close()
@@ -236,6 +269,9 @@ class RedisStore:
             return [k.decode() for k in self._client.hkeys(self._index_key)]
         except self._errors as e:
             self._failed(e)
+            return []
+        except self._refused as e:
+            self._refusal(e, write=False)
             return []
 
     def verify(self) -> VerifyReport:

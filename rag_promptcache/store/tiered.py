@@ -85,6 +85,7 @@ class TieredStore:
                 self._num_misses,
                 sum(s.num_tokens for s in per_tier),
                 sum(s.num_errors for s in per_tier),
+                sum(s.num_write_errors for s in per_tier),
             )
 
     def tier_stats(self) -> list[StoreStats]:
