@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -100,6 +101,8 @@ class Corpus:
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
         self._embedder = embedder
         self._registered = -1  # table generation of the schema the engine holds
+        self._compiled = False  # whether the engine has compiled that schema
+        self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
         self.last_report: IngestReport | None = None
         self.index = self._load_index()
         self._index_generation = self.table.generation
@@ -195,11 +198,30 @@ class Corpus:
 
     @property
     def engine(self) -> PromptCache:
-        if self._engine is None:
-            engine = _load_engine(self.manifest.model, _open_store(self.path / "store", self.memory_bytes), self.manifest.mode)
-            _check_engine(engine, self.manifest, self.path)
-            self._engine, self._owns_engine = engine, True
-        return self._engine
+        """The engine, with the corpus schema registered (once per table change), so that
+        `c.engine.generate(c.prompt(q, ids))` works without `prepare()`."""
+        return self._register(compile_schema=False)
+
+    def _loaded_engine(self) -> PromptCache:
+        """The engine without registering the schema: what ingest uses, whose batches change the table."""
+        with self._lock:
+            if self._engine is None:
+                engine = _load_engine(self.manifest.model, _open_store(self.path / "store", self.memory_bytes), self.manifest.mode)
+                _check_engine(engine, self.manifest, self.path)
+                self._engine, self._owns_engine = engine, True
+            return self._engine
+
+    def _register(self, compile_schema: bool) -> PromptCache:
+        engine = self._loaded_engine()
+        with self._lock:
+            generation = self.table.generation  # read first: a concurrent add only makes it re-register
+            if self._registered != generation:
+                engine.add_schema(self.schema)
+                self._registered, self._compiled = generation, False
+            if compile_schema and not self._compiled:
+                engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
+                self._compiled = True
+        return engine
 
     @property
     def embedder(self) -> EmbedderLike:
@@ -268,7 +290,7 @@ class Corpus:
                 self.index.remove(np.array(self.table.remove_document(source), dtype=np.int64))
                 self._index_generation = self.table.generation
             params = ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens)
-            chunker = Chunker(self.engine.tokenizer, params) if todo else None  # no model for a no-op
+            chunker = Chunker(self._loaded_engine().tokenizer, params) if todo else None  # no model for a no-op
             batch: list[tuple[str, int, Chunk]] = []
             finished: list[str] = []
             for doc in todo:
@@ -308,7 +330,7 @@ class Corpus:
         vectors = self.embedder.embed([c.module_text for c in new.values()]) if new else np.zeros((0, self.manifest.dim), np.float32)
         if new:
             t = time.perf_counter()
-            engine = self.engine
+            engine = self._loaded_engine()
             # Only this batch's modules: a module's KV key depends on the text before it in the
             # schema (the instructions), not on its siblings, so this matches the full schema.
             engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"))
@@ -407,12 +429,7 @@ class Corpus:
     def prepare(self) -> PromptCache:
         """Load the engine and register and compile the corpus schema (once per process and change),
         so that the first question's TTFT does not pay for tokenizing every module."""
-        engine = self.engine
-        if self._registered != self.table.generation:
-            engine.add_schema(self.schema)
-            engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
-            self._registered = self.table.generation
-        return engine
+        return self._register(compile_schema=True)
 
     def ask_stream(self, question: str, k: int = 4, **kwargs: object) -> AnswerStream:
         out = self.ask(question, k, stream=True, **kwargs)
@@ -425,8 +442,9 @@ class Corpus:
 
     def _fit(self, hits: list[tuple[str, float]], question: str, history: Sequence[tuple[str, str]], max_new: int) -> list[tuple[str, float]]:
         """Drop the lowest-scoring modules until the prompt and the answer fit the context window."""
-        window = getattr(self.engine, "context_window", 0) or 1 << 30
-        count = lambda t: len(self.engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
+        engine = self._loaded_engine()
+        window = getattr(engine, "context_window", 0) or 1 << 30
+        count = lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
         fixed = count(self.manifest.instructions) + count(question) + sum(count(u) + count(a) for u, a in history) + 32
         sizes = [self.table.module(m)[1] for m, _ in hits]
         while hits and fixed + sum(sizes) + max_new > window:
