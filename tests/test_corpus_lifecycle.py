@@ -58,3 +58,41 @@ def test_a_freshly_opened_corpus_engine_runs_the_corpus_prompt(own_store, tmp_pa
     assert cached.prompt_tokens == full.prompt_tokens
     assert c.ask("What color is the zorblat?", k=2, max_new_tokens=6).answer == cached.text.strip()
     c.close()
+
+
+def cli(capsys, *argv: object) -> str:
+    from rag_promptcache.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    out = capsys.readouterr()
+    assert exc.value.code == 0, out.err
+    return out.out
+
+
+def num_entries(capsys, corpus: Path) -> int:
+    import json
+
+    return json.loads(cli(capsys, "store", "info", "--corpus", corpus, "--json"))["num_entries"]
+
+
+def test_remove_and_reingest_drop_the_stored_kv(own_store, tmp_path: Path, capsys) -> None:
+    docs = write(tmp_path / "d", DOCS)
+    copy = write(tmp_path / "copy", {"zorblat.txt": DOCS["zorblat.txt"]})  # same label and text: one shared module
+    c = tmp_path / "c"
+    cli(capsys, "ingest", docs, copy, "--corpus", c, "--chunk-tokens", "64")
+    full = num_entries(capsys, c)
+    assert full == 3  # the instructions, the zorblat module (stored once), the trains module
+
+    cli(capsys, "remove", "--corpus", c, copy / "zorblat.txt")  # still used by d/zorblat.txt: its KV stays
+    assert num_entries(capsys, c) == full
+    cli(capsys, "remove", "--corpus", c, "trains.md")  # the name `ask` prints in its sources
+    assert num_entries(capsys, c) == full - 1
+
+    (docs / "zorblat.txt").write_text("The zorblat is a green fruit now. It tastes of pepper.")
+    (docs / "trains.md").unlink()
+    cli(capsys, "ingest", docs, "--corpus", c)
+    assert num_entries(capsys, c) == full - 1  # the edited document's old module went, its new one came
+    opened = Corpus.open(c)
+    assert "green" in opened.ask("What color is the zorblat?", k=1, max_new_tokens=8).answer.lower()
+    opened.close()

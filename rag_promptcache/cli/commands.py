@@ -14,6 +14,7 @@ from rag_promptcache.cli.app import app, fail, handle_errors
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
 KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
+SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 
 
@@ -154,21 +155,36 @@ def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256, turns:
 
 @app.command()
 @handle_errors
-def info(corpus: CorpusOpt, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
-    """Documents, modules, tokens, store size and model of a corpus."""
+def info(
+    corpus: CorpusOpt,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    documents: Annotated[bool, typer.Option("--documents", help=f"List every document, not only the first {SHOWN_DOCUMENTS}.")] = False,
+) -> None:
+    """Documents, modules, tokens, store size and model of a corpus, and its documents."""
+    from rag_promptcache.cli.output import echo_facts, echo_table, mib
+
     c = _open(corpus)
-    facts = c.info()
+    facts = {**c.info(), "documents": c.documents()}
     c.close()
+    incomplete = f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""
+    echo_facts(facts, [
+        ("corpus", str(facts["path"])),
+        ("documents", f"{facts['num_documents']}{incomplete}"),
+        ("modules", f"{facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)"),
+        ("store", mib(facts["store_bytes"])),
+        ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']})"),
+        ("embedder", f"{facts['embedder']} (dim {facts['dim']}), index {facts['index']}"),
+        ("chunking", f"{facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}"),
+    ], as_json)
     if as_json:
-        typer.echo(json.dumps(facts))
         return
-    typer.echo(f"corpus     {facts['path']}")
-    typer.echo(f"documents  {facts['num_documents']}" + (f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""))
-    typer.echo(f"modules    {facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)")
-    typer.echo(f"store      {facts['store_bytes'] / 2**20:.1f} MiB")
-    typer.echo(f"model      {facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']})")
-    typer.echo(f"embedder   {facts['embedder']} (dim {facts['dim']}), index {facts['index']}")
-    typer.echo(f"chunking   {facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}")
+    docs = facts["documents"]
+    shown = docs if documents else docs[:SHOWN_DOCUMENTS]
+    typer.echo()
+    echo_table(("document", "chunks", "bytes", "status"),
+               [(d["name"], d["num_chunks"], d["num_bytes"], "ok" if d["complete"] else "incomplete") for d in shown])
+    if len(shown) < len(docs):
+        typer.echo(f"... and {len(docs) - len(shown)} more (--documents lists all)")
 
 
 @app.command()

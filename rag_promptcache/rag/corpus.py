@@ -34,7 +34,7 @@ from rag_promptcache.rag.index import VectorIndex, faiss_id
 from rag_promptcache.rag.ingest import check_budget, collect, progress_bar, stale
 from rag_promptcache.rag.loaders import Document, LoadReport
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
-from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, ModuleRow
+from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -103,6 +103,7 @@ class Corpus:
         self._registered = -1  # table generation of the schema the engine holds
         self._compiled = False  # whether the engine has compiled that schema
         self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
+        self._ingest_lock = threading.RLock()  # one add or remove at a time
         self.last_report: IngestReport | None = None
         self.index = self._load_index()
         self._index_generation = self.table.generation
@@ -252,22 +253,53 @@ class Corpus:
         directory are removed. `on_batch` runs after each committed batch."""
         inputs = list(inputs)
         docs, report = collect(inputs, field)
-        return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
+        with self._ingest_lock:
+            return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
 
     def remove(self, source: str | os.PathLike[str]) -> int:
-        """Forget a document (by source path or id); returns the number of modules dropped."""
+        """Forget a document (by source path, id, or the name `ask` shows in its sources); returns the
+        number of modules dropped. Their vectors and their stored KV go too, unless another document
+        shares the module."""
+        with self._ingest_lock:
+            key = self._document_key(source)
+            try:
+                dropped = self.table.remove_document(key)
+                self._forget(dropped)
+            finally:
+                self._save_index()
+            return len(dropped)
+
+    def _document_key(self, source: str | os.PathLike[str]) -> str:
         key = str(source)
-        if self.table.document(key) is None and Path(key).exists():
-            key = str(Path(key).resolve())
-        if self.table.document(key) is None:
-            raise ValueError(f"no document {str(source)!r} in corpus {self.path}")
-        try:
-            dropped = self.table.remove_document(key)
-            self.index.remove(np.array(dropped, dtype=np.int64))
+        if self.table.document(key) is not None:
+            return key
+        if Path(key).exists() and self.table.document(str(Path(key).resolve())) is not None:
+            return str(Path(key).resolve())
+        by_label = [d.source for d in self.table.documents() if d.label == key]
+        if len(by_label) == 1:
+            return by_label[0]
+        if len(by_label) > 1:
+            raise ValueError(f"{key!r} names {len(by_label)} documents in corpus {self.path}: {', '.join(by_label)}; pass one of these")
+        raise ValueError(f"no document {key!r} in corpus {self.path}; `rag-promptcache info --corpus {self.path} --documents` lists them by name")
+
+    def _forget(self, dropped: Dropped) -> None:
+        """Drop modules no document references any more: vectors now, KV from every tier of the store."""
+        with self._lock:
+            self.index.remove(np.array(dropped.faiss_ids, dtype=np.int64))
             self._index_generation = self.table.generation
-        finally:
-            self._save_index()
-        return len(dropped)
+        if not dropped.store_keys:
+            return
+        if self._engine is not None:
+            for k in dropped.store_keys:
+                self._engine.store.delete(k)
+        if (self._engine is None or not self._owns_engine) and (self.path / "store").is_dir():
+            # KV this corpus wrote with its own store (an earlier ingest), not the caller's engine's
+            store = _open_store(self.path / "store", 0)
+            try:
+                for k in dropped.store_keys:
+                    store.delete(k)
+            finally:
+                store.close()
 
     def _ingest(
         self,
@@ -287,16 +319,13 @@ class Corpus:
         bar = progress_bar(progress)
         try:
             for source in gone:
-                self.index.remove(np.array(self.table.remove_document(source), dtype=np.int64))
-                self._index_generation = self.table.generation
+                self._forget(self.table.remove_document(source))
             params = ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens)
             chunker = Chunker(self._loaded_engine().tokenizer, params) if todo else None  # no model for a no-op
             batch: list[tuple[str, int, Chunk]] = []
             finished: list[str] = []
             for doc in todo:
-                dropped = self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes))
-                self.index.remove(np.array(dropped, dtype=np.int64))
-                self._index_generation = self.table.generation
+                self._forget(self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes)))
                 done = self.table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
                 assert chunker is not None
                 for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
@@ -328,6 +357,7 @@ class Corpus:
             return
         new = {c.module_id: c for _, _, c in batch if not self.table.has_module(c.module_id)}
         vectors = self.embedder.embed([c.module_text for c in new.values()]) if new else np.zeros((0, self.manifest.dim), np.float32)
+        keys: dict[str, str] = {}
         if new:
             t = time.perf_counter()
             engine = self._loaded_engine()
@@ -336,12 +366,14 @@ class Corpus:
             engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"))
             # All units: the batch's modules and the root (instructions), so no question pays for them.
             engine.encode(self.manifest.name + ".ingest")
+            keys = _store_keys(engine, self.manifest.name + ".ingest", list(new))
             stats["encode_s"] += time.perf_counter() - t
         modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v) for (m, c), v in zip(new.items(), vectors)]
         chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]
-        self.table.commit_batch(modules, chunks, finished)
-        self.index.add(np.array([m.faiss_id for m in modules], dtype=np.int64), vectors)
-        self._index_generation = self.table.generation
+        self.table.commit_batch(modules, chunks, finished, keys)
+        with self._lock:
+            self.index.add(np.array([m.faiss_id for m in modules], dtype=np.int64), vectors)
+            self._index_generation = self.table.generation
         stats["modules"] += len(modules)
         stats["tokens"] += sum(m.num_tokens for m in modules)
         stats["reused"] += len(batch) - len(modules)
@@ -466,6 +498,12 @@ class Corpus:
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
         }
 
+    def documents(self) -> list[dict[str, object]]:
+        """Each document: `name` (what `ask` shows in its sources and `remove` accepts), `source`,
+        `num_chunks`, `num_bytes`, `complete` (False: an interrupted ingest; run it again)."""
+        return [{"name": d.label, "source": d.source, "num_chunks": n, "num_bytes": d.num_bytes, "complete": d.complete}
+                for d, n in self.table.document_chunks()]
+
     def close(self) -> None:
         self.table.close()
         if self._owns_engine and self._engine is not None:
@@ -497,6 +535,13 @@ def _schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str 
     mods = {m: ast.Module(m, (ast.Text(text),)) for m, text in modules}
     system = ast.Role("system", (ast.Text(manifest.instructions + "\n\n"), *mods.values()))
     return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={})
+
+
+def _store_keys(engine: PromptCache, schema_name: str, module_ids: Sequence[str]) -> dict[str, str]:
+    """The store key of each module's KV, as the engine computes it (the corpus schema is a chat
+    schema: its modules sit in the system turn)."""
+    compiled = engine._compile(schema_name, True)  # noqa: SLF001 - the engine's own key, never a copy of its formula
+    return {m: engine._key(compiled, compiled.units[m], True) for m in module_ids}  # noqa: SLF001
 
 
 def _write_atomic(path: Path, text: str) -> None:
