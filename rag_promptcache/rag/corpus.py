@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -179,8 +180,14 @@ class Corpus:
         docs, report = collect(inputs, field)
         check_budget(docs, token_budget)
         owns = engine is None
-        engine = engine or _load_engine(model or DEFAULT_MODEL, _open_store(path / "store", 1 << 30), mode)
-        emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
+        existed = path.exists()
+        try:
+            engine = engine or _load_engine(model or DEFAULT_MODEL, _open_store(path / "store", 1 << 30), mode)
+            emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
+        except BaseException:
+            # Nothing is a corpus yet (no manifest): leave no half-made directory for the next run to trip over.
+            shutil.rmtree(path if not existed else path / "store", ignore_errors=True)
+            raise
         now = time.time()
         manifest = Manifest(
             name="rag_" + uuid.uuid4().hex[:12], model=model or engine.model_name, fingerprint=engine.fingerprint,
