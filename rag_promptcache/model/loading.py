@@ -133,7 +133,7 @@ def _resolve_directory(name_or_path: str) -> str:
 
 def _check_hub(repo_id: str) -> None:
     """Fail in a moment, not after ~25 s of download retries, when a hub id is neither in the hub
-    cache nor downloadable: one 2 s TCP probe of the hub's host (HF_ENDPOINT) when it is not cached,
+    cache nor downloadable: one 2 s TCP probe of the hub's host (HF_ENDPOINT) when it is not cached.
     Under HF_HUB_OFFLINE there is no probe: transformers fails at once, with its own message."""
     import socket
     from urllib.parse import urlparse
