@@ -45,6 +45,7 @@ def ingest(
     embedder: Annotated[str | None, typer.Option(help="sentence-transformers name or path [default: all-MiniLM-L6-v2].")] = None,
     index: Annotated[str | None, typer.Option(help="flat (exact, default), hnsw or ivf (large corpora).")] = None,
     field: Annotated[str, typer.Option(help="The text field of .json/.jsonl records.")] = "text",
+    id_field: Annotated[str, typer.Option(help="The .json/.jsonl field that names a record (in sources and remove).")] = "id",
     max_ingest_tokens: Annotated[int, typer.Option(help="Refuse to add more new tokens than this in one run.")] = 2_000_000,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
@@ -63,10 +64,10 @@ def ingest(
             for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
-            report = c.add(paths, field=field, token_budget=max_ingest_tokens)
+            report = c.add(paths, field=field, id_field=id_field, token_budget=max_ingest_tokens)
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
-                             index=index, field=field, token_budget=max_ingest_tokens)
+                             index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens)
             report = c.last_report
     info = c.info()
     if report is not None:

@@ -156,6 +156,7 @@ class Corpus:
         instructions: str | None = None,
         mode: str | None = None,
         field: str = "text",
+        id_field: str = "id",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         on_batch: OnBatch | None = None,
         progress: bool | None = None,
@@ -170,14 +171,14 @@ class Corpus:
             for key, value in asked.items():
                 if value is not None and value != getattr(m, key):
                     raise ValueError(f"corpus {path} uses {key}={getattr(m, key)!r}, not {value!r}; ingest into a new corpus to change it")
-            corpus.add(inputs, field=field, token_budget=token_budget, on_batch=on_batch, progress=progress)
+            corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch, progress=progress)
             return corpus
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ValueError(f"{path} exists and is not a corpus; pass an empty or new directory to --corpus")
         chunk_tokens = chunk_tokens or 256
         params = ChunkParams(chunk_tokens, min(32, chunk_tokens // 8) if overlap is None else overlap, max_tokens)
         VectorIndex(1, index or "flat")  # validates the kind before anything is loaded
-        docs, report = collect(inputs, field)
+        docs, report = collect(inputs, field, id_field)
         check_budget(docs, token_budget)
         owns = engine is None
         existed = path.exists()
@@ -252,14 +253,16 @@ class Corpus:
         inputs: Iterable[str | os.PathLike[str] | object],
         *,
         field: str = "text",
+        id_field: str = "id",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         on_batch: OnBatch | None = None,
         progress: bool | None = None,
     ) -> IngestReport:
         """Ingest new and changed documents; unchanged ones cost a hash. Files gone from an ingested
-        directory are removed. `on_batch` runs after each committed batch."""
+        directory are removed. Each .jsonl/.json record is a document named by its `id_field`, its
+        text in `field`, its other fields kept as metadata. `on_batch` runs after each committed batch."""
         inputs = list(inputs)
-        docs, report = collect(inputs, field)
+        docs, report = collect(inputs, field, id_field)
         with self._ingest_lock:
             return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress)
 
@@ -332,7 +335,7 @@ class Corpus:
             batch: list[tuple[str, int, Chunk]] = []
             finished: list[str] = []
             for doc in todo:
-                self._forget(self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes)))
+                self._forget(self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes), doc.metadata))
                 done = self.table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
                 assert chunker is not None
                 for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
@@ -507,9 +510,10 @@ class Corpus:
 
     def documents(self) -> list[dict[str, object]]:
         """Each document: `name` (what `ask` shows in its sources and `remove` accepts), `source`,
-        `num_chunks`, `num_bytes`, `complete` (False: an interrupted ingest; run it again)."""
-        return [{"name": d.label, "source": d.source, "num_chunks": n, "num_bytes": d.num_bytes, "complete": d.complete}
-                for d, n in self.table.document_chunks()]
+        `num_chunks`, `num_bytes`, `complete` (False: an interrupted ingest; run it again) and
+        `metadata` (a record's other fields)."""
+        return [{"name": d.label, "source": d.source, "num_chunks": n, "num_bytes": d.num_bytes, "complete": d.complete,
+                 "metadata": meta} for d, n, meta in self.table.document_chunks()]
 
     def close(self) -> None:
         self.table.close()

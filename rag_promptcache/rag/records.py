@@ -80,7 +80,7 @@ class IngestReport:
                f"{self.encode_seconds:.1f}s of it encoding KV)" if self.num_modules else ""),
         ]
         if self.skipped:
-            parts.append(f"skipped {len(self.skipped)} file(s)")
+            parts.append(f"skipped {len(self.skipped)} file(s) or record(s)")
         return "; ".join(parts)
 
 

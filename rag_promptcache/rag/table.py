@@ -8,6 +8,7 @@ whether the saved FAISS index reflects the table. Pure bookkeeping: no tokenizer
 from __future__ import annotations
 
 import functools
+import json
 import sqlite3
 import threading
 import time
@@ -32,6 +33,7 @@ CREATE TABLE IF NOT EXISTS chunks(
     start INTEGER NOT NULL, end INTEGER NOT NULL, PRIMARY KEY(source, module_id));
 CREATE INDEX IF NOT EXISTS chunks_by_module ON chunks(module_id);
 CREATE TABLE IF NOT EXISTS module_keys(module_id TEXT PRIMARY KEY, store_key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS document_meta(source TEXT PRIMARY KEY, metadata TEXT NOT NULL);
 """
 
 
@@ -139,13 +141,14 @@ class ChunkTable:
         return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]) for r in rows]
 
     @_serialized
-    def document_chunks(self) -> list[tuple[DocumentRow, int]]:
-        """Every document with its number of chunks, by source."""
+    def document_chunks(self) -> list[tuple[DocumentRow, int, dict[str, object]]]:
+        """Every document with its number of chunks and its metadata, by source."""
         rows = self.db.execute(
-            "SELECT d.source, d.label, d.content_hash, d.complete, d.num_bytes, COUNT(c.module_id) "
-            "FROM documents d LEFT JOIN chunks c USING(source) GROUP BY d.source ORDER BY d.source"
+            "SELECT d.source, d.label, d.content_hash, d.complete, d.num_bytes, COUNT(c.module_id), m.metadata "
+            "FROM documents d LEFT JOIN chunks c USING(source) LEFT JOIN document_meta m USING(source) "
+            "GROUP BY d.source ORDER BY d.source"
         )
-        return [(DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]), r[5]) for r in rows]
+        return [(DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]), r[5], json.loads(r[6] or "{}")) for r in rows]
 
     @_serialized
     def chunk_ids(self, source: str) -> set[str]:
@@ -200,10 +203,13 @@ class ChunkTable:
     # -- writes (each one transaction) -----------------------------------------------------------
 
     @_serialized
-    def begin_document(self, doc: DocumentRow) -> Dropped:
-        """Record that `doc` is being ingested. A changed document loses its old chunks first;
-        returns the modules no longer referenced by any document."""
+    def begin_document(self, doc: DocumentRow, metadata: dict[str, object] | None = None) -> Dropped:
+        """Record that `doc` is being ingested (with its metadata, e.g. a record's other fields). A
+        changed document loses its old chunks first; returns the modules no longer referenced."""
         with self._tx() as db:
+            db.execute("DELETE FROM document_meta WHERE source = ?", (doc.source,))
+            if metadata:
+                db.execute("INSERT INTO document_meta VALUES(?, ?)", (doc.source, json.dumps(metadata, default=str)))
             old = self.document(doc.source)
             dropped = self._drop_chunks(db, doc.source) if old is not None and old.content_hash != doc.content_hash else Dropped()
             db.execute(
@@ -240,6 +246,7 @@ class ChunkTable:
         with self._tx() as db:
             dropped = self._drop_chunks(db, source)
             db.execute("DELETE FROM documents WHERE source = ?", (source,))
+            db.execute("DELETE FROM document_meta WHERE source = ?", (source,))
             self._bump(db)
         return dropped
 
