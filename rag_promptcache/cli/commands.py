@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import app, fail, handle_errors
+from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
 KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
@@ -50,12 +51,28 @@ def ingest(
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume."""
-    from rag_promptcache.rag import Corpus, LoaderWarning, is_corpus
+    from rag_promptcache.rag import is_corpus
 
     for p in paths:
         if not p.exists():
             raise fail(f"no such file or directory: {p}")
     existed = is_corpus(corpus)
+    try:
+        c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens)
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
+        raise typer.Exit(130) from None
+    info = c.info()
+    if report is not None:
+        typer.echo(report.summary())
+    typer.echo(f"{'updated' if existed else 'created'} corpus {corpus}: {info['num_documents']} documents, "
+               f"{info['num_modules']} modules, {info['num_tokens']} tokens")
+    c.close()
+
+
+def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens):
+    from rag_promptcache.rag import Corpus, LoaderWarning
+
     with warnings.catch_warnings():
         warnings.simplefilter("always", LoaderWarning)
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
@@ -69,12 +86,21 @@ def ingest(
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens)
             report = c.last_report
-    info = c.info()
-    if report is not None:
-        typer.echo(report.summary())
-    typer.echo(f"{'updated' if existed else 'created'} corpus {corpus}: {info['num_documents']} documents, "
-               f"{info['num_modules']} modules, {info['num_tokens']} tokens")
-    c.close()
+    return c, report
+
+
+TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples more freely.")]
+RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
+NoRepeatOpt = Annotated[int, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, first_k:K or selective:R (default: the engine's).")]
+StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
+
+
+def _sampling(temperature: float, repetition_penalty: float, no_repeat_ngram: int, recovery: str | None,
+              stop: list[str] | None) -> dict[str, object]:
+    out: dict[str, object] = {"temperature": temperature, "repetition_penalty": repetition_penalty,
+                              "no_repeat_ngram": no_repeat_ngram, "stop": tuple(stop or ())}
+    return out if recovery is None else {**out, "recovery": recovery}
 
 
 @app.command()
@@ -83,24 +109,31 @@ def ask(
     question: Annotated[str, typer.Argument(help="The question.")],
     corpus: CorpusOpt,
     k: KOpt = 4,
-    stream: Annotated[bool, typer.Option("--stream", help="Print the answer as it is generated.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Print the answer as it is generated (with --json: JSON lines).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (with --stream: one line per piece, then the answer).")] = False,
     max_new_tokens: MaxNewOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    repetition_penalty: RepetitionOpt = 1.0,
+    no_repeat_ngram: NoRepeatOpt = DEFAULT_NO_REPEAT_NGRAM,
+    recovery: RecoveryOpt = None,
+    stop: StopOpt = None,
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
+    sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
     c = _open(corpus)
     _check_nonempty(c)
-    if stream and not as_json:
-        s = c.ask_stream(question, k, max_new_tokens=max_new_tokens)
+    if stream:
+        s = c.ask_stream(question, k, max_new_tokens=max_new_tokens, **sampling)
         for piece in s:
-            typer.echo(piece, nl=False)
-        typer.echo()
+            typer.echo(json.dumps({"delta": piece}) if as_json else piece, nl=as_json)
+        if not as_json:
+            typer.echo()
         answer = s.answer
     else:
-        answer = c.ask(question, k, max_new_tokens=max_new_tokens)
+        answer = c.ask(question, k, max_new_tokens=max_new_tokens, **sampling)
     if as_json:
         typer.echo(json.dumps(answer.to_dict()))
     else:
@@ -118,12 +151,27 @@ def _stats(answer) -> str:
 
 @app.command()
 @handle_errors
-def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256, turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3) -> None:
-    """Chat with the corpus: streaming answers, history, /sources, /quit."""
+def chat(
+    corpus: CorpusOpt,
+    k: KOpt = 4,
+    max_new_tokens: MaxNewOpt = 256,
+    turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3,
+    temperature: TemperatureOpt = 0.0,
+    repetition_penalty: RepetitionOpt = 1.0,
+    no_repeat_ngram: NoRepeatOpt = DEFAULT_NO_REPEAT_NGRAM,
+    recovery: RecoveryOpt = None,
+    stop: StopOpt = None,
+) -> None:
+    """Chat with the corpus: streaming answers, history, /sources, /quit. Ctrl-C stops an answer."""
     _check_k(k)
+    sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
     c = _open(corpus)
     _check_nonempty(c)
-    typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, /quit ends")
+    typer.echo(f"loading the model and the embedder for {corpus} ...", err=True)
+    c.prepare()  # now, so that no loading output lands inside the first answer
+    c.embedder  # noqa: B018 - loads it
+    typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, "
+               "/quit (or Ctrl-D) ends, Ctrl-C stops an answer")
     history: list[tuple[str, str]] = []
     last = None
     while True:
@@ -131,6 +179,9 @@ def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256, turns:
             line = input("you> ").strip()
         except EOFError:
             break
+        except KeyboardInterrupt:
+            typer.echo("\n(to quit, type /quit or press Ctrl-D)")
+            continue
         if not line:
             continue
         if line in ("/quit", "/exit", "/q"):
@@ -144,10 +195,20 @@ def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256, turns:
         if line.startswith("/"):
             typer.echo("commands: /sources, /quit")
             continue
-        s = c.ask_stream(line, k, history=history[-turns:] if turns else (), max_new_tokens=max_new_tokens)
-        typer.echo("bot> ", nl=False)
-        for piece in s:
-            typer.echo(piece, nl=False)
+        s = None
+        try:
+            s = c.ask_stream(line, k, history=history[-turns:] if turns else (), max_new_tokens=max_new_tokens, **sampling)
+            typer.echo("bot> ", nl=False)
+            for piece in s:
+                typer.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            if s is not None:
+                s.close()
+            typer.echo("\n  [stopped; the chat goes on]")
+            continue
+        except ValueError as e:  # this question cannot be answered (too long, say): the chat goes on
+            typer.echo(f"\nerror: {e}", err=True)
+            continue
         last = s.answer
         typer.echo(f"\n  [{_stats(last)}]")
         history.append((line, last.answer))

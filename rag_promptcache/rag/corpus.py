@@ -48,6 +48,10 @@ DEFAULT_INSTRUCTIONS = (
 )
 DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to tens of GB
 BATCH_CHUNKS = 16
+# The small default model can repeat a sentence until max_new_tokens; no 6-token run of an answer
+# twice stops that verbatim loop and leaves ordinary answers as they were (README: Limits).
+DEFAULT_NO_REPEAT_NGRAM = 6
+TEMPLATE_TOKENS = 32  # room for the chat template's role markup around the turns
 DISK_CODEC = "fp16"
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
@@ -460,7 +464,9 @@ class Corpus:
         **sampling: object,
     ) -> Answer | AnswerStream:
         """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
-        `AnswerStream` (iterate for text; `.answer` when done)."""
+        `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
+        stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM."""
+        sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
         hits = self._fit(self.search(question, k), question, history, max_new_tokens)
         sources = [self._label(m) for m, _ in hits]
         prompt = self.prompt(question, [m for m, _ in hits], history)
@@ -487,12 +493,20 @@ class Corpus:
         engine = self._loaded_engine()
         window = getattr(engine, "context_window", 0) or 1 << 30
         count = lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
-        fixed = count(self.manifest.instructions) + count(question) + sum(count(u) + count(a) for u, a in history) + 32
+        parts = {"instructions": count(self.manifest.instructions), "question": count(question),
+                 "history": sum(count(u) + count(a) for u, a in history), "chat template (about)": TEMPLATE_TOKENS}
+        fixed = sum(parts.values())
         sizes = [self.table.module(m)[1] for m, _ in hits]
+        best = sizes[0] if sizes else 0
         while hits and fixed + sum(sizes) + max_new > window:
             hits, sizes = hits[:-1], sizes[:-1]
-        if fixed + max_new > window:
-            raise ValueError(f"the question and history ({fixed} tokens) plus {max_new} new tokens exceed the model's {window}-token window")
+        if not hits and fixed + best + max_new > window:
+            named = ", ".join(f"{n} {what}" for what, n in [("for the best retrieved chunk", best), *parts.items()] if n or what != "history")
+            raise ValueError(
+                f"the prompt needs {fixed + best} tokens ({named}) plus max_new_tokens {max_new}: "
+                f"{fixed + best + max_new}, more than the model's {window}-token window; "
+                + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question")
+            )
         return hits
 
     # -- facts -------------------------------------------------------------------------------------
