@@ -68,6 +68,7 @@ class FakeEngine:
 
     def stream(self, prompt: str, **sampling) -> Stream:
         self.prompts.append(prompt)
+        self.sampling = sampling
         imports = re.findall(r"<(m[0-9a-f]{16})/>", prompt)
 
         def gen():
