@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -92,7 +93,10 @@ def main(argv: list[str] | None = None) -> None:
 
     _register_optional(app)
     try:
-        code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
+        with warnings.catch_warnings():
+            # one line per warning, like the errors, not Python's "file:line: Category" with source
+            warnings.showwarning = lambda message, category, *a, **k: typer.echo(f"warning: {message}", err=True)
+            code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
     except typer.TyperException as e:  # usage errors (typer vendors click; this is its base class)
         e.show() if hasattr(e, "show") else typer.echo(f"error: {e}", err=True)
         sys.exit(1)

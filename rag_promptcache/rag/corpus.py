@@ -17,9 +17,11 @@ import dataclasses
 import json
 import os
 import shutil
+import sqlite3
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -84,6 +86,10 @@ def _package_version() -> str:
         return "0+unknown"
 
 
+class CorpusWarning(UserWarning):
+    """A corpus file was damaged and has been rebuilt from the others (nothing was lost)."""
+
+
 def is_corpus(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "manifest.json").is_file()
 
@@ -100,7 +106,7 @@ class Corpus:
     ) -> None:
         self.path = path
         self.manifest = manifest
-        self.table = ChunkTable(path / "chunks.sqlite")
+        self.table = _open_table(path / "chunks.sqlite")
         self.memory_bytes = memory_bytes
         self._engine = engine
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
@@ -131,7 +137,7 @@ class Corpus:
         if not is_corpus(path):
             what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
             raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
-        manifest = Manifest.from_json((path / "manifest.json").read_text(), str(path / "manifest.json"))
+        manifest = _read_manifest(path / "manifest.json")
         if model is not None and model != manifest.model:
             raise ValueError(f"corpus {path} was built with model {manifest.model!r}, not {model!r}")
         if engine is not None:
@@ -401,9 +407,14 @@ class Corpus:
     def _load_index(self) -> VectorIndex:
         file, meta = self.path / "index.faiss", self.path / "index.json"
         if file.exists() and meta.exists():
-            saved = json.loads(meta.read_text())
-            if saved.get("generation") == self.table.generation and saved.get("kind") == self.manifest.index:
-                return VectorIndex.load(file, self.manifest.dim, self.manifest.index)
+            try:
+                saved = json.loads(meta.read_text())
+                if saved.get("generation") == self.table.generation and saved.get("kind") == self.manifest.index:
+                    return VectorIndex.load(file, self.manifest.dim, self.manifest.index)
+            except (ValueError, RuntimeError, AssertionError) as e:  # faiss raises RuntimeError on a damaged file
+                # the index is derived data: the table holds every vector, so rebuild rather than fail
+                warnings.warn(f"{file} or {meta.name} is damaged ({str(e).strip().splitlines()[0]}); "
+                              "rebuilding the index from chunks.sqlite", CorpusWarning, stacklevel=2)
         # Missing or behind the table (an ingest stopped between commit and save): rebuild.
         index = VectorIndex(self.manifest.dim, self.manifest.index)
         index.add(*self.table.vectors(self.manifest.dim))
@@ -567,6 +578,25 @@ def _store_keys(engine: PromptCache, schema_name: str, module_ids: Sequence[str]
     schema: its modules sit in the system turn)."""
     compiled = engine._compile(schema_name, True)  # noqa: SLF001 - the engine's own key, never a copy of its formula
     return {m: engine._key(compiled, compiled.units[m], True) for m in module_ids}  # noqa: SLF001
+
+
+def _read_manifest(file: Path) -> Manifest:
+    try:
+        return Manifest.from_json(file.read_text(), str(file))
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        if str(file) in str(e):
+            raise  # already names the file and the fix (a format from another version)
+        raise ValueError(f"{file} is damaged ({e}); it records the corpus's model and settings and cannot be "
+                         "rebuilt: re-ingest the documents into a new corpus") from e
+
+
+def _open_table(file: Path) -> ChunkTable:
+    try:
+        return ChunkTable(file)
+    except sqlite3.DatabaseError as e:
+        raise ValueError(f"{file} is damaged ({e}); it holds the corpus's chunks and vectors: re-ingest the "
+                         "documents into a new corpus (a damaged module store is checked with "
+                         "`rag-promptcache store verify`)") from e
 
 
 def _write_atomic(path: Path, text: str) -> None:
