@@ -10,6 +10,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index.llms.rag_promptcache import ModuleSynthesizer, PromptCacheLLM, PromptCacheQueryEngine
 from llama_index.retrievers.rag_promptcache import PromptCacheRetriever
+from rag_promptcache.rag.prompts import build_prompt
 
 QUESTION = "Which city is the Eiffel Tower in?"
 
@@ -25,8 +26,15 @@ def test_metadata(llm, engine):
     assert PromptCacheLLM(engine=engine).metadata.context_window == engine.context_window
 
 
-def test_complete_plain_text_is_generated_as_is(llm, engine):
-    assert llm.complete("The capital of France is").text == engine.generate("The capital of France is", max_new_tokens=12).text
+def test_complete_plain_text_is_the_user_turn_of_the_chat_template(llm, engine):
+    user_turn = build_prompt([("user", "The capital of France is")], chat=True)
+    assert llm.complete("The capital of France is").text == engine.generate(user_turn, max_new_tokens=12).text
+
+
+def test_the_cli_name_max_new_tokens_is_an_alias_and_unknown_fields_are_errors(corpus):
+    assert PromptCacheLLM(corpus=corpus, max_new_tokens=3).max_tokens == 3
+    with pytest.raises(ValueError, match="max_new_tokenz"):
+        PromptCacheLLM(corpus=corpus, max_new_tokenz=3)
 
 
 def test_complete_with_module_ids_imports_them(llm, corpus):
