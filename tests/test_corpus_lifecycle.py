@@ -96,3 +96,49 @@ def test_remove_and_reingest_drop_the_stored_kv(own_store, tmp_path: Path, capsy
     opened = Corpus.open(c)
     assert "green" in opened.ask("What color is the zorblat?", k=1, max_new_tokens=8).answer.lower()
     opened.close()
+
+
+MORE = {  # unrelated to the questions below, so retrieval (k=1) finds the same module before and after
+    "volcano.txt": "Volcanoes erupt when magma rises to the surface. Lava cools into basalt.",
+    "rivers.md": "The Nile flows north into the Mediterranean Sea. The Amazon carries the most water.",
+    "bread.txt": "Sourdough bread rises with wild yeast and lactic acid bacteria over many hours.",
+}
+QUESTIONS = ("What color is the zorblat?", "How often does the Blue Line leave?", "Where does the Blue Line stop?",
+             "What does the zorblat taste like?")
+
+
+def test_many_threads_ask_while_another_adds(own_store, tmp_path: Path) -> None:
+    """Every answer equals the one the same call gives alone; nothing is lost; the corpus reopens intact.
+    (The engine's own lock around model forwards comes with the engine's thread safety.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    Corpus.build([write(tmp_path / "d", DOCS)], tmp_path / "c", chunk_tokens=64, progress=False).close()
+    c = Corpus.open(tmp_path / "c")
+    alone = {q: c.ask(q, k=1, max_new_tokens=8) for q in QUESTIONS}
+
+    def ask(i: int) -> tuple[str, tuple[str, ...], str]:
+        q = QUESTIONS[i % len(QUESTIONS)]
+        if i % 2:
+            s = c.ask_stream(q, k=1, max_new_tokens=8)
+            text = "".join(s).strip()
+            assert s.answer is not None and s.answer.answer == text
+            return q, s.answer.module_ids, text
+        a = c.ask(q, k=1, max_new_tokens=8)
+        return q, a.module_ids, a.answer
+
+    with ThreadPoolExecutor(5) as pool:
+        adding = pool.submit(c.add, [write(tmp_path / "more", MORE)])
+        answers = list(pool.map(ask, range(12)))
+        report = adding.result()
+    assert report.num_ingested == len(MORE)
+    for q, module_ids, text in answers:
+        assert (module_ids, text) == (alone[q].module_ids, alone[q].answer), q
+    num_modules = c.info()["num_modules"]
+    c.close()
+
+    reopened = Corpus.open(tmp_path / "c")
+    info = reopened.info()
+    assert info["num_documents"] == len(DOCS) + len(MORE) and info["num_vectors"] == info["num_modules"] == num_modules
+    assert reopened.search("Which bread uses wild yeast?", k=1)[0][0] in {m for m, _ in reopened.table.modules()}
+    assert reopened.ask(QUESTIONS[0], k=1, max_new_tokens=8).answer == alone[QUESTIONS[0]].answer
+    reopened.close()

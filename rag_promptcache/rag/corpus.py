@@ -244,10 +244,11 @@ class Corpus:
 
     @property
     def embedder(self) -> EmbedderLike:
-        if self._embedder is None:
-            self._embedder = _load_embedder(self.manifest.embedder)
-            assert self._embedder.dim == self.manifest.dim, f"{self._embedder.dim=} {self.manifest.dim=}"
-        return self._embedder
+        with self._lock:
+            if self._embedder is None:
+                self._embedder = _load_embedder(self.manifest.embedder)
+                assert self._embedder.dim == self.manifest.dim, f"{self._embedder.dim=} {self.manifest.dim=}"
+            return self._embedder
 
     @property
     def schema(self) -> ast.Schema:
@@ -421,11 +422,12 @@ class Corpus:
         return index
 
     def _save_index(self) -> None:
-        self.index.save(self.path / "index.faiss")
-        meta = {"generation": self._index_generation, "kind": self.index.kind, "num_vectors": len(self.index)}
-        _write_atomic(self.path / "index.json", json.dumps(meta) + "\n")
-        self.manifest = dataclasses.replace(self.manifest, updated=time.time())
-        _write_atomic(self.path / "manifest.json", self.manifest.to_json())
+        with self._lock:
+            self.index.save(self.path / "index.faiss")
+            meta = {"generation": self._index_generation, "kind": self.index.kind, "num_vectors": len(self.index)}
+            _write_atomic(self.path / "index.json", json.dumps(meta) + "\n")
+            self.manifest = dataclasses.replace(self.manifest, updated=time.time())
+            _write_atomic(self.path / "manifest.json", self.manifest.to_json())
 
     # -- retrieval and answers -------------------------------------------------------------------------
 
@@ -437,7 +439,9 @@ class Corpus:
             raise ValueError(f"corpus {self.path} is empty; add documents with: rag-promptcache ingest PATH --corpus {self.path}")
         if not question.strip():
             raise ValueError("the question is empty")
-        hits = self.index.search(self.embedder.embed([question]), k)[0]
+        vector = self.embedder.embed([question])
+        with self._lock:  # FAISS indexes are not safe to search while another thread adds or removes
+            hits = self.index.search(vector, k)[0]
         names = self.table.module_ids_for([i for i, _ in hits])
         return [(names[i], s) for i, s in hits if i in names]
 
