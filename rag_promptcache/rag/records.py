@@ -76,7 +76,7 @@ class IngestReport:
             f"{self.num_documents} document(s): {self.num_ingested} ingested, {self.num_unchanged} unchanged"
             + (f", {self.num_removed} removed" if self.num_removed else ""),
             f"{self.num_modules} new module(s), {self.num_tokens} tokens in {self.seconds:.1f}s"
-            + (f" ({self.modules_per_s:.1f} modules/s, {self.tokens_per_s:.0f} tokens/s; "
+            + (f" ({self.modules_per_s:.2g} modules/s, {self.tokens_per_s:.0f} tokens/s; "
                f"{self.encode_seconds:.1f}s of it encoding KV)" if self.num_modules else ""),
         ]
         if self.skipped:
