@@ -78,6 +78,7 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_chat(smollm, tmp_path: Path, monke
         term.send("/quit")
         assert term.proc.wait(timeout=60) == 0, term.seen
         assert "interrupted" not in term.seen and "Traceback" not in term.seen
+        assert "Loading" not in term.seen.split("you> ", 1)[1]  # model loading output comes before the chat, not in it
     finally:
         if term.proc.poll() is None:
             term.proc.kill()

@@ -251,7 +251,7 @@ def info(
 
 @app.command()
 @handle_errors
-def remove(sources: Annotated[list[str], typer.Argument(help="Document paths (or ids) to forget.")], corpus: CorpusOpt) -> None:
+def remove(sources: Annotated[list[str], typer.Argument(help="Documents to forget: paths, ids, or the names `ask` prints in its sources and `info` lists.")], corpus: CorpusOpt) -> None:
     """Remove documents, their modules and their vectors from a corpus."""
     c = _open(corpus)
     for source in sources:
