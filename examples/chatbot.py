@@ -30,7 +30,8 @@ def questions(asked: list[str]):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),  # the whole first paragraph
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--corpus", default=str(demo_home()))
     ap.add_argument("--topics", type=int, default=None, help="ingest only the first N topics")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--ask", nargs="*", default=[], help="questions to ask instead of reading the terminal")
     args = ap.parse_args()
 
-    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus)  # creates, or adds what is new
+    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus, progress=True)  # creates, or adds what is new
     retriever = PromptCacheRetriever(corpus=corpus, k=3)
     chat = ChatPromptCache(corpus=corpus, max_tokens=args.max_tokens)
     history: list[HumanMessage | AIMessage] = []

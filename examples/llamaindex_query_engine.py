@@ -16,14 +16,15 @@ from rag_promptcache.rag.sample import QUESTIONS, demo_home, sample_documents
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),  # the whole first paragraph
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--corpus", default=str(demo_home()))
     ap.add_argument("--topics", type=int, default=None, help="ingest only the first N topics")
     ap.add_argument("--questions", type=int, default=len(QUESTIONS))
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
 
-    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus)  # creates, or adds what is new
+    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus, progress=True)  # creates, or adds what is new
     engine = PromptCacheQueryEngine(corpus=corpus, similarity_top_k=3, streaming=True, max_tokens=args.max_tokens)
     for question in QUESTIONS[: args.questions]:
         print(f"Q: {question}\nA: ", end="", flush=True)

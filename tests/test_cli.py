@@ -199,8 +199,10 @@ def test_demo_builds_then_reuses(tmp_path: Path, fakes, capsys) -> None:
 
 
 def test_store_commands(built: Path, capsys) -> None:
+    code, out, _ = run(capsys, "store", "info", "--corpus", built, "--json")
+    assert code == 0 and json.loads(out)["kind"] == "DiskStore" and json.loads(out)["codec"] == "fp16"
     code, out, _ = run(capsys, "store", "info", "--corpus", built)
-    assert code == 0 and json.loads(out)["kind"] == "DiskStore"
+    assert code == 0 and out.splitlines()[1].split() == ["entries", "0", "(0", "tokens)"] and "codec    fp16" in out
     code, out, _ = run(capsys, "store", "verify", "--corpus", built)
     assert code == 0 and out.startswith("checked")
     code, out, _ = run(capsys, "store", "evict", "--corpus", built, "--to", "0")

@@ -34,3 +34,16 @@ def test_example_runs(script: str, extra: list[str], expected: str, corpus_dir: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Q:" in done.stdout or "bot>" in done.stdout
     assert expected in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", [e[0] for e in EXAMPLES])
+def test_example_help_shows_the_whole_first_paragraph_and_defaults(script: str, capsys, monkeypatch) -> None:
+    import runpy
+
+    module = runpy.run_path(str(ROOT / "examples" / script), run_name="example")
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit):
+        module["main"]()
+    out = " ".join(capsys.readouterr().out.split())
+    paragraph = " ".join(module["__doc__"].split("\n\n")[0].split())
+    assert paragraph in out and paragraph.endswith(".") and "(default:" in out

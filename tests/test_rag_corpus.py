@@ -53,11 +53,22 @@ class FakeEngine:
             self.encode_calls.append(n)
         return EncodeReport(len(todo), 10 * len(todo), len(module_names) - len(todo), 0.0)
 
+    def _compile(self, schema_name: str, chat: bool):  # the engine's store-key hooks, over the fake store
+        return type("Compiled", (), {"units": self.schemas[schema_name].modules})
+
+    def _key(self, compiled, unit: ast.Module, chat: bool) -> str:
+        return hashlib.sha256(unit.children[0].text.encode()).hexdigest()
+
+    def delete(self, key: str) -> bool:
+        text = next((t for t in self.stored if hashlib.sha256(t.encode()).hexdigest() == key), None)
+        return text is not None and self.stored.pop(text) is not None
+
     def full_prefill_ttft(self, prompt: str) -> float:
         return 0.5
 
     def stream(self, prompt: str, **sampling) -> Stream:
         self.prompts.append(prompt)
+        self.sampling = sampling
         imports = re.findall(r"<(m[0-9a-f]{16})/>", prompt)
 
         def gen():

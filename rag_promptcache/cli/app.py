@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -25,6 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # help text is plain: a "[default: x]" we write is shown, not eaten as markup
 )
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -46,7 +48,7 @@ def handle_errors(fn: F) -> F:
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
         except KeyboardInterrupt:
-            typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
+            typer.echo("\ninterrupted", err=True)
             raise typer.Exit(130) from None
         except USER_ERRORS as e:
             raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
@@ -57,6 +59,21 @@ def handle_errors(fn: F) -> F:
             raise fail(f"internal error: {type(e).__name__}: {e}{hint}", code=2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from rag_promptcache.rag.corpus import _package_version
+
+        typer.echo(f"rag-promptcache {_package_version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=_version, is_eager=True),
+) -> None:
+    """Answer questions over your documents fast: each chunk's KV cache is computed once and reused."""
 
 
 def _register_optional(target: typer.Typer) -> None:
@@ -76,7 +93,10 @@ def main(argv: list[str] | None = None) -> None:
 
     _register_optional(app)
     try:
-        code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
+        with warnings.catch_warnings():
+            # one line per warning, like the errors, not Python's "file:line: Category" with source
+            warnings.showwarning = lambda message, category, *a, **k: typer.echo(f"warning: {message}", err=True)
+            code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
     except typer.TyperException as e:  # usage errors (typer vendors click; this is its base class)
         e.show() if hasattr(e, "show") else typer.echo(f"error: {e}", err=True)
         sys.exit(1)

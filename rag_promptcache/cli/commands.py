@@ -11,9 +11,11 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import app, fail, handle_errors
+from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
 KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
+SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 RedisOpt = Annotated[str | None, typer.Option(
     "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]
@@ -46,6 +48,7 @@ def ingest(
     embedder: Annotated[str | None, typer.Option(help="sentence-transformers name or path [default: all-MiniLM-L6-v2].")] = None,
     index: Annotated[str | None, typer.Option(help="flat (exact, default), hnsw or ivf (large corpora).")] = None,
     field: Annotated[str, typer.Option(help="The text field of .json/.jsonl records.")] = "text",
+    id_field: Annotated[str, typer.Option(help="The .json/.jsonl field that names a record (in sources and remove).")] = "id",
     max_ingest_tokens: Annotated[int, typer.Option(help="Refuse to add more new tokens than this in one run.")] = 2_000_000,
     redis_url: RedisOpt = None,
     ray: Annotated[bool, typer.Option("--ray", help="Embed and encode on a Ray cluster (needs the ray extra of rag-promptcache).")] = False,
@@ -56,7 +59,7 @@ def ingest(
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray)."""
-    from rag_promptcache.rag import Corpus, LoaderWarning, is_corpus
+    from rag_promptcache.rag import is_corpus
 
     ray_opts = None
     if ray:
@@ -70,19 +73,12 @@ def ingest(
         if not p.exists():
             raise fail(f"no such file or directory: {p}")
     existed = is_corpus(corpus)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always", LoaderWarning)
-        warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
-        if existed:
-            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url)
-            for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
-                if value is not None and value != getattr(c.manifest, key):
-                    raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
-            report = c.add(paths, field=field, token_budget=max_ingest_tokens, ray=ray_opts)
-        else:
-            c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
-                             index=index, field=field, token_budget=max_ingest_tokens, redis_url=redis_url, ray=ray_opts)
-            report = c.last_report
+    try:
+        c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
+                            max_ingest_tokens, redis_url, ray_opts)
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
+        raise typer.Exit(130) from None
     info = c.info()
     if report is not None:
         typer.echo(report.summary())
@@ -93,31 +89,73 @@ def ingest(
         raise fail(f"{len(report.failed)} file(s) failed and are kept incomplete; run the same command again to retry them")
 
 
+def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
+            redis_url, ray_opts):
+    from rag_promptcache.rag import Corpus, LoaderWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", LoaderWarning)
+        warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
+        if existed:
+            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url)
+            for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
+                if value is not None and value != getattr(c.manifest, key):
+                    raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
+            report = c.add(paths, field=field, id_field=id_field, token_budget=max_ingest_tokens, ray=ray_opts)
+        else:
+            c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
+                             index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
+                             redis_url=redis_url, ray=ray_opts)
+            report = c.last_report
+    return c, report
+
+
+TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples more freely.")]
+RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
+NoRepeatOpt = Annotated[int, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, first_k:K or selective:R (default: the engine's, last:1; docs/FIDELITY.md).")]
+StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
+
+
+def _sampling(temperature: float, repetition_penalty: float, no_repeat_ngram: int, recovery: str | None,
+              stop: list[str] | None) -> dict[str, object]:
+    out: dict[str, object] = {"temperature": temperature, "repetition_penalty": repetition_penalty,
+                              "no_repeat_ngram": no_repeat_ngram, "stop": tuple(stop or ())}
+    return out if recovery is None else {**out, "recovery": recovery}
+
+
 @app.command()
 @handle_errors
 def ask(
     question: Annotated[str, typer.Argument(help="The question.")],
     corpus: CorpusOpt,
     k: KOpt = 4,
-    stream: Annotated[bool, typer.Option("--stream", help="Print the answer as it is generated.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Print the answer as it is generated (with --json: JSON lines).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (with --stream: one line per piece, then the answer).")] = False,
     max_new_tokens: MaxNewOpt = 256,
     redis_url: RedisOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    repetition_penalty: RepetitionOpt = 1.0,
+    no_repeat_ngram: NoRepeatOpt = DEFAULT_NO_REPEAT_NGRAM,
+    recovery: RecoveryOpt = None,
+    stop: StopOpt = None,
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
+    sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
     c = _open(corpus, redis_url)
     _check_nonempty(c)
-    if stream and not as_json:
-        s = c.ask_stream(question, k, max_new_tokens=max_new_tokens)
+    if stream:
+        s = c.ask_stream(question, k, max_new_tokens=max_new_tokens, **sampling)
         for piece in s:
-            typer.echo(piece, nl=False)
-        typer.echo()
+            typer.echo(json.dumps({"delta": piece}) if as_json else piece, nl=as_json)
+        if not as_json:
+            typer.echo()
         answer = s.answer
     else:
-        answer = c.ask(question, k, max_new_tokens=max_new_tokens)
+        answer = c.ask(question, k, max_new_tokens=max_new_tokens, **sampling)
     if as_json:
         typer.echo(json.dumps(answer.to_dict()))
     else:
@@ -135,13 +173,28 @@ def _stats(answer) -> str:
 
 @app.command()
 @handle_errors
-def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256,
-         turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3, redis_url: RedisOpt = None) -> None:
-    """Chat with the corpus: streaming answers, history, /sources, /quit."""
+def chat(
+    corpus: CorpusOpt,
+    k: KOpt = 4,
+    max_new_tokens: MaxNewOpt = 256,
+    turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3,
+    temperature: TemperatureOpt = 0.0,
+    repetition_penalty: RepetitionOpt = 1.0,
+    no_repeat_ngram: NoRepeatOpt = DEFAULT_NO_REPEAT_NGRAM,
+    recovery: RecoveryOpt = None,
+    stop: StopOpt = None,
+    redis_url: RedisOpt = None,
+) -> None:
+    """Chat with the corpus: streaming answers, history, /sources, /quit. Ctrl-C stops an answer."""
     _check_k(k)
+    sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
     c = _open(corpus, redis_url)
     _check_nonempty(c)
-    typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, /quit ends")
+    typer.echo(f"loading the model and the embedder for {corpus} ...", err=True)
+    c.prepare()  # now, so that no loading output lands inside the first answer
+    c.embedder  # noqa: B018 - loads it
+    typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, "
+               "/quit (or Ctrl-D) ends, Ctrl-C stops an answer")
     history: list[tuple[str, str]] = []
     last = None
     while True:
@@ -149,6 +202,9 @@ def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256,
             line = input("you> ").strip()
         except EOFError:
             break
+        except KeyboardInterrupt:
+            typer.echo("\n(to quit, type /quit or press Ctrl-D)")
+            continue
         if not line:
             continue
         if line in ("/quit", "/exit", "/q"):
@@ -162,10 +218,20 @@ def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256,
         if line.startswith("/"):
             typer.echo("commands: /sources, /quit")
             continue
-        s = c.ask_stream(line, k, history=history[-turns:] if turns else (), max_new_tokens=max_new_tokens)
-        typer.echo("bot> ", nl=False)
-        for piece in s:
-            typer.echo(piece, nl=False)
+        s = None
+        try:
+            s = c.ask_stream(line, k, history=history[-turns:] if turns else (), max_new_tokens=max_new_tokens, **sampling)
+            typer.echo("bot> ", nl=False)
+            for piece in s:
+                typer.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            if s is not None:
+                s.close()
+            typer.echo("\n  [stopped; the chat goes on]")
+            continue
+        except ValueError as e:  # this question cannot be answered (too long, say): the chat goes on
+            typer.echo(f"\nerror: {e}", err=True)
+            continue
         last = s.answer
         typer.echo(f"\n  [{_stats(last)}]")
         history.append((line, last.answer))
@@ -174,26 +240,41 @@ def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256,
 
 @app.command()
 @handle_errors
-def info(corpus: CorpusOpt, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
-    """Documents, modules, tokens, store size and model of a corpus."""
+def info(
+    corpus: CorpusOpt,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    documents: Annotated[bool, typer.Option("--documents", help=f"List every document, not only the first {SHOWN_DOCUMENTS}.")] = False,
+) -> None:
+    """Documents, modules, tokens, store size and model of a corpus, and its documents."""
+    from rag_promptcache.cli.output import echo_facts, echo_table, mib
+
     c = _open(corpus)
-    facts = c.info()
+    facts = {**c.info(), "documents": c.documents()}
     c.close()
+    incomplete = f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""
+    echo_facts(facts, [
+        ("corpus", str(facts["path"])),
+        ("documents", f"{facts['num_documents']}{incomplete}"),
+        ("modules", f"{facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)"),
+        ("store", mib(facts["store_bytes"])),
+        ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']})"),
+        ("embedder", f"{facts['embedder']} (dim {facts['dim']}), index {facts['index']}"),
+        ("chunking", f"{facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}"),
+    ], as_json)
     if as_json:
-        typer.echo(json.dumps(facts))
         return
-    typer.echo(f"corpus     {facts['path']}")
-    typer.echo(f"documents  {facts['num_documents']}" + (f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""))
-    typer.echo(f"modules    {facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)")
-    typer.echo(f"store      {facts['store_bytes'] / 2**20:.1f} MiB")
-    typer.echo(f"model      {facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']})")
-    typer.echo(f"embedder   {facts['embedder']} (dim {facts['dim']}), index {facts['index']}")
-    typer.echo(f"chunking   {facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}")
+    docs = facts["documents"]
+    shown = docs if documents else docs[:SHOWN_DOCUMENTS]
+    typer.echo()
+    echo_table(("document", "chunks", "bytes", "status"),
+               [(d["name"], d["num_chunks"], d["num_bytes"], "ok" if d["complete"] else "incomplete") for d in shown])
+    if len(shown) < len(docs):
+        typer.echo(f"... and {len(docs) - len(shown)} more (--documents lists all)")
 
 
 @app.command()
 @handle_errors
-def remove(sources: Annotated[list[str], typer.Argument(help="Document paths (or ids) to forget.")], corpus: CorpusOpt) -> None:
+def remove(sources: Annotated[list[str], typer.Argument(help="Documents to forget: paths, ids, or the names `ask` prints in its sources and `info` lists.")], corpus: CorpusOpt) -> None:
     """Remove documents, their modules and their vectors from a corpus."""
     c = _open(corpus)
     for source in sources:

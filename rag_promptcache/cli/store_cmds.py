@@ -5,7 +5,6 @@ Formatting only: the work is `rag_promptcache.store.describe / verify / evict_to
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -21,20 +20,29 @@ CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus dire
 
 def _disk(corpus: Path):
     from rag_promptcache.rag import is_corpus
+    from rag_promptcache.rag.corpus import DISK_CODEC
     from rag_promptcache.store import DiskStore
 
     if not is_corpus(corpus):
         raise fail(f"{corpus} is not a corpus (no manifest.json)")
-    return DiskStore(corpus / "store")
+    return DiskStore(corpus / "store", codec=DISK_CODEC)  # the codec a corpus writes with, as `store info` says
 
 
 @store_app.command("info")
 @handle_errors
-def store_info(corpus: CorpusOpt) -> None:
+def store_info(corpus: CorpusOpt, as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
     """Entries, bytes, bytes per token and codec of the store."""
+    from rag_promptcache.cli.output import echo_facts, mib
     from rag_promptcache.store import describe
 
-    typer.echo(json.dumps(describe(_disk(corpus)), indent=2))
+    facts = describe(_disk(corpus))
+    echo_facts(facts, [
+        ("store", f"{facts['root']} ({facts['kind']})"),
+        ("entries", f"{facts['num_entries']} ({facts['num_tokens']} tokens)"),
+        ("size", f"{mib(facts['num_bytes'])}, {facts['bytes_per_token']:.0f} bytes per token"),
+        ("codec", f"{facts['codec']} (what new entries are written with; each entry records its own)"),
+        ("hits", f"{facts['num_hits']} hits, {facts['num_misses']} misses (hit rate {facts['hit_rate']:.2f}), {facts['num_errors']} errors"),
+    ], as_json)
 
 
 @store_app.command("verify")

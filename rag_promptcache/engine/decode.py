@@ -27,6 +27,9 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Both look at the answer's own tokens only, never the prompt's: a RAG answer should copy its sources.
+    repetition_penalty: float = 1.0  # > 1 divides a positive logit (multiplies a negative one) of each token already generated
+    no_repeat_ngram: int = 0  # n > 0: no n-gram of the answer is generated twice (stops verbatim loops)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -43,6 +46,10 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.repetition_penalty < 1.0:
+            raise ValueError(f"repetition_penalty must be >= 1.0 (1.0 is off), got {self.repetition_penalty}")
+        if self.no_repeat_ngram < 0 or self.no_repeat_ngram == 1:
+            raise ValueError(f"no_repeat_ngram must be 0 (off) or >= 2, got {self.no_repeat_ngram}")
 
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -109,8 +116,24 @@ def forward_last(
     return out.logits[0, -1].float()
 
 
-def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> int:
-    """logits: [V] fp32 → one token id."""
+def penalize(logits: torch.Tensor, s: Sampling, generated: Sequence[int]) -> torch.Tensor:
+    """logits: [V] fp32 → the same with the repetition controls applied to the answer so far."""
+    if s.repetition_penalty != 1.0 and generated:
+        seen = torch.tensor(sorted(set(generated)), device=logits.device)
+        values = logits[seen]
+        logits = logits.index_put((seen,), torch.where(values > 0, values / s.repetition_penalty, values * s.repetition_penalty))
+    n = s.no_repeat_ngram
+    if n and len(generated) >= n:
+        prefix = tuple(generated[len(generated) - n + 1 :])
+        banned = {generated[i + n - 1] for i in range(len(generated) - n + 1) if tuple(generated[i : i + n - 1]) == prefix}
+        if banned:
+            logits = logits.index_fill(0, torch.tensor(sorted(banned), device=logits.device), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None, generated: Sequence[int] = ()) -> int:
+    """logits: [V] fp32 → one token id. `generated`: the answer's tokens so far (for the repetition controls)."""
+    logits = penalize(logits, s, generated)
     if s.temperature == 0:
         return int(logits.argmax())
     logits = logits / s.temperature
@@ -139,8 +162,10 @@ def decode_tokens(
     generator = None
     if s.seed is not None and s.temperature > 0:
         generator = torch.Generator(device=logits.device).manual_seed(s.seed)
+    generated: list[int] = []
     for i in range(s.max_new_tokens):
-        token = sample(logits, s, generator)
+        token = sample(logits, s, generator, generated)
+        generated.append(token)
         yield token
         if token in eos_ids or i == s.max_new_tokens - 1:
             return

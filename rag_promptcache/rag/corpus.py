@@ -17,8 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import sqlite3
+import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -35,7 +39,7 @@ from rag_promptcache.rag.index import VectorIndex, faiss_id
 from rag_promptcache.rag.ingest import check_budget, collect, progress_bar, stale
 from rag_promptcache.rag.loaders import Document, LoadReport
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
-from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, ModuleRow
+from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -49,6 +53,10 @@ DEFAULT_INSTRUCTIONS = (
 )
 DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to tens of GB
 BATCH_CHUNKS = 16
+# The small default model can repeat a sentence until max_new_tokens; no 6-token run of an answer
+# twice stops that verbatim loop and leaves ordinary answers as they were (README: Limits).
+DEFAULT_NO_REPEAT_NGRAM = 6
+TEMPLATE_TOKENS = 32  # room for the chat template's role markup around the turns
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
 Batch = list[tuple[str, int, Chunk]]  # (source, seq, chunk)
@@ -73,6 +81,10 @@ def _package_version() -> str:
         return "0+unknown"
 
 
+class CorpusWarning(UserWarning):
+    """A corpus file was damaged and has been rebuilt from the others (nothing was lost)."""
+
+
 def is_corpus(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "manifest.json").is_file()
 
@@ -91,7 +103,7 @@ class Corpus:
     ) -> None:
         self.path = path
         self.manifest = manifest
-        self.table = ChunkTable(path / "chunks.sqlite")
+        self.table = _open_table(path / "chunks.sqlite")
         self.memory_bytes = memory_bytes
         self.redis_url = redis_url
         self.disk_tier = disk_tier
@@ -99,6 +111,9 @@ class Corpus:
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
         self._embedder = embedder
         self._registered = -1  # table generation of the schema the engine holds
+        self._compiled = False  # whether the engine has compiled that schema
+        self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
+        self._ingest_lock = threading.RLock()  # one add or remove at a time
         self.last_report: IngestReport | None = None
         self.index = self._load_index()
         self._index_generation = self.table.generation
@@ -126,7 +141,7 @@ class Corpus:
         if not is_corpus(path):
             what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
             raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
-        manifest = Manifest.from_json((path / "manifest.json").read_text(), str(path / "manifest.json"))
+        manifest = _read_manifest(path / "manifest.json")
         if model is not None and model != manifest.model:
             raise ValueError(f"corpus {path} was built with model {manifest.model!r}, not {model!r}")
         if engine is not None:
@@ -155,6 +170,7 @@ class Corpus:
         instructions: str | None = None,
         mode: str | None = None,
         field: str = "text",
+        id_field: str = "id",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         on_batch: OnBatch | None = None,
         progress: bool | None = None,
@@ -173,19 +189,26 @@ class Corpus:
             for key, value in asked.items():
                 if value is not None and value != getattr(m, key):
                     raise ValueError(f"corpus {path} uses {key}={getattr(m, key)!r}, not {value!r}; ingest into a new corpus to change it")
-            corpus.add(inputs, field=field, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
+            corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
+                       progress=progress, ray=ray)
             return corpus
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ValueError(f"{path} exists and is not a corpus; pass an empty or new directory to --corpus")
         chunk_tokens = chunk_tokens or 256
         params = ChunkParams(chunk_tokens, min(32, chunk_tokens // 8) if overlap is None else overlap, max_tokens)
         VectorIndex(1, index or "flat")  # validates the kind before anything is loaded
-        docs, report = collect(inputs, field)
+        docs, report = collect(inputs, field, id_field)
         check_budget(docs, token_budget)
         owns = engine is None
         name = "rag_" + uuid.uuid4().hex[:12]  # before the store: it keys the Redis tier
-        engine = engine or _load_engine(model or DEFAULT_MODEL, corpus_store.open_store(path / "store", 1 << 30, redis_url, name), mode)
-        emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
+        existed = path.exists()
+        try:
+            engine = engine or _load_engine(model or DEFAULT_MODEL, corpus_store.open_store(path / "store", 1 << 30, redis_url, name), mode)
+            emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
+        except BaseException:
+            # Nothing is a corpus yet (no manifest): leave no half-made directory for the next run to trip over.
+            shutil.rmtree(path if not existed else path / "store", ignore_errors=True)
+            raise
         now = time.time()
         manifest = Manifest(
             name=name, model=model or engine.model_name, fingerprint=engine.fingerprint,
@@ -204,11 +227,30 @@ class Corpus:
 
     @property
     def engine(self) -> PromptCache:
-        if self._engine is None:
-            engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode)
-            _check_engine(engine, self.manifest, self.path)
-            self._engine, self._owns_engine = engine, True
-        return self._engine
+        """The engine, with the corpus schema registered (once per table change), so that
+        `c.engine.generate(c.prompt(q, ids))` works without `prepare()`."""
+        return self._register(compile_schema=False)
+
+    def _loaded_engine(self) -> PromptCache:
+        """The engine without registering the schema: what ingest uses, whose batches change the table."""
+        with self._lock:
+            if self._engine is None:
+                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode)
+                _check_engine(engine, self.manifest, self.path)
+                self._engine, self._owns_engine = engine, True
+            return self._engine
+
+    def _register(self, compile_schema: bool) -> PromptCache:
+        engine = self._loaded_engine()
+        with self._lock:
+            generation = self.table.generation  # read first: a concurrent add only makes it re-register
+            if self._registered != generation:
+                engine.add_schema(self.schema, replace=True)
+                self._registered, self._compiled = generation, False
+            if compile_schema and not self._compiled:
+                engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
+                self._compiled = True
+        return engine
 
     def open_store(self) -> Store:
         """A new handle on this corpus's KV store (memory → disk → Redis, as configured)."""
@@ -217,10 +259,11 @@ class Corpus:
 
     @property
     def embedder(self) -> EmbedderLike:
-        if self._embedder is None:
-            self._embedder = _load_embedder(self.manifest.embedder)
-            assert self._embedder.dim == self.manifest.dim, f"{self._embedder.dim=} {self.manifest.dim=}"
-        return self._embedder
+        with self._lock:
+            if self._embedder is None:
+                self._embedder = _load_embedder(self.manifest.embedder)
+                assert self._embedder.dim == self.manifest.dim, f"{self._embedder.dim=} {self.manifest.dim=}"
+            return self._embedder
 
     @property
     def schema(self) -> ast.Schema:
@@ -236,32 +279,69 @@ class Corpus:
         inputs: Iterable[str | os.PathLike[str] | object],
         *,
         field: str = "text",
+        id_field: str = "id",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         on_batch: OnBatch | None = None,
         progress: bool | None = None,
         ray: RayOptions | None = None,
     ) -> IngestReport:
         """Ingest new and changed documents; unchanged ones cost a hash. Files gone from an ingested
-        directory are removed. `on_batch` runs after each committed batch. `ray` runs the embedding
-        and encoding on a Ray cluster (`rag.distributed`); the result is the same corpus."""
+        directory are removed. Each .jsonl/.json record is a document named by its `id_field`, its
+        text in `field`, its other fields kept as metadata. `on_batch` runs after each committed batch.
+        `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`); the result is the
+        same corpus."""
         inputs = list(inputs)
-        docs, report = collect(inputs, field)
-        return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
+        docs, report = collect(inputs, field, id_field)
+        with self._ingest_lock:
+            return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
 
     def remove(self, source: str | os.PathLike[str]) -> int:
-        """Forget a document (by source path or id); returns the number of modules dropped."""
+        """Forget a document (by source path, id, or the name `ask` shows in its sources); returns the
+        number of modules dropped. Their vectors and their stored KV go too, unless another document
+        shares the module."""
+        with self._ingest_lock:
+            key = self._document_key(source)
+            try:
+                dropped = self.table.remove_document(key)
+                self._forget(dropped)
+            finally:
+                self._save_index()
+            return len(dropped)
+
+    def _document_key(self, source: str | os.PathLike[str]) -> str:
         key = str(source)
-        if self.table.document(key) is None and Path(key).exists():
-            key = str(Path(key).resolve())
-        if self.table.document(key) is None:
-            raise ValueError(f"no document {str(source)!r} in corpus {self.path}")
-        try:
-            dropped = self.table.remove_document(key)
-            self.index.remove(np.array(dropped, dtype=np.int64))
+        if self.table.document(key) is not None:
+            return key
+        if Path(key).exists() and self.table.document(str(Path(key).resolve())) is not None:
+            return str(Path(key).resolve())
+        by_label = [d.source for d in self.table.documents() if d.label == key]
+        if len(by_label) == 1:
+            return by_label[0]
+        if len(by_label) > 1:
+            raise ValueError(f"{key!r} names {len(by_label)} documents in corpus {self.path}: {', '.join(by_label)}; pass one of these")
+        raise ValueError(f"no document {key!r} in corpus {self.path}; `rag-promptcache info --corpus {self.path} --documents` lists them by name")
+
+    def _forget(self, dropped: Dropped) -> None:
+        """Drop modules no document references any more: vectors now, KV from every tier of the store."""
+        with self._lock:
+            self.index.remove(np.array(dropped.faiss_ids, dtype=np.int64))
             self._index_generation = self.table.generation
-        finally:
-            self._save_index()
-        return len(dropped)
+        if not dropped.store_keys:
+            return
+        if self._engine is not None:
+            for k in dropped.store_keys:
+                self._engine.store.delete(k)
+        if self._engine is None or not self._owns_engine:
+            # KV this corpus wrote with its own store (an earlier ingest), not the caller's engine's
+            disk = self.path / "store" if self.disk_tier and (self.path / "store").is_dir() else None
+            if disk is None and self.redis_url is None:
+                return
+            store = corpus_store.open_store(disk, None, self.redis_url, self.manifest.name)
+            try:
+                for k in dropped.store_keys:
+                    store.delete(k)
+            finally:
+                store.close()
 
     def _ingest(
         self,
@@ -283,8 +363,7 @@ class Corpus:
         bar = progress_bar(progress)
         try:
             for source in gone:
-                self.index.remove(np.array(self.table.remove_document(source), dtype=np.int64))
-                self._index_generation = self.table.generation
+                self._forget(self.table.remove_document(source))
             batches = self._batches(todo)
             if ray is None:
                 for batch, finished in batches:
@@ -312,6 +391,15 @@ class Corpus:
         row = self.table.document(doc.source)
         return row is not None and row.complete and row.content_hash == doc.content_hash
 
+    def _store_keys(self, new: dict[str, Chunk]) -> dict[str, str]:
+        """The store key of each new module's KV (recorded so that forgetting the module drops its KV),
+        from the driver's engine on both paths: registering the batch's schema only tokenizes."""
+        if not new:
+            return {}
+        engine = self._loaded_engine()
+        engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"), replace=True)
+        return _store_keys(engine, self.manifest.name + ".ingest", list(new))
+
     def _batches(self, todo: list[Document]) -> Iterator[tuple[Batch, list[str]]]:
         """(chunks to embed and encode, documents complete once they are committed), in order.
         Starts each document in the table as it reaches it; skips chunks an interrupted ingest committed."""
@@ -319,13 +407,12 @@ class Corpus:
             yield [], []
             return
         params = ChunkParams(self.manifest.chunk_tokens, self.manifest.overlap, self.manifest.max_tokens)
-        chunker = Chunker(self.engine.tokenizer, params)
+        chunker = Chunker(self._loaded_engine().tokenizer, params)
         batch: Batch = []
         finished: list[str] = []
         for doc in todo:
-            dropped = self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes))
-            self.index.remove(np.array(dropped, dtype=np.int64))
-            self._index_generation = self.table.generation
+            self._forget(self.table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes),
+                                                   doc.metadata))
             done = self.table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
             for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
                 if chunk.module_id not in done:
@@ -348,7 +435,7 @@ class Corpus:
         vectors = self.embedder.embed([c.module_text for c in new.values()]) if new else np.zeros((0, self.manifest.dim), np.float32)
         if new:
             t = time.perf_counter()
-            engine = self.engine
+            engine = self._loaded_engine()
             # Only this batch's modules: a module's KV key depends on the text before it in the
             # schema (the instructions), not on its siblings, so this matches the full schema.
             engine.add_schema(_schema(self.manifest, ((m, c.module_text) for m, c in new.items()), suffix=".ingest"), replace=True)
@@ -369,9 +456,10 @@ class Corpus:
         modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v)
                    for (m, c), v in zip(new.items(), vectors) if not self.table.has_module(m)]
         chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]
-        self.table.commit_batch(modules, chunks, finished)
-        self.index.add(np.array([m.faiss_id for m in modules], dtype=np.int64), vectors)
-        self._index_generation = self.table.generation
+        self.table.commit_batch(modules, chunks, finished, self._store_keys(new))
+        with self._lock:
+            self.index.add(np.array([m.faiss_id for m in modules], dtype=np.int64), vectors)
+            self._index_generation = self.table.generation
         stats["modules"] += len(modules)
         stats["tokens"] += sum(m.num_tokens for m in modules)
         stats["reused"] += len(batch) - len(modules)
@@ -385,20 +473,26 @@ class Corpus:
     def _load_index(self) -> VectorIndex:
         file, meta = self.path / "index.faiss", self.path / "index.json"
         if file.exists() and meta.exists():
-            saved = json.loads(meta.read_text())
-            if saved.get("generation") == self.table.generation and saved.get("kind") == self.manifest.index:
-                return VectorIndex.load(file, self.manifest.dim, self.manifest.index)
+            try:
+                saved = json.loads(meta.read_text())
+                if saved.get("generation") == self.table.generation and saved.get("kind") == self.manifest.index:
+                    return VectorIndex.load(file, self.manifest.dim, self.manifest.index)
+            except (ValueError, RuntimeError, AssertionError) as e:  # faiss raises RuntimeError on a damaged file
+                # the index is derived data: the table holds every vector, so rebuild rather than fail
+                warnings.warn(f"{file} or {meta.name} is damaged ({str(e).strip().splitlines()[0]}); "
+                              "rebuilding the index from chunks.sqlite", CorpusWarning, stacklevel=2)
         # Missing or behind the table (an ingest stopped between commit and save): rebuild.
         index = VectorIndex(self.manifest.dim, self.manifest.index)
         index.add(*self.table.vectors(self.manifest.dim))
         return index
 
     def _save_index(self) -> None:
-        self.index.save(self.path / "index.faiss")
-        meta = {"generation": self._index_generation, "kind": self.index.kind, "num_vectors": len(self.index)}
-        _write_atomic(self.path / "index.json", json.dumps(meta) + "\n")
-        self.manifest = dataclasses.replace(self.manifest, updated=time.time())
-        _write_atomic(self.path / "manifest.json", self.manifest.to_json())
+        with self._lock:
+            self.index.save(self.path / "index.faiss")
+            meta = {"generation": self._index_generation, "kind": self.index.kind, "num_vectors": len(self.index)}
+            _write_atomic(self.path / "index.json", json.dumps(meta) + "\n")
+            self.manifest = dataclasses.replace(self.manifest, updated=time.time())
+            _write_atomic(self.path / "manifest.json", self.manifest.to_json())
 
     # -- retrieval and answers -------------------------------------------------------------------------
 
@@ -410,7 +504,9 @@ class Corpus:
             raise ValueError(f"corpus {self.path} is empty; add documents with: rag-promptcache ingest PATH --corpus {self.path}")
         if not question.strip():
             raise ValueError("the question is empty")
-        hits = self.index.search(self.embedder.embed([question]), k)[0]
+        vector = self.embedder.embed([question])
+        with self._lock:  # FAISS indexes are not safe to search while another thread adds or removes
+            hits = self.index.search(vector, k)[0]
         names = self.table.module_ids_for([i for i, _ in hits])
         return [(names[i], s) for i, s in hits if i in names]
 
@@ -453,7 +549,9 @@ class Corpus:
         **sampling: object,
     ) -> Answer | AnswerStream:
         """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
-        `AnswerStream` (iterate for text; `.answer` when done)."""
+        `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
+        stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM."""
+        sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
         hits = self._fit(self.search(question, k), question, history, max_new_tokens)
         sources = [self._label(m) for m, _ in hits]
         prompt = self.prompt(question, self.order([m for m, _ in hits]), history)
@@ -464,12 +562,7 @@ class Corpus:
     def prepare(self) -> PromptCache:
         """Load the engine and register and compile the corpus schema (once per process and change),
         so that the first question's TTFT does not pay for tokenizing every module."""
-        engine = self.engine
-        if self._registered != self.table.generation:
-            engine.add_schema(self.schema, replace=True)
-            engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
-            self._registered = self.table.generation
-        return engine
+        return self._register(compile_schema=True)
 
     def ask_stream(self, question: str, k: int = 4, **kwargs: object) -> AnswerStream:
         out = self.ask(question, k, stream=True, **kwargs)
@@ -482,14 +575,23 @@ class Corpus:
 
     def _fit(self, hits: list[tuple[str, float]], question: str, history: Sequence[tuple[str, str]], max_new: int) -> list[tuple[str, float]]:
         """Drop the lowest-scoring modules until the prompt and the answer fit the context window."""
-        window = getattr(self.engine, "context_window", 0) or 1 << 30
-        count = lambda t: len(self.engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
-        fixed = count(self.manifest.instructions) + count(question) + sum(count(u) + count(a) for u, a in history) + 32
+        engine = self._loaded_engine()
+        window = getattr(engine, "context_window", 0) or 1 << 30
+        count = lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
+        parts = {"instructions": count(self.manifest.instructions), "question": count(question),
+                 "history": sum(count(u) + count(a) for u, a in history), "chat template (about)": TEMPLATE_TOKENS}
+        fixed = sum(parts.values())
         sizes = [self.table.module(m)[1] for m, _ in hits]
+        best = sizes[0] if sizes else 0
         while hits and fixed + sum(sizes) + max_new > window:
             hits, sizes = hits[:-1], sizes[:-1]
-        if fixed + max_new > window:
-            raise ValueError(f"the question and history ({fixed} tokens) plus {max_new} new tokens exceed the model's {window}-token window")
+        if not hits and fixed + best + max_new > window:
+            named = ", ".join(f"{n} {what}" for what, n in [("for the best retrieved chunk", best), *parts.items()] if n or what != "history")
+            raise ValueError(
+                f"the prompt needs {fixed + best} tokens ({named}) plus max_new_tokens {max_new}: "
+                f"{fixed + best + max_new}, more than the model's {window}-token window; "
+                + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question")
+            )
         return hits
 
     # -- facts -------------------------------------------------------------------------------------
@@ -505,6 +607,13 @@ class Corpus:
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,
         }
+
+    def documents(self) -> list[dict[str, object]]:
+        """Each document: `name` (what `ask` shows in its sources and `remove` accepts), `source`,
+        `num_chunks`, `num_bytes`, `complete` (False: an interrupted ingest; run it again) and
+        `metadata` (a record's other fields)."""
+        return [{"name": d.label, "source": d.source, "num_chunks": n, "num_bytes": d.num_bytes, "complete": d.complete,
+                 "metadata": meta} for d, n, meta in self.table.document_chunks()]
 
     def close(self) -> None:
         self.table.close()
@@ -537,6 +646,32 @@ def _schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str 
     mods = {m: ast.Module(m, (ast.Text(text),)) for m, text in modules}
     system = ast.Role("system", (ast.Text(manifest.instructions + "\n\n"), *mods.values()))
     return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={})
+
+
+def _store_keys(engine: PromptCache, schema_name: str, module_ids: Sequence[str]) -> dict[str, str]:
+    """The store key of each module's KV, as the engine computes it (the corpus schema is a chat
+    schema: its modules sit in the system turn)."""
+    compiled = engine._compile(schema_name, True)  # noqa: SLF001 - the engine's own key, never a copy of its formula
+    return {m: engine._key(compiled, compiled.units[m], True) for m in module_ids}  # noqa: SLF001
+
+
+def _read_manifest(file: Path) -> Manifest:
+    try:
+        return Manifest.from_json(file.read_text(), str(file))
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        if str(file) in str(e):
+            raise  # already names the file and the fix (a format from another version)
+        raise ValueError(f"{file} is damaged ({e}); it records the corpus's model and settings and cannot be "
+                         "rebuilt: re-ingest the documents into a new corpus") from e
+
+
+def _open_table(file: Path) -> ChunkTable:
+    try:
+        return ChunkTable(file)
+    except sqlite3.DatabaseError as e:
+        raise ValueError(f"{file} is damaged ({e}); it holds the corpus's chunks and vectors: re-ingest the "
+                         "documents into a new corpus (a damaged module store is checked with "
+                         "`rag-promptcache store verify`)") from e
 
 
 def _write_atomic(path: Path, text: str) -> None:

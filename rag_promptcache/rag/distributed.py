@@ -176,7 +176,7 @@ class EncodeWorker:
         vectors = self.embedder.embed([text for _, text in modules])
         t = time.perf_counter()
         # Exactly what Corpus._flush does, so the store keys are the same.
-        self.engine.add_schema(_schema(m, modules, suffix=".ingest"))
+        self.engine.add_schema(_schema(m, modules, suffix=".ingest"), replace=True)
         self.engine.encode(m.name + ".ingest")
         seconds = time.perf_counter() - t
         kv = tuple((k, encode(v, AT_REST_CODEC)) for k, v in self.collect.take().items()) if self.collect else ()

@@ -10,19 +10,20 @@ import sys
 from pathlib import Path
 
 from rag_promptcache.rag.loaders import Document, LoadReport, load
+from rag_promptcache.rag.records_loader import RECORD_SEPARATOR
 from rag_promptcache.rag.table import DocumentRow
 
-_TEXT_KINDS = ("txt", "md", "markdown", "rst", "text", "json", "jsonl", "html", "htm", "object")
+_TEXT_KINDS = ("txt", "md", "markdown", "rst", "text", "json", "jsonl", "html", "htm", "object", "record")
 
 
-def collect(inputs: list[object], field: str) -> tuple[list[Document], LoadReport]:
+def collect(inputs: list[object], field: str, id_field: str = "id") -> tuple[list[Document], LoadReport]:
     if not inputs:
         raise ValueError("nothing to ingest: no paths or documents given")
     report = LoadReport()
     for item in inputs:
         if isinstance(item, (str, os.PathLike)) and Path(item).is_dir() and not any(Path(item).iterdir()):
             raise ValueError(f"{item} is an empty directory")
-    docs = list(load(inputs, field_name=field, report=report))
+    docs = list(load(inputs, field_name=field, id_field=id_field, report=report))
     if not docs:
         raise ValueError(f"nothing to ingest: {report.summary() or 'no supported files found'}")
     return docs, report
@@ -41,10 +42,13 @@ def check_budget(docs: list[Document], budget: int) -> None:
 
 
 def stale(rows: list[DocumentRow], inputs: list[object], seen: set[str], skipped: set[str]) -> list[str]:
-    """Documents under an ingested directory whose files are gone."""
-    roots = [str(Path(i).resolve()) + os.sep for i in inputs if isinstance(i, (str, os.PathLike)) and Path(i).is_dir()]
-    return [r.source for r in rows if any(r.source.startswith(p) for p in roots)
-            and r.source not in seen and r.source not in skipped and not Path(r.source).exists()]
+    """Documents under an ingested directory whose files are gone, and records gone from an
+    ingested .jsonl/.json file (or the whole-file document an older version made of it)."""
+    paths = [Path(i).resolve() for i in inputs if isinstance(i, (str, os.PathLike))]
+    roots = [str(p) + os.sep for p in paths if p.is_dir()] + [str(p) + RECORD_SEPARATOR for p in paths if p.is_file()]
+    split = {s.split(RECORD_SEPARATOR, 1)[0] for s in seen if RECORD_SEPARATOR in s}  # files now read as records
+    return [r.source for r in rows if r.source not in seen and r.source not in skipped
+            and (r.source in split or (any(r.source.startswith(p) for p in roots) and not Path(r.source).exists()))]
 
 
 class _NoBar:

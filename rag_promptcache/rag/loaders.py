@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import json
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rag_promptcache.rag.records_loader import record_documents
 
 BLOCK_CHARS = 1 << 20  # how much text a streaming reader hands on at a time
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
@@ -36,6 +37,7 @@ class Document:
     blocks: Callable[[], Iterator[str]] = field(repr=False)
     num_bytes: int = 0
     kind: str = "text"
+    metadata: dict[str, object] = field(default_factory=dict, compare=False)  # a record's other fields
 
 
 @dataclass(slots=True)
@@ -51,18 +53,20 @@ class LoadReport:
         for _, why in self.skipped:
             reasons[why.split(":")[0]] = reasons.get(why.split(":")[0], 0) + 1
         parts = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
-        return f"skipped {len(self.skipped)} file(s): {parts}"
+        return f"skipped {len(self.skipped)} file(s) or record(s): {parts}"
 
 
 def load(
     items: Iterable[str | os.PathLike[str] | object],
     *,
     field_name: str = "text",
+    id_field: str = "id",
     report: LoadReport | None = None,
 ) -> Iterator[Document]:
     """Documents for paths (files or directories, walked recursively in sorted order) and for
-    LangChain/LlamaIndex objects. A missing path raises `FileNotFoundError`; files that cannot be
-    read as text are skipped with one `LoaderWarning` each and recorded in `report`."""
+    LangChain/LlamaIndex objects; each record of a .jsonl/.json file is a document of its own
+    (`records_loader.py`). A missing path raises `FileNotFoundError`; files (and records) that
+    cannot be read are skipped with one `LoaderWarning` each and recorded in `report`."""
     report = report if report is not None else LoadReport()
     for item in items:
         if isinstance(item, (str, os.PathLike)):
@@ -74,6 +78,10 @@ def load(
                 if path.is_dir() and any(p.startswith(".") for p in file.relative_to(path).parts):
                     continue  # .git, .DS_Store and friends
                 label = file.relative_to(path).as_posix() if path.is_dir() else file.name
+                if file.suffix.lower() in (".json", ".jsonl"):
+                    if _readable(file, report):
+                        yield from record_documents(file, label, field_name, id_field, lambda where, why: _skip(report, where, why), Document)
+                    continue
                 doc = _load_file(file, label, field_name, report)
                 if doc is not None:
                     yield doc
@@ -90,6 +98,14 @@ def _skip(report: LoadReport, source: Path | str, reason: str) -> None:
     warnings.warn(f"skipping {source}: {reason}", LoaderWarning, stacklevel=3)
 
 
+def _readable(path: Path, report: LoadReport) -> bool:
+    """Whether a file is non-empty UTF-8 (else it is reported and skipped)."""
+    problem = "empty file" if path.stat().st_size == 0 else _sniff_text(path)
+    if problem:
+        _skip(report, path, problem)
+    return not problem
+
+
 def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> Document | None:
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
@@ -104,14 +120,12 @@ def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> D
         if problem:
             _skip(report, path, problem)
             return None
-    digest = _hash_file(path, extra=field_name if suffix in (".json", ".jsonl") else "")
+    digest = _hash_file(path)
     kind = suffix.lstrip(".")
     readers: dict[str, Callable[[], Iterator[str]]] = {
         ".html": lambda: iter([_html_text(path.read_text(encoding="utf-8", errors="replace"))]),
         ".htm": lambda: iter([_html_text(path.read_text(encoding="utf-8", errors="replace"))]),
         ".pdf": lambda: _pdf_pages(path),
-        ".json": lambda: _json_records(path, field_name),
-        ".jsonl": lambda: _jsonl_records(path, field_name),
     }
     reader = readers.get(suffix, lambda: _text_blocks(path))
     if suffix == ".pdf":
@@ -193,35 +207,6 @@ def _pdf_pages(path: Path) -> Iterator[str]:
         text = (page.extract_text() or "").strip()
         if text:
             yield text + "\n\n"
-
-
-def _record_text(record: object, field_name: str) -> str:
-    if isinstance(record, str):
-        return record
-    if isinstance(record, dict) and isinstance(record.get(field_name), str):
-        return record[field_name]
-    return ""
-
-
-def _json_records(path: Path, field_name: str) -> Iterator[str]:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    records = data if isinstance(data, list) else [data]
-    for record in records:
-        if text := _record_text(record, field_name).strip():
-            yield text + "\n\n"
-
-
-def _jsonl_records(path: Path, field_name: str) -> Iterator[str]:
-    with path.open("r", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from e
-            if text := _record_text(record, field_name).strip():
-                yield text + "\n\n"
 
 
 def _from_object(obj: object) -> Document:

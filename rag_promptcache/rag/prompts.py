@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 ModuleRef = str | tuple[str, str]  # a module id, or (id, text to fall back on)
 REFERENCE = re.compile(r'<module id="([^"<>]+)"\s*(?:/>|>(.*?)</module>)', re.S)
-OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "no_repeat_ngram")
 STATS = ("finish_reason", "ttft_s", "total_s", "prompt_tokens", "cached_tokens", "computed_tokens",
          "hit_modules", "missed_modules", "recomputed_modules")
 
@@ -87,6 +87,12 @@ def build_prompt(
     if not chat:
         return "\n\n".join(t for _, t in resolved)
     return ast.Prompt("", tuple(ast.Role(r, (ast.Text(t),)) for r, t in resolved))  # type: ignore[arg-type]
+
+
+def wants_chat(engine: Any, prompt: str) -> bool:
+    """Whether a plain completion prompt should get the chat template: yes for a chat-tuned model
+    (its tokenizer has a template; it answers nothing sensible to raw text), never for PML."""
+    return bool(getattr(engine.tokenizer, "chat_template", None)) and not prompt.lstrip().startswith("<prompt")
 
 
 def _text(raw: str | None) -> str | None:

@@ -80,14 +80,14 @@ class IngestReport:
             f"{self.num_documents} document(s): {self.num_ingested} ingested, {self.num_unchanged} unchanged"
             + (f", {self.num_removed} removed" if self.num_removed else ""),
             f"{self.num_modules} new module(s), {self.num_tokens} tokens in {self.seconds:.1f}s"
-            + (f" ({self.modules_per_s:.1f} modules/s, {self.tokens_per_s:.0f} tokens/s; "
+            + (f" ({self.modules_per_s:.2g} modules/s, {self.tokens_per_s:.0f} tokens/s; "
                f"{self.encode_seconds:.1f}s of it encoding KV)" if self.num_modules else ""),
         ]
         if self.workers:
             where = "written by the workers into the corpus's store" if self.kv_written_by == "workers" else "returned to the driver and written here"
             parts.append(f"{self.workers} Ray worker(s) (started in {self.worker_start_seconds:.1f}s), module KV {where}")
         if self.skipped:
-            parts.append(f"skipped {len(self.skipped)} file(s)")
+            parts.append(f"skipped {len(self.skipped)} file(s) or record(s)")
         if self.failed:
             parts.append(f"FAILED {len(self.failed)} file(s) (kept incomplete; run ingest again to retry): "
                          + ", ".join(f"{f}: {why}" for f, why in self.failed))

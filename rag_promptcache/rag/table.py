@@ -7,11 +7,15 @@ whether the saved FAISS index reflects the table. Pure bookkeeping: no tokenizer
 
 from __future__ import annotations
 
+import functools
+import json
 import sqlite3
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +32,26 @@ CREATE TABLE IF NOT EXISTS chunks(
     source TEXT NOT NULL, module_id TEXT NOT NULL, seq INTEGER NOT NULL,
     start INTEGER NOT NULL, end INTEGER NOT NULL, PRIMARY KEY(source, module_id));
 CREATE INDEX IF NOT EXISTS chunks_by_module ON chunks(module_id);
+CREATE TABLE IF NOT EXISTS module_keys(module_id TEXT PRIMARY KEY, store_key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS document_meta(source TEXT PRIMARY KEY, metadata TEXT NOT NULL);
 """
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _serialized(method: Callable[P, R]) -> Callable[P, R]:
+    """One statement or transaction at a time on the shared connection: a Python sqlite3 connection
+    used by several threads at once mixes their transactions (a reader would see, or break, a
+    writer's open BEGIN)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with args[0]._lock:  # type: ignore[attr-defined]
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +73,17 @@ class ChunkRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Dropped:
+    """Modules no longer referenced by any document: their FAISS ids and the store keys of their KV."""
+
+    faiss_ids: tuple[int, ...] = ()
+    store_keys: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.faiss_ids)
+
+
+@dataclass(frozen=True, slots=True)
 class DocumentRow:
     source: str
     label: str
@@ -60,11 +94,13 @@ class DocumentRow:
 
 class ChunkTable:
     def __init__(self, path: Path) -> None:
+        self._lock = threading.RLock()
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
 
+    @_serialized
     def close(self) -> None:
         self.db.close()
 
@@ -87,45 +123,65 @@ class ChunkTable:
     # -- reads -----------------------------------------------------------------------------------
 
     @property
+    @_serialized
     def generation(self) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
         return int(row[0]) if row else 0
 
+    @_serialized
     def document(self, source: str) -> DocumentRow | None:
         row = self.db.execute(
             "SELECT source, label, content_hash, complete, num_bytes FROM documents WHERE source = ?", (source,)
         ).fetchone()
         return DocumentRow(row[0], row[1], row[2], bool(row[3]), row[4]) if row else None
 
+    @_serialized
     def documents(self) -> list[DocumentRow]:
         rows = self.db.execute("SELECT source, label, content_hash, complete, num_bytes FROM documents ORDER BY source")
         return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]) for r in rows]
 
+    @_serialized
+    def document_chunks(self) -> list[tuple[DocumentRow, int, dict[str, object]]]:
+        """Every document with its number of chunks and its metadata, by source."""
+        rows = self.db.execute(
+            "SELECT d.source, d.label, d.content_hash, d.complete, d.num_bytes, COUNT(c.module_id), m.metadata "
+            "FROM documents d LEFT JOIN chunks c USING(source) LEFT JOIN document_meta m USING(source) "
+            "GROUP BY d.source ORDER BY d.source"
+        )
+        return [(DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]), r[5], json.loads(r[6] or "{}")) for r in rows]
+
+    @_serialized
     def chunk_ids(self, source: str) -> set[str]:
         return {r[0] for r in self.db.execute("SELECT module_id FROM chunks WHERE source = ?", (source,))}
 
+    @_serialized
     def has_module(self, module_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM modules WHERE module_id = ?", (module_id,)).fetchone() is not None
 
+    @_serialized
     def module_ids_for(self, faiss_ids: Sequence[int]) -> dict[int, str]:
         marks = ",".join("?" * len(faiss_ids))
         rows = self.db.execute(f"SELECT faiss_id, module_id FROM modules WHERE faiss_id IN ({marks})", list(faiss_ids))
         return dict(rows.fetchall())
 
+    @_serialized
     def module(self, module_id: str) -> tuple[str, int] | None:
         """(module text, token count)."""
         row = self.db.execute("SELECT text, num_tokens FROM modules WHERE module_id = ?", (module_id,)).fetchone()
         return (row[0], row[1]) if row else None
 
+    @_serialized
     def sources(self, module_id: str) -> list[tuple[str, int, int]]:
         """(source, start, end) of every chunk that became this module."""
         rows = self.db.execute("SELECT source, start, end FROM chunks WHERE module_id = ? ORDER BY source", (module_id,))
         return [tuple(r) for r in rows]
 
-    def modules(self) -> Iterator[tuple[str, str]]:
+    @_serialized
+    def modules(self) -> list[tuple[str, str]]:
         """(module id, text) in ingest order."""
-        yield from self.db.execute("SELECT module_id, text FROM modules ORDER BY rowid")
+        return self.db.execute("SELECT module_id, text FROM modules ORDER BY rowid").fetchall()
 
+    @_serialized
     def vectors(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
         """(faiss ids [n] int64, vectors [n, dim] float32) of every module."""
         rows = self.db.execute("SELECT faiss_id, vector FROM modules ORDER BY rowid").fetchall()
@@ -133,6 +189,7 @@ class ChunkTable:
         vectors = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float32).reshape(len(rows), dim)
         return ids, vectors
 
+    @_serialized
     def counts(self) -> dict[str, int]:
         one = lambda sql: self.db.execute(sql).fetchone()[0] or 0  # noqa: E731
         return {
@@ -145,12 +202,16 @@ class ChunkTable:
 
     # -- writes (each one transaction) -----------------------------------------------------------
 
-    def begin_document(self, doc: DocumentRow) -> list[int]:
-        """Record that `doc` is being ingested. A changed document loses its old chunks first;
-        returns the faiss ids of modules no longer referenced by any document."""
+    @_serialized
+    def begin_document(self, doc: DocumentRow, metadata: dict[str, object] | None = None) -> Dropped:
+        """Record that `doc` is being ingested (with its metadata, e.g. a record's other fields). A
+        changed document loses its old chunks first; returns the modules no longer referenced."""
         with self._tx() as db:
+            db.execute("DELETE FROM document_meta WHERE source = ?", (doc.source,))
+            if metadata:
+                db.execute("INSERT INTO document_meta VALUES(?, ?)", (doc.source, json.dumps(metadata, default=str)))
             old = self.document(doc.source)
-            dropped = self._drop_chunks(db, doc.source) if old is not None and old.content_hash != doc.content_hash else []
+            dropped = self._drop_chunks(db, doc.source) if old is not None and old.content_hash != doc.content_hash else Dropped()
             db.execute(
                 "INSERT INTO documents VALUES(?, ?, ?, 0, ?, ?) ON CONFLICT(source) DO UPDATE SET "
                 "label = excluded.label, content_hash = excluded.content_hash, complete = 0, "
@@ -160,8 +221,14 @@ class ChunkTable:
             self._bump(db)
         return dropped
 
-    def commit_batch(self, modules: Iterable[ModuleRow], chunks: Iterable[ChunkRow], completed: Iterable[str]) -> None:
+    @_serialized
+    def commit_batch(
+        self, modules: Iterable[ModuleRow], chunks: Iterable[ChunkRow], completed: Iterable[str], store_keys: dict[str, str] | None = None
+    ) -> None:
+        """One ingest batch; `store_keys` maps a module id to the store key of its KV, so that
+        forgetting the module can drop its KV too."""
         with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO module_keys VALUES(?, ?)", list((store_keys or {}).items()))
             db.executemany(
                 "INSERT OR IGNORE INTO modules VALUES(?, ?, ?, ?, ?)",
                 [(m.module_id, m.faiss_id, m.text, m.num_tokens, np.asarray(m.vector, np.float32).tobytes()) for m in modules],
@@ -173,18 +240,22 @@ class ChunkTable:
             db.executemany("UPDATE documents SET complete = 1 WHERE source = ?", [(s,) for s in completed])
             self._bump(db)
 
-    def remove_document(self, source: str) -> list[int]:
-        """Forget a document; returns the faiss ids of modules no longer referenced."""
+    @_serialized
+    def remove_document(self, source: str) -> Dropped:
+        """Forget a document; returns the modules no longer referenced."""
         with self._tx() as db:
             dropped = self._drop_chunks(db, source)
             db.execute("DELETE FROM documents WHERE source = ?", (source,))
+            db.execute("DELETE FROM document_meta WHERE source = ?", (source,))
             self._bump(db)
         return dropped
 
-    def _drop_chunks(self, db: sqlite3.Connection, source: str) -> list[int]:
+    def _drop_chunks(self, db: sqlite3.Connection, source: str) -> Dropped:
         db.execute("DELETE FROM chunks WHERE source = ?", (source,))
         orphans = db.execute(
-            "SELECT module_id, faiss_id FROM modules WHERE module_id NOT IN (SELECT module_id FROM chunks)"
+            "SELECT m.module_id, m.faiss_id, k.store_key FROM modules m LEFT JOIN module_keys k USING(module_id) "
+            "WHERE m.module_id NOT IN (SELECT module_id FROM chunks)"
         ).fetchall()
-        db.executemany("DELETE FROM modules WHERE module_id = ?", [(m,) for m, _ in orphans])
-        return [f for _, f in orphans]
+        db.executemany("DELETE FROM modules WHERE module_id = ?", [(m,) for m, _, _ in orphans])
+        db.executemany("DELETE FROM module_keys WHERE module_id = ?", [(m,) for m, _, _ in orphans])
+        return Dropped(tuple(f for _, f, _ in orphans), tuple(k for _, _, k in orphans if k))

@@ -12,7 +12,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
 from rag_promptcache.rag.prompts import build_prompt, generation_options, result_stats
 
@@ -54,7 +54,7 @@ class ChatPromptCache(BaseChatModel):
     corpus: Any = None
     engine: Any = None
     model_name: str = ""
-    max_tokens: int = Field(default=256, gt=0)
+    max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None

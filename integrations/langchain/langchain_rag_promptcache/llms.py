@@ -1,7 +1,8 @@
 """`PromptCacheLLM`: a LangChain `BaseLLM` (drop-in for `HuggingFacePipeline`) on a `PromptCache` engine.
 
 A prompt is PML (`<prompt schema=…>`), text holding `format_modules` references (imported from the
-corpus; the rest is the user turn), or plain text (generated as is). Translation only."""
+corpus; the rest is the user turn), or plain text (the user turn of the model's chat template when
+it has one, else generated as is). Translation only."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
-from rag_promptcache.rag.prompts import build_prompt, generation_options, result_stats
+from rag_promptcache.rag.prompts import build_prompt, generation_options, result_stats, wants_chat
 
 from langchain_rag_promptcache.modules import engine_of
 
@@ -21,12 +22,12 @@ from langchain_rag_promptcache.modules import engine_of
 class PromptCacheLLM(BaseLLM):
     """`PromptCacheLLM(corpus=Corpus.open(dir))` or `PromptCacheLLM(engine=PromptCache.from_pretrained(…))`."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt option is an error
 
     corpus: Any = None
     engine: Any = None
     model_name: str = ""
-    max_tokens: int = Field(default=256, gt=0)
+    max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
@@ -50,7 +51,7 @@ class PromptCacheLLM(BaseLLM):
     def _args(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("empty prompt")
-        engine_prompt = build_prompt([("user", prompt)], corpus=self.corpus, chat=False)
+        engine_prompt = build_prompt([("user", prompt)], corpus=self.corpus, chat=wants_chat(self.engine, prompt))
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                     "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
         return engine_prompt, generation_options(defaults, {**kwargs, "stop": stop})

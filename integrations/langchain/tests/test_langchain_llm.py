@@ -10,6 +10,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from rag_promptcache.pml.build import prompt_pml
+from rag_promptcache.rag.prompts import build_prompt
 
 from langchain_rag_promptcache import ChatPromptCache, PromptCacheLLM, PromptCacheRetriever, format_modules
 
@@ -22,10 +23,23 @@ def llm(corpus):
     return PromptCacheLLM(corpus=corpus, max_tokens=8)
 
 
-def test_invoke_plain_text_is_generated_as_is(llm, engine):
+def test_invoke_plain_text_is_the_user_turn_of_the_chat_template(llm, engine):
     text = llm.invoke("The capital of France is")
-    assert text == engine.generate("The capital of France is", max_new_tokens=8).text
+    user_turn = build_prompt([("user", "The capital of France is")], chat=True)
+    assert text == engine.generate(user_turn, max_new_tokens=8).text
     assert llm.model_name == engine.model_name
+
+
+def test_a_chat_model_answers_a_plain_prompt(corpus):
+    story = PromptCacheLLM(corpus=corpus, max_new_tokens=24).invoke("Write a long story about a cat.")
+    assert len(story.split()) >= 8 and "cat" in story.lower()  # was '' without the chat template
+
+
+def test_the_cli_name_max_new_tokens_is_an_alias_and_unknown_fields_are_errors(corpus):
+    assert PromptCacheLLM(corpus=corpus, max_new_tokens=3).max_tokens == 3
+    assert ChatPromptCache(corpus=corpus, max_new_tokens=3).max_tokens == 3
+    with pytest.raises(ValueError, match="max_new_tokenz"):
+        PromptCacheLLM(corpus=corpus, max_new_tokenz=3)
 
 
 def test_batch_keeps_order_and_stats(llm):

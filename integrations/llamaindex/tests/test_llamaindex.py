@@ -10,6 +10,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index.llms.rag_promptcache import ModuleSynthesizer, PromptCacheLLM, PromptCacheQueryEngine
 from llama_index.retrievers.rag_promptcache import PromptCacheRetriever
+from rag_promptcache.rag.prompts import build_prompt
 
 QUESTION = "Which city is the Eiffel Tower in?"
 
@@ -25,8 +26,15 @@ def test_metadata(llm, engine):
     assert PromptCacheLLM(engine=engine).metadata.context_window == engine.context_window
 
 
-def test_complete_plain_text_is_generated_as_is(llm, engine):
-    assert llm.complete("The capital of France is").text == engine.generate("The capital of France is", max_new_tokens=12).text
+def test_complete_plain_text_is_the_user_turn_of_the_chat_template(llm, engine):
+    user_turn = build_prompt([("user", "The capital of France is")], chat=True)
+    assert llm.complete("The capital of France is").text == engine.generate(user_turn, max_new_tokens=12).text
+
+
+def test_the_cli_name_max_new_tokens_is_an_alias_and_unknown_fields_are_errors(corpus):
+    assert PromptCacheLLM(corpus=corpus, max_new_tokens=3).max_tokens == 3
+    with pytest.raises(ValueError, match="max_new_tokenz"):
+        PromptCacheLLM(corpus=corpus, max_new_tokenz=3)
 
 
 def test_complete_with_module_ids_imports_them(llm, corpus):
@@ -143,3 +151,26 @@ def test_needs_an_engine_or_a_corpus():
 def test_similarity_top_k_must_be_positive(corpus):
     with pytest.raises(ValueError, match="similarity_top_k"):
         PromptCacheRetriever(corpus, similarity_top_k=0)
+
+
+def test_a_plain_vector_store_index_flow_reuses_the_corpus_kv(corpus, llm, engine):
+    """Settings.llm + a stock VectorStoreIndex over `corpus_nodes`: the stock synthesizer's context
+    arrives as module references, which the LLM imports (store hits), and the answer is right."""
+    from llama_index.core import Settings, VectorStoreIndex
+
+    from llama_index.retrievers.rag_promptcache import PromptCacheEmbedding, corpus_nodes
+
+    old = Settings._llm, Settings._embed_model  # reading Settings.llm would build the default (OpenAI)
+    Settings.llm, Settings.embed_model = llm, PromptCacheEmbedding(corpus)
+    try:
+        index = VectorStoreIndex(corpus_nodes(corpus))
+        before = engine.store.stats().num_hits
+        response = index.as_query_engine(similarity_top_k=2).query(QUESTION)
+        assert engine.store.stats().num_hits - before >= 2  # both retrieved modules came from the store
+        assert "Paris" in str(response) and {n.node.id_ for n in response.source_nodes} <= {m for m, _ in corpus.table.modules()}
+        plain = VectorStoreIndex([TextNode(text=n.text, embedding=n.embedding) for n in corpus_nodes(corpus)])
+        before = engine.store.stats().num_hits
+        plain.as_query_engine(similarity_top_k=2).query(QUESTION)
+        assert engine.store.stats().num_hits == before  # nodes from elsewhere: text, no KV reuse
+    finally:
+        Settings._llm, Settings._embed_model = old

@@ -16,8 +16,8 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from pydantic import ConfigDict, Field, model_validator
-from rag_promptcache.rag.prompts import ModuleRef, build_prompt, generation_options, result_stats
+from pydantic import AliasChoices, ConfigDict, Field, model_validator
+from rag_promptcache.rag.prompts import ModuleRef, build_prompt, generation_options, result_stats, wants_chat
 
 ROLES = ("system", "user", "assistant")
 
@@ -25,12 +25,12 @@ ROLES = ("system", "user", "assistant")
 class PromptCacheLLM(CustomLLM):
     """`PromptCacheLLM(corpus=Corpus.open(dir))` or `PromptCacheLLM(engine=PromptCache.from_pretrained(…))`."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt option is an error
 
     corpus: Any = None
     engine: Any = None
     model_name: str = ""
-    max_tokens: int = Field(default=256, gt=0)
+    max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
     stop: list[str] = Field(default_factory=list)
 
@@ -61,7 +61,8 @@ class PromptCacheLLM(CustomLLM):
     def _completion(self, prompt: str, module_ids: Sequence[ModuleRef]) -> Any:
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt is text (str), got {type(prompt).__name__}")
-        return build_prompt([("user", prompt)], corpus=self.corpus, module_ids=module_ids, chat=bool(module_ids))
+        return build_prompt([("user", prompt)], corpus=self.corpus, module_ids=module_ids,
+                            chat=bool(module_ids) or wants_chat(self.engine, prompt))
 
     def _chat(self, messages: Sequence[ChatMessage], module_ids: Sequence[ModuleRef]) -> Any:
         if not messages:

@@ -7,5 +7,6 @@ except ImportError as e:
     raise ImportError(f"{e.name} is missing; install with: pip install llama-index-rag-promptcache") from e
 
 from llama_index.retrievers.rag_promptcache.base import PromptCacheRetriever
+from llama_index.retrievers.rag_promptcache.nodes import PromptCacheEmbedding, corpus_nodes
 
-__all__ = ["PromptCacheRetriever"]
+__all__ = ["PromptCacheEmbedding", "PromptCacheRetriever", "corpus_nodes"]

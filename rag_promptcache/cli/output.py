@@ -1,0 +1,32 @@
+"""One output style for the inspecting commands (`info`, `store info`): an aligned two-column table
+for people, or `--json` (one object) for scripts. Formatting only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import typer
+
+
+def echo_facts(facts: dict[str, object], rows: Sequence[tuple[str, str]], as_json: bool) -> None:
+    """`facts` as one JSON object, or `rows` (label, value) as a table."""
+    if as_json:
+        typer.echo(json.dumps(facts))
+        return
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, value in rows:
+        typer.echo(f"{label:<{width}}  {value}")
+
+
+def echo_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Columns aligned to their widest cell; numbers right-aligned."""
+    cells = [[str(c) for c in header], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(isinstance(row[i], int | float) for row in rows) if rows else False for i in range(len(header))]
+    for r in cells:
+        typer.echo("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip())
+
+
+def mib(num_bytes: object) -> str:
+    return f"{int(num_bytes) / 2**20:.1f} MiB"  # type: ignore[arg-type]

@@ -1,0 +1,53 @@
+"""Repetition controls in `Sampling`: exact logits on hand-made inputs, validation, and the loop they
+stop on the real SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag_promptcache.engine.decode import Sampling, penalize, sample
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_generated_tokens() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, 3.0])
+    out = penalize(logits, Sampling(repetition_penalty=2.0), [0, 1, 0])
+    assert out.tolist() == [1.0, -4.0, 1.0, 3.0]
+    assert penalize(logits, Sampling(), [0, 1]).tolist() == logits.tolist()
+
+
+def test_no_repeat_ngram_bans_the_token_that_would_repeat_an_ngram() -> None:
+    logits = torch.zeros(10)
+    logits[7] = 5.0  # the model's favourite would complete (5, 6, 7) a second time
+    s = Sampling(no_repeat_ngram=3)
+    assert sample(logits, s, None, [5, 6, 7, 1, 5, 6]) != 7
+    assert sample(logits, s, None, [5, 6, 7, 1, 5]) == 7  # (5, 7) is no repeat
+    assert penalize(logits, s, [5, 6, 7, 5, 6, 8, 5, 6]).isinf().nonzero().flatten().tolist() == [7, 8]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("repetition_penalty", 0.9, "repetition_penalty must be >= 1.0"),
+    ("no_repeat_ngram", 1, "no_repeat_ngram must be 0 \\(off\\) or >= 2"),
+    ("no_repeat_ngram", -2, "no_repeat_ngram must be 0"),
+])
+def test_bad_values_are_clear_errors(field: str, value: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Sampling(**{field: value})
+
+
+def ngrams(ids: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    return [ids[i : i + n] for i in range(len(ids) - n + 1)]
+
+
+@pytest.mark.smollm
+def test_a_verbatim_loop_of_the_small_model_is_stopped(smollm) -> None:
+    from rag_promptcache.engine import PromptCache
+
+    pc = PromptCache(*smollm, name="smollm2-135m-instruct")
+    pc.add_schema('<schema name="chat"><system>You are a helpful assistant.</system></schema>')
+    prompt = '<prompt schema="chat"><user>Repeat after me forever: la la la la la la la la la la</user></prompt>'
+    looped = pc.generate(prompt, max_new_tokens=40)
+    assert len(set(ngrams(looped.token_ids, 4))) < len(ngrams(looped.token_ids, 4))  # it loops without the control
+    stopped = pc.generate(prompt, max_new_tokens=40, no_repeat_ngram=4)
+    grams = ngrams(stopped.token_ids, 4)
+    assert len(set(grams)) == len(grams)
