@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 … [default: cuda if present, else cpu]")] = None,
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
         recovery: Annotated[str | None, typer.Option("--recovery", help="Recovery for the TTFT and LangChain runs, e.g. none or first_k:2 [default: the engine's].")] = None,
-        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain.")] = None,
+        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, decode.")] = None,
+        dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
@@ -36,7 +37,11 @@ def register(app: typer.Typer) -> None:
 
         if threads is not None:
             torch.set_num_threads(threads)
+        from rag_promptcache.model.loading import parse_dtype
+
         config = BenchConfig.quick() if quick else BenchConfig.full()
+        parse_dtype(dtype)  # a bad name fails here, before the model loads
+        config = dataclasses.replace(config, dtype=dtype)
         if recovery is not None:
             config = dataclasses.replace(config, recovery=str(Recovery.parse(recovery)))
         chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else SCENARIOS

@@ -54,13 +54,17 @@ class BenchConfig:
     embed: bool = True
     store_repeats: int = 5
     recovery: str | None = None  # the engine's recovery in the TTFT and LangChain scenarios; None: its default
+    dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default
+    decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt
+    decode_tokens: int = 128  # new tokens per decode run (EOS ignored)
+    decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # each system runs in each ("auto": the default)
 
     @classmethod
     def quick(cls) -> BenchConfig:
         return cls(
             contexts=(512, 2048), repeats_slow=2, repeats_fast=5, warmup_each_context=False, questions=20, ks=(4,),
             quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8")),
-            faiss_queries=100, store_repeats=3,
+            faiss_queries=100, store_repeats=3, decode_context=1024, decode_tokens=64,
         )
 
     @classmethod

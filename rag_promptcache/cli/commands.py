@@ -10,17 +10,17 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import app, fail, handle_errors
+from rag_promptcache.cli.app import DtypeOpt, app, fail, handle_errors
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
 KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 
 
-def _open(corpus: Path):
+def _open(corpus: Path, dtype: str | None = None):
     from rag_promptcache.rag import Corpus
 
-    return Corpus.open(corpus)
+    return Corpus.open(corpus, dtype=dtype)
 
 
 def _check_k(k: int) -> None:
@@ -45,6 +45,7 @@ def ingest(
     index: Annotated[str | None, typer.Option(help="flat (exact, default), hnsw or ivf (large corpora).")] = None,
     field: Annotated[str, typer.Option(help="The text field of .json/.jsonl records.")] = "text",
     max_ingest_tokens: Annotated[int, typer.Option(help="Refuse to add more new tokens than this in one run.")] = 2_000_000,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume."""
@@ -58,14 +59,14 @@ def ingest(
         warnings.simplefilter("always", LoaderWarning)
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
         if existed:
-            c = Corpus.open(corpus, model=model, embedder=embedder)
+            c = Corpus.open(corpus, model=model, embedder=embedder, dtype=dtype)
             for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
             report = c.add(paths, field=field, token_budget=max_ingest_tokens)
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
-                             index=index, field=field, token_budget=max_ingest_tokens)
+                             index=index, field=field, token_budget=max_ingest_tokens, dtype=dtype)
             report = c.last_report
     info = c.info()
     if report is not None:
@@ -84,12 +85,13 @@ def ask(
     stream: Annotated[bool, typer.Option("--stream", help="Print the answer as it is generated.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     max_new_tokens: MaxNewOpt = 256,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
-    c = _open(corpus)
+    c = _open(corpus, dtype)
     _check_nonempty(c)
     if stream and not as_json:
         s = c.ask_stream(question, k, max_new_tokens=max_new_tokens)
@@ -116,10 +118,11 @@ def _stats(answer) -> str:
 
 @app.command()
 @handle_errors
-def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256, turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3) -> None:
+def chat(corpus: CorpusOpt, k: KOpt = 4, max_new_tokens: MaxNewOpt = 256, turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3,
+         dtype: DtypeOpt = None) -> None:
     """Chat with the corpus: streaming answers, history, /sources, /quit."""
     _check_k(k)
-    c = _open(corpus)
+    c = _open(corpus, dtype)
     _check_nonempty(c)
     typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, /quit ends")
     history: list[tuple[str, str]] = []
@@ -166,7 +169,7 @@ def info(corpus: CorpusOpt, as_json: Annotated[bool, typer.Option("--json", help
     typer.echo(f"documents  {facts['num_documents']}" + (f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""))
     typer.echo(f"modules    {facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)")
     typer.echo(f"store      {facts['store_bytes'] / 2**20:.1f} MiB")
-    typer.echo(f"model      {facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']})")
+    typer.echo(f"model      {facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})")
     typer.echo(f"embedder   {facts['embedder']} (dim {facts['dim']}), index {facts['index']}")
     typer.echo(f"chunking   {facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}")
 

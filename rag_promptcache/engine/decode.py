@@ -27,6 +27,7 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks), as vLLM's ignore_eos
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:

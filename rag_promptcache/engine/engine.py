@@ -101,9 +101,10 @@ class PromptCache:
         model: str = "smollm2-135m-instruct",
         *,
         device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: str | torch.dtype | None = None,
         **kwargs,
     ) -> PromptCache:
+        """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16"."""
         hf_model, tokenizer = load_model(model, device=device, dtype=dtype)
         return cls(hf_model, tokenizer, name=kwargs.pop("name", model), **kwargs)
 
@@ -274,11 +275,11 @@ class PromptCache:
         ids: list[int] = []
         ttft = 0.0
         finish = "length"
-        for token in decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids):
+        for token in decode_tokens(self.model, cache, logits, next_position, s, frozenset() if s.ignore_eos else self.eos_ids):
             if not ids:
                 ttft = time.perf_counter() - t0
             ids.append(token)
-            if token in self.eos_ids:
+            if token in self.eos_ids and not s.ignore_eos:
                 finish = "eos"
                 break
             piece = text.push(token)
