@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
         recovery: Annotated[str | None, typer.Option("--recovery", help="Recovery for the TTFT and LangChain runs, e.g. none or first_k:2 [default: the engine's].")] = None,
         scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, decode.")] = None,
+        contexts: Annotated[str | None, typer.Option("--contexts", help="Comma-separated retrieved-context sizes for TTFT, e.g. 2048,4096 [default: the run's].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
@@ -42,6 +43,14 @@ def register(app: typer.Typer) -> None:
         config = BenchConfig.quick() if quick else BenchConfig.full()
         parse_dtype(dtype)  # a bad name fails here, before the model loads
         config = dataclasses.replace(config, dtype=dtype)
+        if contexts is not None:
+            try:
+                sizes = tuple(int(c) for c in contexts.split(","))
+            except ValueError as e:
+                raise ValueError(f"--contexts takes comma-separated token counts like 2048,4096, not {contexts!r}") from e
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"--contexts takes positive token counts, not {contexts!r}")
+            config = dataclasses.replace(config, contexts=sizes)
         if recovery is not None:
             config = dataclasses.replace(config, recovery=str(Recovery.parse(recovery)))
         chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else SCENARIOS

@@ -64,7 +64,7 @@ class BenchConfig:
         return cls(
             contexts=(512, 2048), repeats_slow=2, repeats_fast=5, warmup_each_context=False, questions=20, ks=(4,),
             quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8")),
-            faiss_queries=100, store_repeats=3, decode_context=1024, decode_tokens=64,
+            faiss_queries=100, store_repeats=3,
         )
 
     @classmethod
