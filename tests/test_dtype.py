@@ -61,3 +61,20 @@ def test_a_manifest_without_dtype_is_float32_and_reopens_only_in_it(tmp_path: Pa
     Corpus.open(tmp_path / "c", dtype="float32").close()
     with pytest.raises(ValueError, match="encoded in float32, not bfloat16"):
         Corpus.open(tmp_path / "c", dtype="bf16")
+
+
+def test_cli_dtype_option(tmp_path: Path, capsys, monkeypatch):
+    from test_cli import assert_user_error, run
+
+    from rag_promptcache.rag import corpus as corpus_mod
+    from tests.test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
+
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None: FakeEngine())
+    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    docs = write_docs(tmp_path / "docs")
+    assert_user_error(run(capsys, "ingest", docs, "--corpus", tmp_path / "x", "--dtype", "int8"), "unknown dtype 'int8'")
+    code, _, err = run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32", "--overlap", "8")
+    assert code == 0, err
+    assert_user_error(run(capsys, "ask", "cats?", "--corpus", tmp_path / "c", "--dtype", "bfloat16"),
+                      "encoded in float32, not bfloat16")
+    assert_user_error(run(capsys, "bench", "--dtype", "int8"), "unknown dtype 'int8'")

@@ -49,8 +49,10 @@ def ingest(
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume."""
+    from rag_promptcache.model.loading import parse_dtype
     from rag_promptcache.rag import Corpus, LoaderWarning, is_corpus
 
+    parse_dtype(dtype)  # a bad name fails before anything is created
     for p in paths:
         if not p.exists():
             raise fail(f"no such file or directory: {p}")
