@@ -19,7 +19,7 @@ from rag_promptcache.rag import corpus as corpus_mod
 @pytest.fixture
 def fakes(monkeypatch):
     engine = FakeEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode: engine)
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None: engine)
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
     return engine
 

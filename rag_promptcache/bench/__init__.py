@@ -21,10 +21,10 @@ import torch
 
 from rag_promptcache.bench.common import Bench, BenchConfig
 
-SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "fidelity", "ingest", "serve")
+SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve")
 # fidelity (answers on confusable documents), ingest (local vs Ray) and serve (concurrent HTTP clients) build
 # their own corpus and take minutes: only when asked for (--scenarios fidelity,ingest,serve).
-DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain")
+DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
 
 
 def run(
@@ -42,10 +42,11 @@ def run(
     from rag_promptcache.model.loading import load_model
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = config or (BenchConfig.quick() if quick else BenchConfig.full())
     t0 = time.perf_counter()
-    hf_model, tokenizer = load_model(model, device=device)
+    hf_model, tokenizer = load_model(model, device=device, dtype=config.dtype)
     log(f"loaded {model} on {hf_model.device} ({hf_model.dtype}) in {time.perf_counter() - t0:.1f} s")
-    bench = Bench(hf_model, tokenizer, model, config or (BenchConfig.quick() if quick else BenchConfig.full()), log)
+    bench = Bench(hf_model, tokenizer, model, config, log)
     return run_loaded(bench, quick, json_path, plots_dir, scenarios)
 
 
@@ -58,6 +59,7 @@ def run_loaded(
 ) -> dict[str, object]:
     """Run the scenarios on an already loaded model (tests use a tiny one)."""
     from rag_promptcache.bench import (
+        decode,
         fidelity,
         langchain_e2e,
         memory,
@@ -69,6 +71,8 @@ def run_loaded(
 
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
+    from rag_promptcache.model.loading import cpu_flags
+
     dev = bench.device
     out: dict[str, object] = {
         "model": bench.model_name,
@@ -79,6 +83,8 @@ def run_loaded(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
         "torch": torch.__version__,
+        "cpu_flags": list(cpu_flags()),
+        "compile": "off",  # the decode step runs eagerly (no torch.compile path yet)
         "ttft": [], "quality": [], "memory": [], "langchain": {"skipped": "not run"},
     }
     seconds: dict[str, float] = {}
@@ -95,6 +101,8 @@ def run_loaded(
             mem = memory.run(bench)
             out["memory"] = mem.pop("memory")
             out.update(mem)
+        elif name == "decode":
+            out["decode"] = decode.run(bench)
         elif name == "throughput":
             out["throughput"] = throughput.run(bench)
         elif name == "fidelity":

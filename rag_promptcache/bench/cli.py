@@ -25,7 +25,11 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 … [default: cuda if present, else cpu]")] = None,
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
         recovery: Annotated[str | None, typer.Option("--recovery", help="Recovery for the TTFT and LangChain runs, e.g. none or first_k:2 [default: the engine's].")] = None,
-        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients); the last three only when named.")] = None,
+        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, decode, fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients); the last three only when named.")] = None,
+        contexts: Annotated[str | None, typer.Option("--contexts", help="Comma-separated retrieved-context sizes for TTFT, e.g. 2048,4096 [default: the run's].")] = None,
+        decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
+        decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
+        dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
@@ -36,7 +40,26 @@ def register(app: typer.Typer) -> None:
 
         if threads is not None:
             torch.set_num_threads(threads)
+        from rag_promptcache.model.loading import parse_dtype
+
         config = BenchConfig.quick() if quick else BenchConfig.full()
+        parse_dtype(dtype)  # a bad name fails here, before the model loads
+        config = dataclasses.replace(config, dtype=dtype)
+        if decode_dtypes is not None:
+            names = tuple(d.strip() for d in decode_dtypes.split(",") if d.strip())
+            for d in names:
+                parse_dtype(d)
+            config = dataclasses.replace(config, decode_dtypes=names)
+        if decode_tokens is not None:
+            config = dataclasses.replace(config, decode_tokens=decode_tokens)
+        if contexts is not None:
+            try:
+                sizes = tuple(int(c) for c in contexts.split(","))
+            except ValueError as e:
+                raise ValueError(f"--contexts takes comma-separated token counts like 2048,4096, not {contexts!r}") from e
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"--contexts takes positive token counts, not {contexts!r}")
+            config = dataclasses.replace(config, contexts=sizes)
         if recovery is not None:
             config = dataclasses.replace(config, recovery=str(Recovery.parse(recovery)))
         chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else DEFAULT_SCENARIOS

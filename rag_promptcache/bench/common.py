@@ -67,6 +67,10 @@ class BenchConfig:
     fidelity_new_tokens: int = 20
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3
+    dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default
+    decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt
+    decode_tokens: int = 128  # new tokens per decode run (EOS ignored)
+    decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # each system runs in each ("auto": the default)
 
     @classmethod
     def quick(cls) -> BenchConfig:

@@ -28,12 +28,19 @@ def _table(header: list[str], rows: list[list[object]]) -> str:
 def markdown(report: dict[str, object]) -> str:
     out = [f"# rag-promptcache bench ({'quick' if report.get('quick') else 'full'})", "",
            f"model `{report['model']}`, device {report['device']}, {report['threads']} threads, "
-           f"{report.get('dtype', '')}, {report.get('date', '')}", ""]
+           f"{report.get('dtype', '')}, torch {report.get('torch', '')}, CPU flags "
+           f"{' '.join(report.get('cpu_flags', [])) or 'n/a'}, {report.get('date', '')}", ""]
     if report.get("ttft"):
         out += ["## TTFT (seconds, median)", "", _table(
             ["context", "modules", *SYSTEMS, "speed-up", "overhead vs lower bound", "miss/full", "disk/memory"],
             [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), r["speedup"],
               r["overhead_vs_lower_bound"], r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
+    if report.get("decode"):
+        out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, "
+                f"{report['decode'][0]['context_tokens']}-token context; compile {report.get('compile', 'off')})", "",
+                _table(["system", "dtype", "tokens/s", "x transformers default", "end to end s", "default"],
+                       [[r["system"], r["dtype"], r["tokens_per_s"], r["x_transformers_default"], r["end_to_end_s"],
+                         "yes" if r["default"] else ""] for r in report["decode"]]), ""]
     if report.get("quality"):
         out += ["## Quality against full prefill", "", _table(
             ["k", "mode", "recovery", "codec", "questions", "top-1", "mean KL", "greedy exact", "NLL full",

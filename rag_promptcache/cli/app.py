@@ -16,7 +16,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -30,6 +30,12 @@ app = typer.Typer(
 )
 
 F = TypeVar("F", bound=Callable[..., object])
+
+# The one --dtype option of every command that loads a model (serve, eval: reuse it). Parse the value
+# with `rag_promptcache.model.loading.parse_dtype` (None/"auto" → the device's default).
+DtypeOpt = Annotated[str | None, typer.Option(
+    "--dtype", help="auto, float32, bfloat16 or float16 [default: auto: a corpus's own dtype, else the device's "
+                    "default (float32 on CPU, bfloat16 on CUDA)].")]
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import app, fail, handle_errors
+from rag_promptcache.cli.app import DtypeOpt, app, fail, handle_errors
 from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
@@ -21,10 +21,10 @@ RedisOpt = Annotated[str | None, typer.Option(
     "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]
 
 
-def _open(corpus: Path, redis_url: str | None = None):
+def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None):
     from rag_promptcache.rag import Corpus
 
-    return Corpus.open(corpus, redis_url=redis_url)
+    return Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
 
 
 def _check_k(k: int) -> None:
@@ -56,9 +56,11 @@ def ingest(
     workers: Annotated[int, typer.Option(help="With --ray: Ray actors, each loading the model once.")] = 2,
     cpus_per_worker: Annotated[float, typer.Option(help="With --ray: CPUs (and torch threads) per worker.")] = 1.0,
     ray_kv: Annotated[str, typer.Option(help="With --ray: who writes module KV: auto, workers (shared Redis or disk) or driver.")] = "auto",
+    dtype: DtypeOpt = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray)."""
+    from rag_promptcache.model.loading import parse_dtype
     from rag_promptcache.rag import is_corpus
 
     ray_opts = None
@@ -69,13 +71,14 @@ def ingest(
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
 
+    parse_dtype(dtype)  # a bad name fails before anything is created
     for p in paths:
         if not p.exists():
             raise fail(f"no such file or directory: {p}")
     existed = is_corpus(corpus)
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
-                            max_ingest_tokens, redis_url, ray_opts)
+                            max_ingest_tokens, redis_url, ray_opts, dtype)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
         raise typer.Exit(130) from None
@@ -90,14 +93,14 @@ def ingest(
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts):
+            redis_url, ray_opts, dtype):
     from rag_promptcache.rag import Corpus, LoaderWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", LoaderWarning)
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
         if existed:
-            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url)
+            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype)
             for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
@@ -105,7 +108,7 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
-                             redis_url=redis_url, ray=ray_opts)
+                             redis_url=redis_url, ray=ray_opts, dtype=dtype)
             report = c.last_report
     return c, report
 
@@ -139,13 +142,14 @@ def ask(
     no_repeat_ngram: NoRepeatOpt = DEFAULT_NO_REPEAT_NGRAM,
     recovery: RecoveryOpt = None,
     stop: StopOpt = None,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
     sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
-    c = _open(corpus, redis_url)
+    c = _open(corpus, redis_url, dtype)
     _check_nonempty(c)
     if stream:
         s = c.ask_stream(question, k, max_new_tokens=max_new_tokens, **sampling)
@@ -184,11 +188,12 @@ def chat(
     recovery: RecoveryOpt = None,
     stop: StopOpt = None,
     redis_url: RedisOpt = None,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Chat with the corpus: streaming answers, history, /sources, /quit. Ctrl-C stops an answer."""
     _check_k(k)
     sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
-    c = _open(corpus, redis_url)
+    c = _open(corpus, redis_url, dtype)
     _check_nonempty(c)
     typer.echo(f"loading the model and the embedder for {corpus} ...", err=True)
     c.prepare()  # now, so that no loading output lands inside the first answer
@@ -257,7 +262,7 @@ def info(
         ("documents", f"{facts['num_documents']}{incomplete}"),
         ("modules", f"{facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)"),
         ("store", mib(facts["store_bytes"])),
-        ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']})"),
+        ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),
         ("embedder", f"{facts['embedder']} (dim {facts['dim']}), index {facts['index']}"),
         ("chunking", f"{facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}"),
     ], as_json)

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import app, handle_errors
+from rag_promptcache.cli.app import DtypeOpt, app, handle_errors
 from rag_promptcache.rag.sample import QUESTIONS, TOPICS, demo_home, sample_documents
 
 
@@ -24,15 +24,20 @@ def demo(
     corpus: Annotated[Path | None, typer.Option(help="Where the demo corpus lives [default: $RAG_PROMPTCACHE_HOME/demo-corpus].")] = None,
     k: Annotated[int, typer.Option("-k", help="Chunks retrieved per question.")] = 3,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 96,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Ingest a slice of the Python reference (first run only), then answer questions from it."""
+    from rag_promptcache.model.loading import dtype_name, parse_dtype
     from rag_promptcache.rag import Corpus, ModelMismatchError, is_corpus
 
     where = corpus or demo_home()
+    wanted = parse_dtype(dtype)  # a bad name fails before anything loads
     c = None
     if is_corpus(where):
         c = Corpus.open(where)
         try:
+            if wanted is not None and dtype_name(wanted) != c.manifest.dtype:
+                raise ModelMismatchError(f"it was encoded in {c.manifest.dtype}, not {dtype_name(wanted)}")
             c.engine  # noqa: B018 - loads the model and checks its fingerprint against the corpus
         except ModelMismatchError as e:
             if not all(d.source.startswith("pydoc_data.topics/") for d in c.table.documents()):
@@ -44,7 +49,7 @@ def demo(
     fresh = c is None
     typer.echo(f"{'building' if fresh else 'reusing'} the demo corpus at {where} "
                f"({len(TOPICS)} topics of the Python language reference)")
-    c = Corpus.build(sample_documents(), where) if c is None else c
+    c = Corpus.build(sample_documents(), where, dtype=dtype) if c is None else c
     report = c.last_report if fresh else c.add(sample_documents())
     if report is not None and report.num_ingested:
         typer.echo(report.summary())

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from rag_promptcache.engine.assemble import ReservedLayer
+from rag_promptcache.engine.forward import LeanLlama
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,7 @@ class Sampling:
     # Both look at the answer's own tokens only, never the prompt's: a RAG answer should copy its sources.
     repetition_penalty: float = 1.0  # > 1 divides a positive logit (multiplies a negative one) of each token already generated
     no_repeat_ngram: int = 0  # n > 0: no n-gram of the answer is generated twice (stops verbatim loops)
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks), as vLLM's ignore_eos
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -101,6 +106,16 @@ def native_gqa(device: torch.device) -> Iterator[None]:
         _GQA.exit()
 
 
+_LEAN: weakref.WeakKeyDictionary[PreTrainedModel, LeanLlama | None] = weakref.WeakKeyDictionary()
+
+
+def lean_forward(model: PreTrainedModel) -> LeanLlama | None:
+    """The model's lean forward (engine/forward.py), built once per model; None where it has none."""
+    if model not in _LEAN:
+        _LEAN[model] = LeanLlama.for_model(model)
+    return _LEAN[model]
+
+
 @torch.inference_mode()  # per call: a stream may resume on another thread, and the mode is thread-local
 def forward_last(
     model: PreTrainedModel,
@@ -108,8 +123,15 @@ def forward_last(
     positions: torch.Tensor,
     cache: DynamicCache,
     mask: torch.Tensor | None = None,
+    *,
+    lean: bool = True,
 ) -> torch.Tensor:
-    """Run `ids` [1, N] at `positions` [1, N] against `cache`; return the last token's logits [V] in fp32."""
+    """Run `ids` [1, N] at `positions` [1, N] against `cache`; return the last token's logits [V] in fp32.
+
+    `lean`: use the lean forward where the model and cache allow it (`lean=False`: transformers')."""
+    fast = lean_forward(model) if lean else None
+    if fast is not None and all(type(layer) is ReservedLayer for layer in cache.layers):
+        return fast(ids, positions, cache, mask)
     with native_gqa(ids.device):
         out = model(input_ids=ids, position_ids=positions, past_key_values=cache, attention_mask=mask,
                     use_cache=True, logits_to_keep=1)

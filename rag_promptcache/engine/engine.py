@@ -123,9 +123,10 @@ class PromptCache:
         model: str = "smollm2-135m-instruct",
         *,
         device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: str | torch.dtype | None = None,
         **kwargs,
     ) -> PromptCache:
+        """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16"."""
         hf_model, tokenizer = load_model(model, device=device, dtype=dtype)
         return cls(hf_model, tokenizer, name=kwargs.pop("name", model), **kwargs)
 
@@ -332,7 +333,8 @@ class PromptCache:
         ids: list[int] = []
         ttft = 0.0
         finish = "length"
-        steps = decode_tokens(self.model, cache, logits, next_position, s, self.eos_ids)
+        steps = decode_tokens(self.model, cache, logits, next_position, s,
+                              frozenset() if s.ignore_eos else self.eos_ids)
         while True:
             with self.model_lock:  # one decode step; never held across a yield to the caller
                 token = next(steps, None)
@@ -341,7 +343,7 @@ class PromptCache:
             if not ids:
                 ttft = time.perf_counter() - t0
             ids.append(token)
-            if token in self.eos_ids:
+            if token in self.eos_ids and not s.ignore_eos:
                 finish = "eos"
                 break
             piece = text.push(token)

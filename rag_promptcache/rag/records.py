@@ -32,6 +32,7 @@ class Manifest:
     created: float
     updated: float
     format: int = MANIFEST_FORMAT
+    dtype: str = "float32"  # the model's dtype when the modules were encoded; manifests before it: float32
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

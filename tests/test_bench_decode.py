@@ -1,0 +1,32 @@
+"""The decode scenario's report contract, at tiny sizes on a tiny random model. Speed is recorded, never tested."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from rag_promptcache.bench import run_loaded
+from rag_promptcache.bench.common import Bench
+from rag_promptcache.bench.report import markdown
+from tests.test_bench import TINY
+from tests.tiny import build
+
+
+def test_decode_rows_and_metadata(tokenizer, tmp_path):
+    config = dataclasses.replace(TINY, decode_context=64, decode_tokens=4, dtype="float32")
+    bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", config, log=lambda _: None)
+    result = run_loaded(bench, quick=True, json_path=tmp_path / "bench.json", scenarios=("decode",))
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["dtype"] == "float32" and saved["torch"] and isinstance(saved["cpu_flags"], list)
+    assert saved["compile"] in ("off", "on")
+    rows = saved["decode"]
+    assert {(r["system"], r["dtype"]) for r in rows} == {
+        ("transformers", "float32"), ("transformers", "bfloat16"),
+        ("rag-promptcache", "float32"), ("rag-promptcache", "bfloat16")}
+    assert sum(r["default"] for r in rows) == 1
+    (default,) = [r for r in rows if r["default"]]
+    assert default["system"] == "rag-promptcache" and default["dtype"] == "float32"  # the CPU default
+    for r in rows:
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and r["new_tokens"] == 4
+    assert "## Decode" in markdown(result)

@@ -1,0 +1,87 @@
+"""The lean Llama forward (engine/forward.py) against transformers' forward, and the KV buffer pool."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.assemble import _POOL, assemble, reserved_cache
+from rag_promptcache.engine.decode import forward_last, lean_forward
+from rag_promptcache.model.positions import kv_geometry
+from tests.tiny import ARCHS, build
+
+
+def _tiny(arch: str, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ARCHS[arch](), attn_implementation="sdpa").to(dtype).eval()
+    return model
+
+
+def _filled(model, num_cached: int, capacity: int, ids: torch.Tensor) -> DynamicCache:
+    cache, _, _ = reserved_cache(model.config, kv_geometry(model), capacity, model.dtype, model.device)
+    forward_last(model, ids[:, :num_cached], torch.arange(num_cached)[None], cache, lean=False)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_forward_equals_transformers_prefill_mask_and_decode(dtype):
+    model = _tiny("llama", dtype)
+    assert lean_forward(model) is not None
+    ids = torch.randint(0, 128, (1, 40))
+    for lean in (True, False):
+        # a prefill of 10 tokens after 24 cached (plain causal), then one decode step
+        cache = _filled(model, 24, 64, ids)
+        got = forward_last(model, ids[:, 24:34], torch.arange(24, 34)[None], cache, lean=lean)
+        step = forward_last(model, ids[:, 34:35], torch.tensor([[34]]), cache, lean=lean)
+        # a 4D mask in which the new tokens may not see the last 4 cached ones (an interleaved prompt)
+        masked = _filled(model, 24, 64, ids)
+        mask = torch.zeros(1, 1, 6, 30, dtype=dtype)
+        mask[..., 20:24] = torch.finfo(dtype).min
+        mask[..., 24:] = torch.triu(torch.full((6, 6), torch.finfo(dtype).min, dtype=dtype), 1)
+        third = forward_last(model, ids[:, 24:30], torch.arange(24, 30)[None], masked, mask, lean=lean)
+        if lean:
+            ref = (got, step, third)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(ref, (got, step, third)):
+        assert torch.allclose(a, b, atol=tol, rtol=0), f"{(a - b).abs().max()=}"
+
+
+def test_other_architectures_keep_transformers_forward():
+    assert lean_forward(_tiny("qwen2")) is None
+    assert lean_forward(_tiny("gemma")) is None
+
+
+def test_engine_assembly_runs_the_same_on_lean_and_transformers_forward(tokenizer):
+    # relocated modules and a parameter value inside a module (a 4D mask): the engine's real inputs
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, recovery="none")
+    assert lean_forward(pc.model) is not None
+    pc.add_schema('<schema name="s"><module name="a">alpha beta gamma delta</module>'
+                  '<module name="t">Plan a trip for <param name="d" len="4"/> around it.</module></schema>')
+    plan = pc.plan('<prompt schema="s"><t d="three days"/><a/> zeta eta</prompt>')
+    logits = []
+    for lean in (True, False):
+        asm = assemble(plan.pieces, plan.kvs, pc.relocator, pc.model.config, pc.geometry, pc.model.device,
+                       pc.model.dtype, extra=4)
+        assert asm.mask is not None
+        logits.append(forward_last(pc.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask, lean=lean))
+    assert torch.allclose(*logits, atol=1e-5, rtol=0), f"{(logits[0] - logits[1]).abs().max()=}"
+
+
+def test_reserved_buffers_return_to_the_pool_and_are_reused():
+    model = _tiny("llama")
+    g = kv_geometry(model)
+    _POOL.clear()
+    cache, keys, _ = reserved_cache(model.config, g, 100, model.dtype, model.device)
+    assert keys.shape[2] == 256  # rounded up to CAPACITY_STEP
+    ptr = keys.data_ptr()
+    del cache, keys
+    gc.collect()
+    again, keys2, _ = reserved_cache(model.config, g, 200, model.dtype, model.device)
+    assert keys2.data_ptr() == ptr  # reused while free
+    other, keys3, _ = reserved_cache(model.config, g, 200, model.dtype, model.device)
+    assert keys3.data_ptr() != ptr  # never handed to two live caches
+    _POOL.clear()
