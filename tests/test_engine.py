@@ -66,7 +66,7 @@ def test_relocation_by_small_offsets(arch, tokenizer):
     pc = engine(arch, tokenizer, layout="schema")
     for words in (1, 7, 40):
         pc.add_schema(f'<schema name="o"><module name="x">{" ".join(["w"] * words)}</module>'
-                      f'<module name="a">{FOX}</module></schema>')
+                      f'<module name="a">{FOX}</module></schema>', replace=True)
         cmp = pc.compare('<prompt schema="o"><a/> What?</prompt>')
         assert cmp.max_abs_logit_diff <= 1e-3, (words, cmp)
 
@@ -242,6 +242,7 @@ def test_smollm2_cached_greedy_equals_full_prefill(smollm):
     pc.add_schema('<schema name="doc"><module name="eiffel">The Eiffel Tower in Paris was completed in 1889 '
                   'as the entrance arch to the World\'s Fair. It is 330 metres tall.</module></schema>')
     prompt = '<prompt schema="doc"><eiffel/><user>When was the Eiffel Tower completed?</user></prompt>'
+    pc.generate(prompt, max_new_tokens=1)  # stores the module: cached_tokens counts KV served from the store
     cached = pc.generate(prompt, max_new_tokens=24)
     full = pc.generate(prompt, max_new_tokens=24, use_cache=False)
     assert cached.token_ids == full.token_ids

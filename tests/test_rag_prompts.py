@@ -41,8 +41,9 @@ def test_pml_passes_through_and_errors_are_clear():
 def test_generation_options():
     defaults = {"max_tokens": 256, "temperature": 0.0, "top_p": None, "stop": ["\n\n"]}
     assert generation_options(defaults, {"max_tokens": 8, "stop": None}) == {
-        "max_new_tokens": 8, "temperature": 0.0, "stop": ("\n\n",)}
-    assert generation_options(defaults, {"stop": ["END"]})["stop"] == ("END",)
+        "max_new_tokens": 8, "temperature": 0.0, "stop": ["\n\n"]}  # Sampling makes a tuple of it
+    assert generation_options(defaults, {"stop": ["END"]})["stop"] == ["END"]
+    assert generation_options(defaults, {"stop": "END"})["stop"] == "END"  # one stop string, never its characters
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         generation_options(defaults, {"max_tokens": 0})
     with pytest.raises(ValueError, match=r"unsupported option\(s\) \['beams'\]; valid: max_tokens"):

@@ -56,6 +56,7 @@ def test_generate_and_stream_from_many_threads_equal_their_alone_answers(smollm)
         while not stop.is_set():
             pc.add_schema(f'<schema name="other{n}"><module name="m">Text {n}.</module></schema>')
             n += 1
+            stop.wait(0.002)  # racing, not spinning: a tight loop would starve the requests of the GIL
         return n
 
     with ThreadPoolExecutor(len(CALLS) + 1) as pool:

@@ -46,6 +46,7 @@ class BenchConfig:
         ("isolated", "first_k:2"), ("isolated", "first_k:8"), ("shared_prefix", "first_k:2"),
         ("shared_prefix", "first_k:8"),
         ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"), ("shared_prefix", "last:1"),
+        ("shared_prefix", "attend:1"),
     )
     codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4")
     codec_k: int = 4  # the k of the per-codec quality rows

@@ -11,7 +11,7 @@ written straight into it, relocated on the way, and prefill and decode write in 
 context on SmolLM2. Models with sliding-window layers keep transformers' own layers.
 
 The reserved buffers come from a small pool (`_POOL`) and go back to it when their cache is garbage
-collected: a fresh 2k-context buffer pair is ~190 MB in fp32, and first-touch page faults on it were
+collected (or `release`d by its owner, as the engine does when a generation ends): a fresh 2k-context buffer pair is ~190 MB in fp32, and first-touch page faults on it were
 two thirds of assembly time. Capacities are rounded up to a multiple of `CAPACITY_STEP` so that
 requests of similar length share buffers. A view of a cache layer must not outlive its cache.
 """
@@ -73,8 +73,20 @@ def reserved_cache(
         return None
     keys, values = _POOL.take((g.num_layers, g.num_kv_heads, g.head_dim), capacity, dtype, device)
     cache.layers[:] = [ReservedLayer(k[None], v[None], 0) for k, v in zip(keys, values)]
-    weakref.finalize(cache, _POOL.give, keys, values)
+    _RELEASE[cache] = weakref.finalize(cache, _POOL.give, keys, values)
     return cache, keys, values
+
+
+_RELEASE: weakref.WeakKeyDictionary[DynamicCache, weakref.finalize] = weakref.WeakKeyDictionary()
+
+
+def release(cache: DynamicCache) -> None:
+    """Give a reserved cache's buffers back to the pool now (its owner is done with it) rather than
+    when the garbage collector finds it: a finalizer may run at any moment, even inside a Ctrl-C
+    handler, and swallow the interrupt. Idempotent; a cache not from `reserved_cache` is left alone."""
+    fin = _RELEASE.pop(cache, None)
+    if fin is not None:
+        fin()
 
 
 CAPACITY_STEP = 256
@@ -94,7 +106,9 @@ class _BufferPool:
 
     def take(self, shape: tuple[int, int, int], capacity: int, dtype: torch.dtype,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (*shape, dtype, str(device))
+        # an inference tensor cannot be written outside inference mode (nor saved for autograd inside
+        # it): a buffer is only handed back to a caller in the mode it was made in
+        key = (*shape, dtype, str(device), torch.is_inference_mode_enabled())
         with self._lock:
             free = self._free.get(key, [])
             fits = [i for i, (k, _) in enumerate(free) if k.shape[2] >= capacity]
@@ -106,7 +120,7 @@ class _BufferPool:
         return keys, torch.empty_like(keys)
 
     def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        key = (keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype, str(keys.device))
+        key = (keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype, str(keys.device), keys.is_inference())
         with self._lock:
             free = self._free.setdefault(key, [])
             free.append((keys, values))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rag_promptcache.engine.assemble import release
 from rag_promptcache.engine.batch import BatchCache, decode_step
 from rag_promptcache.engine.compiler import ROOT
 from rag_promptcache.engine.decode import Sampling, TextStream, sample
@@ -254,6 +255,7 @@ class Batcher:
             with self._cv:
                 row = self.rows.join(rid)
             self.batch.load(row, cache, s.max_new_tokens)
+            release(cache)  # copied into the batch: its buffers go back to the pool now
             self._running[rid] = _Running(handle, TextStream(self.engine.tokenizer, s.stop), generator, position)
             self._emit(rid, sample(logits, s, generator))
 

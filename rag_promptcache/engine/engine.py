@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Generator
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from rag_promptcache.engine.assemble import assemble
+from rag_promptcache.engine.assemble import assemble, release
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
@@ -335,23 +335,27 @@ class PromptCache:
         finish = "length"
         steps = decode_tokens(self.model, cache, logits, next_position, s,
                               frozenset() if s.ignore_eos else self.eos_ids)
-        while True:
-            with self.model_lock:  # one decode step; never held across a yield to the caller
-                token = next(steps, None)
-            if token is None:
-                break
-            if not ids:
-                ttft = time.perf_counter() - t0
-            ids.append(token)
-            if token in self.eos_ids and not s.ignore_eos:
-                finish = "eos"
-                break
-            piece = text.push(token)
-            if piece:
-                yield piece
-            if text.stopped:
-                finish = "stop"
-                break
+        try:
+            while True:
+                with self.model_lock:  # one decode step; never held across a yield to the caller
+                    token = next(steps, None)
+                if token is None:
+                    break
+                if not ids:
+                    ttft = time.perf_counter() - t0
+                ids.append(token)
+                if token in self.eos_ids and not s.ignore_eos:
+                    finish = "eos"
+                    break
+                piece = text.push(token)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    finish = "stop"
+                    break
+        finally:  # finished, stopped or closed by the caller: the KV buffers go back to the pool now
+            steps.close()
+            release(cache)
         tail = text.finish()
         if tail:
             yield tail

@@ -75,7 +75,8 @@ def test_pml_prompt_imports_modules_and_plain_text_does_not(llm, corpus):
     pml = llm.generate([prompt_pml(corpus.manifest.name, [module_id], [("user", QUESTION)])], max_tokens=12).generations[0][0]
     plain = llm.generate([corpus.text(module_id) + "\n" + QUESTION]).generations[0][0]
     assert pml.generation_info["cached_tokens"] > 0 and pml.generation_info["hit_modules"] == (module_id,)
-    assert plain.generation_info["cached_tokens"] == 0
+    # a plain prompt imports no module (the chat template's system turn may still come from the store)
+    assert plain.generation_info["hit_modules"] == () and plain.generation_info["cached_tokens"] < pml.generation_info["cached_tokens"]
     assert "Paris" in pml.text
 
 

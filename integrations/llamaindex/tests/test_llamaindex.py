@@ -41,7 +41,8 @@ def test_complete_with_module_ids_imports_them(llm, corpus):
     ids = [m for m, _ in corpus.search(QUESTION, 2)]
     response = llm.complete(QUESTION, module_ids=ids, max_tokens=16)
     assert "Paris" in response.text
-    assert response.raw["hit_modules"] == tuple(ids) and response.raw["cached_tokens"] > 0
+    # ranked best first; imported best last, next to the question (Corpus.order)
+    assert response.raw["hit_modules"] == tuple(corpus.order(ids)) and response.raw["cached_tokens"] > 0
 
 
 def test_stream_complete_matches_complete(llm):
