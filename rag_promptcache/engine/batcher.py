@@ -31,7 +31,6 @@ import torch
 
 from rag_promptcache.engine.assemble import release
 from rag_promptcache.engine.batch import BatchCache, decode_step
-from rag_promptcache.engine.compiler import ROOT
 from rag_promptcache.engine.decode import Sampling, TextStream, sample
 from rag_promptcache.engine.result import FinishReason, Result
 from rag_promptcache.engine.scheduler import QueueFull, Rows
@@ -310,17 +309,4 @@ class Batcher:
 
 
 def _result(run: _Running, finish: FinishReason) -> Result:
-    plan = run.handle.plan
-    return Result(
-        text=run.text.text,
-        token_ids=tuple(run.ids),
-        finish_reason=finish,
-        ttft_s=run.ttft,
-        total_s=time.perf_counter() - run.handle.t0,
-        prompt_tokens=plan.num_tokens,
-        cached_tokens=plan.num_from_store,
-        computed_tokens=plan.num_tokens - plan.num_cached + plan.num_encoded_tokens,
-        hit_modules=tuple(n for n in plan.hits if n != ROOT),
-        missed_modules=tuple(n for n in plan.misses if n != ROOT),
-        recomputed_modules=tuple(n for n in plan.recomputed if n != ROOT),
-    )
+    return run.handle.plan.result(run.text.text, run.ids, finish, run.ttft, time.perf_counter() - run.handle.t0)

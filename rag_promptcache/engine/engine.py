@@ -26,7 +26,7 @@ from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compi
 from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
-from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
+from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
@@ -64,6 +64,23 @@ class Plan:
         module's KV was computed in this request, so its tokens count as computed."""
         hits = set(self.hits)
         return sum(len(p.token_ids) for p in self.pieces if p.cached and p.unit in hits)
+
+    def result(self, text: str, token_ids: Sequence[int], finish_reason: FinishReason, ttft_s: float,
+               total_s: float) -> Result:
+        """The `Result` of a generation from this plan (the engine's and the batch scheduler's)."""
+        return Result(
+            text=text,
+            token_ids=tuple(token_ids),
+            finish_reason=finish_reason,
+            ttft_s=ttft_s,
+            total_s=total_s,
+            prompt_tokens=self.num_tokens,
+            cached_tokens=self.num_from_store,
+            computed_tokens=self.num_tokens - self.num_cached + self.num_encoded_tokens,
+            hit_modules=tuple(n for n in self.hits if n != ROOT),
+            missed_modules=tuple(n for n in self.misses if n != ROOT),
+            recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
+        )
 
 
 class PromptCache:
@@ -359,19 +376,7 @@ class PromptCache:
         tail = text.finish()
         if tail:
             yield tail
-        return Result(
-            text=text.text,
-            token_ids=tuple(ids),
-            finish_reason=finish,
-            ttft_s=ttft,
-            total_s=time.perf_counter() - t0,
-            prompt_tokens=plan.num_tokens,
-            cached_tokens=plan.num_from_store,
-            computed_tokens=plan.num_tokens - plan.num_cached + plan.num_encoded_tokens,
-            hit_modules=tuple(n for n in plan.hits if n != ROOT),
-            missed_modules=tuple(n for n in plan.misses if n != ROOT),
-            recomputed_modules=tuple(n for n in plan.recomputed if n != ROOT),
-        )
+        return plan.result(text.text, ids, finish, ttft, time.perf_counter() - t0)
 
     def _check_window(self, pieces: Sequence[Piece], max_new_tokens: int) -> None:
         # positions, not token counts: the schema layout leaves gaps, and RoPE tables end at the window
