@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -38,7 +39,7 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
 @pytest.fixture(scope="module")
-def base_url(smollm, tmp_path_factory):
+def corpus_path(smollm, tmp_path_factory) -> Path:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag import Corpus, Embedder
     from rag_promptcache.store import MemoryStore
@@ -50,6 +51,12 @@ def base_url(smollm, tmp_path_factory):
     path = tmp_path_factory.mktemp("srv") / MODEL
     engine = PromptCache(model, tokenizer, store=MemoryStore(), name="smollm2-135m-instruct")
     Corpus.build([root], path, engine=engine, embedder=Embedder(), chunk_tokens=64, overlap=8, progress=False).close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_url(corpus_path, tmp_path_factory):
+    path = corpus_path
     port = free_port()
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -226,6 +233,27 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, base_url
     assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
     assert "purple" in r.choices[0].message.content.lower()
+
+
+def test_an_internal_failure_is_a_500_for_that_request_and_the_server_stays_up(client, base_url, corpus_path):
+    # A real fault inside the request: the corpus's module table goes missing under the running server
+    # (retrieval reads it), then comes back. Only the requests in between fail.
+    ask = lambda: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": "user", "content": QUESTIONS[2]}], **GREEDY).choices[0].message.content
+    before = ask()
+    db = sqlite3.connect(corpus_path / "chunks.sqlite", isolation_level=None)
+    db.execute("ALTER TABLE modules RENAME TO modules_away")
+    try:
+        r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 4})
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and "internal error" in error["message"]
+        assert httpx.get(f"{base_url}/health").status_code == 200
+    finally:
+        db.execute("ALTER TABLE modules_away RENAME TO modules")
+        db.close()
+    assert ask() == before
 
 
 def test_serve_command_help_and_a_missing_corpus(capsys, tmp_path):
