@@ -36,6 +36,9 @@ F = TypeVar("F", bound=Callable[..., object])
 DtypeOpt = Annotated[str | None, typer.Option(
     "--dtype", help="auto, float32, bfloat16 or float16 [default: auto: a corpus's own dtype, else the device's "
                     "default (float32 on CPU, bfloat16 on CUDA)].")]
+# The one --redis-url option of every command that opens a corpus.
+RedisOpt = Annotated[str | None, typer.Option(
+    "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 

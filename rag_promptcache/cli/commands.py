@@ -10,15 +10,13 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, app, fail, handle_errors
+from rag_promptcache.cli.app import DtypeOpt, RedisOpt, app, fail, handle_errors
 from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
 KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
 SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
-RedisOpt = Annotated[str | None, typer.Option(
-    "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]
 
 
 def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None):

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import app, fail, handle_errors
+from rag_promptcache.cli.app import DtypeOpt, RedisOpt, app, fail, handle_errors
 
 
 @app.command("eval")
@@ -21,6 +21,8 @@ def eval_(
     recovery: Annotated[str | None, typer.Option("--recovery", help="Comma-separated settings, e.g. none,last:1 [default: none and the engine default].")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Answer length compared, in tokens.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    redis_url: RedisOpt = None,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Check, per recovery setting, that cached answers match full prefill's: accuracy against the
     expected answers (retained = cached / full), or agreement with full prefill where none is given,
@@ -39,7 +41,7 @@ def eval_(
     if not specs:
         raise fail("--recovery names no setting")
     qs = read_questions(questions)
-    c = Corpus.open(corpus)
+    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
     try:
         reports = evaluate(c, qs, list(dict.fromkeys(specs)), k=k, max_new_tokens=max_new_tokens)
     finally:

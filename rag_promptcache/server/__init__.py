@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 INSTALL_HINT = "the server needs its extra: pip install 'rag-promptcache[server]'"
 
 
-def build(corpus: str | Path, *, k: int = 4, max_batch: int = 8, max_queue: int = 64) -> tuple[FastAPI, Batcher, CorpusChat]:
+def build(corpus: str | Path, *, k: int = 4, max_batch: int = 8, max_queue: int = 64, redis_url: str | None = None,
+          dtype: str | None = None) -> tuple[FastAPI, Batcher, CorpusChat]:
     """Open `corpus`, start its scheduler, and return (app, scheduler, chat). Close the scheduler when done."""
     try:
         from rag_promptcache.server.app import create_app
@@ -29,7 +30,7 @@ def build(corpus: str | Path, *, k: int = 4, max_batch: int = 8, max_queue: int 
 
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    c = Corpus.open(corpus)
+    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
     chat = CorpusChat(c)  # loads the model and compiles the corpus schema before the first request
     batcher = c.engine.scheduler(max_batch=max_batch, max_queue=max_queue)
     model_id = Path(corpus).resolve().name
@@ -37,10 +38,11 @@ def build(corpus: str | Path, *, k: int = 4, max_batch: int = 8, max_queue: int 
 
 
 def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: int = 4, max_batch: int = 8,
-          max_queue: int = 64, log: Callable[[str], None] = print) -> None:
+          max_queue: int = 64, redis_url: str | None = None, dtype: str | None = None,
+          log: Callable[[str], None] = print) -> None:
     import uvicorn
 
-    app, batcher, chat = build(corpus, k=k, max_batch=max_batch, max_queue=max_queue)
+    app, batcher, chat = build(corpus, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype)
     model_id = Path(corpus).resolve().name
     log(f"serving corpus {chat.corpus.path} as model {model_id!r} ({chat.corpus.engine.model_name}, "
         f"k={k}, max batch {max_batch}, queue {max_queue}) on http://{host}:{port}/v1")

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from rag_promptcache.cli.app import DtypeOpt, RedisOpt
+
 
 def register(app: typer.Typer) -> None:
     from rag_promptcache.cli.app import handle_errors
@@ -20,8 +22,11 @@ def register(app: typer.Typer) -> None:
         k: Annotated[int, typer.Option("--k", "-k", min=1, help="Chunks retrieved per question (a request's `k` overrides it).")] = 4,
         max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together.")] = 8,
         max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a row; past it, 429 with Retry-After.")] = 64,
+        redis_url: RedisOpt = None,
+        dtype: DtypeOpt = None,
     ) -> None:
         """Serve a corpus over the OpenAI API (chat and completions, streaming), batching concurrent requests."""
         from rag_promptcache.server import serve as run
 
-        run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, log=typer.echo)
+        run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
+            log=typer.echo)
