@@ -223,8 +223,9 @@ class Corpus:
         name = "rag_" + uuid.uuid4().hex[:12]  # before the store: it keys the Redis tier
         existed = path.exists()
         try:
-            engine = engine or _load_engine(model or DEFAULT_MODEL, corpus_store.open_store(path / "store", 1 << 30, redis_url, name), mode,
-                                            dtype)
+            if engine is None:
+                store = corpus_store.open_store(path / "store", 1 << 30, redis_url, name)
+                engine = _load_engine(model or DEFAULT_MODEL, store, mode, dtype)
             emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
         except BaseException:
             # Nothing is a corpus yet (no manifest): leave no half-made directory for the next run to trip over.
