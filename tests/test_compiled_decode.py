@@ -153,3 +153,27 @@ def test_models_without_a_lean_forward_decode_eagerly():
     torch.manual_seed(0)
     qwen = AutoModelForCausalLM.from_config(ARCHS["qwen2"]()).eval()
     assert static_decoder(qwen, True) is None
+
+
+def test_bench_decode_has_a_compiled_row_with_its_mode(tokenizer, tmp_path, monkeypatch):
+    import dataclasses
+    import json
+
+    from rag_promptcache.bench import run_loaded
+    from rag_promptcache.bench.common import Bench
+    from tests.test_bench import TINY
+    from tests.tiny import build
+
+    monkeypatch.delenv(ENV, raising=False)
+    config = dataclasses.replace(TINY, decode_context=64, decode_tokens=4, dtype="float32",
+                                 decode_dtypes=("float32",), decode_compile="default")
+    bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", config, log=lambda _: None)
+    run_loaded(bench, quick=True, json_path=tmp_path / "bench.json", scenarios=("decode",))
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["compile"] == "off" and saved["decode_compile"] == "default"
+    rows = {r["system"]: r for r in saved["decode"]}
+    assert set(rows) == {"transformers", "rag-promptcache", "rag-promptcache-compiled"}
+    fast = rows["rag-promptcache-compiled"]
+    assert fast["compile"] == "default" and fast["compile_s"] > 0 and fast["graphs"] >= 1
+    assert fast["compile_error"] is None and fast["tokens_match_eager"] is True and not fast["default"]
+    assert rows["rag-promptcache"]["compile"] == "off" and rows["rag-promptcache"]["default"]
