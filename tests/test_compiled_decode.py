@@ -107,7 +107,8 @@ def test_engine_greedy_text_is_identical_and_buckets_share_graphs(tiny_dir):
     schema = '<schema name="s"><module name="a">' + "alpha beta gamma " * 80 + "</module></schema>"
     for engine in (eager, fast):
         engine.add_schema(schema)
-    prompts = ['<prompt schema="s"><a/>Question one?</prompt>', '<prompt schema="s"><a/>A longer question two, about delta?</prompt>']
+    prompts = ['<prompt schema="s"><a/>Question one?</prompt>',
+               '<prompt schema="s"><a/>A longer question two, about delta?</prompt>']
     counters.clear()
     for prompt in prompts:  # both requests fit the warmed 512 bucket: no compile in either
         want = eager.generate(prompt, max_new_tokens=60, ignore_eos=True)

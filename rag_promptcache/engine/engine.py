@@ -27,8 +27,8 @@ from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compi
 from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
-from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
+from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for

@@ -142,8 +142,9 @@ class StaticDecoder:
         values = [layer._values for layer in layers]
         device = keys[0].device
         if getattr(cache, "_static_zeroed", -1) != n:
-            # first static step on this cache (or after an eager one): garbage (NaN, inf) in unwritten slots would leak through
-            # a masked softmax as NaN * 0, so zero them once; later steps only ever write finite KV
+            # first static step on this cache (or after an eager one): garbage (NaN, inf) in unwritten
+            # slots would leak through a masked softmax as NaN * 0, so zero them once; later steps only
+            # ever write finite KV
             for k, v in zip(keys, values):
                 k[:, :, n:].zero_()
                 v[:, :, n:].zero_()
