@@ -14,16 +14,18 @@ from tests.tiny import build
 
 
 def test_decode_rows_and_metadata(tokenizer, tmp_path):
-    config = dataclasses.replace(TINY, decode_context=64, decode_tokens=4, dtype="float32")
+    # the compiled row (decode_compile) is tested in tests/test_compiled_decode.py, at a cost kept out of here
+    config = dataclasses.replace(TINY, decode_context=64, decode_tokens=4, dtype="float32", decode_compile="off")
     bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", config, log=lambda _: None)
     result = run_loaded(bench, quick=True, json_path=tmp_path / "bench.json", scenarios=("decode",))
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["dtype"] == "float32" and saved["torch"] and isinstance(saved["cpu_flags"], list)
-    assert saved["compile"] in ("off", "on")
+    assert saved["compile"] == "off" and saved["decode_compile"] == "off"  # the engine's default is eager
     rows = saved["decode"]
     assert {(r["system"], r["dtype"]) for r in rows} == {
         ("transformers", "float32"), ("transformers", "bfloat16"),
         ("rag-promptcache", "float32"), ("rag-promptcache", "bfloat16")}
+    assert all(r["compile"] == "off" for r in rows if r["system"] == "rag-promptcache")
     assert sum(r["default"] for r in rows) == 1
     (default,) = [r for r in rows if r["default"]]
     assert default["system"] == "rag-promptcache" and default["dtype"] == "float32"  # the CPU default

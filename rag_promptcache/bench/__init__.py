@@ -71,6 +71,7 @@ def run_loaded(
 
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
+    from rag_promptcache.engine.static_decode import compile_mode
     from rag_promptcache.model.loading import cpu_flags
 
     dev = bench.device
@@ -84,7 +85,10 @@ def run_loaded(
         "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
         "torch": torch.__version__,
         "cpu_flags": list(cpu_flags()),
-        "compile": "off",  # the decode step runs eagerly (no torch.compile path yet)
+        # the engine's default decode step in this run ("off": eager; else RAG_PROMPTCACHE_COMPILE's mode);
+        # the decode scenario's compiled row, if any, carries its own mode in its "compile" field
+        "compile": compile_mode(None) or "off",
+        "decode_compile": bench.config.decode_compile,
         "ttft": [], "quality": [], "memory": [], "langchain": {"skipped": "not run"},
     }
     seconds: dict[str, float] = {}

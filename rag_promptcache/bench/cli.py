@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         contexts: Annotated[str | None, typer.Option("--contexts", help="Comma-separated retrieved-context sizes for TTFT, e.g. 2048,4096 [default: the run's].")] = None,
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
+        decode_compile: Annotated[str | None, typer.Option("--decode-compile", help="Compile mode of the decode scenario's rag-promptcache-compiled row: default, freezing, max-autotune-no-cudagraphs, max-autotune-freezing, or off (no such row) [default: default].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
@@ -50,6 +51,12 @@ def register(app: typer.Typer) -> None:
             for d in names:
                 parse_dtype(d)
             config = dataclasses.replace(config, decode_dtypes=names)
+        if decode_compile is not None:
+            if decode_compile != "off":
+                from rag_promptcache.engine.static_decode import compile_mode
+
+                compile_mode(decode_compile)  # a bad name fails here, before the model loads
+            config = dataclasses.replace(config, decode_compile=decode_compile)
         if decode_tokens is not None:
             config = dataclasses.replace(config, decode_tokens=decode_tokens)
         if contexts is not None:

@@ -4,7 +4,13 @@ Same RAG prompt for every system (`decode_context` tokens of retrieved modules p
 the chat template), greedy, exactly `decode_tokens` new tokens (EOS ignored), median of runs,
 systems interleaved run by run. Per dtype in `decode_dtypes` (a copy of the model in that dtype):
 - `transformers`: `model.generate` on the full token sequence, its default DynamicCache;
-- `rag-promptcache`: `PromptCache.generate(..., ignore_eos=True)` with every module cached.
+- `rag-promptcache`: `PromptCache.generate(..., ignore_eos=True)` with every module cached, with the
+  engine's default decode step (eager unless RAG_PROMPTCACHE_COMPILE is set);
+- `rag-promptcache-compiled` (unless `decode_compile` is "off" or the default already compiles): the
+  same with the compiled static decode step (engine/static_decode.py) in mode `decode_compile`; its
+  graph is compiled before the timed runs (`compile_s`: that warm-up, which the FX graph cache in
+  ~/.cache or TORCHINDUCTOR_CACHE_DIR shortens in a later process) and its greedy tokens are
+  compared with the eager row's (`tokens_match_eager`).
 
 Decode seconds exclude the first token: for transformers, the time between the first and the last
 call of a logits processor (one call per generated token, after each forward); for the engine,
@@ -24,12 +30,14 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml
 from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.static_decode import compile_mode
 from rag_promptcache.model.loading import dtype_name, parse_dtype, resolve_device_dtype
 from rag_promptcache.pml.build import prompt_pml
 
 SCHEMA = "bench_decode"
 ENGINE = "rag-promptcache"
 BASELINE = "transformers"
+COMPILED = "rag-promptcache-compiled"
 WARMUP_TOKENS = 8
 
 
@@ -65,6 +73,9 @@ def run(bench: Bench) -> list[dict[str, object]]:
     systems: dict[str, tuple] = {}
     results: dict[str, list[tuple[float, float]]] = {}  # name → [(decode s, end-to-end s)]
     meta: dict[str, tuple[str, torch.dtype]] = {}
+    extra: dict[str, dict[str, object]] = {}  # name → fields of the compiled rows
+    tokens: dict[str, tuple[int, ...]] = {}  # name → the greedy tokens of its last run
+    compiled = None if compile_mode(None) is not None or cfg.decode_compile == "off" else compile_mode(cfg.decode_compile)
     for dt in dict.fromkeys(parse_dtype(d) or default_dtype for d in cfg.decode_dtypes):
         model = model_in(bench, dt)
         pc = PromptCache(model, tok, name=bench.model_name, **bench.engine_options)
@@ -74,13 +85,27 @@ def run(bench: Bench) -> list[dict[str, object]]:
                            device=model.device)
         systems[f"{BASELINE}/{dtype_name(dt)}"] = (_hf(model, ids, n, results, f"{BASELINE}/{dtype_name(dt)}"),
                                                    cfg.repeats_slow, 0)
-        systems[f"{ENGINE}/{dtype_name(dt)}"] = (_engine(pc, prompt, n, results, f"{ENGINE}/{dtype_name(dt)}"),
+        systems[f"{ENGINE}/{dtype_name(dt)}"] = (_engine(pc, prompt, n, results, f"{ENGINE}/{dtype_name(dt)}", tokens),
                                                  cfg.repeats_slow, 0)
+        extra[f"{ENGINE}/{dtype_name(dt)}"] = {"decoder": pc.decoder}
         if cfg.warmup:  # a short run warms every kernel and allocation that a long one uses
             _hf(model, ids, WARMUP_TOKENS, {"w": []}, "w")()
             _engine(pc, prompt, WARMUP_TOKENS, {"w": []}, "w")()
         meta[f"{BASELINE}/{dtype_name(dt)}"] = (BASELINE, dt)
         meta[f"{ENGINE}/{dtype_name(dt)}"] = (ENGINE, dt)
+        fast = None if compiled is None else PromptCache(model, tok, store=pc.store, name=bench.model_name,
+                                                         compile=compiled, **bench.engine_options)
+        if fast is not None and fast.decoder is None:
+            bench.log(f"decode: no compiled row, {type(model).__name__} has no static decode step")
+        elif fast is not None:
+            fast.add_schema(schema)
+            name = f"{COMPILED}/{dtype_name(dt)}"
+            compile_s = fast.warm_decode(ids.shape[1] + n)  # as Corpus.prepare does: before any question
+            systems[name] = (_engine(fast, prompt, n, results, name, tokens), cfg.repeats_slow, 0)
+            if cfg.warmup:
+                _engine(fast, prompt, WARMUP_TOKENS, {"w": []}, "w")()
+            meta[name] = (COMPILED, dt)
+            extra[name] = {"decoder": fast.decoder, "compile_s": compile_s, "eager_row": f"{ENGINE}/{dtype_name(dt)}"}
         bench.log(f"decode: {dtype_name(dt)} prompt of {ids.shape[1]} tokens, {n} new tokens")
     for name in systems:
         results[name] = []
@@ -95,6 +120,15 @@ def run(bench: Bench) -> list[dict[str, object]]:
             "context_tokens": m * cfg.module_tokens, "runs": len(runs),
             "default": system == ENGINE and dt == default_dtype,
         })
+        if name in extra:  # the engine's rows: how their decode step ran
+            fields = dict(extra[name])
+            decoder, eager_row = fields.pop("decoder"), fields.pop("eager_row", None)
+            rows[-1]["compile"] = decoder.mode if decoder is not None else "off"
+            if decoder is not None:
+                rows[-1].update(graphs=len(decoder.capacities), compile_error=decoder.error)
+            if eager_row is not None:
+                rows[-1]["tokens_match_eager"] = tokens.get(name) == tokens.get(str(eager_row))
+            rows[-1].update(fields)
     base = next((r for r in rows if r["system"] == BASELINE and r["dtype"] == dtype_name(default_dtype)), None)
     for r in rows:
         r["x_transformers_default"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
@@ -117,9 +151,11 @@ def _hf(model: PreTrainedModel, ids: torch.Tensor, n: int, results: dict, name: 
     return go
 
 
-def _engine(pc: PromptCache, prompt: str, n: int, results: dict, name: str):
+def _engine(pc: PromptCache, prompt: str, n: int, results: dict, name: str, tokens: dict | None = None):
     def go() -> None:
         res = pc.generate(prompt, max_new_tokens=n, ignore_eos=True)
         assert len(res.token_ids) == n and not res.missed_modules, f"{len(res.token_ids)=} {res.missed_modules=}"
         results[name].append((res.total_s - res.ttft_s, res.total_s))
+        if tokens is not None:
+            tokens[name] = res.token_ids
     return go

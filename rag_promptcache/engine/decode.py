@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -178,8 +178,12 @@ def decode_tokens(
     next_position: int,
     s: Sampling,
     eos_ids: frozenset[int],
+    step: Callable[[int, int], torch.Tensor] | None = None,
 ) -> Iterator[int]:
-    """Yield up to max_new_tokens ids; an EOS id is yielded and ends the loop. The caller may stop early."""
+    """Yield up to max_new_tokens ids; an EOS id is yielded and ends the loop. The caller may stop early.
+
+    `step(token, position) -> logits [V]` runs one token into `cache` (the compiled static step,
+    engine/static_decode.py); None: `forward_last`, eagerly."""
     device = model.device
     generator = None
     if s.seed is not None and s.temperature > 0:
@@ -191,6 +195,9 @@ def decode_tokens(
         yield token
         if token in eos_ids or i == s.max_new_tokens - 1:
             return
+        if step is not None:
+            logits = step(token, next_position + i)
+            continue
         ids = torch.tensor([[token]], device=device)
         pos = torch.tensor([[next_position + i]], device=device)
         logits = forward_last(model, ids, pos, cache)

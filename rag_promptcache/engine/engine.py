@@ -12,6 +12,7 @@ Out of scope here: retrieval (rag/), storage tiers (store/), positions per archi
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -27,6 +28,7 @@ from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, e
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
+from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
@@ -96,7 +98,11 @@ class PromptCache:
         batch_size: int = 8,
         recovery: str | Recovery | None = DEFAULT_RECOVERY,
         codec: str | None = None,
+        compile: bool | str | None = None,
     ) -> None:
+        """`compile`: run each decode step through the compiled static step (engine/static_decode.py):
+        True or a mode name; None reads RAG_PROMPTCACHE_COMPILE (unset: eager, measured no faster on
+        CPU, see the README's limits). Call `warm_decode` before serving to compile ahead of time."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is not None and codec is not None:
@@ -133,6 +139,7 @@ class PromptCache:
         # passes (whose layer hooks would otherwise fire in another thread's forward). Reentrant, so a
         # caller (the batch scheduler) may hold it around engine calls.
         self.model_lock = threading.RLock()
+        self.decoder = static_decoder(model, compile)  # None: every decode step runs eagerly
 
     @classmethod
     def from_pretrained(
@@ -146,6 +153,14 @@ class PromptCache:
         """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16"."""
         hf_model, tokenizer = load_model(model, device=device, dtype=dtype)
         return cls(hf_model, tokenizer, name=kwargs.pop("name", model), **kwargs)
+
+    def warm_decode(self, num_tokens: int) -> float:
+        """Compile the decode step for requests of up to `num_tokens` (prompt and answer) now, rather
+        than in the first such request → seconds it took (0.0 when compiling is off or already done)."""
+        if self.decoder is None:
+            return 0.0
+        with self.model_lock:
+            return warm_up(self.decoder, self.model, num_tokens)
 
     # -- schemas ---------------------------------------------------------------------------------
 
@@ -335,23 +350,30 @@ class PromptCache:
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
 
     @torch.inference_mode()
-    def _prefill(self, plan: Plan, max_new_tokens: int) -> tuple[DynamicCache, torch.Tensor, int]:
-        """→ (cache with room for the answer, next-token logits [V] fp32, next position)."""
+    def _prefill(self, plan: Plan, max_new_tokens: int, static: bool = False) -> tuple[DynamicCache, torch.Tensor, int]:
+        """→ (cache with room for the answer, next-token logits [V] fp32, next position). `static`: reserve
+        a capacity bucket, the shape the compiled decode step has a graph for."""
+        extra = max_new_tokens
+        if static and self.decoder is not None:
+            extra = bucket(plan.num_tokens + max_new_tokens) - plan.num_tokens
         asm = assemble(plan.pieces, plan.kvs, self.relocator, self.model.config, self.geometry,
-                       self.model.device, self.model.dtype, extra=max_new_tokens)
+                       self.model.device, self.model.dtype, extra=extra)
         with self.model_lock:
             logits = forward_last(self.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
         next_position = max(p.position + len(p.token_ids) for p in plan.pieces)
         return asm.cache, logits, next_position
 
     def _run(self, plan: Plan, s: Sampling, t0: float) -> Generator[str, None, Result]:
-        cache, logits, next_position = self._prefill(plan, s.max_new_tokens)
+        cache, logits, next_position = self._prefill(plan, s.max_new_tokens, static=True)
+        step = None
+        if self.decoder is not None and self.decoder.fits(cache):
+            step = functools.partial(self.decoder.step, cache=cache)
         text = TextStream(self.tokenizer, s.stop)
         ids: list[int] = []
         ttft = 0.0
         finish = "length"
         steps = decode_tokens(self.model, cache, logits, next_position, s,
-                              frozenset() if s.ignore_eos else self.eos_ids)
+                              frozenset() if s.ignore_eos else self.eos_ids, step)
         try:
             while True:
                 with self.model_lock:  # one decode step; never held across a yield to the caller
