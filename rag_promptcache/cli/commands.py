@@ -114,7 +114,7 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
 TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples more freely.")]
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
 NoRepeatOpt = Annotated[int, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off).")]
-RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, first_k:K or selective:R (default: the engine's, last:1; docs/FIDELITY.md).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, first_k:K or selective:R (default: the engine's, last:2; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
 
 
