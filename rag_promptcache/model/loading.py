@@ -76,9 +76,10 @@ def smollm2_gguf_path() -> Path:
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-# Measured by `rag-promptcache bench --scenarios decode,quality` on an avx512_bf16 CPU (README,
-# "Measured"): eager bf16 decode was slower than fp32 there (PyTorch's bf16 matrix-vector product
-# does not use the bf16 units), so the CPU default stays fp32 even where the CPU has them.
+# On an avx512_bf16 CPU, a first decode run under heavy load had bf16 slower than fp32; the quieter
+# run of 2026-11-23 (docs/bench/decode-2026-11-23.md) had the engine's bf16 decode at 1.23x its fp32.
+# bf16 TTFT and answer fidelity against full prefill in bf16 are not measured yet, so the CPU default
+# stays fp32 until the fidelity scenario says bf16 keeps the answers (README, Limits).
 CPU_BF16_DEFAULT = False
 
 
