@@ -11,12 +11,13 @@ import pytest
 from rag_promptcache.bench import run_loaded
 from rag_promptcache.bench.common import Bench, BenchConfig, module_texts
 from rag_promptcache.engine import DEFAULT_MODE
+from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
 from tests.tiny import build
 
 TINY = BenchConfig(
     contexts=(32, 64), module_tokens=32, warmup=0, repeats_slow=1, repeats_fast=1, questions=2, ks=(2,),
     continuation=4, quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"),
-                     ("shared_prefix", "last:1"), ("isolated", "selective:1.0")),
+                     ("shared_prefix", DEFAULT_RECOVERY), ("isolated", "selective:1.0")),
     codecs=("native", "int8"), codec_k=2, faiss_sizes=(500,), faiss_queries=3, embed=False, store_repeats=1,
 )
 

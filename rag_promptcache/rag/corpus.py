@@ -588,7 +588,7 @@ class Corpus:
         decode step (`RAG_PROMPTCACHE_COMPILE=1`) its graph for a default `ask` (k=4, 256 new tokens)
         is compiled here too: a larger request compiles one more graph in its own first decode step."""
         engine = self._register(compile_schema=True)
-        if engine.decoder is not None:
+        if getattr(engine, "decoder", None) is not None:  # engine-like objects (tests, wrappers) have none
             instructions = len(engine.tokenizer.encode(self.manifest.instructions, add_special_tokens=False))
             engine.warm_decode(4 * self.manifest.chunk_tokens + instructions + TEMPLATE_TOKENS + 64 + 256)
         return engine
