@@ -74,7 +74,7 @@ def test_ingest_ask_info_remove(built: Path, tmp_path: Path, capsys) -> None:
 
 def test_chat(built: Path, capsys, monkeypatch) -> None:
     lines = iter(["tell me about cats", "/sources", "/nope", "and rivers?", "/quit"])
-    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    monkeypatch.setattr("rag_promptcache.cli.commands._prompt", lambda prompt="": next(lines))
     code, out, _ = run(capsys, "chat", "--corpus", built, "-k", "1")
     assert code == 0 and out.count("bot> echo: m") == 2 and "cats.txt  (m" in out and "commands:" in out
 

@@ -28,10 +28,11 @@ class Terminal:
                                      env={**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"})
         os.close(slave)
         self.seen = ""
+        self.matched = 0  # where the last expected text ended: each expect looks only past it
 
     def expect(self, text: str, timeout: float = 180) -> str:
         end = time.monotonic() + timeout
-        while text not in self.seen:
+        while text not in self.seen[self.matched:]:
             left = end - time.monotonic()
             assert left > 0 and self.proc.poll() is None, f"waiting for {text!r}; got:\n{self.seen}"
             if select.select([self.master], [], [], min(left, 1.0))[0]:
@@ -39,6 +40,7 @@ class Terminal:
                     self.seen += os.read(self.master, 4096).decode(errors="replace")
                 except OSError:  # the child closed the terminal
                     pass
+        self.matched = self.seen.index(text, self.matched) + len(text)
         return self.seen
 
     def read_past(self, num_chars: int, timeout: float = 120) -> None:

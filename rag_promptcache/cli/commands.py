@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import select
+import sys
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -111,6 +113,20 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
     return c, report
 
 
+def _prompt(text: str) -> str:
+    """`input(text)` that notices Ctrl-C at once. The kernel may deliver SIGINT to any thread (torch's
+    worker threads exist once the model ran), and then a main thread blocked reading stdin never wakes
+    to raise KeyboardInterrupt. Waiting in short selects lets it check for signals every 0.2 s."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    while not select.select([sys.stdin], [], [], 0.2)[0]:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line
+
+
 TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples more freely.")]
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
 NoRepeatOpt = Annotated[int, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off).")]
@@ -202,7 +218,7 @@ def chat(
     last = None
     while True:
         try:
-            line = input("you> ").strip()
+            line = _prompt("you> ").strip()
         except EOFError:
             break
         except KeyboardInterrupt:
