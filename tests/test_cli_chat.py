@@ -24,8 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 class Terminal:
     def __init__(self, argv: list[str]) -> None:
         self.master, slave = pty.openpty()
+        # A user's shell starts the chat with Ctrl-C at its default; a test process may ignore SIGINT
+        # (something earlier in the suite did), and an ignored signal stays ignored across exec.
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, close_fds=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"})
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"},
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         os.close(slave)
         self.seen = ""
         self.matched = 0  # where the last expected text ended: each expect looks only past it
