@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.assemble import _POOL, assemble, reserved_cache
 from rag_promptcache.engine.decode import forward_last, lean_forward
+from rag_promptcache.engine.forward import PACK_ENV, LeanLlama, can_pack
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import ARCHS, build
 
@@ -48,6 +49,48 @@ def test_lean_forward_equals_transformers_prefill_mask_and_decode(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(ref, (got, step, third)):
         assert torch.allclose(a, b, atol=tol, rtol=0), f"{(a - b).abs().max()=}"
+
+
+def _next_logits(model, ids: torch.Tensor, lean: bool) -> torch.Tensor:
+    cache = _filled(model, 24, 64, ids)
+    return forward_last(model, ids[:, 24:30], torch.arange(24, 30)[None], cache, lean=lean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_projections_with_biases_equal_the_modules(dtype, monkeypatch):
+    if not can_pack(torch.empty(1, dtype=dtype)):
+        pytest.skip(f"oneDNN's packed linear does not run {dtype} here")
+    model = AutoModelForCausalLM.from_config(ARCHS["llama"](attention_bias=True), attn_implementation="sdpa")
+    model = model.to(dtype).eval()
+    with torch.no_grad():  # the tiny config's biases start at zero: give them values the test can see
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+                proj.bias.normal_()
+    ids = torch.randint(0, 128, (1, 40))
+    monkeypatch.setenv(PACK_ENV, "0")
+    assert not LeanLlama(model).packed
+    monkeypatch.delenv(PACK_ENV)
+    assert lean_forward(model).packed
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    packed, ref = _next_logits(model, ids, lean=True), _next_logits(model, ids, lean=False)
+    assert torch.allclose(packed, ref, atol=tol, rtol=0), f"{(packed - ref).abs().max()=}"
+
+
+def test_packed_weights_follow_a_changed_weight():
+    model = _tiny("llama")
+    ids = torch.randint(0, 128, (1, 40))
+    before = _next_logits(model, ids, lean=True)
+    with torch.no_grad():  # in place, as load_state_dict does: the packed copy must not go stale
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        model.lm_head.weight.add_(0.5)
+    after, ref = _next_logits(model, ids, lean=True), _next_logits(model, ids, lean=False)
+    assert not torch.allclose(before, after, atol=1e-3)
+    assert torch.allclose(after, ref, atol=1e-5, rtol=0), f"{(after - ref).abs().max()=}"
+    model.to(torch.bfloat16)  # new tensors in another dtype: packed again, in bf16
+    if can_pack(model.lm_head.weight):
+        logits = _next_logits(model, ids, lean=True)
+        assert lean_forward(model).head.weight.dtype == torch.bfloat16
+        assert torch.allclose(logits, _next_logits(model, ids, lean=False), atol=2e-2, rtol=0)
 
 
 def test_other_architectures_keep_transformers_forward():

@@ -88,23 +88,21 @@ def decode_one_token(lean: LeanLlama, token: torch.Tensor, position: torch.Tenso
     slots = torch.arange(keys[0].shape[2], device=x.device)
     mask = torch.zeros(1, 1, 1, slots.shape[0], dtype=x.dtype, device=x.device)  # [1, 1, 1, C], broadcast over rows
     mask = mask.masked_fill(slots > index, torch.finfo(x.dtype).min)
-    for layer, k_buf, v_buf in zip(lean.layers, keys, values):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(1, 1, hq, d).transpose(1, 2)  # [1, Hq, 1, D]
-        k = attn.k_proj(h).view(1, 1, hkv, d).transpose(1, 2)  # [1, Hkv, 1, D]
-        v = attn.v_proj(h).view(1, 1, hkv, d).transpose(1, 2)
+    for i, (layer, k_buf, v_buf) in enumerate(zip(lean.layers, keys, values)):
+        q, k, v = lean.qkv[i](layer.input_layernorm(x))
+        q = q.view(1, 1, hq, d).transpose(1, 2)  # [1, Hq, 1, D]
+        k = k.view(1, 1, hkv, d).transpose(1, 2)  # [1, Hkv, 1, D]
+        v = v.view(1, 1, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k_buf.index_copy_(2, index, k)
         v_buf.index_copy_(2, index, v)
         # the group of q heads sharing KV head h become its rows, as in LeanLlama (no repeat of the cache)
         out = F.scaled_dot_product_attention(q.reshape(1, hkv, lean.group, d), k_buf, v_buf,
                                              attn_mask=mask, scale=lean.scale)
-        x = x + attn.o_proj(out.reshape(1, 1, hq * d))
-        mlp = layer.mlp
-        h = layer.post_attention_layernorm(x)
-        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-    return lean.lm_head(lean.norm(x))[0, -1].float()
+        x = x + lean.o[i](out.reshape(1, 1, hq * d))[0]
+        gate, up = lean.gate_up[i](layer.post_attention_layernorm(x))
+        x = x + lean.down[i](F.silu(gate) * up)[0]
+    return lean.head(lean.norm(x))[0][0, -1].float()
 
 
 class StaticDecoder:
@@ -137,6 +135,7 @@ class StaticDecoder:
     def step(self, token: int, position: int, cache: DynamicCache) -> torch.Tensor:
         """Run one token at `position` into the next free slot of `cache` (`fits` must hold) → logits [V] fp32."""
         layers = cache.layers
+        self.lean.refresh()
         n, capacity = layers[0].length, layers[0]._keys.shape[2]
         keys = [layer._keys for layer in layers]
         values = [layer._values for layer in layers]
