@@ -30,6 +30,7 @@ def register(app: typer.Typer) -> None:
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
         decode_compile: Annotated[str | None, typer.Option("--decode-compile", help="Compile mode of the decode scenario's rag-promptcache-compiled row: default, freezing, max-autotune-no-cudagraphs, max-autotune-freezing, or off (no such row) [default: default].")] = None,
+        fidelity_settings: Annotated[str | None, typer.Option("--fidelity-settings", help="Comma-separated settings the fidelity scenario compares with full prefill, each RECOVERY or MODE/RECOVERY (mode: shared_prefix, the default, or isolated), e.g. none,last:2 [default: the sweep in bench/common.py].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
@@ -69,6 +70,24 @@ def register(app: typer.Typer) -> None:
             config = dataclasses.replace(config, contexts=sizes)
         if recovery is not None:
             config = dataclasses.replace(config, recovery=str(Recovery.parse(recovery)))
+        if fidelity_settings is not None:
+            config = dataclasses.replace(config, fidelity_settings=_settings(fidelity_settings))
         chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else DEFAULT_SCENARIOS
         run(quick=quick, json_path=json_out, plots_dir=plots, model=model, device=device, log=typer.echo,
             config=config, scenarios=chosen)
+
+
+def _settings(text: str) -> tuple[tuple[str, str], ...]:
+    """"none,isolated/last:2" → (("shared_prefix", "none"), ("isolated", "last:2")), each checked."""
+    from rag_promptcache.engine.encoder import check_mode
+    from rag_promptcache.engine.recovery import Recovery
+
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        mode, _, rec = item.rpartition("/")
+        out.append((check_mode(mode or "shared_prefix"), str(Recovery.parse(rec))))
+    if not out:
+        raise ValueError(f"--fidelity-settings takes settings like none,last:2, not {text!r}")
+    return tuple(dict.fromkeys(out))
