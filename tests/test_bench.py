@@ -145,3 +145,13 @@ def test_choose_default_follows_the_rule():
     chosen = choose_default(rows, timing)  # none reaches 5x: the most faithful keeping 3x
     assert chosen["recovery"] == "b" and "most faithful" in chosen["rule"]
     assert choose_default(rows, [at("none", 2.0), at("a", 2.0), at("b", 2.0), at("c", 2.0)]) is None
+
+
+def test_fidelity_settings_option_reads_mode_and_recovery():
+    from rag_promptcache.bench.cli import _settings
+
+    assert _settings("none, isolated/last:2,last:2,none") == (
+        ("shared_prefix", "none"), ("isolated", "last:2"), ("shared_prefix", "last:2"))
+    for bad, says in (("nope/none", "encoding mode"), ("bogus", "recovery"), (" , ", "settings like")):
+        with pytest.raises(ValueError, match=says):
+            _settings(bad)
