@@ -9,6 +9,7 @@ import math
 from rag_promptcache.bench import run_loaded
 from rag_promptcache.bench.common import Bench
 from rag_promptcache.bench.report import markdown
+from rag_promptcache.model.loading import dtype_name, resolve_device_dtype
 from tests.test_bench import TINY
 from tests.tiny import build
 
@@ -28,7 +29,9 @@ def test_decode_rows_and_metadata(tokenizer, tmp_path):
     assert all(r["compile"] == "off" for r in rows if r["system"] == "rag-promptcache")
     assert sum(r["default"] for r in rows) == 1
     (default,) = [r for r in rows if r["default"]]
-    assert default["system"] == "rag-promptcache" and default["dtype"] == "float32"  # the CPU default
+    assert default["system"] == "rag-promptcache" and default["dtype"] == dtype_name(resolve_device_dtype("cpu", None)[1])
     for r in rows:
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and r["new_tokens"] == 4
+        assert r["x_transformers_fp32"] > 0 and r["x_transformers_same_dtype"] > 0
+    assert all(r["x_transformers_fp32"] == 1.0 for r in rows if r["system"] == "transformers" and r["dtype"] == "float32")
     assert "## Decode" in markdown(result)

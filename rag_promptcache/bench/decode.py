@@ -15,7 +15,8 @@ systems interleaved run by run. Per dtype in `decode_dtypes` (a copy of the mode
 Decode seconds exclude the first token: for transformers, the time between the first and the last
 call of a logits processor (one call per generated token, after each forward); for the engine,
 `total_s - ttft_s`. Warm-up: one short run per system. `end_to_end_s` is the whole call, TTFT included. Rows follow the issue's
-contract: `system`, `dtype`, `tokens_per_s`, and `default: true` on the engine's default row.
+contract: `system`, `dtype`, `tokens_per_s`, and `default: true` on the engine's default row; each
+also has its ratio to transformers in fp32 (the user's baseline) and in its own dtype.
 
 Not here: TTFT against context size (ttft.py), batched throughput (the serve scenario).
 """
@@ -23,6 +24,7 @@ Not here: TTFT against context size (ttft.py), batched throughput (the serve sce
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import torch
@@ -129,12 +131,14 @@ def run(bench: Bench) -> list[dict[str, object]]:
             if eager_row is not None:
                 rows[-1]["tokens_match_eager"] = tokens.get(name) == tokens.get(str(eager_row))
             rows[-1].update(fields)
-    base = next((r for r in rows if r["system"] == BASELINE and r["dtype"] == dtype_name(default_dtype)), None)
+    baseline = {r["dtype"]: r["tokens_per_s"] for r in rows if r["system"] == BASELINE}
     for r in rows:
-        r["x_transformers_default"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        # fp32: the user's baseline (transformers loads the default model, a dequantized GGUF, in fp32)
+        r["x_transformers_fp32"] = r["tokens_per_s"] / baseline.get("float32", math.nan)
+        r["x_transformers_same_dtype"] = r["tokens_per_s"] / baseline[r["dtype"]]
         bench.log(f"decode {r['system']:>15} {r['dtype']:>8}: {r['tokens_per_s']:.1f} tokens/s "
-                  f"({r['x_transformers_default']:.2f}x transformers' default), end to end {r['end_to_end_s']:.2f} s"
-                  + (" [default]" if r["default"] else ""))
+                  f"({r['x_transformers_fp32']:.2f}x transformers fp32, {r['x_transformers_same_dtype']:.2f}x in "
+                  f"{r['dtype']}), end to end {r['end_to_end_s']:.2f} s" + (" [default]" if r["default"] else ""))
     return rows
 
 

@@ -38,9 +38,11 @@ def markdown(report: dict[str, object]) -> str:
     if report.get("decode"):
         out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, "
                 f"{report['decode'][0]['context_tokens']}-token context; compile {report.get('compile', 'off')})", "",
-                _table(["system", "dtype", "tokens/s", "x transformers default", "end to end s", "default"],
-                       [[r["system"], r["dtype"], r["tokens_per_s"], r["x_transformers_default"], r["end_to_end_s"],
-                         "yes" if r["default"] else ""] for r in report["decode"]]), ""]
+                _table(["system", "dtype", "tokens/s", "x transformers fp32", "x transformers same dtype",
+                        "end to end s", "default"],
+                       [[r["system"], r["dtype"], r["tokens_per_s"], r["x_transformers_fp32"],
+                         r["x_transformers_same_dtype"], r["end_to_end_s"], "yes" if r["default"] else ""]
+                        for r in report["decode"]]), ""]
     if report.get("quality"):
         out += ["## Quality against full prefill", "", _table(
             ["k", "mode", "recovery", "codec", "questions", "top-1", "mean KL", "greedy exact", "NLL full",
