@@ -12,6 +12,7 @@ import torch
 
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.batch import BatchCache, decode_step
+from rag_promptcache.engine.decode import lean_forward
 from rag_promptcache.engine.batcher import Cancelled
 from rag_promptcache.engine.decode import forward_last
 from rag_promptcache.engine.scheduler import Move, QueueFull, Rows
@@ -79,8 +80,10 @@ def _reference(pc: PromptCache, prompt: str, steps: int) -> tuple[list[int], lis
     return tokens, seen, position
 
 
-def test_batched_step_logits_match_alone_with_rows_joining_and_leaving(tiny):
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_batched_step_logits_match_alone_with_rows_joining_and_leaving(tiny, lean):
     pc = tiny
+    assert lean_forward(pc.model) is not None  # a Llama: both batched steps exist
     steps = [6, 3, 8, 4]
     refs = [_reference(pc, p, n) for p, n in zip(PROMPTS, steps)]
     batch = BatchCache(pc.model.config, pc.geometry, 3, 8, pc.model.dtype, pc.model.device)  # grows
@@ -100,7 +103,7 @@ def test_batched_step_logits_match_alone_with_rows_joining_and_leaving(tiny):
             break
         ids = [refs[i][0][done[i]] for i in running]
         pos = [refs[i][2] + done[i] for i in running]
-        logits = decode_step(pc.model, batch, ids, pos)
+        logits = decode_step(pc.model, batch, ids, pos, lean=lean)
         for r, i in enumerate(running):
             done[i] += 1
             diff = float((logits[r] - refs[i][1][done[i]]).abs().max())

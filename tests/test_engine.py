@@ -5,9 +5,11 @@ tokenizer; the real SmolLM2 checks text."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 
 import pytest
+import torch
 
 from rag_promptcache import PMLError
 from rag_promptcache.engine import PromptCache
@@ -252,6 +254,25 @@ def test_smollm2_cached_greedy_equals_full_prefill(smollm):
     assert stopped.finish_reason == "stop" and "1889" not in stopped.text
     assert cached.text.startswith(stopped.text)
     assert pc.compare(prompt).max_abs_logit_diff < 1e-3
+
+
+@pytest.mark.smollm
+def test_smollm2_in_bf16_answers_as_full_prefill_does(smollm):
+    model, tokenizer = smollm
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the CPU default where the CPU has bf16 units
+    pc = PromptCache(bf16, tokenizer, store=MemoryStore())
+    pc.add_schema('<schema name="doc"><module name="eiffel">The Eiffel Tower in Paris was completed in 1889 '
+                  'as the entrance arch to the World\'s Fair. It is 330 metres tall.</module>'
+                  '<module name="louvre">The Louvre in Paris opened as a museum in 1793.</module></schema>')
+    prompt = '<prompt schema="doc"><louvre/><eiffel/><user>When was the Eiffel Tower completed?</user></prompt>'
+    pc.generate(prompt, max_new_tokens=1)  # stores the modules
+    cached = pc.generate(prompt, max_new_tokens=24)
+    full = pc.generate(prompt, max_new_tokens=24, use_cache=False)
+    assert cached.hit_modules == ("louvre", "eiffel") and "1889" in cached.text and "1889" in full.text
+    assert pc.store.get(next(iter(pc.store.keys()))).keys.dtype == torch.bfloat16
+    # bf16 rounds the module KV and the prefill differently: close, not equal (fp32 is, test above)
+    comparison = pc.compare(prompt)
+    assert comparison.top1_match and comparison.kl < 0.05, comparison
 
 
 @pytest.mark.smollm

@@ -23,6 +23,7 @@ import rag_promptcache.model.loading as loading
 from rag_promptcache.model.loading import (
     DEFAULT_MODEL,
     cache_home,
+    cpu_has_bf16,
     load_model,
     model_fingerprint,
     resolve_device_dtype,
@@ -81,7 +82,7 @@ def test_default_alias_loads_a_chat_model_that_writes_text(smollm):
     model, tokenizer = smollm
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert model.config._attn_implementation == "sdpa"
-    assert model.dtype == torch.float32 and model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert (model.device, model.dtype) == resolve_device_dtype(None, None)  # bf16 where the CPU has bf16 units
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
@@ -138,7 +139,7 @@ def test_fingerprint_of_smollm_differs_from_a_random_llama(smollm):
 
 def test_local_directory_entry_point(tmp_path):
     saved = save_tiny(tmp_path / "tiny")
-    model, tokenizer = load_model(str(tmp_path / "tiny"), device="cpu")
+    model, tokenizer = load_model(str(tmp_path / "tiny"), device="cpu", dtype="float32")  # the dtype it was saved in
     assert isinstance(model, LlamaForCausalLM) and model.config._attn_implementation == "sdpa"
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tokenizer("hello world")["input_ids"] == [3, 4]
@@ -148,9 +149,9 @@ def test_local_directory_entry_point(tmp_path):
 
 def test_dtype_is_honoured_and_part_of_the_fingerprint(tmp_path):
     save_tiny(tmp_path / "tiny")
-    fp32, _ = load_model(str(tmp_path / "tiny"), device="cpu")
+    fp32, _ = load_model(str(tmp_path / "tiny"), device="cpu", dtype="float32")
     bf16, _ = load_model(str(tmp_path / "tiny"), device="cpu", dtype=torch.bfloat16)
-    assert bf16.dtype == torch.bfloat16
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
     assert model_fingerprint(fp32) != model_fingerprint(bf16)
 
 
@@ -159,7 +160,8 @@ def test_default_device_and_dtype():
     if torch.cuda.is_available():
         assert device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     else:
-        assert (device.type, dtype) == ("cpu", torch.float32)
+        assert device.type == "cpu"
+        assert dtype == (torch.bfloat16 if loading.CPU_BF16_DEFAULT and cpu_has_bf16() else torch.float32)
     assert resolve_device_dtype("cpu", torch.float16) == (torch.device("cpu"), torch.float16)
 
 
@@ -248,11 +250,11 @@ def test_concurrent_winner_is_kept_and_stale_cache_replaced(tmp_path, home, monk
 
     monkeypatch.setattr(loading, "_convert_gguf", convert_while_another_process_wins)
     assert loading._converted(gguf, "fake", key) == target
-    assert torch.equal(load_model(str(target))[0].lm_head.weight, tiny_model(2).lm_head.weight)
+    assert torch.equal(load_model(str(target), dtype="float32")[0].lm_head.weight, tiny_model(2).lm_head.weight)
 
     # A cache from another source is replaced, not trusted.
     assert loading._converted(gguf, "fake", "another-source") == target
-    assert torch.equal(load_model(str(target))[0].lm_head.weight, tiny_model(1).lm_head.weight)
+    assert torch.equal(load_model(str(target), dtype="float32")[0].lm_head.weight, tiny_model(1).lm_head.weight)
     assert sorted(p.name for p in (home / "models").iterdir()) == ["fake"]
 
 

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from rag_promptcache.engine.decode import native_gqa
+from rag_promptcache.engine.decode import lean_forward, native_gqa
 from rag_promptcache.model.positions import KVGeometry
 
 
@@ -107,8 +107,10 @@ class BatchCache:
 
 
 @torch.inference_mode()
-def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int]) -> torch.Tensor:
-    """One token for each of the first len(ids) rows → next-token logits [n, V] fp32."""
+def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int], *,
+                lean: bool = True) -> torch.Tensor:
+    """One token for each of the first len(ids) rows → next-token logits [n, V] fp32. `lean`: the lean
+    forward's batched step where the model has one (engine/forward.py); False: transformers'."""
     n = len(ids)
     device = batch.device
     lengths = batch.lengths[:n]
@@ -123,9 +125,14 @@ def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], posit
     mask.masked_fill_((slots[None, :] > s.lengths[:, None])[:, None, None, :], torch.finfo(batch.dtype).min)
     input_ids = torch.tensor(ids, device=device)[:, None]  # [n, 1]
     position_ids = torch.tensor(positions, device=device)[:, None]  # [n, 1]
-    with native_gqa(device):
-        out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=batch.cache,
-                    attention_mask=mask, use_cache=True, logits_to_keep=1)
+    fast = lean_forward(model) if lean else None
+    if fast is not None:
+        logits = fast.decode_batch(input_ids, position_ids, batch.cache.layers, mask)
+    else:
+        with native_gqa(device):
+            out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=batch.cache,
+                        attention_mask=mask, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1].float()
     for r in range(n):
         batch.lengths[r] += 1
-    return out.logits[:, -1].float()
+    return logits

@@ -13,14 +13,15 @@ matrix-vector product per weight, bound by how fast the weights stream from memo
 packed kernel reads them about twice as fast as `F.linear` (21 against 10 GB/s in bf16, 23 against
 12 GB/s in fp32, on this project's 2-core machine). The cost is that copy: the model's linear weights
 once more in memory (270 MB for SmolLM2-135M in bf16). It is made on first use and again whenever a
-weight changes (`refresh`); `PACK_ENV=0` turns it off.
+weight changes (`refresh`); `RAG_PROMPTCACHE_PACK=0` turns it off.
 
 Exactness: the same modules' weights, the same RMSNorm, rotary embedding and SDPA math as
 transformers' Llama; outputs match it to float rounding (tests/test_forward.py compares logits).
 
+Also the server's batched decode step (`decode_batch`, over engine/batch.py's cache: one token per row).
+
 Out of scope: other architectures (they keep transformers' forward: `LeanLlama.for_model` returns
-None), caches that are not `ReservedLayer` buffers (sliding windows), batches (the server's batched
-step lives in engine/batch.py), training.
+None), caches that are not `ReservedLayer` buffers (sliding windows), batched prefill, training.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rag_promptcache.engine.assemble import ReservedLayer
@@ -82,7 +84,7 @@ class Projection:
 
 
 class LeanLlama:
-    """The forward of one Llama model, reading its modules' weights (never copying them)."""
+    """The forward of one Llama model over its modules' weights (on CPU, a packed copy of the linear ones)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         """Holds the model's modules, not the model: the engine's per-model cache of these is weak."""
@@ -145,24 +147,40 @@ class LeanLlama:
         cos, sin = self.rotary(x, positions)
         attn_mask = self._mask(mask, n, num_cached, x.dtype, x.device)
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
-            x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, attn_mask, n)
-            gate, up = self.gate_up[i](layer.post_attention_layernorm(x))
-            x = x + self.down[i](F.silu(gate) * up)[0]
+            x = self._layer(i, layer, x, cos, sin, kv, attn_mask)
         return self.head(self.norm(x[:, -1:]))[0][0, -1].float()
 
-    def _attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: ReservedLayer,
-                   mask: torch.Tensor | None, n: int) -> torch.Tensor:
+    def decode_batch(self, ids: torch.Tensor, positions: torch.Tensor, layers: Sequence[DynamicLayer],
+                     mask: torch.Tensor) -> torch.Tensor:
+        """One token per row of the server's batch cache (engine/batch.py: `BatchLayer.update` writes
+        each row at its own length). ids, positions: [B, 1]; mask: [B, 1, 1, span] additive → logits [B, V] fp32."""
+        self.refresh()
+        x = self.embed(ids)  # [B, 1, E]
+        cos, sin = self.rotary(x, positions)
+        for i, (layer, kv) in enumerate(zip(self.layers, layers)):
+            x = self._layer(i, layer, x, cos, sin, kv, mask)  # the mask broadcasts over each row's folded heads
+        return self.head(self.norm(x))[0][:, -1].float()
+
+    def _layer(self, i: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, mask)
+        gate, up = self.gate_up[i](layer.post_attention_layernorm(x))
+        return x + self.down[i](F.silu(gate) * up)[0]
+
+    def _attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        b, n = h.shape[:2]
         d, hkv = self.head_dim, self.num_kv_heads
         q, k, v = self.qkv[i](h)
-        q = q.view(1, n, self.num_heads, d).transpose(1, 2)  # [1, Hq, N, D]
-        k = k.view(1, n, hkv, d).transpose(1, 2)  # [1, Hkv, N, D]
-        v = v.view(1, n, hkv, d).transpose(1, 2)
+        q = q.view(b, n, self.num_heads, d).transpose(1, 2)  # [B, Hq, N, D]
+        k = k.view(b, n, hkv, d).transpose(1, 2)  # [B, Hkv, N, D]
+        v = v.view(b, n, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys, values = kv.update(k, v)  # [1, Hkv, C + N, D], views of the reserved buffers
+        keys, values = kv.update(k, v)  # [B, Hkv, C + N, D], views of the cache's buffers
         # q heads h*g .. h*g+g-1 share KV head h (transformers' repeat_kv order): fold them into rows
-        q = q.reshape(1, hkv, self.group * n, d)
+        q = q.reshape(b, hkv, self.group * n, d)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        out = out.view(1, self.num_heads, n, d).transpose(1, 2).reshape(1, n, self.num_heads * d)
+        out = out.view(b, self.num_heads, n, d).transpose(1, 2).reshape(b, n, self.num_heads * d)
         return self.o[i](out)[0]
 
     def _mask(self, mask: torch.Tensor | None, n: int, num_cached: int, dtype: torch.dtype,
