@@ -73,7 +73,8 @@ def test_a_later_process_answers_from_disk_without_recomputing(smollm, tmp_path)
         import json
         from rag_promptcache.engine import PromptCache
         from rag_promptcache.store import DiskStore
-        pc = PromptCache.from_pretrained("smollm2-135m-instruct", device="cpu", store=DiskStore({str(tmp_path / "kv")!r}))
+        pc = PromptCache.from_pretrained("smollm2-135m-instruct", device="cpu", dtype="float32",  # the fixture's
+                                         store=DiskStore({str(tmp_path / "kv")!r}))
         pc.add_schema({SCHEMA!r})
         res = pc.generate({PROMPT!r}, max_new_tokens=12)
         print(json.dumps({{"missed": res.missed_modules, "hits": res.hit_modules, "tokens": res.token_ids,

@@ -35,7 +35,7 @@ F = TypeVar("F", bound=Callable[..., object])
 # with `rag_promptcache.model.loading.parse_dtype` (None/"auto" → the device's default).
 DtypeOpt = Annotated[str | None, typer.Option(
     "--dtype", help="auto, float32, bfloat16 or float16 [default: auto: a corpus's own dtype, else the device's "
-                    "default (float32 on CPU, bfloat16 on CUDA)].")]
+                    "default (bfloat16 on a CPU with bf16 units and on CUDA, else float32)].")]
 # The one --redis-url option of every command that opens a corpus.
 RedisOpt = Annotated[str | None, typer.Option(
     "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]
