@@ -78,7 +78,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "hal
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # bf16 is the default on a CPU with bf16 units, measured on this project's avx512_bf16 machine on
 # 2026-11-23 (docs/bench/dtype-2026-11-23/, README "bf16 against fp32"): the engine decodes 1.35x and
-# prefills a cached prompt 1.3x faster than in fp32, and its answers keep full prefill's in bf16 as
+# answers a cached prompt 1.18-1.26x sooner than in fp32, and its answers keep full prefill's in bf16 as
 # they do in fp32 (retained 0.97/1.00/1.03 at k=4/8/12, fp32 0.97/0.97/1.03). A CPU without them
 # stays fp32, where bf16 is emulated and slow.
 CPU_BF16_DEFAULT = True
@@ -115,7 +115,10 @@ def cpu_flags() -> tuple[str, ...]:
 
 def cpu_has_bf16() -> bool:
     """bf16 units in the CPU (avx512_bf16, AMX) that torch's oneDNN kernels use."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags())) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if not {"avx512_bf16", "amx_bf16"} & set(cpu_flags()):
+        return False
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent without oneDNN
+    return bool(supported is not None and torch.backends.mkldnn.is_available() and supported())
 
 
 def resolve_device_dtype(
