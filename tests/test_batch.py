@@ -12,9 +12,8 @@ import torch
 
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.batch import BatchCache, decode_step
-from rag_promptcache.engine.decode import lean_forward
 from rag_promptcache.engine.batcher import Cancelled
-from rag_promptcache.engine.decode import forward_last
+from rag_promptcache.engine.decode import forward_last, lean_forward
 from rag_promptcache.engine.scheduler import Move, QueueFull, Rows
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
