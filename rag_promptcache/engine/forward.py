@@ -36,6 +36,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rag_promptcache.engine.assemble import ReservedLayer
+from rag_promptcache.model.loading import onednn_bf16
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
 PACK_ENV = "RAG_PROMPTCACHE_PACK"  # "0": the lean forward calls the model's own linear modules
@@ -50,7 +51,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return onednn_bf16()
     return weight.dtype == torch.float32
 
 
@@ -164,8 +165,12 @@ class LeanLlama:
     def _layer(self, i: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
                mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, mask)
+        return x + self.mlp(i, layer, x)
+
+    def mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's feed-forward block on the residual stream `x` (its output, before the residual add)."""
         gate, up = self.gate_up[i](layer.post_attention_layernorm(x))
-        return x + self.down[i](F.silu(gate) * up)[0]
+        return self.down[i](F.silu(gate) * up)[0]
 
     def _attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
                    mask: torch.Tensor | None) -> torch.Tensor:

@@ -100,8 +100,7 @@ def decode_one_token(lean: LeanLlama, token: torch.Tensor, position: torch.Tenso
         out = F.scaled_dot_product_attention(q.reshape(1, hkv, lean.group, d), k_buf, v_buf,
                                              attn_mask=mask, scale=lean.scale)
         x = x + lean.o[i](out.reshape(1, 1, hq * d))[0]
-        gate, up = lean.gate_up[i](layer.post_attention_layernorm(x))
-        x = x + lean.down[i](F.silu(gate) * up)[0]
+        x = x + lean.mlp(i, layer, x)
     return lean.head(lean.norm(x))[0][0, -1].float()
 
 

@@ -113,12 +113,15 @@ def cpu_flags() -> tuple[str, ...]:
     return tuple(f for f in _CPU_FLAGS if f in present)
 
 
+def onednn_bf16() -> bool:
+    """Whether torch's oneDNN kernels run bf16 on this CPU (False on a torch built without oneDNN)."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(supported is not None and torch.backends.mkldnn.is_available() and supported())
+
+
 def cpu_has_bf16() -> bool:
     """bf16 units in the CPU (avx512_bf16, AMX) that torch's oneDNN kernels use."""
-    if not {"avx512_bf16", "amx_bf16"} & set(cpu_flags()):
-        return False
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent without oneDNN
-    return bool(supported is not None and torch.backends.mkldnn.is_available() and supported())
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags())) and onednn_bf16()
 
 
 def resolve_device_dtype(
