@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from rag_promptcache.engine.assemble import ReservedLayer
 from rag_promptcache.engine.forward import LeanLlama
+from rag_promptcache.engine.lookup import NgramDrafter
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,25 +119,32 @@ def lean_forward(model: PreTrainedModel) -> LeanLlama | None:
 
 
 @torch.inference_mode()  # per call: a stream may resume on another thread, and the mode is thread-local
-def forward_last(
+def forward_logits(
     model: PreTrainedModel,
     ids: torch.Tensor,
     positions: torch.Tensor,
     cache: DynamicCache,
     mask: torch.Tensor | None = None,
     *,
+    keep: int = 1,
     lean: bool = True,
 ) -> torch.Tensor:
-    """Run `ids` [1, N] at `positions` [1, N] against `cache`; return the last token's logits [V] in fp32.
+    """Run `ids` [1, N] at `positions` [1, N] against `cache`; return the last `keep` tokens' logits [keep, V] in fp32.
 
     `lean`: use the lean forward where the model and cache allow it (`lean=False`: transformers')."""
     fast = lean_forward(model) if lean else None
     if fast is not None and all(type(layer) is ReservedLayer for layer in cache.layers):
-        return fast(ids, positions, cache, mask)
+        return fast(ids, positions, cache, mask, keep=keep)
     with native_gqa(ids.device):
         out = model(input_ids=ids, position_ids=positions, past_key_values=cache, attention_mask=mask,
-                    use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].float()
+                    use_cache=True, logits_to_keep=keep)
+    return out.logits[0, -keep:].float()
+
+
+def forward_last(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                 mask: torch.Tensor | None = None, *, lean: bool = True) -> torch.Tensor:
+    """`forward_logits` of the last token only → logits [V] fp32."""
+    return forward_logits(model, ids, positions, cache, mask, lean=lean)[-1]
 
 
 def penalize(logits: torch.Tensor, s: Sampling, generated: Sequence[int]) -> torch.Tensor:
@@ -171,6 +180,15 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@dataclass(slots=True)
+class DecodeStats:
+    """What one answer's decode loop ran: forwards after the prefill, and the prompt lookup drafts."""
+
+    num_forwards: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0  # drafted tokens that were the model's own pick: each saved a forward
+
+
 def decode_tokens(
     model: PreTrainedModel,
     cache: DynamicCache,
@@ -179,28 +197,60 @@ def decode_tokens(
     s: Sampling,
     eos_ids: frozenset[int],
     step: Callable[[int, int], torch.Tensor] | None = None,
+    *,
+    history: Sequence[int] = (),
+    lookup: int = 0,
+    stats: DecodeStats | None = None,
 ) -> Iterator[int]:
     """Yield up to max_new_tokens ids; an EOS id is yielded and ends the loop. The caller may stop early.
 
     `step(token, position) -> logits [V]` runs one token into `cache` (the compiled static step,
-    engine/static_decode.py); None: `forward_last`, eagerly."""
+    engine/static_decode.py); None: `forward_logits`, eagerly. `lookup` > 0 (greedy, eager, a cache
+    that can be cropped): each forward also checks up to `lookup` tokens drafted from `history` (the
+    prompt's ids) and the answer so far (engine/lookup.py); a draft token is kept while it is the
+    token the model picks after the ones before it, so the answer is greedy decoding's. `stats`, if
+    given, counts the forwards and the drafted and accepted tokens."""
     device = model.device
     generator = None
     if s.seed is not None and s.temperature > 0:
         generator = torch.Generator(device=logits.device).manual_seed(s.seed)
+    speculate = lookup > 0 and s.temperature == 0 and step is None and can_crop(cache)
+    drafter: NgramDrafter | None = None
     generated: list[int] = []
-    for i in range(s.max_new_tokens):
-        token = sample(logits, s, generator, generated)
-        generated.append(token)
-        yield token
-        if token in eos_ids or i == s.max_new_tokens - 1:
-            return
+    rows, draft = logits[None], []  # rows: [1 + len(draft), V], row j the logits after draft[:j]
+    while True:
+        for j in range(rows.shape[0]):
+            token = sample(rows[j], s, generator, generated)
+            generated.append(token)
+            accepted = j < len(draft) and token == draft[j]
+            if stats is not None:
+                stats.num_accepted += accepted
+            yield token
+            if token in eos_ids or len(generated) == s.max_new_tokens:
+                return
+            if not accepted:
+                break
+        if j < len(draft):  # draft[j:] was rejected: drop its KV
+            cache.crop(j - len(draft))
+        position = next_position + len(generated) - 1
+        if speculate:
+            drafter = drafter or NgramDrafter(history)  # built after the first token, not before it
+            drafter.extend(generated[len(drafter.tokens) - len(history) :])
+            draft = drafter.draft(min(lookup, s.max_new_tokens - len(generated) - 1))
+        if stats is not None:
+            stats.num_forwards += 1
+            stats.num_drafted += len(draft)
         if step is not None:
-            logits = step(token, next_position + i)
+            rows = step(token, position)[None]
             continue
-        ids = torch.tensor([[token]], device=device)
-        pos = torch.tensor([[next_position + i]], device=device)
-        logits = forward_last(model, ids, pos, cache)
+        ids = torch.tensor([[token, *draft]], device=device)
+        positions = torch.arange(position, position + ids.shape[1], device=device)[None]
+        rows = forward_logits(model, ids, positions, cache, keep=ids.shape[1])
+
+
+def can_crop(cache: DynamicCache) -> bool:
+    """Whether dropping a cache's last tokens restores it exactly (not so for sliding windows)."""
+    return all(type(layer) in (DynamicLayer, ReservedLayer) for layer in cache.layers)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -24,8 +24,9 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine.assemble import assemble, release
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
-from rag_promptcache.engine.decode import Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
+from rag_promptcache.engine.decode import DecodeStats, Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
+from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
 from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
@@ -68,8 +69,9 @@ class Plan:
         return sum(len(p.token_ids) for p in self.pieces if p.cached and p.unit in hits)
 
     def result(self, text: str, token_ids: Sequence[int], finish_reason: FinishReason, ttft_s: float,
-               total_s: float) -> Result:
-        """The `Result` of a generation from this plan (the engine's and the batch scheduler's)."""
+               total_s: float, num_decode_forwards: int | None = None) -> Result:
+        """The `Result` of a generation from this plan (the engine's and the batch scheduler's).
+        `num_decode_forwards`: None is one per token after the first."""
         return Result(
             text=text,
             token_ids=tuple(token_ids),
@@ -82,6 +84,7 @@ class Plan:
             hit_modules=tuple(n for n in self.hits if n != ROOT),
             missed_modules=tuple(n for n in self.misses if n != ROOT),
             recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
+            num_decode_forwards=max(0, len(token_ids) - 1) if num_decode_forwards is None else num_decode_forwards,
         )
 
 
@@ -99,10 +102,16 @@ class PromptCache:
         recovery: str | Recovery | None = DEFAULT_RECOVERY,
         codec: str | None = None,
         compile: bool | str | None = None,
+        prompt_lookup: int = DEFAULT_LOOKUP,
     ) -> None:
         """`compile`: run each decode step through the compiled static step (engine/static_decode.py):
         True or a mode name; None reads RAG_PROMPTCACHE_COMPILE (unset: eager, measured no faster on
-        CPU, see the README's limits). Call `warm_decode` before serving to compile ahead of time."""
+        CPU, see the README's limits). Call `warm_decode` before serving to compile ahead of time.
+
+        `prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
+        prompt and the answer so far (engine/lookup.py); 0 turns it off."""
+        if prompt_lookup < 0:
+            raise ValueError(f"prompt_lookup must be >= 0 (0 is off), got {prompt_lookup}")
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is not None and codec is not None:
@@ -140,6 +149,7 @@ class PromptCache:
         # caller (the batch scheduler) may hold it around engine calls.
         self.model_lock = threading.RLock()
         self.decoder = static_decoder(model, compile)  # None: every decode step runs eagerly
+        self.prompt_lookup = prompt_lookup
 
     @classmethod
     def from_pretrained(
@@ -372,8 +382,11 @@ class PromptCache:
         ids: list[int] = []
         ttft = 0.0
         finish = "length"
+        stats = DecodeStats()
         steps = decode_tokens(self.model, cache, logits, next_position, s,
-                              frozenset() if s.ignore_eos else self.eos_ids, step)
+                              frozenset() if s.ignore_eos else self.eos_ids, step,
+                              history=[t for p in plan.pieces for t in p.token_ids], lookup=self.prompt_lookup,
+                              stats=stats)
         try:
             while True:
                 with self.model_lock:  # one decode step; never held across a yield to the caller
@@ -398,7 +411,7 @@ class PromptCache:
         tail = text.finish()
         if tail:
             yield tail
-        return plan.result(text.text, ids, finish, ttft, time.perf_counter() - t0)
+        return plan.result(text.text, ids, finish, ttft, time.perf_counter() - t0, stats.num_forwards)
 
     def _check_window(self, pieces: Sequence[Piece], max_new_tokens: int) -> None:
         # positions, not token counts: the schema layout leaves gaps, and RoPE tables end at the window

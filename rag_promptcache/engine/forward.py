@@ -137,8 +137,9 @@ class LeanLlama:
         return cls(model)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        """ids, positions: [1, N]; mask: [1, 1, N, C + N] additive or None (causal); → logits [V] fp32."""
+                 mask: torch.Tensor | None, keep: int = 1) -> torch.Tensor:
+        """ids, positions: [1, N]; mask: [1, 1, N, C + N] additive or None (causal); → the last `keep`
+        tokens' logits [keep, V] fp32."""
         layers = cache.layers
         assert all(type(layer) is ReservedLayer for layer in layers), "lean forward needs a reserved cache"
         self.refresh()
@@ -149,7 +150,7 @@ class LeanLlama:
         attn_mask = self._mask(mask, n, num_cached, x.dtype, x.device)
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
             x = self._layer(i, layer, x, cos, sin, kv, attn_mask)
-        return self.head(self.norm(x[:, -1:]))[0][0, -1].float()
+        return self.head(self.norm(x[:, -keep:]))[0][0].float()
 
     def decode_batch(self, ids: torch.Tensor, positions: torch.Tensor, layers: Sequence[DynamicLayer],
                      mask: torch.Tensor) -> torch.Tensor:

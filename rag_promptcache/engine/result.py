@@ -23,6 +23,8 @@ class Result:
     hit_modules: tuple[str, ...]
     missed_modules: tuple[str, ...]  # not in the store: encoded from their text, used, and written back
     recomputed_modules: tuple[str, ...]  # stored but not reusable at this position (absolute positions)
+    # forwards after the prefill: one per token after the first, fewer where prompt lookup drafts were accepted
+    num_decode_forwards: int = 0
 
     @property
     def num_generated(self) -> int:

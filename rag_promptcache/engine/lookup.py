@@ -1,0 +1,55 @@
+"""Prompt lookup decoding: draft the answer's next tokens from the text it is answering from.
+
+A RAG answer copies its documents: names, numbers, whole phrases. When the answer's last few tokens
+occurred before, in the prompt or in the answer itself, the tokens that followed them there are a
+cheap guess at what comes next (Saxena's prompt lookup decoding; transformers' `prompt_lookup_num_tokens`,
+vLLM's "ngram" speculative method). The model checks a guess of k tokens in one forward of k + 1
+rows: on CPU a decode step is bound by reading the weights, so that forward costs little more than
+one token's, and every accepted token is a step saved. Greedy only: the answer is the one plain
+greedy decoding gives (up to float rounding, since k + 1 rows are summed in another order than one).
+
+This module is the bookkeeping: pure Python over token ids, no torch. The verify loop is
+engine/decode.py's `decode_tokens`.
+
+Out of scope: sampling with temperature (that needs rejection sampling against a draft
+distribution), draft models, the server's batched step (engine/batch.py decodes one token per row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+DEFAULT_LOOKUP = 8  # tokens drafted per forward (PromptCache(prompt_lookup=...)); 0 is off
+
+
+class NgramDrafter:
+    """The token history (prompt, then answer) and, per n-gram, where it last ended.
+
+    `draft(k)` matches the history's last `max_ngram`, then shorter, down to `min_ngram` tokens against
+    an earlier occurrence (the latest one) and returns up to k tokens that followed it there."""
+
+    def __init__(self, history: Iterable[int], *, min_ngram: int = 2, max_ngram: int = 4) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram=} {max_ngram=}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}  # n-gram → index of the token that followed it, latest
+        self.extend(history)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            # the n-grams ending at the current last token are followed by `token`: index them now,
+            # so that a lookup never finds the history's own tail (it has no continuation yet)
+            end = len(self.tokens)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._next[tuple(self.tokens[end - n :])] = end
+            self.tokens.append(token)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to `k` guessed next tokens; [] where the tail matches nothing earlier."""
+        end = len(self.tokens)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            start = self._next.get(tuple(self.tokens[end - n :]))
+            if start is not None:
+                return self.tokens[start : start + k]
+        return []
