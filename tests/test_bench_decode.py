@@ -9,6 +9,7 @@ import math
 from rag_promptcache.bench import run_loaded
 from rag_promptcache.bench.common import Bench
 from rag_promptcache.bench.report import markdown
+from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
 from rag_promptcache.model.loading import dtype_name, resolve_device_dtype
 from tests.test_bench import TINY
 from tests.tiny import build
@@ -23,15 +24,25 @@ def test_decode_rows_and_metadata(tokenizer, tmp_path):
     assert saved["dtype"] == "float32" and saved["torch"] and isinstance(saved["cpu_flags"], list)
     assert saved["compile"] == "off" and saved["decode_compile"] == "off"  # the engine's default is eager
     rows = saved["decode"]
-    assert {(r["system"], r["dtype"]) for r in rows} == {
-        ("transformers", "float32"), ("transformers", "bfloat16"),
-        ("rag-promptcache", "float32"), ("rag-promptcache", "bfloat16")}
-    assert all(r["compile"] == "off" for r in rows if r["system"] == "rag-promptcache")
+    assert sorted((r["system"], r["dtype"], r["prompt_lookup"]) for r in rows) == sorted(
+        (system, dtype, lookup) for system in ("transformers", "rag-promptcache")
+        for dtype in ("float32", "bfloat16") for lookup in (0, DEFAULT_LOOKUP))
+    engine_rows = [r for r in rows if r["system"] == "rag-promptcache"]
+    assert all(r["compile"] == "off" and 1.0 <= r["tokens_per_forward"] <= 1 + DEFAULT_LOOKUP for r in engine_rows)
+    assert all(r["tokens_per_forward"] == 1.0 for r in engine_rows if not r["prompt_lookup"])
+    # the random model's 4 tokens in fp32: the same with and without lookup (bf16 may round apart)
+    assert [r["tokens_match_no_lookup"] for r in engine_rows if r["prompt_lookup"] and r["dtype"] == "float32"] == [True]
     assert sum(r["default"] for r in rows) == 1
     (default,) = [r for r in rows if r["default"]]
     assert default["system"] == "rag-promptcache" and default["dtype"] == dtype_name(resolve_device_dtype("cpu", None)[1])
+    assert default["prompt_lookup"] == DEFAULT_LOOKUP
     for r in rows:
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and r["new_tokens"] == 4
         assert r["x_transformers_fp32"] > 0 and r["x_transformers_same_dtype"] > 0
-    assert all(r["x_transformers_fp32"] == 1.0 for r in rows if r["system"] == "transformers" and r["dtype"] == "float32")
-    assert "## Decode" in markdown(result)
+    assert all(r["x_transformers_fp32"] == 1.0 for r in rows
+               if r["system"] == "transformers" and r["dtype"] == "float32" and not r["prompt_lookup"])
+    answers = saved["decode_answers"]
+    assert answers["questions"] == 4 and [r["prompt_lookup"] for r in answers["rows"]] == [DEFAULT_LOOKUP, 0]
+    assert all(r["tokens_per_s"] > 0 and len(r["answer_tokens"]) == 4 for r in answers["rows"])
+    assert answers["rows"][1]["tokens_per_forward"] == 1.0 and answers["speedup"] > 0
+    assert "## Decode" in markdown(result) and "## Decode on answers" in markdown(result)

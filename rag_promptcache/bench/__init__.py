@@ -107,6 +107,7 @@ def run_loaded(
             out.update(mem)
         elif name == "decode":
             out["decode"] = decode.run(bench)
+            out["decode_answers"] = decode.answers(bench)
         elif name == "throughput":
             out["throughput"] = throughput.run(bench)
         elif name == "fidelity":

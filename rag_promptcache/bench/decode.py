@@ -4,8 +4,13 @@ Same RAG prompt for every system (`decode_context` tokens of retrieved modules p
 the chat template), greedy, exactly `decode_tokens` new tokens (EOS ignored), median of runs,
 systems interleaved run by run. Per dtype in `decode_dtypes` (a copy of the model in that dtype):
 - `transformers`: `model.generate` on the full token sequence, its default DynamicCache;
+- `transformers` with `prompt_lookup: 8`: the same with `prompt_lookup_num_tokens=8`, transformers'
+  own prompt lookup decoding (the best plain transformers offers for this; not its default);
 - `rag-promptcache`: `PromptCache.generate(..., ignore_eos=True)` with every module cached, with the
-  engine's default decode step (eager unless RAG_PROMPTCACHE_COMPILE is set);
+  engine's default decode step (eager unless RAG_PROMPTCACHE_COMPILE is set) and its default prompt
+  lookup (engine/lookup.py); a second row with `prompt_lookup: 0`, the plain one-token loop, whose
+  greedy tokens the default row's are compared with (`tokens_match_no_lookup`: equal in fp32, while
+  bf16 rounds a multi-token check differently from single steps and may flip a near tie);
 - `rag-promptcache-compiled` (unless `decode_compile` is "off" or the default already compiles): the
   same with the compiled static decode step (engine/static_decode.py) in mode `decode_compile`; its
   graph is compiled before the timed runs (`compile_s`: that warm-up, which the FX graph cache in
@@ -13,8 +18,13 @@ systems interleaved run by run. Per dtype in `decode_dtypes` (a copy of the mode
   compared with the eager row's (`tokens_match_eager`).
 
 Decode seconds exclude the first token: for transformers, the time between the first and the last
-call of a logits processor (one call per generated token, after each forward); for the engine,
-`total_s - ttft_s`. Warm-up: one short run per system. `end_to_end_s` is the whole call, TTFT included. Rows follow the issue's
+call of a logits processor (one call per generated token, after each forward; with prompt lookup,
+from the first call to the end of `generate`); for the engine, `total_s - ttft_s`. The engine rows
+also give `tokens_per_forward`: new tokens after the first per decode forward (1.0 without lookup).
+
+With EOS ignored the small model runs on past its answer and soon repeats itself, which prompt
+lookup drafts well. So `answers` measures it on answers as a user gets them: four questions on the
+same documents, the corpus's defaults (no 6-gram twice, so no verbatim loop), ended by EOS. Warm-up: one short run per system. `end_to_end_s` is the whole call, TTFT included. Rows follow the issue's
 contract: `system`, `dtype`, `tokens_per_s`, and `default: true` on the engine's default row; each
 also has its ratio to transformers in fp32 (the user's baseline) and in its own dtype.
 
@@ -32,15 +42,24 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml
 from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
 from rag_promptcache.engine.static_decode import compile_mode
 from rag_promptcache.model.loading import dtype_name, parse_dtype, resolve_device_dtype
 from rag_promptcache.pml.build import prompt_pml
+from rag_promptcache.store import MemoryStore
 
 SCHEMA = "bench_decode"
 ENGINE = "rag-promptcache"
 BASELINE = "transformers"
 COMPILED = "rag-promptcache-compiled"
 WARMUP_TOKENS = 8
+# about the decode prompt's documents (the pydoc topics "assert" and "assignment"), for `answers`
+ANSWER_QUESTIONS = (
+    "What does the assert statement do, and when is it removed?",
+    "How is an assignment to a target list carried out?",
+    "What happens when the target of an assignment is a subscription?",
+    "How does an assignment statement evaluate its expression list?",
+)
 
 
 class _Clock(LogitsProcessor):
@@ -66,92 +85,162 @@ def model_in(bench: Bench, dtype: torch.dtype) -> PreTrainedModel:
 
 def run(bench: Bench) -> list[dict[str, object]]:
     cfg, tok = bench.config, bench.tokenizer
-    m = max(1, cfg.decode_context // cfg.module_tokens)
-    texts = module_texts(tok, m, cfg.module_tokens)
-    schema = schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(texts)})
-    prompt = prompt_pml(SCHEMA, [f"d{i}" for i in reversed(range(m))], [("user", fit_question(tok, QUESTION, 32))])
+    m, schema, prompt = _prompt(bench, QUESTION)
     default_dtype = resolve_device_dtype(bench.device, None)[1]
     n = cfg.decode_tokens
     systems: dict[str, tuple] = {}
-    results: dict[str, list[tuple[float, float]]] = {}  # name → [(decode s, end-to-end s)]
-    meta: dict[str, tuple[str, torch.dtype]] = {}
-    extra: dict[str, dict[str, object]] = {}  # name → fields of the compiled rows
+    results: dict[str, list[tuple[float, float, int]]] = {}  # name → [(decode s, end-to-end s, forwards)]
+    meta: dict[str, tuple[str, torch.dtype, int]] = {}  # name → (system, dtype, prompt lookup)
+    extra: dict[str, dict[str, object]] = {}  # name → fields of the engine rows
     tokens: dict[str, tuple[int, ...]] = {}  # name → the greedy tokens of its last run
     compiled = None if compile_mode(None) is not None or cfg.decode_compile == "off" else compile_mode(cfg.decode_compile)
     for dt in dict.fromkeys(parse_dtype(d) or default_dtype for d in cfg.decode_dtypes):
-        model = model_in(bench, dt)
+        model, d = model_in(bench, dt), dtype_name(dt)
         pc = PromptCache(model, tok, name=bench.model_name, **bench.engine_options)
         pc.add_schema(schema)
         pc.encode(SCHEMA)
+        plain = PromptCache(model, tok, store=pc.store, name=bench.model_name, prompt_lookup=0, **bench.engine_options)
+        plain.add_schema(schema)
         ids = torch.tensor([[t for p in pc.plan(prompt, use_cache=False).pieces for t in p.token_ids]],
                            device=model.device)
-        systems[f"{BASELINE}/{dtype_name(dt)}"] = (_hf(model, ids, n, results, f"{BASELINE}/{dtype_name(dt)}"),
-                                                   cfg.repeats_slow, 0)
-        systems[f"{ENGINE}/{dtype_name(dt)}"] = (_engine(pc, prompt, n, results, f"{ENGINE}/{dtype_name(dt)}", tokens),
-                                                 cfg.repeats_slow, 0)
-        extra[f"{ENGINE}/{dtype_name(dt)}"] = {"decoder": pc.decoder}
+        for lookup in (0, DEFAULT_LOOKUP):
+            name = f"{BASELINE}/{d}/{lookup}"
+            systems[name] = (_hf(model, ids, n, results, name, lookup), cfg.repeats_slow, 0)
+            meta[name] = (BASELINE, dt, lookup)
+        for engine in (pc, plain):
+            name = f"{ENGINE}/{d}/{engine.prompt_lookup}"
+            systems[name] = (_engine(engine, prompt, n, results, name, tokens), cfg.repeats_slow, 0)
+            meta[name] = (ENGINE, dt, engine.prompt_lookup)
+            extra[name] = {"decoder": engine.decoder}
+        extra[f"{ENGINE}/{d}/{pc.prompt_lookup}"]["compare_to"] = ("tokens_match_no_lookup", f"{ENGINE}/{d}/0")
         if cfg.warmup:  # a short run warms every kernel and allocation that a long one uses
-            _hf(model, ids, WARMUP_TOKENS, {"w": []}, "w")()
-            _engine(pc, prompt, WARMUP_TOKENS, {"w": []}, "w")()
-        meta[f"{BASELINE}/{dtype_name(dt)}"] = (BASELINE, dt)
-        meta[f"{ENGINE}/{dtype_name(dt)}"] = (ENGINE, dt)
+            _hf(model, ids, WARMUP_TOKENS, {"w": []}, "w", DEFAULT_LOOKUP)()
+            for engine in (pc, plain):
+                _engine(engine, prompt, WARMUP_TOKENS, {"w": []}, "w")()
         fast = None if compiled is None else PromptCache(model, tok, store=pc.store, name=bench.model_name,
                                                          compile=compiled, **bench.engine_options)
         if fast is not None and fast.decoder is None:
             bench.log(f"decode: no compiled row, {type(model).__name__} has no static decode step")
         elif fast is not None:
             fast.add_schema(schema)
-            name = f"{COMPILED}/{dtype_name(dt)}"
+            name = f"{COMPILED}/{d}"
             compile_s = fast.warm_decode(ids.shape[1] + n)  # as Corpus.prepare does: before any question
             systems[name] = (_engine(fast, prompt, n, results, name, tokens), cfg.repeats_slow, 0)
             if cfg.warmup:
                 _engine(fast, prompt, WARMUP_TOKENS, {"w": []}, "w")()
-            meta[name] = (COMPILED, dt)
-            extra[name] = {"decoder": fast.decoder, "compile_s": compile_s, "eager_row": f"{ENGINE}/{dtype_name(dt)}"}
-        bench.log(f"decode: {dtype_name(dt)} prompt of {ids.shape[1]} tokens, {n} new tokens")
+            meta[name] = (COMPILED, dt, 0)  # the compiled step runs one token per forward: no lookup
+            extra[name] = {"decoder": fast.decoder, "compile_s": compile_s,
+                           "compare_to": ("tokens_match_eager", f"{ENGINE}/{d}/0")}
+        bench.log(f"decode: {d} prompt of {ids.shape[1]} tokens, {n} new tokens")
     for name in systems:
         results[name] = []
     interleaved(systems, bench.device)
     rows = []
     for name, runs in results.items():
-        system, dt = meta[name]
-        decode_s = median([d for d, _ in runs])
+        system, dt, lookup = meta[name]
+        decode_s = median([r[0] for r in runs])
         rows.append({
-            "system": system, "dtype": dtype_name(dt), "tokens_per_s": (n - 1) / decode_s,
-            "decode_s": decode_s, "end_to_end_s": median([e for _, e in runs]), "new_tokens": n,
+            "system": system, "dtype": dtype_name(dt), "prompt_lookup": lookup, "tokens_per_s": (n - 1) / decode_s,
+            "decode_s": decode_s, "end_to_end_s": median([r[1] for r in runs]), "new_tokens": n,
             "context_tokens": m * cfg.module_tokens, "runs": len(runs),
-            "default": system == ENGINE and dt == default_dtype,
+            "default": system == ENGINE and dt == default_dtype and lookup == DEFAULT_LOOKUP,
         })
         if name in extra:  # the engine's rows: how their decode step ran
             fields = dict(extra[name])
-            decoder, eager_row = fields.pop("decoder"), fields.pop("eager_row", None)
+            decoder, compare_to = fields.pop("decoder"), fields.pop("compare_to", None)
             rows[-1]["compile"] = decoder.mode if decoder is not None else "off"
+            rows[-1]["tokens_per_forward"] = (n - 1) / median([r[2] for r in runs])
             if decoder is not None:
                 rows[-1].update(graphs=len(decoder.capacities), compile_error=decoder.error)
-            if eager_row is not None:
-                rows[-1]["tokens_match_eager"] = tokens.get(name) == tokens.get(str(eager_row))
+            if compare_to is not None:
+                field, other = compare_to
+                rows[-1][field] = tokens.get(name) == tokens.get(other)
             rows[-1].update(fields)
-    baseline = {r["dtype"]: r["tokens_per_s"] for r in rows if r["system"] == BASELINE}
+    baseline = {r["dtype"]: r["tokens_per_s"] for r in rows if r["system"] == BASELINE and not r["prompt_lookup"]}
     for r in rows:
         # fp32: the user's baseline (transformers loads the default model, a dequantized GGUF, in fp32)
         r["x_transformers_fp32"] = r["tokens_per_s"] / baseline.get("float32", math.nan)
         r["x_transformers_same_dtype"] = r["tokens_per_s"] / baseline[r["dtype"]]
-        bench.log(f"decode {r['system']:>15} {r['dtype']:>8}: {r['tokens_per_s']:.1f} tokens/s "
-                  f"({r['x_transformers_fp32']:.2f}x transformers fp32, {r['x_transformers_same_dtype']:.2f}x in "
-                  f"{r['dtype']}), end to end {r['end_to_end_s']:.2f} s" + (" [default]" if r["default"] else ""))
+        bench.log(f"decode {r['system']:>15} {r['dtype']:>8} lookup {r['prompt_lookup']}: {r['tokens_per_s']:.1f} "
+                  f"tokens/s ({r['x_transformers_fp32']:.2f}x transformers fp32, {r['x_transformers_same_dtype']:.2f}x "
+                  f"in {r['dtype']}), end to end {r['end_to_end_s']:.2f} s" + (" [default]" if r["default"] else ""))
     return rows
 
 
-def _hf(model: PreTrainedModel, ids: torch.Tensor, n: int, results: dict, name: str):
+def answers(bench: Bench) -> dict[str, object]:
+    """Prompt lookup on answers as a user gets them (see the module docstring): the engine's default
+    dtype, its default lookup against none, each question's answer once per round, rounds interleaved."""
+    from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
+
+    cfg, tok = bench.config, bench.tokenizer
+    model = model_in(bench, resolve_device_dtype(bench.device, None)[1])
+    store = MemoryStore()
+    engines = {lookup: PromptCache(model, tok, store=store, name=bench.model_name, prompt_lookup=lookup,
+                                   **bench.engine_options) for lookup in (DEFAULT_LOOKUP, 0)}
+    prompts = [_prompt(bench, q, fit=False)[2] for q in ANSWER_QUESTIONS]
+    schema = _prompt(bench, QUESTION)[1]
+    for pc in engines.values():
+        pc.add_schema(schema)
+    engines[0].encode(SCHEMA)
+    runs: dict[int, list[list[tuple[float, int, int, tuple[int, ...]]]]] = {lookup: [] for lookup in engines}
+
+    def ask(lookup: int) -> None:
+        out = []
+        for prompt in prompts:
+            r = engines[lookup].generate(prompt, max_new_tokens=cfg.decode_tokens, no_repeat_ngram=DEFAULT_NO_REPEAT_NGRAM)
+            out.append((r.total_s - r.ttft_s, r.num_generated - 1, r.num_decode_forwards, r.token_ids))
+        runs[lookup].append(out)
+
+    if cfg.warmup:
+        for lookup in engines:
+            ask(lookup)
+            runs[lookup].clear()
+    interleaved({f"lookup {lookup}": (lambda lookup=lookup: ask(lookup), cfg.repeats_slow, 0) for lookup in engines},
+                bench.device)
+    rows = []
+    for lookup, rounds in runs.items():
+        # per round: all answers' decode seconds and tokens; the median round by seconds per token
+        per_round = sorted((sum(a[0] for a in r) / max(1, sum(a[1] for a in r)), r) for r in rounds)
+        _, median_round = per_round[len(per_round) // 2]
+        tokens = sum(a[1] for a in median_round)
+        rows.append({"prompt_lookup": lookup, "tokens_per_s": tokens / sum(a[0] for a in median_round),
+                     "tokens_per_forward": tokens / max(1, sum(a[2] for a in median_round)),
+                     "answer_tokens": [a[1] + 1 for a in median_round], "rounds": len(rounds),
+                     "default": lookup == DEFAULT_LOOKUP})
+    same = [a[3] == b[3] for a, b in zip(runs[DEFAULT_LOOKUP][-1], runs[0][-1])]
+    out = {"dtype": dtype_name(model.dtype), "questions": len(prompts), "rows": rows,
+           "speedup": rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], "answers_identical": sum(same)}
+    bench.log(f"decode answers ({out['dtype']}): lookup {DEFAULT_LOOKUP} {rows[0]['tokens_per_s']:.1f} tokens/s, "
+              f"{rows[0]['tokens_per_forward']:.2f} tokens per forward; lookup 0 {rows[1]['tokens_per_s']:.1f}; "
+              f"{out['speedup']:.2f}x; {sum(same)}/{len(same)} answers identical")
+    return out
+
+
+def _prompt(bench: Bench, question: str, fit: bool = True) -> tuple[int, str, str]:
+    """(modules, the schema PML, the prompt PML): ~decode_context tokens of modules, then `question`
+    (`fit`: cut or padded to 32 tokens, as every system's prompt in `run`)."""
+    tok, cfg = bench.tokenizer, bench.config
+    m = max(1, cfg.decode_context // cfg.module_tokens)
+    texts = module_texts(tok, m, cfg.module_tokens)
+    schema = schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(texts)})
+    prompt = prompt_pml(SCHEMA, [f"d{i}" for i in reversed(range(m))], [("user", fit_question(tok, question, 32) if fit else question)])
+    return m, schema, prompt
+
+
+def _hf(model: PreTrainedModel, ids: torch.Tensor, n: int, results: dict, name: str, lookup: int = 0):
+    options = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
     def go() -> None:
         clock = _Clock()
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, logits_processor=LogitsProcessorList([clock]))
+                                 do_sample=False, logits_processor=LogitsProcessorList([clock]), **options)
         total = time.perf_counter() - t0
         assert out.shape[1] - ids.shape[1] == n, f"{out.shape=} {ids.shape=} {n=}"
-        results[name].append((clock.stamps[-1] - clock.stamps[0], total))
+        # with lookup, one forward checks several tokens and the processor runs on each row after it
+        end = total + t0 if lookup else clock.stamps[-1]
+        results[name].append((end - clock.stamps[0], total, 0))
     return go
 
 
@@ -159,7 +248,7 @@ def _engine(pc: PromptCache, prompt: str, n: int, results: dict, name: str, toke
     def go() -> None:
         res = pc.generate(prompt, max_new_tokens=n, ignore_eos=True)
         assert len(res.token_ids) == n and not res.missed_modules, f"{len(res.token_ids)=} {res.missed_modules=}"
-        results[name].append((res.total_s - res.ttft_s, res.total_s))
+        results[name].append((res.total_s - res.ttft_s, res.total_s, res.num_decode_forwards))
         if tokens is not None:
             tokens[name] = res.token_ids
     return go

@@ -36,13 +36,20 @@ def markdown(report: dict[str, object]) -> str:
             [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), r["speedup"],
               r["overhead_vs_lower_bound"], r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
     if report.get("decode"):
-        out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, "
+        out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, EOS ignored, "
                 f"{report['decode'][0]['context_tokens']}-token context; compile {report.get('compile', 'off')})", "",
-                _table(["system", "dtype", "tokens/s", "x transformers fp32", "x transformers same dtype",
-                        "end to end s", "default"],
-                       [[r["system"], r["dtype"], r["tokens_per_s"], r["x_transformers_fp32"],
-                         r["x_transformers_same_dtype"], r["end_to_end_s"], "yes" if r["default"] else ""]
-                        for r in report["decode"]]), ""]
+                _table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
+                        "x transformers same dtype", "end to end s", "default"],
+                       [[r["system"], r["dtype"], r["prompt_lookup"], r["tokens_per_s"], r.get("tokens_per_forward", ""),
+                         r["x_transformers_fp32"], r["x_transformers_same_dtype"], r["end_to_end_s"],
+                         "yes" if r["default"] else ""] for r in report["decode"]]), ""]
+    if report.get("decode_answers"):
+        a = report["decode_answers"]
+        out += [f"## Decode on answers ({a['questions']} questions ended by EOS, {a['dtype']}): "
+                f"{a['speedup']:.2f}x with prompt lookup, {a['answers_identical']}/{a['questions']} answers identical", "",
+                _table(["prompt lookup", "tokens/s", "tokens per forward", "answer tokens", "default"],
+                       [[r["prompt_lookup"], r["tokens_per_s"], r["tokens_per_forward"],
+                         " ".join(map(str, r["answer_tokens"])), "yes" if r["default"] else ""] for r in a["rows"]]), ""]
     if report.get("quality"):
         out += ["## Quality against full prefill", "", _table(
             ["k", "mode", "recovery", "codec", "questions", "top-1", "mean KL", "greedy exact", "NLL full",
