@@ -40,7 +40,7 @@ def markdown(report: dict[str, object]) -> str:
                 f"{report['decode'][0]['context_tokens']}-token context; compile {report.get('compile', 'off')})", "",
                 _table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
                         "x transformers same dtype", "end to end s", "default"],
-                       [[r["system"], r["dtype"], r["prompt_lookup"], r["tokens_per_s"], r.get("tokens_per_forward", ""),
+                       [[r["system"], r["dtype"], r["prompt_lookup"], r["tokens_per_s"], r["tokens_per_forward"],
                          r["x_transformers_fp32"], r["x_transformers_same_dtype"], r["end_to_end_s"],
                          "yes" if r["default"] else ""] for r in report["decode"]]), ""]
     if report.get("decode_answers"):
