@@ -42,7 +42,9 @@ def test_decode_rows_and_metadata(tokenizer, tmp_path):
     assert all(r["x_transformers_fp32"] == 1.0 for r in rows
                if r["system"] == "transformers" and r["dtype"] == "float32" and not r["prompt_lookup"])
     answers = saved["decode_answers"]
-    assert answers["questions"] == 4 and [r["prompt_lookup"] for r in answers["rows"]] == [DEFAULT_LOOKUP, 0]
+    assert answers["questions"] == 4 and [(r["system"], r["prompt_lookup"]) for r in answers["rows"]] == [
+        ("rag-promptcache", DEFAULT_LOOKUP), ("rag-promptcache", 0), ("transformers", 0)]
     assert all(r["tokens_per_s"] > 0 and len(r["answer_tokens"]) == 4 for r in answers["rows"])
-    assert answers["rows"][1]["tokens_per_forward"] == 1.0 and answers["speedup"] > 0
+    assert [r["tokens_per_forward"] for r in answers["rows"][1:]] == [1.0, 1.0] and answers["lookup_speedup"] > 0
+    assert answers["rows"][2]["x_transformers_fp32"] == 1.0 and [r["default"] for r in answers["rows"]] == [True, False, False]
     assert "## Decode" in markdown(result) and "## Decode on answers" in markdown(result)

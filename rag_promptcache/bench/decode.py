@@ -24,8 +24,9 @@ of `generate`); for the engine, `total_s - ttft_s`. Every row gives `tokens_per_
 after the first per decode forward (1.0 without lookup).
 
 With EOS ignored the small model runs on past its answer and soon repeats itself, which prompt
-lookup drafts well. So `answers` measures it on answers as a user gets them: four questions on the
-same documents, the corpus's defaults (no 6-gram twice, so no verbatim loop), ended by EOS. Warm-up: one short run per system. `end_to_end_s` is the whole call, TTFT included. Rows follow the issue's
+lookup drafts well. So `answers` measures decoding on answers as a user gets them: four questions on
+the same documents, the corpus's defaults (no 6-gram of the answer twice, so no verbatim loop),
+ended by EOS or 128 tokens; the engine with and without lookup, and transformers in fp32. Warm-up: one short run per system. `end_to_end_s` is the whole call, TTFT included. Rows follow the issue's
 contract: `system`, `dtype`, `tokens_per_s`, and `default: true` on the engine's default row; each
 also has its ratio to transformers in fp32 (the user's baseline) and in its own dtype.
 
@@ -42,7 +43,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml
-from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine import PromptCache, Sampling
+from rag_promptcache.engine.decode import penalize
 from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
 from rag_promptcache.engine.static_decode import compile_mode
 from rag_promptcache.model.loading import dtype_name, parse_dtype, resolve_device_dtype
@@ -169,52 +171,83 @@ def run(bench: Bench) -> list[dict[str, object]]:
 
 
 def answers(bench: Bench) -> dict[str, object]:
-    """Prompt lookup on answers as a user gets them (see the module docstring): the engine's default
-    dtype, its default lookup against none, each question's answer once per round, rounds interleaved."""
+    """Decode on answers as a user gets them (see the module docstring): the engine in its default
+    dtype with its default lookup and with none, and transformers in fp32 (the user's baseline) with
+    the same answer-only no-repeat rule; every question once per round, rounds interleaved."""
     from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
 
     cfg, tok = bench.config, bench.tokenizer
-    model = model_in(bench, resolve_device_dtype(bench.device, None)[1])
-    store = MemoryStore()
+    dt = resolve_device_dtype(bench.device, None)[1]
+    model, store = model_in(bench, dt), MemoryStore()
     engines = {lookup: PromptCache(model, tok, store=store, name=bench.model_name, prompt_lookup=lookup,
                                    **bench.engine_options) for lookup in (DEFAULT_LOOKUP, 0)}
     prompts = [_prompt(bench, q, fit=False)[2] for q in ANSWER_QUESTIONS]
-    schema = _prompt(bench, QUESTION)[1]
     for pc in engines.values():
-        pc.add_schema(schema)
+        pc.add_schema(_prompt(bench, QUESTION)[1])
     engines[0].encode(SCHEMA)
-    runs: dict[int, list[list[tuple[float, int, int, tuple[int, ...]]]]] = {lookup: [] for lookup in engines}
+    ids = [[t for p in engines[0].plan(prompt, use_cache=False).pieces for t in p.token_ids] for prompt in prompts]
+    baseline = model_in(bench, torch.float32)
+    Answer = tuple[float, int, int, tuple[int, ...]]  # (decode s, tokens after the first, forwards, token ids)
 
-    def ask(lookup: int) -> None:
+    def engine(lookup: int) -> list[Answer]:
         out = []
         for prompt in prompts:
             r = engines[lookup].generate(prompt, max_new_tokens=cfg.decode_tokens, no_repeat_ngram=DEFAULT_NO_REPEAT_NGRAM)
             out.append((r.total_s - r.ttft_s, r.num_generated - 1, r.num_decode_forwards, r.token_ids))
-        runs[lookup].append(out)
+        return out
 
+    def transformers() -> list[Answer]:
+        out = []
+        for prompt_ids in ids:
+            clock, rule = _Clock(), _AnswerNoRepeat(len(prompt_ids), DEFAULT_NO_REPEAT_NGRAM)
+            x = torch.tensor([prompt_ids], device=baseline.device)
+            with torch.inference_mode():
+                new = baseline.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.decode_tokens,
+                                        do_sample=False, logits_processor=LogitsProcessorList([rule, clock]))[0, x.shape[1]:]
+            out.append((clock.stamps[-1] - clock.stamps[0], len(new) - 1, len(new) - 1, tuple(new.tolist())))
+        return out
+
+    systems = {(ENGINE, dtype_name(dt), DEFAULT_LOOKUP): lambda: engine(DEFAULT_LOOKUP),
+               (ENGINE, dtype_name(dt), 0): lambda: engine(0), (BASELINE, "float32", 0): transformers}
+    runs: dict[tuple, list[list[Answer]]] = {key: [] for key in systems}
     if cfg.warmup:
-        for lookup in engines:
-            ask(lookup)
-            runs[lookup].clear()
-    interleaved({f"lookup {lookup}": (lambda lookup=lookup: ask(lookup), cfg.repeats_slow, 0) for lookup in engines},
+        for fn in systems.values():
+            fn()
+    interleaved({str(key): (lambda key=key: runs[key].append(systems[key]()), cfg.repeats_slow, 0) for key in systems},
                 bench.device)
     rows = []
-    for lookup, rounds in runs.items():
-        # per round: all answers' decode seconds and tokens; the median round by seconds per token
-        per_round = sorted((sum(a[0] for a in r) / max(1, sum(a[1] for a in r)), r) for r in rounds)
-        _, median_round = per_round[len(per_round) // 2]
+    for (system, dtype, lookup), rounds in runs.items():
+        # the median round by seconds per token; its answers' decode seconds and tokens summed
+        _, median_round = sorted((sum(a[0] for a in r) / max(1, sum(a[1] for a in r)), r) for r in rounds)[len(rounds) // 2]
         tokens = sum(a[1] for a in median_round)
-        rows.append({"prompt_lookup": lookup, "tokens_per_s": tokens / sum(a[0] for a in median_round),
+        rows.append({"system": system, "dtype": dtype, "prompt_lookup": lookup,
+                     "tokens_per_s": tokens / sum(a[0] for a in median_round),
                      "tokens_per_forward": tokens / max(1, sum(a[2] for a in median_round)),
                      "answer_tokens": [a[1] + 1 for a in median_round], "rounds": len(rounds),
-                     "default": lookup == DEFAULT_LOOKUP})
-    same = [a[3] == b[3] for a, b in zip(runs[DEFAULT_LOOKUP][-1], runs[0][-1])]
-    out = {"dtype": dtype_name(model.dtype), "questions": len(prompts), "rows": rows,
-           "speedup": rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], "answers_identical": sum(same)}
-    bench.log(f"decode answers ({out['dtype']}): lookup {DEFAULT_LOOKUP} {rows[0]['tokens_per_s']:.1f} tokens/s, "
-              f"{rows[0]['tokens_per_forward']:.2f} tokens per forward; lookup 0 {rows[1]['tokens_per_s']:.1f}; "
-              f"{out['speedup']:.2f}x; {sum(same)}/{len(same)} answers identical")
+                     "default": system == ENGINE and lookup == DEFAULT_LOOKUP})
+    fast, plain, hf = rows
+    for r in rows:
+        r["x_transformers_fp32"] = r["tokens_per_s"] / hf["tokens_per_s"]
+    same = [a[3] == b[3] for a, b in zip(runs[(ENGINE, dtype_name(dt), DEFAULT_LOOKUP)][-1], runs[(ENGINE, dtype_name(dt), 0)][-1])]
+    out = {"dtype": dtype_name(dt), "questions": len(prompts), "rows": rows,
+           "lookup_speedup": fast["tokens_per_s"] / plain["tokens_per_s"], "answers_identical": sum(same)}
+    bench.log(f"decode answers: engine {out['dtype']} lookup {DEFAULT_LOOKUP} {fast['tokens_per_s']:.1f} tokens/s "
+              f"({fast['tokens_per_forward']:.2f} per forward), lookup 0 {plain['tokens_per_s']:.1f}, transformers fp32 "
+              f"{hf['tokens_per_s']:.1f}: {out['lookup_speedup']:.2f}x from lookup, {fast['x_transformers_fp32']:.2f}x "
+              f"transformers fp32; {sum(same)}/{len(same)} answers identical with and without lookup")
     return out
+
+
+class _AnswerNoRepeat(LogitsProcessor):
+    """The engine's `no_repeat_ngram` for transformers: over the answer's tokens only, not the prompt's
+    (transformers' own `no_repeat_ngram_size` would forbid copying the documents)."""
+
+    def __init__(self, prompt_tokens: int, n: int) -> None:
+        self.prompt_tokens, self.sampling = prompt_tokens, Sampling(no_repeat_ngram=n)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        answer = input_ids[0, self.prompt_tokens :].tolist()
+        return penalize(scores[0], self.sampling, answer)[None]
 
 
 def _prompt(bench: Bench, question: str, fit: bool = True) -> tuple[int, str, str]:

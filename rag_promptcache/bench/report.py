@@ -45,11 +45,13 @@ def markdown(report: dict[str, object]) -> str:
                          "yes" if r["default"] else ""] for r in report["decode"]]), ""]
     if report.get("decode_answers"):
         a = report["decode_answers"]
-        out += [f"## Decode on answers ({a['questions']} questions ended by EOS, {a['dtype']}): "
-                f"{a['speedup']:.2f}x with prompt lookup, {a['answers_identical']}/{a['questions']} answers identical", "",
-                _table(["prompt lookup", "tokens/s", "tokens per forward", "answer tokens", "default"],
-                       [[r["prompt_lookup"], r["tokens_per_s"], r["tokens_per_forward"],
-                         " ".join(map(str, r["answer_tokens"])), "yes" if r["default"] else ""] for r in a["rows"]]), ""]
+        out += [f"## Decode on answers ({a['questions']} questions, ended by EOS; {a['answers_identical']} of them "
+                f"answered the same with and without prompt lookup)", "",
+                _table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
+                        "answer tokens", "default"],
+                       [[r["system"], r["dtype"], r["prompt_lookup"], r["tokens_per_s"], r["tokens_per_forward"],
+                         r["x_transformers_fp32"], " ".join(map(str, r["answer_tokens"])), "yes" if r["default"] else ""]
+                        for r in a["rows"]]), ""]
     if report.get("quality"):
         out += ["## Quality against full prefill", "", _table(
             ["k", "mode", "recovery", "codec", "questions", "top-1", "mean KL", "greedy exact", "NLL full",
