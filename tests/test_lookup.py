@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from rag_promptcache.engine import PromptCache, Sampling
 from rag_promptcache.engine.assemble import reserved_cache
 from rag_promptcache.engine.decode import DecodeStats, decode_tokens, forward_last
-from rag_promptcache.engine.lookup import NgramDrafter
+from rag_promptcache.engine.lookup import DEFAULT_LOOKUP, ENV, NgramDrafter
 from rag_promptcache.model.positions import kv_geometry
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
@@ -128,10 +128,18 @@ def test_stop_strings_eos_and_the_token_budget_hold_with_lookup(tokenizer):
     assert ended.finish_reason == "eos" and ended.token_ids == full.token_ids[: first + 1]
 
 
-def test_sampling_and_a_negative_lookup(tokenizer):
+def test_sampling_and_bad_lookup_values(tokenizer, monkeypatch):
     model = build("llama", vocab_size=len(tokenizer))
-    with pytest.raises(ValueError, match="prompt_lookup"):
+    with pytest.raises(ValueError, match="prompt_lookup must be an integer >= 0"):
         PromptCache(model, tokenizer, prompt_lookup=-1)
+    assert PromptCache(model, tokenizer).prompt_lookup == DEFAULT_LOOKUP
+    monkeypatch.setenv(ENV, "0")
+    assert PromptCache(model, tokenizer).prompt_lookup == 0
+    assert PromptCache(model, tokenizer, prompt_lookup=3).prompt_lookup == 3  # the argument wins
+    monkeypatch.setenv(ENV, "lots")
+    with pytest.raises(ValueError, match=ENV):
+        PromptCache(model, tokenizer)
+    monkeypatch.delenv(ENV)
     pc = PromptCache(model, tokenizer, store=MemoryStore(), prompt_lookup=8)
     pc.add_schema(SCHEMA)
     sampled = pc.generate(PROMPT, max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True)

@@ -26,7 +26,7 @@ from rag_promptcache.engine.assemble import assemble, release
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.decode import DecodeStats, Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
-from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
+from rag_promptcache.engine.lookup import lookup_tokens
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
 from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
@@ -102,16 +102,16 @@ class PromptCache:
         recovery: str | Recovery | None = DEFAULT_RECOVERY,
         codec: str | None = None,
         compile: bool | str | None = None,
-        prompt_lookup: int = DEFAULT_LOOKUP,
+        prompt_lookup: int | None = None,
     ) -> None:
         """`compile`: run each decode step through the compiled static step (engine/static_decode.py):
         True or a mode name; None reads RAG_PROMPTCACHE_COMPILE (unset: eager, measured no faster on
         CPU, see the README's limits). Call `warm_decode` before serving to compile ahead of time.
 
         `prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
-        prompt and the answer so far (engine/lookup.py); 0 turns it off."""
-        if prompt_lookup < 0:
-            raise ValueError(f"prompt_lookup must be >= 0 (0 is off), got {prompt_lookup}")
+        prompt and the answer so far (engine/lookup.py); 0 turns it off; None reads
+        RAG_PROMPTCACHE_PROMPT_LOOKUP (unset: 8)."""
+        prompt_lookup = lookup_tokens(prompt_lookup)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is not None and codec is not None:

@@ -17,9 +17,29 @@ distribution), draft models, the server's batched step (engine/batch.py decodes 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 DEFAULT_LOOKUP = 8  # tokens drafted per forward (PromptCache(prompt_lookup=...)); 0 is off
+ENV = "RAG_PROMPTCACHE_PROMPT_LOOKUP"  # read when PromptCache(prompt_lookup=None), the default
+
+
+def lookup_tokens(value: int | None) -> int:
+    """`PromptCache(prompt_lookup=...)` → tokens drafted per forward. None reads RAG_PROMPTCACHE_PROMPT_LOOKUP
+    (unset: DEFAULT_LOOKUP); 0 is off."""
+    source = "prompt_lookup"
+    if value is None:
+        raw = os.environ.get(ENV, "").strip()
+        if not raw:
+            return DEFAULT_LOOKUP
+        source = ENV
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source} must be an integer >= 0 (tokens drafted per forward; 0 is off), got {value!r}")
+    return value
 
 
 class NgramDrafter:
