@@ -27,18 +27,15 @@ ENV = "RAG_PROMPTCACHE_PROMPT_LOOKUP"  # read when PromptCache(prompt_lookup=Non
 def lookup_tokens(value: int | None) -> int:
     """`PromptCache(prompt_lookup=...)` → tokens drafted per forward. None reads RAG_PROMPTCACHE_PROMPT_LOOKUP
     (unset: DEFAULT_LOOKUP); 0 is off."""
-    source = "prompt_lookup"
     if value is None:
         raw = os.environ.get(ENV, "").strip()
         if not raw:
             return DEFAULT_LOOKUP
-        source = ENV
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
+        if not raw.isdigit():
+            raise ValueError(f"{ENV} must be an integer >= 0 (tokens drafted per forward; 0 is off), got {raw!r}")
+        return int(raw)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{source} must be an integer >= 0 (tokens drafted per forward; 0 is off), got {value!r}")
+        raise ValueError(f"prompt_lookup must be an integer >= 0 (tokens drafted per forward; 0 is off), got {value!r}")
     return value
 
 
