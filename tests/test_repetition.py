@@ -51,3 +51,9 @@ def test_a_verbatim_loop_of_the_small_model_is_stopped(smollm) -> None:
     stopped = pc.generate(prompt, max_new_tokens=40, no_repeat_ngram=4)
     grams = ngrams(stopped.token_ids, 4)
     assert len(set(grams)) == len(grams)
+    # decoded in a batch (the server's and generate_batch's path), the controls apply as alone
+    batched = pc.generate_batch([prompt, prompt], max_new_tokens=40, no_repeat_ngram=4)
+    assert [r.token_ids for r in batched] == [stopped.token_ids] * 2
+    penalized = pc.generate(prompt, max_new_tokens=40, repetition_penalty=1.5)
+    assert penalized.token_ids != looped.token_ids
+    assert pc.generate_batch([prompt], max_new_tokens=40, repetition_penalty=1.5)[0].token_ids == penalized.token_ids

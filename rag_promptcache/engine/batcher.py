@@ -272,7 +272,7 @@ class Batcher:
         for r, rid in enumerate(order):
             run = self._running[rid]
             run.position += 1
-            self._emit(rid, sample(logits[r], run.handle.sampling, run.generator))
+            self._emit(rid, sample(logits[r], run.handle.sampling, run.generator, run.ids))  # ids: for the repetition controls
 
     def _emit(self, rid: int, token: int) -> None:
         """Record one sampled token of `rid`; finish it when it ends."""
