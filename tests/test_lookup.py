@@ -160,3 +160,32 @@ def test_smollm2_answer_is_the_same_with_and_without_lookup(smollm):
         answers[lookup] = pc.generate(prompt, max_new_tokens=40)
     assert answers[8].token_ids == answers[0].token_ids and "1889" in answers[8].text
     assert answers[8].num_decode_forwards < answers[0].num_decode_forwards  # it copies the document
+
+
+@pytest.mark.smollm
+def test_smollm2_a_request_alone_in_the_scheduler_uses_lookup_and_others_join_it(smollm):
+    model, tokenizer = smollm
+    pc = PromptCache(model, tokenizer, store=MemoryStore())
+    pc.add_schema('<schema name="doc"><module name="eiffel">The Eiffel Tower in Paris was completed in 1889 '
+                  'as the entrance arch to the World\'s Fair. It is 330 metres tall.</module>'
+                  '<module name="moon">Apollo 11 landed on the Moon in July 1969; Neil Armstrong stepped out first.'
+                  '</module></schema>')
+    copy = ('<prompt schema="doc"><eiffel/><user>When was the Eiffel Tower completed, and how tall is it? '
+            'Answer with the sentence from the document.</user></prompt>')
+    other = '<prompt schema="doc"><moon/><user>Who walked on the Moon first?</user></prompt>'
+    alone = pc.generate(copy, max_new_tokens=40, ignore_eos=True)
+    other_alone = pc.generate(other, max_new_tokens=12, ignore_eos=True)
+    with pc.scheduler(max_batch=4) as s:
+        lone = s.submit(copy, max_new_tokens=40, ignore_eos=True).consume()
+        assert lone.token_ids == alone.token_ids and lone.num_decode_forwards < 39  # drafts were accepted
+        first = s.submit(copy, max_new_tokens=40, ignore_eos=True)
+        it = iter(first)
+        for _ in range(3):  # running alone: prompt lookup checks, then another request joins the batch
+            next(it)
+        late = s.submit(other, max_new_tokens=12, ignore_eos=True)
+        assert late.consume().token_ids == other_alone.token_ids
+        assert first.consume().token_ids == alone.token_ids
+    sampled = pc.scheduler(max_batch=2)
+    with sampled:  # sampling: one token per forward, alone or not
+        r = sampled.submit(copy, max_new_tokens=10, temperature=0.7, seed=1, ignore_eos=True).consume()
+    assert r.num_decode_forwards == 9

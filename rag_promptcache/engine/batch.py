@@ -8,6 +8,9 @@ step attends over the first `span` = longest row + 1 slots with an additive mask
 row's unused tail, so a short row is masked, never padded by recomputation. Running rows are the
 first n rows (the scheduler keeps them packed), so the step uses views, never a gather.
 
+`decode_row` runs several tokens of one row alone through the single-sequence forward: the
+batcher's prompt lookup check for a request running alone.
+
 Not here: who runs when (`scheduler.py`, `batcher.py`), sampling (`decode.py`).
 """
 
@@ -17,7 +20,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from rag_promptcache.engine.decode import lean_forward, native_gqa
+from rag_promptcache.engine.assemble import ReservedLayer
+from rag_promptcache.engine.decode import forward_logits, lean_forward, native_gqa
 from rag_promptcache.model.positions import KVGeometry
 
 
@@ -135,4 +139,21 @@ def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], posit
         logits = out.logits[:, -1].float()
     for r in range(n):
         batch.lengths[r] += 1
+    return logits
+
+
+@torch.inference_mode()
+def decode_row(model: PreTrainedModel, batch: BatchCache, row: int, ids: list[int], position: int) -> torch.Tensor:
+    """Run several tokens of one row alone (a prompt lookup check while it is the only one running),
+    starting at `position` → their logits [len(ids), V] fp32. Their KV is written after the row's; the
+    caller sets `batch.lengths[row]` back by the tokens it rejects."""
+    n = batch.lengths[row]
+    batch.reserve(n + len(ids))  # before the views: reserving may move the buffers
+    cache = DynamicCache(config=batch.config)
+    # views of the row: ReservedLayer writes into them in place (it never grows, room was reserved)
+    cache.layers[:] = [ReservedLayer(k[row : row + 1], v[row : row + 1], n) for k, v in zip(batch.keys, batch.values)]
+    x = torch.tensor([ids], device=batch.device)  # [1, N]
+    positions = torch.arange(position, position + len(ids), device=batch.device)[None]
+    logits = forward_logits(model, x, positions, cache, keep=len(ids))
+    batch.lengths[row] = n + len(ids)
     return logits

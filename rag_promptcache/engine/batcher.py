@@ -9,6 +9,8 @@ A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Bet
 the thread admits waiting requests while rows are free: each is prefilled alone through the
 engine's own plan → assemble → forward path, its KV copied into a free row of the `BatchCache`,
 and its first token sampled. Then one `decode_step` advances every running row by one token. A
+request running alone with nothing waiting decodes as `PromptCache.generate` does, checking prompt
+lookup drafts (engine/lookup.py) in a forward of its row (`decode_row`). A
 row that ends (EOS, stop string, max tokens) or is cancelled leaves before the next step. Each
 request keeps its own `Sampling`, seeded generator and `TextStream`, so a request decoded in a batch
 gets the tokens it gets alone (up to float rounding of the batched matmuls).
@@ -30,8 +32,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from rag_promptcache.engine.assemble import release
-from rag_promptcache.engine.batch import BatchCache, decode_step
-from rag_promptcache.engine.decode import Sampling, TextStream, sample
+from rag_promptcache.engine.batch import BatchCache, decode_row, decode_step
+from rag_promptcache.engine.decode import Sampling, TextStream, sample, verify
+from rag_promptcache.engine.lookup import NgramDrafter
 from rag_promptcache.engine.result import FinishReason, Result
 from rag_promptcache.engine.scheduler import QueueFull, Rows
 
@@ -146,6 +149,8 @@ class _Running:
     position: int  # of the next token fed
     ids: list[int] = field(default_factory=list)
     ttft: float = 0.0
+    num_forwards: int = 0  # decode forwards this request took part in
+    drafter: NgramDrafter | None = None  # prompt lookup, built when it first runs alone
 
 
 class Batcher:
@@ -260,6 +265,8 @@ class Batcher:
 
     def _step(self) -> None:
         order = self.rows.running
+        if len(order) == 1 and not self.rows.num_waiting and self._step_alone(order[0]):
+            return
         ids = [self._running[rid].ids[-1] for rid in order]
         positions = [self._running[rid].position for rid in order]
         try:
@@ -272,7 +279,37 @@ class Batcher:
         for r, rid in enumerate(order):
             run = self._running[rid]
             run.position += 1
+            run.num_forwards += 1
             self._emit(rid, sample(logits[r], run.handle.sampling, run.generator, run.ids))  # ids: for the repetition controls
+
+    def _step_alone(self, rid: int) -> bool:
+        """The one running request, greedy: check a prompt lookup draft (engine/lookup.py) in a forward
+        of its row alone, as `PromptCache.generate` does. False where there is no draft to check."""
+        run = self._running[rid]
+        s = run.handle.sampling
+        if not self.engine.prompt_lookup or s.temperature > 0:
+            return False
+        if run.drafter is None:
+            run.drafter = NgramDrafter(t for p in run.handle.plan.pieces for t in p.token_ids)
+        draft = run.drafter.draft_after(run.ids, min(self.engine.prompt_lookup, s.max_new_tokens - len(run.ids) - 1))
+        if not draft:
+            return False
+        try:
+            with self.engine.model_lock:
+                rows = decode_row(self.engine.model, self.batch, 0, [run.ids[-1], *draft], run.position)
+        except Exception as e:  # noqa: BLE001 - this request fails; the thread serves the next ones
+            self._finish(rid, e)
+            return True
+        run.num_forwards += 1
+        accepted = 0
+        for token, kept in verify(rows, draft, s, run.generator, run.ids):
+            accepted += kept
+            run.position += 1
+            self._emit(rid, token)  # appends to run.ids
+            if rid not in self._running:  # finished: EOS, a stop string, max tokens, or cancelled
+                return True
+        self.batch.lengths[0] -= len(draft) - accepted  # the rejected rest of the draft
+        return True
 
     def _emit(self, rid: int, token: int) -> None:
         """Record one sampled token of `rid`; finish it when it ends."""
@@ -309,4 +346,5 @@ class Batcher:
 
 
 def _result(run: _Running, finish: FinishReason) -> Result:
-    return run.handle.plan.result(run.text.text, run.ids, finish, run.ttft, time.perf_counter() - run.handle.t0)
+    return run.handle.plan.result(run.text.text, run.ids, finish, run.ttft, time.perf_counter() - run.handle.t0,
+                                  run.num_forwards)

@@ -219,24 +219,21 @@ def decode_tokens(
     generated: list[int] = []
     rows, draft = logits[None], []  # rows: [1 + len(draft), V], row j the logits after draft[:j]
     while True:
-        for j in range(rows.shape[0]):
-            token = sample(rows[j], s, generator, generated)
+        accepted = 0
+        for token, kept in verify(rows, draft, s, generator, generated):
             generated.append(token)
-            accepted = j < len(draft) and token == draft[j]
+            accepted += kept
             if stats is not None:
-                stats.num_accepted += accepted
+                stats.num_accepted += kept
             yield token
             if token in eos_ids or len(generated) == s.max_new_tokens:
                 return
-            if not accepted:
-                break
-        if j < len(draft):  # draft[j:] was rejected: drop its KV
-            cache.crop(j - len(draft))
+        if accepted < len(draft):  # the rest of the draft was rejected: drop its KV
+            cache.crop(accepted - len(draft))
         position = next_position + len(generated) - 1
         if speculate:
             drafter = drafter or NgramDrafter(history)  # built after the first token, not before it
-            drafter.extend(generated[len(drafter.tokens) - len(history) :])
-            draft = drafter.draft(min(lookup, s.max_new_tokens - len(generated) - 1))
+            draft = drafter.draft_after(generated, min(lookup, s.max_new_tokens - len(generated) - 1))
         if stats is not None:
             stats.num_forwards += 1
             stats.num_drafted += len(draft)
@@ -246,6 +243,19 @@ def decode_tokens(
         ids = torch.tensor([[token, *draft]], device=device)
         positions = torch.arange(position, position + ids.shape[1], device=device)[None]
         rows = forward_logits(model, ids, positions, cache, keep=ids.shape[1])
+
+
+def verify(rows: torch.Tensor, draft: Sequence[int], s: Sampling, generator: torch.Generator | None,
+           generated: Sequence[int]) -> Iterator[tuple[int, bool]]:
+    """Check a draft: rows [1 + len(draft), V], row j the logits after draft[:j] → (token, whether it
+    is draft[j]) per row, up to the first token that is not. The caller appends each token to
+    `generated` (the answer so far, for the repetition controls) before asking for the next."""
+    for j in range(rows.shape[0]):
+        token = sample(rows[j], s, generator, generated)
+        kept = j < len(draft) and token == draft[j]
+        yield token, kept
+        if not kept:
+            return
 
 
 def can_crop(cache: DynamicCache) -> bool:

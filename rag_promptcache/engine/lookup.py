@@ -12,13 +12,14 @@ This module is the bookkeeping: pure Python over token ids, no torch. The verify
 engine/decode.py's `decode_tokens`.
 
 Out of scope: sampling with temperature (that needs rejection sampling against a draft
-distribution), draft models, the server's batched step (engine/batch.py decodes one token per row).
+distribution), draft models, drafts for several rows at once (the server's batched step decodes one
+token per row; engine/batcher.py drafts only for a request running alone).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 DEFAULT_LOOKUP = 8  # tokens drafted per forward (PromptCache(prompt_lookup=...)); 0 is off
 ENV = "RAG_PROMPTCACHE_PROMPT_LOOKUP"  # read when PromptCache(prompt_lookup=None), the default
@@ -52,6 +53,7 @@ class NgramDrafter:
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}  # n-gram → index of the token that followed it, latest
         self.extend(history)
+        self.num_history = len(self.tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
         for token in tokens:
@@ -61,6 +63,11 @@ class NgramDrafter:
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._next[tuple(self.tokens[end - n :])] = end
             self.tokens.append(token)
+
+    def draft_after(self, answer: Sequence[int], k: int) -> list[int]:
+        """Index the tokens of `answer` (the whole answer so far) not seen yet, then `draft(k)`."""
+        self.extend(answer[len(self.tokens) - self.num_history :])
+        return self.draft(k)
 
     def draft(self, k: int) -> list[int]:
         """Up to `k` guessed next tokens; [] where the tail matches nothing earlier."""
