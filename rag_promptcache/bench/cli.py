@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
     def bench(
-        quick: Annotated[bool, typer.Option("--quick", help="About 5 minutes on two CPU cores (512 and 2048 tokens).")] = False,
+        quick: Annotated[bool, typer.Option("--quick", help="A shorter run: 512 and 2048 tokens, fewer questions and repeats (about 5 minutes on two CPU cores before the decode scenario grew; not re-timed).")] = False,
         json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
         plots: Annotated[Path | None, typer.Option("--plots", help="Write bench.md and the PNG plots into this folder.")] = None,
         model: Annotated[str, typer.Option("--model", help="Model name, hub id, directory or .gguf.")] = "smollm2-135m-instruct",

@@ -30,7 +30,7 @@ QUESTION = (
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    """One run's sizes. `quick()` fits in about five minutes on two CPU cores; `full()` is the README run."""
+    """One run's sizes. `quick()` is a shorter run (about five minutes on two CPU cores before the decode scenario grew, not re-timed); `full()` is the README run."""
 
     contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # retrieved-context tokens for TTFT
     module_tokens: int = 256
