@@ -25,6 +25,11 @@ SCHEMA = """<schema name="s">
   <module name="b">Paris is the capital of France, and the Seine runs through it.</module>
   <module name="c">Tokyo has great food and a very large subway network.</module>
 </schema>"""
+# two real documents for the SmolLM2 tests (test_lookup's too)
+DOCS = ('<schema name="doc"><module name="eiffel">The Eiffel Tower in Paris was completed in 1889 '
+        'as the entrance arch to the World\'s Fair. It is 330 metres tall.</module>'
+        '<module name="moon">Apollo 11 landed on the Moon in July 1969; Neil Armstrong stepped out first.</module>'
+        '</schema>')
 PROMPTS = [
     '<prompt schema="s"><a/><b/><user>What is the capital?</user></prompt>',
     '<prompt schema="s"><c/><user>Tell me about the food in that city, in detail please.</user></prompt>',
@@ -178,10 +183,7 @@ def test_async_iteration_and_threads(tiny):
 def test_smollm2_greedy_text_is_the_same_in_a_batch(smollm):
     model, tokenizer = smollm
     pc = PromptCache(model, tokenizer, store=MemoryStore())
-    pc.add_schema('<schema name="doc"><module name="eiffel">The Eiffel Tower in Paris was completed in 1889 '
-                  'as the entrance arch to the World\'s Fair. It is 330 metres tall.</module>'
-                  '<module name="moon">Apollo 11 landed on the Moon in July 1969; Neil Armstrong stepped out first.</module>'
-                  '</schema>')
+    pc.add_schema(DOCS)
     prompts = ['<prompt schema="doc"><eiffel/><user>When was the Eiffel Tower completed?</user></prompt>',
                '<prompt schema="doc"><moon/><user>Who walked on the Moon first?</user></prompt>',
                '<prompt schema="doc"><eiffel/><moon/><user>How tall is the Eiffel Tower?</user></prompt>',

@@ -13,6 +13,7 @@ from rag_promptcache.engine.decode import DecodeStats, decode_tokens, forward_la
 from rag_promptcache.engine.lookup import DEFAULT_LOOKUP, ENV, NgramDrafter
 from rag_promptcache.model.positions import kv_geometry
 from rag_promptcache.store import MemoryStore
+from tests.test_batch import DOCS
 from tests.tiny import build
 
 # -- the drafter ----------------------------------------------------------------------------------
@@ -130,8 +131,9 @@ def test_stop_strings_eos_and_the_token_budget_hold_with_lookup(tokenizer):
 
 def test_sampling_and_bad_lookup_values(tokenizer, monkeypatch):
     model = build("llama", vocab_size=len(tokenizer))
-    with pytest.raises(ValueError, match="prompt_lookup must be an integer >= 0"):
-        PromptCache(model, tokenizer, prompt_lookup=-1)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="prompt_lookup must be an integer >= 0"):
+            PromptCache(model, tokenizer, prompt_lookup=bad)
     assert PromptCache(model, tokenizer).prompt_lookup == DEFAULT_LOOKUP
     monkeypatch.setenv(ENV, "0")
     assert PromptCache(model, tokenizer).prompt_lookup == 0
@@ -147,17 +149,19 @@ def test_sampling_and_bad_lookup_values(tokenizer, monkeypatch):
     assert sampled.token_ids == pc.generate(PROMPT, max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True).token_ids
 
 
+# an answer that copies its document: prompt lookup drafts it
+COPY = ('<prompt schema="doc"><eiffel/><user>When was the Eiffel Tower completed, and how tall is it? '
+        'Answer with the sentence from the document.</user></prompt>')
+
+
 @pytest.mark.smollm
 def test_smollm2_answer_is_the_same_with_and_without_lookup(smollm):
     model, tokenizer = smollm
     answers = {}
     for lookup in (0, 8):
         pc = PromptCache(model, tokenizer, store=MemoryStore(), prompt_lookup=lookup)
-        pc.add_schema('<schema name="doc"><module name="eiffel">The Eiffel Tower in Paris was completed in 1889 '
-                      'as the entrance arch to the World\'s Fair. It is 330 metres tall.</module></schema>')
-        prompt = ('<prompt schema="doc"><eiffel/><user>When was the Eiffel Tower completed, and how tall is it? '
-                  'Answer with the sentence from the document.</user></prompt>')
-        answers[lookup] = pc.generate(prompt, max_new_tokens=40)
+        pc.add_schema(DOCS)
+        answers[lookup] = pc.generate(COPY, max_new_tokens=40)
     assert answers[8].token_ids == answers[0].token_ids and "1889" in answers[8].text
     assert answers[8].num_decode_forwards < answers[0].num_decode_forwards  # it copies the document
 
@@ -166,19 +170,14 @@ def test_smollm2_answer_is_the_same_with_and_without_lookup(smollm):
 def test_smollm2_a_request_alone_in_the_scheduler_uses_lookup_and_others_join_it(smollm):
     model, tokenizer = smollm
     pc = PromptCache(model, tokenizer, store=MemoryStore())
-    pc.add_schema('<schema name="doc"><module name="eiffel">The Eiffel Tower in Paris was completed in 1889 '
-                  'as the entrance arch to the World\'s Fair. It is 330 metres tall.</module>'
-                  '<module name="moon">Apollo 11 landed on the Moon in July 1969; Neil Armstrong stepped out first.'
-                  '</module></schema>')
-    copy = ('<prompt schema="doc"><eiffel/><user>When was the Eiffel Tower completed, and how tall is it? '
-            'Answer with the sentence from the document.</user></prompt>')
+    pc.add_schema(DOCS)
     other = '<prompt schema="doc"><moon/><user>Who walked on the Moon first?</user></prompt>'
-    alone = pc.generate(copy, max_new_tokens=40, ignore_eos=True)
+    alone = pc.generate(COPY, max_new_tokens=40, ignore_eos=True)
     other_alone = pc.generate(other, max_new_tokens=12, ignore_eos=True)
     with pc.scheduler(max_batch=4) as s:
-        lone = s.submit(copy, max_new_tokens=40, ignore_eos=True).consume()
+        lone = s.submit(COPY, max_new_tokens=40, ignore_eos=True).consume()
         assert lone.token_ids == alone.token_ids and lone.num_decode_forwards < 39  # drafts were accepted
-        first = s.submit(copy, max_new_tokens=40, ignore_eos=True)
+        first = s.submit(COPY, max_new_tokens=40, ignore_eos=True)
         it = iter(first)
         for _ in range(3):  # running alone: prompt lookup checks, then another request joins the batch
             next(it)
@@ -187,5 +186,5 @@ def test_smollm2_a_request_alone_in_the_scheduler_uses_lookup_and_others_join_it
         assert first.consume().token_ids == alone.token_ids
     sampled = pc.scheduler(max_batch=2)
     with sampled:  # sampling: one token per forward, alone or not
-        r = sampled.submit(copy, max_new_tokens=10, temperature=0.7, seed=1, ignore_eos=True).consume()
+        r = sampled.submit(COPY, max_new_tokens=10, temperature=0.7, seed=1, ignore_eos=True).consume()
     assert r.num_decode_forwards == 9

@@ -88,7 +88,8 @@ def model_in(bench: Bench, dtype: torch.dtype) -> PreTrainedModel:
 
 def run(bench: Bench) -> list[dict[str, object]]:
     cfg, tok = bench.config, bench.tokenizer
-    m, schema, prompt = _prompt(bench, QUESTION)
+    m, schema = _schema(bench)
+    prompt = _prompt(bench, m, QUESTION)
     default_dtype = resolve_device_dtype(bench.device, None)[1]
     n = cfg.decode_tokens
     systems: dict[str, tuple] = {}
@@ -181,9 +182,10 @@ def answers(bench: Bench) -> dict[str, object]:
     model, store = model_in(bench, dt), MemoryStore()
     engines = {lookup: PromptCache(model, tok, store=store, name=bench.model_name, prompt_lookup=lookup,
                                    **bench.engine_options) for lookup in (DEFAULT_LOOKUP, 0)}
-    prompts = [_prompt(bench, q, fit=False)[2] for q in ANSWER_QUESTIONS]
+    m, schema = _schema(bench)
+    prompts = [_prompt(bench, m, q, fit=False) for q in ANSWER_QUESTIONS]
     for pc in engines.values():
-        pc.add_schema(_prompt(bench, QUESTION)[1])
+        pc.add_schema(schema)
     engines[0].encode(SCHEMA)
     ids = [[t for p in engines[0].plan(prompt, use_cache=False).pieces for t in p.token_ids] for prompt in prompts]
     baseline = model_in(bench, torch.float32)
@@ -250,15 +252,19 @@ class _AnswerNoRepeat(LogitsProcessor):
         return penalize(scores[0], self.sampling, answer)[None]
 
 
-def _prompt(bench: Bench, question: str, fit: bool = True) -> tuple[int, str, str]:
-    """(modules, the schema PML, the prompt PML): ~decode_context tokens of modules, then `question`
-    (`fit`: cut or padded to 32 tokens, as every system's prompt in `run`)."""
-    tok, cfg = bench.tokenizer, bench.config
+def _schema(bench: Bench) -> tuple[int, str]:
+    """(modules, the schema PML): ~decode_context tokens of modules, `module_tokens` each."""
+    cfg = bench.config
     m = max(1, cfg.decode_context // cfg.module_tokens)
-    texts = module_texts(tok, m, cfg.module_tokens)
-    schema = schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(texts)})
-    prompt = prompt_pml(SCHEMA, [f"d{i}" for i in reversed(range(m))], [("user", fit_question(tok, question, 32) if fit else question)])
-    return m, schema, prompt
+    texts = module_texts(bench.tokenizer, m, cfg.module_tokens)
+    return m, schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(texts)})
+
+
+def _prompt(bench: Bench, m: int, question: str, fit: bool = True) -> str:
+    """The prompt PML: all m modules, then `question` (`fit`: cut or padded to 32 tokens, as every
+    system's prompt in `run`)."""
+    user = fit_question(bench.tokenizer, question, 32) if fit else question
+    return prompt_pml(SCHEMA, [f"d{i}" for i in reversed(range(m))], [("user", user)])
 
 
 def _hf(model: PreTrainedModel, ids: torch.Tensor, n: int, results: dict, name: str, lookup: int = 0):

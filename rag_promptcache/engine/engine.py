@@ -69,9 +69,8 @@ class Plan:
         return sum(len(p.token_ids) for p in self.pieces if p.cached and p.unit in hits)
 
     def result(self, text: str, token_ids: Sequence[int], finish_reason: FinishReason, ttft_s: float,
-               total_s: float, num_decode_forwards: int | None = None) -> Result:
-        """The `Result` of a generation from this plan (the engine's and the batch scheduler's).
-        `num_decode_forwards`: None is one per token after the first."""
+               total_s: float, num_decode_forwards: int) -> Result:
+        """The `Result` of a generation from this plan (the engine's and the batch scheduler's)."""
         return Result(
             text=text,
             token_ids=tuple(token_ids),
@@ -84,7 +83,7 @@ class Plan:
             hit_modules=tuple(n for n in self.hits if n != ROOT),
             missed_modules=tuple(n for n in self.misses if n != ROOT),
             recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
-            num_decode_forwards=max(0, len(token_ids) - 1) if num_decode_forwards is None else num_decode_forwards,
+            num_decode_forwards=num_decode_forwards,
         )
 
 
