@@ -36,6 +36,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rag_promptcache.engine.assemble import ReservedLayer
+from rag_promptcache.engine.attention import kernel as prefill_attention_kernel
+from rag_promptcache.engine.attention import prefill_attention
 from rag_promptcache.model.loading import onednn_bf16
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
@@ -147,9 +149,11 @@ class LeanLlama:
         num_cached = layers[0].length
         x = self.embed(ids)  # [1, N, E]
         cos, sin = self.rotary(x, positions)
-        attn_mask = self._mask(mask, n, num_cached, x.dtype, x.device)
+        # every new token after every cached one: the fused kernel needs no mask (SDPA builds one if it declines)
+        fused = n if mask is None and n > 1 and prefill_attention_kernel() is not None else 0
+        attn_mask = None if fused else self._mask(mask, n, num_cached, x.dtype, x.device)
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
-            x = self._layer(i, layer, x, cos, sin, kv, attn_mask)
+            x = self._layer(i, layer, x, cos, sin, kv, attn_mask, fused)
         return self.head(self.norm(x[:, -keep:]))[0][0].float()
 
     def decode_batch(self, ids: torch.Tensor, positions: torch.Tensor, layers: Sequence[DynamicLayer],
@@ -164,8 +168,8 @@ class LeanLlama:
         return self.head(self.norm(x))[0][:, -1].float()
 
     def _layer(self, i: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, mask)
+               mask: torch.Tensor | None, fused: int = 0) -> torch.Tensor:
+        x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, mask, fused)
         return x + self.mlp(i, layer, x)
 
     def mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +178,9 @@ class LeanLlama:
         return self.down[i](F.silu(gate) * up)[0]
 
     def _attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   mask: torch.Tensor | None, fused: int = 0) -> torch.Tensor:
+        """`fused`: the number of new tokens when they all follow the cache (`mask` is then None) and the
+        fused kernel may run; 0: SDPA with `mask`."""
         b, n = h.shape[:2]
         d, hkv = self.head_dim, self.num_kv_heads
         q, k, v = self.qkv[i](h)
@@ -185,7 +191,11 @@ class LeanLlama:
         keys, values = kv.update(k, v)  # [B, Hkv, C + N, D], views of the cache's buffers
         # q heads h*g .. h*g+g-1 share KV head h (transformers' repeat_kv order): fold them into rows
         q = q.reshape(b, hkv, self.group * n, d)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        out = prefill_attention(q, keys, values, fused, self.scale) if fused else None
+        if out is None:
+            if fused:  # the kernel declined this call (layout): the causal mask it would have applied
+                mask = self._mask(None, n, keys.shape[-2] - n, q.dtype, q.device)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         out = out.view(b, self.num_heads, n, d).transpose(1, 2).reshape(b, n, self.num_heads * d)
         return self.o[i](out)[0]
 
