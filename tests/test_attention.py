@@ -1,12 +1,10 @@
-"""The fused prefill attention kernel (engine/attention.py, engine/kernels/prefill_attention.c): its
-error against an fp64 reference is SDPA's, it declines what it does not cover, a failed build falls
-back to SDPA with a warning, and the lean forward gives the same logits with it as without it."""
+"""The fused prefill attention kernel (engine/attention.py, model/kernels/prefill_attention.c): its
+error against an fp64 reference is SDPA's, it declines what it does not cover, and the lean forward
+gives the same logits with it as without it. Building and loading the kernels: tests/test_native.py."""
 
 from __future__ import annotations
 
 import copy
-import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -17,19 +15,11 @@ from rag_promptcache.engine import attention
 from rag_promptcache.engine import forward as lean
 from rag_promptcache.engine.assemble import reserved_cache
 from rag_promptcache.engine.decode import forward_last, forward_logits
+from rag_promptcache.model import native
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import build
 
-needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason="no avx512_bf16 CPU or no C compiler here")
-
-
-def test_the_kernel_is_built_where_it_can_run():
-    """A machine with the CPU flags and a compiler must get the kernel: a silent fallback would hide a
-    broken build behind skipped tests."""
-    if not attention._cpu_supports() or not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no avx512_bf16 CPU or no C compiler here")
-    assert attention.kernel() is not None
-    assert attention.library_path().exists()
+needs_kernel = pytest.mark.skipif(not attention.available(), reason="no avx512_bf16 CPU or no C compiler here")
 
 
 def _inputs(heads: int, new: int, group: int, dim: int, cached: int, spread: float, seed: int = 0):
@@ -104,29 +94,8 @@ def test_kernel_declines_what_it_does_not_cover(monkeypatch):
     assert attention.prefill_attention(q, keys.transpose(-1, -2), values, 4, 0.125) is None  # column-major keys
     two = torch.cat([q, q])
     assert attention.prefill_attention(two, keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1), 4, 0.125) is None
-    monkeypatch.setenv(attention.KERNEL_ENV, "0")
-    assert attention.kernel() is None and attention.prefill_attention(q, keys, values, 4, 0.125) is None
-
-
-def test_a_failed_build_warns_and_falls_back_to_sdpa(monkeypatch, tmp_path):
-    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    monkeypatch.setattr(attention, "_cpu_supports", lambda: True)
-    monkeypatch.setattr(attention, "_loaded", {})
-    assert "exited 1" in attention.build(tmp_path / "k.so")
-    with pytest.warns(RuntimeWarning, match="could not be built, so SDPA runs instead"):
-        assert attention.kernel() is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once: the next call neither builds nor warns
-        assert attention.kernel() is None
-    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
-
-
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
-def test_build_writes_a_loadable_library(tmp_path):
-    path = tmp_path / "kernels" / "k.so"
-    assert attention.build(path) is None
-    assert path.exists() and not list(path.parent.glob("*.tmp"))
+    monkeypatch.setenv(native.KERNELS_ENV, "0")
+    assert not attention.available() and attention.prefill_attention(q, keys, values, 4, 0.125) is None
 
 
 def _prefill_logits(model, ids: torch.Tensor, num_cached: int, keep: int = 1) -> torch.Tensor:
@@ -150,7 +119,7 @@ def _with_and_without_kernel(monkeypatch, model, ids, num_cached, keep: int = 1)
 
     monkeypatch.setattr(lean, "prefill_attention", counted)
     fused = _prefill_logits(model, ids, num_cached, keep)
-    monkeypatch.setenv(attention.KERNEL_ENV, "0")
+    monkeypatch.setenv(native.KERNELS_ENV, "0")
     plain = _prefill_logits(model, ids, num_cached, keep)
     return fused, plain, sum(calls)
 
@@ -177,7 +146,7 @@ def test_smollm2_bf16_with_the_kernel_is_as_close_to_fp32_as_sdpa(smollm, monkey
     kernel_kl, sdpa_kl = [], []
     for i in range(4):
         window = ids[:, i * 1000 : i * 1000 + 700]
-        monkeypatch.delenv(attention.KERNEL_ENV, raising=False)
+        monkeypatch.delenv(native.KERNELS_ENV, raising=False)
         fp32 = _prefill_logits(model, window, 670)
         fused, plain, used = _with_and_without_kernel(monkeypatch, bf16, window, 670)
         assert used == 2 * bf16.config.num_hidden_layers

@@ -170,11 +170,8 @@ def assemble(
         at = 0
         for p in cached:  # keys, values: [L, H, capacity, D]; each piece written once, relocated on the way
             kv, n = kvs[p.unit], len(p.token_ids)
-            k = kv.keys[:, :, p.offset : p.offset + n].to(device=device, dtype=dtype)
-            shift = p.position - (kv.start + p.offset)
-            if shift:
-                k = relocator.rotate(k, torch.full((n,), shift, dtype=torch.long, device=device))
-            keys[:, :, at : at + n] = k
+            k = kv.keys[:, :, p.offset : p.offset + n].to(device=device)
+            relocator.rotate_into(k, p.position - (kv.start + p.offset), keys[:, :, at : at + n])
             values[:, :, at : at + n] = kv.values[:, :, p.offset : p.offset + n]
             at += n
         for layer in cache.layers:

@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rag_promptcache.engine.assemble import ReservedLayer
-from rag_promptcache.engine.attention import kernel as prefill_attention_kernel
+from rag_promptcache.engine import attention
 from rag_promptcache.engine.attention import prefill_attention
 from rag_promptcache.model.loading import onednn_bf16
 
@@ -150,7 +150,7 @@ class LeanLlama:
         x = self.embed(ids)  # [1, N, E]
         cos, sin = self.rotary(x, positions)
         # every new token after every cached one: the fused kernel needs no mask (SDPA builds one if it declines)
-        fused = n if mask is None and n > 1 and prefill_attention_kernel() is not None else 0
+        fused = n if mask is None and n > 1 and attention.available() else 0
         attn_mask = None if fused else self._mask(mask, n, num_cached, x.dtype, x.device)
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
             x = self._layer(i, layer, x, cos, sin, kv, attn_mask, fused)

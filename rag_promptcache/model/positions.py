@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from rag_promptcache.model import native
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -61,6 +63,10 @@ class Relocator(Protocol):
     exact_below: int | None  # rotate is exact while all positions are < this; None: everywhere
 
     def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor: ...
+
+    def rotate_into(self, keys: torch.Tensor, shift: int, out: torch.Tensor) -> None:
+        """Write `keys` [L, H, S, D] moved by `shift` positions into `out` (same shape, any dtype)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +126,31 @@ class RopeRelocator:
         torch.mul(x2, cos, out=o2).addcmul_(x1, sin)  # x2 cos + x1 sin
         return out.to(keys.dtype)
 
+    def rotate_into(self, keys: torch.Tensor, shift: int, out: torch.Tensor) -> None:
+        # one pass where the native kernel runs (bf16 on CPU, rotate_half): no fp32 copies of the keys
+        if not shift:
+            out.copy_(keys)
+        elif not self._rotate_native(keys, shift, out):
+            out.copy_(self.rotate(keys, torch.full((keys.shape[2],), shift, dtype=torch.long, device=keys.device)))
+
+    def _rotate_native(self, keys: torch.Tensor, shift: int, out: torch.Tensor) -> bool:
+        if self.interleaved or keys.device.type != "cpu" or not keys.dtype == out.dtype == torch.bfloat16:
+            return False
+        dim = keys.shape[-1]
+        if keys.stride(-1) != 1 or out.stride(-1) != 1 or keys.stride(-2) != dim or out.stride(-2) != dim:
+            return False
+        lib = native.library()
+        if lib is None:
+            return False
+        angle = torch.tensor([float(shift)], device=keys.device) * self.inv_freq  # [bases, R/2], as in `rotate`
+        cos, sin = angle.cos()[self.layer_base].contiguous(), angle.sin()[self.layer_base].contiguous()  # [L, R/2]
+        num_layers, heads, rows, _ = keys.shape
+        rc = lib.rope_shift_bf16(keys.data_ptr(), out.data_ptr(), num_layers, heads, rows, dim, cos.shape[1],
+                                 keys.stride(0), keys.stride(1), out.stride(0), out.stride(1), cos.data_ptr(),
+                                 sin.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"{rc=} {keys.shape=} {cos.shape=}"
+        return True
+
 
 def _rope_table(per_layer: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-layer inv_freq (None: NoPE) -> (distinct rows [bases, R/2], layer -> row [L])."""
@@ -151,6 +182,9 @@ class AbsoluteRelocator:
             raise ValueError("learned absolute positions: keys are valid only at their encoded position (delta 0)")
         return keys
 
+    def rotate_into(self, keys: torch.Tensor, shift: int, out: torch.Tensor) -> None:
+        out.copy_(self.rotate(keys, torch.full((keys.shape[2],), shift, dtype=torch.long)))
+
 
 @dataclass(frozen=True, slots=True)
 class NoPositionRelocator:
@@ -161,6 +195,9 @@ class NoPositionRelocator:
     def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         _check(keys, deltas)
         return keys
+
+    def rotate_into(self, keys: torch.Tensor, shift: int, out: torch.Tensor) -> None:
+        out.copy_(keys)
 
 
 _STATIC_ROPE = {"default", "linear", "yarn", "llama3"}
