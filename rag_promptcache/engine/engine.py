@@ -30,6 +30,7 @@ from rag_promptcache.engine.lookup import lookup_tokens
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
 from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
+from rag_promptcache.model import native
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
@@ -133,6 +134,8 @@ class PromptCache:
         self.model_name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.relocator = relocator_for(model)
+        if model.device.type == "cpu" and model.dtype == torch.bfloat16:
+            native.library()  # build the CPU kernels now (about a second, once per machine), not in a request
         self.geometry = kv_geometry(model)
         self.context_window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.compiler = Compiler(tokenizer, role_markup(tokenizer))
