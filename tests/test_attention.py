@@ -58,6 +58,7 @@ def _sdpa(q, keys, values, new: int, scale: float) -> torch.Tensor:
     (3, 41, 3, 64, 2048, 1.0),  # SmolLM2's question forward at 2k context
     (3, 41, 3, 64, 700, 4.0),  # scores past 100: where bf16-rounded scores would be far off
     (2, 5, 2, 128, 300, 1.0),  # head_dim 128 (Llama 2/3)
+    (2, 7, 3, 80, 130, 1.0),  # head_dim 80: a ragged last vector of dims
     (3, 9, 3, 64, 1000, 2.0),  # a prompt-lookup check: 1 + 8 drafted tokens
     (4, 37, 1, 32, 0, 1.0),  # nothing cached: a plain causal prefill
     (1, 2, 1, 64, 17, 1.0),  # a ragged last tile of keys and rows

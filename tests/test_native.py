@@ -43,6 +43,8 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_code(monkeypatch, tmp_pa
         warnings.simplefilter("error")  # the next call neither builds again nor warns
         assert native.library() is None
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+    monkeypatch.setenv("CC", "no-such-compiler --flag")
+    assert "no-such-compiler --flag failed to run" in native.build(tmp_path / "k.so")
 
 
 def test_switched_off_by_the_environment(monkeypatch):

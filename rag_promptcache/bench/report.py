@@ -29,7 +29,8 @@ def markdown(report: dict[str, object]) -> str:
     out = [f"# rag-promptcache bench ({'quick' if report.get('quick') else 'full'})", "",
            f"model `{report['model']}`, device {report['device']}, {report['threads']} threads, "
            f"{report.get('dtype', '')}, torch {report.get('torch', '')}, CPU flags "
-           f"{' '.join(report.get('cpu_flags', [])) or 'n/a'}, {report.get('date', '')}", ""]
+           f"{' '.join(report.get('cpu_flags', [])) or 'n/a'}, native kernels "
+           f"{'on' if report.get('native_kernels') else 'off'}, {report.get('date', '')}", ""]
     if report.get("ttft"):
         out += ["## TTFT (seconds, median)", "", _table(
             ["context", "modules", *SYSTEMS, "speed-up", "overhead vs lower bound", "miss/full", "disk/memory"],

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import threading
@@ -61,19 +62,19 @@ def library_path() -> Path:
 
 def build(path: Path) -> str | None:
     """Compile the kernels to `path`; None on success, else why not."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         return "no C compiler found (set CC, or install gcc)"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", str(tmp), *map(str, SOURCES)],
+        proc = subprocess.run([*compiler, *FLAGS, "-o", str(tmp), *map(str, SOURCES)],
                               capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{compiler} failed to run: {e}"
+        return f"{' '.join(compiler)} failed to run: {e}"
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        return f"{compiler} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"
+        return f"{' '.join(compiler)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"
     os.replace(tmp, path)
     return None
 
