@@ -6,6 +6,10 @@ masked prefill against a cache, repeats the KV heads (a copy of the whole cache 
 the layers' own weights run in one flat loop: the query heads that share a KV head are folded into
 the query-length axis (`[B, Hkv, group * N, D]`), so SDPA reads the cache in place without repeating
 it and without the GQA path, and the mask (when one is needed) is built once per call, not per layer.
+In bf16 on a CPU with AVX512-BF16, new tokens that all follow the cache (the question, recovered
+modules placed last, a prompt lookup check) skip SDPA and its mask: a fused kernel computes the same
+attention (engine/attention.py; 24 against 60 ms over SmolLM2's 30 layers for the question at 2k
+context, timed in place once on this project's 2-core machine).
 
 On CPU the linear maps run on a copy of their weights in oneDNN's packed layout (`Projection`), the
 projections that read the same input fused into one: q, k and v; gate and up. A one-token step is a
@@ -35,8 +39,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from rag_promptcache.engine.assemble import ReservedLayer
 from rag_promptcache.engine import attention
+from rag_promptcache.engine.assemble import ReservedLayer
 from rag_promptcache.engine.attention import prefill_attention
 from rag_promptcache.model.loading import onednn_bf16
 
