@@ -34,22 +34,26 @@ def _inputs(heads: int, new: int, group: int, dim: int, cached: int, spread: flo
     return q, kb[:, :, : cached + new], vb[:, :, : cached + new]
 
 
-def _allowed(rows: int, new: int, num_keys: int) -> torch.Tensor:
-    """[rows, num_keys]: row r is new token r % new; it sees every cached key and new keys up to its own."""
+def _allowed(rows: int, new: int, num_keys: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, num_keys]: row r is new token r % new; it sees the first visible[token] cached keys (all
+    of them where visible is None) and new keys up to its own."""
     token = torch.arange(rows)[:, None] % new
     key = torch.arange(num_keys)[None, :] - (num_keys - new)
-    return key <= token
+    if visible is None:
+        return key <= token
+    cached_seen = torch.arange(num_keys)[None, :] < visible.long()[token]
+    return torch.where(key < 0, cached_seen, key <= token)
 
 
-def _reference(q, keys, values, new: int, scale: float) -> torch.Tensor:
+def _reference(q, keys, values, new: int, scale: float, visible=None) -> torch.Tensor:
     s = (q.double() @ keys.double().transpose(-1, -2)) * scale
-    s = s.masked_fill(~_allowed(q.shape[2], new, keys.shape[2]), float("-inf"))
+    s = s.masked_fill(~_allowed(q.shape[2], new, keys.shape[2], visible), float("-inf"))
     return torch.softmax(s, -1) @ values.double()
 
 
-def _sdpa(q, keys, values, new: int, scale: float) -> torch.Tensor:
+def _sdpa(q, keys, values, new: int, scale: float, visible=None) -> torch.Tensor:
     mask = torch.zeros(q.shape[2], keys.shape[2], dtype=q.dtype)
-    mask.masked_fill_(~_allowed(q.shape[2], new, keys.shape[2]), torch.finfo(q.dtype).min)
+    mask.masked_fill_(~_allowed(q.shape[2], new, keys.shape[2], visible), torch.finfo(q.dtype).min)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
@@ -73,6 +77,38 @@ def test_kernel_error_is_sdpas(heads, new, group, dim, cached, spread):
     sdpa_err = (_sdpa(q, keys, values, new, scale).double() - ref).abs().max().item()
     # the bf16 output rounding is most of both errors; a score rounded to bf16 would be 10x off at spread 4
     assert err <= 1.5 * sdpa_err + 1e-3, f"{err=} {sdpa_err=}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("visible", [
+    [300] * 20 + [302] * 21,  # recovered modules, then 2 cached tokens, then the question (the default's prompt)
+    [0, 0, 5, 17, 17, 100, 200, 250, 302, 302, 302],  # parameters and text between modules: growing prefixes
+    [302, 0, 150, 0, 302],  # counts need not grow: any prefix per token
+])
+def test_kernel_sees_a_prefix_of_the_cache_per_token(visible):
+    new = len(visible)
+    q, keys, values = _inputs(3, new, 3, 64, 302, 2.0, seed=new)
+    counts = torch.tensor(visible, dtype=torch.int32)
+    ref = _reference(q, keys, values, new, 0.125, counts)
+    got = attention.prefill_attention(q, keys, values, new, 0.125, counts)
+    err = (got.double() - ref).abs().max().item()
+    sdpa_err = (_sdpa(q, keys, values, new, 0.125, counts).double() - ref).abs().max().item()
+    assert err <= 1.5 * sdpa_err + 1e-3, f"{err=} {sdpa_err=}"
+
+
+def test_visible_prefixes_reads_the_masks_assembly_builds_and_refuses_others():
+    c, n = 6, 3
+    allowed = torch.zeros(n, c + n, dtype=torch.bool)
+    allowed[:, c:] = torch.ones(n, n, dtype=torch.bool).tril()
+    allowed[0, :2] = allowed[1, :2] = allowed[2, :6] = True
+    mask = torch.zeros(1, 1, n, c + n).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    assert attention.visible_prefixes(mask, c).tolist() == [2, 2, 6]
+    holed = mask.clone()
+    holed[0, 0, 2, 3] = torch.finfo(torch.float32).min  # token 2 may not see cached key 3 but sees 4 and 5
+    assert attention.visible_prefixes(holed, c) is None
+    ahead = mask.clone()
+    ahead[0, 0, 0, c + 1] = 0  # token 0 sees new token 1
+    assert attention.visible_prefixes(ahead, c) is None
 
 
 @needs_kernel
@@ -132,6 +168,32 @@ def test_lean_forward_with_the_kernel_equals_sdpa_on_a_tiny_llama(monkeypatch):
     ids = torch.randint(0, 128, (1, 90))
     fused, plain, used = _with_and_without_kernel(monkeypatch, model, ids, 60, keep=30)  # every new token
     assert used == 2 * model.config.num_hidden_layers  # both prefills (0 cached, then 60): every layer
+    assert torch.allclose(fused, plain, atol=2e-2, rtol=0), f"{(fused - plain).abs().max()=}"
+
+
+@needs_kernel
+def test_lean_forward_with_the_kernel_equals_sdpa_under_an_assembly_mask(monkeypatch):
+    """New tokens that may not see the last cached ones (recovered modules before cached text): the
+    kernel reads the mask as prefixes, and gives SDPA's logits for every new token."""
+    torch.manual_seed(0)
+    model = build("llama").to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 70))
+    calls = []
+    real = lean.prefill_attention
+    monkeypatch.setattr(lean, "prefill_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    mask = torch.zeros(1, 1, 20, 70, dtype=torch.bfloat16)
+    mask[..., :15, 45:50] = torch.finfo(torch.bfloat16).min  # the first 15 new tokens precede the last 5 cached
+    mask[..., 50:] = torch.triu(torch.full((20, 20), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16), 1)
+
+    def logits():
+        cache, _, _ = reserved_cache(model.config, kv_geometry(model), 80, model.dtype, model.device)
+        forward_last(model, ids[:, :50], torch.arange(50)[None], cache, lean=False)
+        return forward_logits(model, ids[:, 50:], torch.arange(50, 70)[None], cache, mask, keep=20)
+
+    fused = logits()
+    assert len(calls) == model.config.num_hidden_layers and calls[0].tolist() == [45] * 15 + [50] * 5
+    monkeypatch.setenv(native.KERNELS_ENV, "0")
+    plain = logits()
     assert torch.allclose(fused, plain, atol=2e-2, rtol=0), f"{(fused - plain).abs().max()=}"
 
 

@@ -6,9 +6,9 @@ masked prefill against a cache, repeats the KV heads (a copy of the whole cache 
 the layers' own weights run in one flat loop: the query heads that share a KV head are folded into
 the query-length axis (`[B, Hkv, group * N, D]`), so SDPA reads the cache in place without repeating
 it and without the GQA path, and the mask (when one is needed) is built once per call, not per layer.
-In bf16 on a CPU with AVX512-BF16, new tokens that all follow the cache (the question, recovered
-modules placed last, a prompt lookup check) skip SDPA and its mask: a fused kernel computes the same
-attention (engine/attention.py; 24 against 60 ms over SmolLM2's 30 layers for the question at 2k
+In bf16 on a CPU with AVX512-BF16, a prefill against the cache (the question and what recovery
+recomputes, a prompt lookup check) skips SDPA and the additive mask: a fused kernel computes the same
+attention from how much of the cache each new token sees (engine/attention.py; 24 against 60 ms over SmolLM2's 30 layers for the question at 2k
 context, timed in place once on this project's 2-core machine).
 
 On CPU the linear maps run on a copy of their weights in oneDNN's packed layout (`Projection`), the
@@ -45,6 +45,8 @@ from rag_promptcache.engine.attention import prefill_attention
 from rag_promptcache.model.loading import onednn_bf16
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
+# where the fused attention kernel runs: (new tokens, cached keys each one sees or None for all, the caller's mask)
+Fused = tuple[int, torch.Tensor | None, torch.Tensor | None]
 PACK_ENV = "RAG_PROMPTCACHE_PACK"  # "0": the lean forward calls the model's own linear modules
 
 
@@ -153,11 +155,16 @@ class LeanLlama:
         num_cached = layers[0].length
         x = self.embed(ids)  # [1, N, E]
         cos, sin = self.rotary(x, positions)
-        # every new token after every cached one: the fused kernel needs no mask (SDPA builds one if it declines)
-        fused = n if mask is None and n > 1 and attention.available() else 0
+        # the fused kernel reads the mask as how much of the cache each new token sees (None: all of it);
+        # SDPA gets the additive mask, built only if the kernel cannot run or declines
+        fused = n > 1 and attention.available()
+        visible = None
+        if fused and mask is not None:
+            visible = attention.visible_prefixes(mask, num_cached)
+            fused = visible is not None
         attn_mask = None if fused else self._mask(mask, n, num_cached, x.dtype, x.device)
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
-            x = self._layer(i, layer, x, cos, sin, kv, attn_mask, fused)
+            x = self._layer(i, layer, x, cos, sin, kv, attn_mask, (n, visible, mask) if fused else None)
         return self.head(self.norm(x[:, -keep:]))[0][0].float()
 
     def decode_batch(self, ids: torch.Tensor, positions: torch.Tensor, layers: Sequence[DynamicLayer],
@@ -172,7 +179,7 @@ class LeanLlama:
         return self.head(self.norm(x))[0][:, -1].float()
 
     def _layer(self, i: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
-               mask: torch.Tensor | None, fused: int = 0) -> torch.Tensor:
+               mask: torch.Tensor | None, fused: Fused | None = None) -> torch.Tensor:
         x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, mask, fused)
         return x + self.mlp(i, layer, x)
 
@@ -182,9 +189,9 @@ class LeanLlama:
         return self.down[i](F.silu(gate) * up)[0]
 
     def _attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
-                   mask: torch.Tensor | None, fused: int = 0) -> torch.Tensor:
-        """`fused`: the number of new tokens when they all follow the cache (`mask` is then None) and the
-        fused kernel may run; 0: SDPA with `mask`."""
+                   mask: torch.Tensor | None, fused: Fused | None = None) -> torch.Tensor:
+        """`fused`: where the fused kernel may run, (new tokens, cached keys each sees or None for all,
+        the caller's mask) and `mask` is None; else SDPA with `mask`."""
         b, n = h.shape[:2]
         d, hkv = self.head_dim, self.num_kv_heads
         q, k, v = self.qkv[i](h)
@@ -195,10 +202,10 @@ class LeanLlama:
         keys, values = kv.update(k, v)  # [B, Hkv, C + N, D], views of the cache's buffers
         # q heads h*g .. h*g+g-1 share KV head h (transformers' repeat_kv order): fold them into rows
         q = q.reshape(b, hkv, self.group * n, d)
-        out = prefill_attention(q, keys, values, fused, self.scale) if fused else None
+        out = prefill_attention(q, keys, values, n, self.scale, fused[1]) if fused else None
         if out is None:
-            if fused:  # the kernel declined this call (layout): the causal mask it would have applied
-                mask = self._mask(None, n, keys.shape[-2] - n, q.dtype, q.device)
+            if fused:  # the kernel declined this call (layout): the mask it would have applied
+                mask = self._mask(fused[2], n, keys.shape[-2] - n, q.dtype, q.device)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         out = out.view(b, self.num_heads, n, d).transpose(1, 2).reshape(b, n, self.num_heads * d)
         return self.o[i](out)[0]

@@ -101,7 +101,7 @@ def _load() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.prefill_attention.argtypes = [ptr] * 4 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
+    lib.prefill_attention.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
     lib.rope_shift_bf16.argtypes = [ptr] * 2 + [i64] * 9 + [ptr] * 2 + [ctypes.c_int]
     for fn in (lib.prefill_attention, lib.rope_shift_bf16):
         fn.restype = ctypes.c_int

@@ -1,7 +1,9 @@
 /* Attention of many new query rows against a long bf16 KV cache, for x86 CPUs with AVX512-BF16.
  *
- * What it computes is SDPA's for the engine's common prefill against a cache: every cached key is
- * visible to every query row, the `num_new` new keys at the end are causal. Scores are accumulated
+ * What it computes is SDPA's for the engine's prefill against a cache: new token i sees the first
+ * `visible[i]` cached keys (all of them where `visible` is NULL) and the new keys up to its own, the
+ * `num_new` new keys being the last ones. Every mask assembly builds has this form, since the cache
+ * holds its tokens in sequence order: a new token sees the cached ones before it in the sequence. Scores are accumulated
  * in fp32 (vdpbf16ps) and never rounded to bf16, the softmax runs online in fp32, the probabilities
  * are rounded to bf16 for the P.V product, as SDPA's CPU flash kernel does for bf16 inputs.
  *
@@ -9,13 +11,15 @@
  *   q    [heads, rows, dim]  bf16, contiguous; row r is new token r % num_new
  *   k, v [heads, *, dim]     bf16, rows contiguous, `k_stride` / `v_stride` elements between heads
  *   out  [heads, rows, dim]  bf16, contiguous
+ *   visible [num_new]        int32 in [0, num_keys - num_new], or NULL
  *
  * The work is one (head, block of 16 rows) at a time, one row per vector lane, so the key broadcast
  * from its natural layout needs no transpose and the softmax no horizontal sums. Threads: OpenMP over
  * those blocks, built against libgomp.so.1, the runtime torch has already loaded, so that its warm
  * worker threads run them (a second pool of threads would fight torch's spinning ones for the cores).
  *
- * Out of scope: masks other than causal-after-cache, fp32 and fp16 inputs, dim > 256 or odd.
+ * Out of scope: other masks (a cached key hidden from a token that sees a later one), fp32 and fp16
+ * inputs, dim > 256 or odd.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -30,6 +34,7 @@ typedef uint16_t bf16;
 typedef struct {
     const bf16 *q, *k, *v;
     bf16 *out;
+    const int32_t *visible;
     int64_t heads, rows, dim, num_keys, num_new, k_stride, v_stride;
     float scale;
 } Job;
@@ -80,12 +85,16 @@ static void block(const Job *job, int64_t head, int64_t row0) {
         qp[p] = _mm512_loadu_si512(lane_q);
     }
     int32_t lane_pos[LANES]; /* the new token each lane's row is: it sees new keys up to this one */
-    int32_t last_pos = 0;
+    int32_t lane_lim[LANES]; /* the cached keys each lane's row sees: [0, lim) */
+    int32_t last_pos = 0, min_lim = (int32_t)first_new, max_lim = 0;
     for (int i = 0; i < LANES; i++) {
         lane_pos[i] = (int32_t)((row0 + (i < n_rows ? i : 0)) % job->num_new);
+        lane_lim[i] = job->visible ? job->visible[lane_pos[i]] : (int32_t)first_new;
         last_pos = lane_pos[i] > last_pos ? lane_pos[i] : last_pos;
+        min_lim = lane_lim[i] < min_lim ? lane_lim[i] : min_lim;
+        max_lim = lane_lim[i] > max_lim ? lane_lim[i] : max_lim;
     }
-    const __m512i pos = _mm512_loadu_si512(lane_pos);
+    const __m512i pos = _mm512_loadu_si512(lane_pos), lim = _mm512_loadu_si512(lane_lim);
     const int64_t key_end = first_new + last_pos + 1; /* no row of this block sees a key past it */
 
     __m512 o[MAX_DIM]; /* o[c] lane i = unnormalised output of row i, dim c; spilled to the stack */
@@ -95,6 +104,7 @@ static void block(const Job *job, int64_t head, int64_t row0) {
     int32_t vp[TILE / 2][MAX_DIM]; /* the tile's values as pairs of keys: vp[t][c] = (v[2t][c], v[2t+1][c]) */
 
     for (int64_t j0 = 0; j0 < key_end; j0 += TILE) {
+        if (j0 >= max_lim && j0 < first_new) j0 = first_new; /* cached keys no row of the block sees */
         const int64_t n_keys = key_end - j0 < TILE ? key_end - j0 : TILE;
         __m512 s[TILE];
         for (int t = 0; t < TILE; t++) s[t] = _mm512_setzero_ps();
@@ -123,6 +133,9 @@ static void block(const Job *job, int64_t head, int64_t row0) {
             s[t] = _mm512_mul_ps(s[t], scale);
             if (j >= first_new) { /* causal among the new tokens */
                 __mmask16 hidden = _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32((int32_t)(j - first_new)));
+                s[t] = _mm512_mask_mov_ps(s[t], hidden, neg_inf);
+            } else if (j >= min_lim) { /* a cached key past some rows' prefix */
+                __mmask16 hidden = _mm512_cmple_epi32_mask(lim, _mm512_set1_epi32((int32_t)j));
                 s[t] = _mm512_mask_mov_ps(s[t], hidden, neg_inf);
             }
             tile_max = _mm512_max_ps(tile_max, s[t]);
@@ -173,12 +186,14 @@ static void block(const Job *job, int64_t head, int64_t row0) {
 }
 
 /* Returns 0, or -1 for arguments out of scope (nothing written). */
-int prefill_attention(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out, int64_t heads, int64_t rows,
-                      int64_t dim, int64_t num_keys, int64_t num_new, int64_t k_stride, int64_t v_stride,
-                      float scale, int threads) {
+int prefill_attention(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out, const int32_t *visible,
+                      int64_t heads, int64_t rows, int64_t dim, int64_t num_keys, int64_t num_new, int64_t k_stride,
+                      int64_t v_stride, float scale, int threads) {
     if (dim <= 0 || dim > MAX_DIM || dim % 2 || num_new <= 0 || num_new > num_keys || heads <= 0 || rows <= 0)
         return -1;
-    const Job job = {q, k, v, out, heads, rows, dim, num_keys, num_new, k_stride, v_stride, scale};
+    for (int64_t i = 0; visible && i < num_new; i++)
+        if (visible[i] < 0 || visible[i] > num_keys - num_new) return -1;
+    const Job job = {q, k, v, out, visible, heads, rows, dim, num_keys, num_new, k_stride, v_stride, scale};
     const int64_t blocks = (rows + LANES - 1) / LANES;
 #pragma omp parallel for schedule(static) num_threads(threads < 1 ? 1 : threads)
     for (int64_t w = 0; w < heads * blocks; w++) block(&job, w / blocks, (w % blocks) * LANES);
