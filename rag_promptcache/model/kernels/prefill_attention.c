@@ -3,9 +3,9 @@
  * What it computes is SDPA's for the engine's prefill against a cache: new token i sees the first
  * `visible[i]` cached keys (all of them where `visible` is NULL) and the new keys up to its own, the
  * `num_new` new keys being the last ones. Every mask assembly builds has this form, since the cache
- * holds its tokens in sequence order: a new token sees the cached ones before it in the sequence. Scores are accumulated
- * in fp32 (vdpbf16ps) and never rounded to bf16, the softmax runs online in fp32, the probabilities
- * are rounded to bf16 for the P.V product, as SDPA's CPU flash kernel does for bf16 inputs.
+ * holds its tokens in sequence order: a new token sees the cached ones before it in the sequence.
+ * Scores are accumulated in fp32 (vdpbf16ps) and never rounded to bf16, the softmax runs online in
+ * fp32, the probabilities are rounded to bf16 for the P.V product, as SDPA's CPU flash kernel does.
  *
  * Layout (one KV head per `head`, the query heads that share it folded into its rows):
  *   q    [heads, rows, dim]  bf16, contiguous; row r is new token r % num_new
