@@ -52,6 +52,17 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert native.library() is None
 
 
+@pytest.mark.skipif(not HAS_CC or not native.cpu_supports(), reason="no C compiler or no avx512_bf16")
+def test_a_damaged_library_is_built_again_not_used(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    path = native.library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    lib = native.library()
+    assert lib is not None and path.read_bytes()[:4] == b"\x7fELF"
+
+
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 def test_build_writes_a_loadable_library(tmp_path):
     path = tmp_path / "kernels" / "k.so"

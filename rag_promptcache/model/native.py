@@ -93,13 +93,17 @@ def _load() -> ctypes.CDLL | None:
     if not cpu_supports():
         return None
     path = library_path()
-    if not path.exists():
-        why = build(path)
-        if why is not None:
-            warnings.warn(f"rag-promptcache: the native CPU kernels could not be built, so the torch code runs "
-                          f"instead (slower, same results): {why}", RuntimeWarning, stacklevel=3)
-            return None
-    lib = ctypes.CDLL(str(path))
+    why = None if path.exists() else build(path)
+    if why is None:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged or foreign file under the right name: build it again, once
+            why = build(path)
+            lib = ctypes.CDLL(str(path)) if why is None else None
+    if why is not None:
+        warnings.warn(f"rag-promptcache: the native CPU kernels could not be built, so the torch code runs "
+                      f"instead (slower, same results): {why}", RuntimeWarning, stacklevel=3)
+        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.prefill_attention.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
     lib.rope_shift_bf16.argtypes = [ptr] * 2 + [i64] * 9 + [ptr] * 2 + [ctypes.c_int]
