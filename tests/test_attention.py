@@ -171,6 +171,23 @@ def test_lean_forward_with_the_kernel_equals_sdpa_on_a_tiny_llama(monkeypatch):
     assert torch.allclose(fused, plain, atol=2e-2, rtol=0), f"{(fused - plain).abs().max()=}"
 
 
+def test_an_fp32_forward_builds_its_mask_once_and_never_asks_the_kernel(monkeypatch):
+    """The kernel is bf16-only: an fp32 model must not take its path and fall back layer by layer
+    (that rebuilt the mask in every layer)."""
+    torch.manual_seed(0)
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, 40))
+    masks, kernel_calls = [], []
+    real_mask = lean.LeanLlama._mask
+    monkeypatch.setattr(lean.LeanLlama, "_mask", lambda self, *a: masks.append(1) or real_mask(self, *a))
+    monkeypatch.setattr(lean, "prefill_attention", lambda *a: kernel_calls.append(1))
+    cache, _, _ = reserved_cache(model.config, kv_geometry(model), 48, model.dtype, model.device)
+    forward_last(model, ids[:, :30], torch.arange(30)[None], cache)
+    forward_last(model, ids[:, 30:], torch.arange(30, 40)[None], cache)
+    assert len(masks) == 2 and not kernel_calls
+    assert not attention.available(torch.float32) and not attention.available(torch.bfloat16, "meta")
+
+
 @needs_kernel
 def test_lean_forward_with_the_kernel_equals_sdpa_under_an_assembly_mask(monkeypatch):
     """New tokens that may not see the last cached ones (recovered modules before cached text): the

@@ -27,9 +27,10 @@ from rag_promptcache.model import native
 MAX_DIM = 256  # the kernel's limit on head_dim (MAX_DIM in the C source)
 
 
-def available() -> bool:
-    """Whether `prefill_attention` can run here at all (it may still decline a call)."""
-    return native.library() is not None
+def available(dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> bool:
+    """Whether `prefill_attention` runs for tensors of this dtype and device here (it may still
+    decline a call whose layout it does not read)."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and native.library() is not None
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_new: int, scale: float,

@@ -157,7 +157,7 @@ class LeanLlama:
         cos, sin = self.rotary(x, positions)
         # the fused kernel reads the mask as how much of the cache each new token sees (None: all of it);
         # SDPA gets the additive mask, built only if the kernel cannot run or declines
-        fused = n > 1 and attention.available()
+        fused = n > 1 and attention.available(x.dtype, x.device)
         visible = None
         if fused and mask is not None:
             visible = attention.visible_prefixes(mask, num_cached)
