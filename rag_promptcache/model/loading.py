@@ -102,14 +102,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cpu_flags() -> tuple[str, ...]:
-    """The CPU features that matter for inference speed, as /proc/cpuinfo lists them (empty elsewhere)."""
+def cpuinfo_flags() -> frozenset[str]:
+    """Every flag /proc/cpuinfo lists for the CPU (empty where there is no /proc/cpuinfo)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ()
+        return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    present = set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU features that matter for inference speed, as /proc/cpuinfo lists them (empty elsewhere)."""
+    present = cpuinfo_flags()
     return tuple(f for f in _CPU_FLAGS if f in present)
 
 

@@ -30,7 +30,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from rag_promptcache.model.loading import cache_home
+from rag_promptcache.model.loading import cache_home, cpuinfo_flags
 
 KERNELS_ENV = "RAG_PROMPTCACHE_KERNELS"  # "0": the torch code everywhere
 SOURCES = tuple(sorted((Path(__file__).with_name("kernels")).glob("*.c")))
@@ -47,12 +47,7 @@ def enabled() -> bool:
 
 
 def cpu_supports() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return _NEEDS <= set(line.partition(":")[2].split())
+    return _NEEDS <= cpuinfo_flags()
 
 
 def library_path() -> Path:
