@@ -72,7 +72,7 @@ def run_loaded(
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
     from rag_promptcache.engine.static_decode import compile_mode
-    from rag_promptcache.model import native
+    from rag_promptcache.engine import attention
     from rag_promptcache.model.loading import cpu_flags
 
     dev = bench.device
@@ -87,7 +87,7 @@ def run_loaded(
         "torch": torch.__version__,
         "cpu_flags": list(cpu_flags()),
         # model/native.py's kernels (prefill attention, key relocation) ran for this run's bf16 CPU model
-        "native_kernels": dev.type == "cpu" and bench.model.dtype == torch.bfloat16 and native.library() is not None,
+        "native_kernels": attention.available(bench.model.dtype, dev),
         # the engine's default decode step in this run ("off": eager; else RAG_PROMPTCACHE_COMPILE's mode);
         # the decode scenario's compiled row, if any, carries its own mode in its "compile" field
         "compile": compile_mode(None) or "off",

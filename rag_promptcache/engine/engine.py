@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Generator
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from rag_promptcache.engine import attention
 from rag_promptcache.engine.assemble import assemble, release
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.decode import DecodeStats, Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
@@ -30,7 +31,6 @@ from rag_promptcache.engine.lookup import lookup_tokens
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
 from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
-from rag_promptcache.model import native
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
@@ -134,8 +134,7 @@ class PromptCache:
         self.model_name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.relocator = relocator_for(model)
-        if model.device.type == "cpu" and model.dtype == torch.bfloat16:
-            native.library()  # build the CPU kernels now (about a second, once per machine), not in a request
+        attention.available(model.dtype, model.device)  # builds the CPU kernels now where they run, not in a request
         self.geometry = kv_geometry(model)
         self.context_window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.compiler = Compiler(tokenizer, role_markup(tokenizer))

@@ -8,8 +8,8 @@ the query-length axis (`[B, Hkv, group * N, D]`), so SDPA reads the cache in pla
 it and without the GQA path, and the mask (when one is needed) is built once per call, not per layer.
 In bf16 on a CPU with AVX512-BF16, a prefill against the cache (the question and what recovery
 recomputes, a prompt lookup check) skips SDPA and the additive mask: a fused kernel computes the same
-attention from how much of the cache each new token sees (engine/attention.py; 24 against 60 ms over SmolLM2's 30 layers for the question at 2k
-context, timed in place once on this project's 2-core machine).
+attention from how much of the cache each new token sees (engine/attention.py; 24 against 60 ms over
+SmolLM2's 30 layers for the question at 2k context, timed in place once on this project's 2-core machine).
 
 On CPU the linear maps run on a copy of their weights in oneDNN's packed layout (`Projection`), the
 projections that read the same input fused into one: q, k and v; gate and up. A one-token step is a
@@ -45,8 +45,8 @@ from rag_promptcache.engine.attention import prefill_attention
 from rag_promptcache.model.loading import onednn_bf16
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
-# where the fused attention kernel runs: (new tokens, cached keys each one sees or None for all, the caller's mask)
-Fused = tuple[int, torch.Tensor | None, torch.Tensor | None]
+# where the fused attention kernel runs: (cached keys each new token sees or None for all, the caller's mask)
+Fused = tuple[torch.Tensor | None, torch.Tensor | None]
 PACK_ENV = "RAG_PROMPTCACHE_PACK"  # "0": the lean forward calls the model's own linear modules
 
 
@@ -164,7 +164,7 @@ class LeanLlama:
             fused = visible is not None
         attn_mask = None if fused else self._mask(mask, n, num_cached, x.dtype, x.device)
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
-            x = self._layer(i, layer, x, cos, sin, kv, attn_mask, (n, visible, mask) if fused else None)
+            x = self._layer(i, layer, x, cos, sin, kv, attn_mask, (visible, mask) if fused else None)
         return self.head(self.norm(x[:, -keep:]))[0][0].float()
 
     def decode_batch(self, ids: torch.Tensor, positions: torch.Tensor, layers: Sequence[DynamicLayer],
@@ -190,8 +190,8 @@ class LeanLlama:
 
     def _attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
                    mask: torch.Tensor | None, fused: Fused | None = None) -> torch.Tensor:
-        """`fused`: where the fused kernel may run, (new tokens, cached keys each sees or None for all,
-        the caller's mask) and `mask` is None; else SDPA with `mask`."""
+        """`fused`: where the fused kernel may run, (cached keys each new token sees or None for all, the
+        caller's mask) and `mask` is None; else SDPA with `mask`."""
         b, n = h.shape[:2]
         d, hkv = self.head_dim, self.num_kv_heads
         q, k, v = self.qkv[i](h)
@@ -202,10 +202,10 @@ class LeanLlama:
         keys, values = kv.update(k, v)  # [B, Hkv, C + N, D], views of the cache's buffers
         # q heads h*g .. h*g+g-1 share KV head h (transformers' repeat_kv order): fold them into rows
         q = q.reshape(b, hkv, self.group * n, d)
-        out = prefill_attention(q, keys, values, n, self.scale, fused[1]) if fused else None
+        out = prefill_attention(q, keys, values, n, self.scale, fused[0]) if fused else None
         if out is None:
             if fused:  # the kernel declined this call (layout): the mask it would have applied
-                mask = self._mask(fused[2], n, keys.shape[-2] - n, q.dtype, q.device)
+                mask = self._mask(fused[1], n, keys.shape[-2] - n, q.dtype, q.device)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         out = out.view(b, self.num_heads, n, d).transpose(1, 2).reshape(b, n, self.num_heads * d)
         return self.o[i](out)[0]
