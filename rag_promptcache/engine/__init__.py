@@ -3,6 +3,7 @@
 from rag_promptcache.engine.decode import Sampling
 from rag_promptcache.engine.encoder import DEFAULT_MODE, MODES
 from rag_promptcache.engine.engine import PLAIN, Plan, PromptCache
+from rag_promptcache.engine.errors import ContextWindowExceeded
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
 
-__all__ = ["DEFAULT_MODE", "MODES", "PLAIN", "AsyncStream", "Comparison", "EncodeReport", "Plan", "PromptCache", "Result", "Sampling", "Stream"]
+__all__ = ["ContextWindowExceeded", "DEFAULT_MODE", "MODES", "PLAIN", "AsyncStream", "Comparison", "EncodeReport", "Plan", "PromptCache", "Result", "Sampling", "Stream"]

@@ -27,6 +27,7 @@ from rag_promptcache.engine.assemble import assemble, release
 from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.decode import DecodeStats, Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
+from rag_promptcache.engine.errors import ContextWindowExceeded
 from rag_promptcache.engine.lookup import lookup_tokens
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
@@ -292,6 +293,13 @@ class PromptCache:
         """Seconds to the first token with nothing cached: the baseline for TTFT comparisons."""
         return self.generate(prompt, use_cache=False, max_new_tokens=1).ttft_s
 
+    def store_keys(self, schema_name: str, module_names: Sequence[str]) -> dict[str, str]:
+        """The store key of each named module's KV, as `plan` and `encode` compute it: callers that drop
+        KV (a corpus removing a document) ask here rather than copy the formula."""
+        chat, default = self._chat_of(schema_name, ())
+        compiled = self._compile(schema_name, chat, default)
+        return {m: self._key(compiled, compiled.units[m], chat, default) for m in module_names}
+
     def is_cached(self, schema_name: str, module_name: str) -> bool:
         chat, default = self._chat_of(schema_name, ())
         compiled = self._compile(schema_name, chat, default)
@@ -420,7 +428,7 @@ class PromptCache:
         if end + max_new_tokens > self.context_window:
             num_tokens = sum(len(p.token_ids) for p in pieces)
             where = "" if end == num_tokens else f" reaching position {end}"
-            raise ValueError(
+            raise ContextWindowExceeded(
                 f"prompt of {num_tokens} tokens{where} plus max_new_tokens={max_new_tokens} is "
                 f"{end + max_new_tokens}, past the model's {self.context_window}-token context window; "
                 "shorten the prompt (fewer or smaller modules) or lower max_new_tokens"

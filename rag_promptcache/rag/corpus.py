@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rag_promptcache.engine.errors import ContextWindowExceeded
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag import corpus_store
@@ -616,7 +617,7 @@ class Corpus:
             hits, sizes = hits[:-1], sizes[:-1]
         if not hits and fixed + best + max_new > window:
             named = ", ".join(f"{n} {what}" for what, n in [("for the best retrieved chunk", best), *parts.items()] if n or what != "history")
-            raise ValueError(
+            raise ContextWindowExceeded(
                 f"the prompt needs {fixed + best} tokens ({named}) plus max_new_tokens {max_new}: "
                 f"{fixed + best + max_new}, more than the model's {window}-token window; "
                 + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question")
@@ -685,8 +686,7 @@ def _schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str 
 def _store_keys(engine: PromptCache, schema_name: str, module_ids: Sequence[str]) -> dict[str, str]:
     """The store key of each module's KV, as the engine computes it (the corpus schema is a chat
     schema: its modules sit in the system turn)."""
-    compiled = engine._compile(schema_name, True)  # noqa: SLF001 - the engine's own key, never a copy of its formula
-    return {m: engine._key(compiled, compiled.units[m], True) for m in module_ids}  # noqa: SLF001
+    return engine.store_keys(schema_name, module_ids)
 
 
 def _read_manifest(file: Path) -> Manifest:
