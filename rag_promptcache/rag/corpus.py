@@ -585,14 +585,8 @@ class Corpus:
 
     def prepare(self) -> PromptCache:
         """Load the engine and register and compile the corpus schema (once per process and change),
-        so that the first question's TTFT does not pay for tokenizing every module. With a compiled
-        decode step (`RAG_PROMPTCACHE_COMPILE=1`) its graph for a default `ask` (k=4, 256 new tokens)
-        is compiled here too: a larger request compiles one more graph in its own first decode step."""
-        engine = self._register(compile_schema=True)
-        if getattr(engine, "decoder", None) is not None:  # engine-like objects (tests, wrappers) have none
-            instructions = len(engine.tokenizer.encode(self.manifest.instructions, add_special_tokens=False))
-            engine.warm_decode(4 * self.manifest.chunk_tokens + instructions + TEMPLATE_TOKENS + 64 + 256)
-        return engine
+        so that the first question's TTFT does not pay for tokenizing every module."""
+        return self._register(compile_schema=True)
 
     def ask_stream(self, question: str, k: int = 4, **kwargs: object) -> AnswerStream:
         out = self.ask(question, k, stream=True, **kwargs)
