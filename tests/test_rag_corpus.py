@@ -53,11 +53,9 @@ class FakeEngine:
             self.encode_calls.append(n)
         return EncodeReport(len(todo), 10 * len(todo), len(module_names) - len(todo), 0.0)
 
-    def _compile(self, schema_name: str, chat: bool):  # the engine's store-key hooks, over the fake store
-        return type("Compiled", (), {"units": self.schemas[schema_name].modules})
-
-    def _key(self, compiled, unit: ast.Module, chat: bool) -> str:
-        return hashlib.sha256(unit.children[0].text.encode()).hexdigest()
+    def store_keys(self, schema_name: str, module_names) -> dict[str, str]:  # the engine's store keys, over the fake store
+        modules = self.schemas[schema_name].modules
+        return {m: hashlib.sha256(modules[m].children[0].text.encode()).hexdigest() for m in module_names}
 
     def delete(self, key: str) -> bool:
         text = next((t for t in self.stored if hashlib.sha256(t.encode()).hexdigest() == key), None)
