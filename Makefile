@@ -6,13 +6,16 @@ STAMP    := $(VENV)/.installed
 # The CPU build of torch that lies on disk here; on a CUDA machine plain torch is what you want.
 TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: venv test demo bench bench-quick redis clean
+KERNELS  := rag_promptcache/model/kernels
+LIBRARY  := $(KERNELS)/librag-promptcache-kernels.so
+
+.PHONY: venv kernels test test-fast demo bench bench-quick redis clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml setup.py integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
 	# [all] includes the ray extra, so tests/test_ray_ingest.py runs on a fresh clone.
 	$(BIN)/pip install -q -e ".[all]"
@@ -27,6 +30,13 @@ $(STAMP): $(BIN)/python pyproject.toml integrations/langchain/pyproject.toml int
 
 venv: $(STAMP)
 
+# `pip install -e .` builds the native CPU kernels (setup.py); this rebuilds them after their sources
+# change. Where they cannot be built (no compiler, or one without AVX512-BF16) the torch code runs.
+$(LIBRARY): $(wildcard $(KERNELS)/*.c) | $(STAMP)
+	$(BIN)/python -m rag_promptcache.model.native build || echo "native kernels not built: the torch code runs"
+
+kernels: $(LIBRARY)
+
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -34,8 +44,12 @@ redis:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; }
 	@command -v redis-server >/dev/null 2>&1 && echo "redis-server: $$(command -v redis-server)"
 
-test: venv redis
+test: venv kernels redis
 	$(BIN)/python -m pytest -q tests integrations/langchain/tests integrations/llamaindex/tests
+
+# Minutes, not tens of them: no SmolLM2 weights, no server, bench, examples, Ray or wheel builds (tests/conftest.py).
+test-fast: venv kernels
+	$(BIN)/python -m pytest -q -m "not smollm and not slow" tests integrations/langchain/tests integrations/llamaindex/tests
 
 demo: venv
 	$(BIN)/rag-promptcache demo
@@ -47,4 +61,4 @@ bench: venv
 	$(BIN)/rag-promptcache bench --json out/bench.json --plots out
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(LIBRARY) $(LIBRARY).json

@@ -1,4 +1,7 @@
-"""Shared fixtures: the real SmolLM2 (loaded once per session) and tiny random-weight models."""
+"""Shared fixtures: the real SmolLM2 (loaded once per session), its tokenizer alone, and redis servers.
+
+Tiers: tests that load SmolLM2's weights are marked `smollm`, the server, bench, examples, Ray and
+wheel tests `slow`; `make test-fast` runs the rest (`-m "not smollm and not slow"`)."""
 
 from __future__ import annotations
 
@@ -24,8 +27,12 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smollm):
-    return smollm[1]
+def tokenizer():
+    """The default model's tokenizer alone (seconds, no weights): what the tiny random-weight models
+    borrow for real text. Tests that need the model too take `smollm`, whose tokenizer is the same."""
+    from rag_promptcache.model.loading import load_tokenizer
+
+    return load_tokenizer()
 
 
 # -- a real redis-server, started by the tests that need one --------------------------------------
