@@ -60,3 +60,18 @@ def test_unreadable_stats_file_restarts_from_zero(tmp_path):
     store.get(key_of(make_kv(5)))
     store.close()
     assert DiskStore(tmp_path).stats().num_misses == 1
+
+
+def test_counts_are_flushed_once_the_clock_passes_the_interval(tmp_path):
+    from rag_promptcache.store import disk
+
+    now = [0.0]
+    store = DiskStore(tmp_path, clock=lambda: now[0])
+    reader = DiskStore(tmp_path)  # another process's view: stats.json plus its own (zero) counts
+    assert store.get(key_of(make_kv(1))) is None
+    now[0] += disk.STATS_FLUSH_S - 0.01
+    assert store.get(key_of(make_kv(2))) is None
+    assert reader.stats().num_misses == 0  # not yet: lookups are counted in memory between flushes
+    now[0] += 0.02
+    assert store.get(key_of(make_kv(3))) is None
+    assert reader.stats().num_misses == 3

@@ -218,7 +218,8 @@ def test_redis_down_before_the_request(caplog) -> None:
 
 @needs_redis
 def test_redis_down_during_the_request_then_back(own_redis: RedisServer, caplog) -> None:
-    store = RedisStore(own_redis.url, prefix="p", retry_after_s=0.2, chunk_bytes=1000)
+    now = [0.0]  # the store's clock: the backoff passes when the test says so, not after a sleep
+    store = RedisStore(own_redis.url, prefix="p", retry_after_s=0.2, chunk_bytes=1000, clock=lambda: now[0])
     kvs = [make_kv(i) for i in range(2)]
     store.put(key_of(kvs[0]), kvs[0])
     assert store.get(key_of(kvs[0])) is not None
@@ -228,7 +229,8 @@ def test_redis_down_during_the_request_then_back(own_redis: RedisServer, caplog)
         store.put(key_of(kvs[1]), kvs[1])  # dropped, not raised
         assert store.get(key_of(kvs[1])) is None
         own_redis.start()  # empty: no persistence
-        time.sleep(0.25)
+        assert store.get(key_of(kvs[1])) is None and not store.available  # still backing off: not even asked
+        now[0] += 0.25
         assert store.get(key_of(kvs[0])) is None  # back, but the server lost its data
         store.put(key_of(kvs[1]), kvs[1])
         assert torch.equal(store.get(key_of(kvs[1])).keys, kvs[1].keys)
@@ -262,5 +264,5 @@ def test_redis_ttl_expires_entries(redis_server: RedisServer) -> None:
     kv = make_kv(4)
     store.put(key_of(kv), kv)
     assert store.get(key_of(kv)) is not None
-    time.sleep(0.3)
+    time.sleep(0.3)  # the server's own clock expires entries: nothing to inject here
     assert store.get(key_of(kv)) is None and store.stats().num_entries == 0

@@ -34,7 +34,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .base import ModuleKV, StoreStats, VerifyReport
@@ -62,6 +62,7 @@ class DiskStore:
         max_bytes: int | None = None,
         codec: str = "native",
         policy: str | Policy = "lru",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.codec = check_codec(codec)
         self.root = Path(path)
@@ -75,7 +76,8 @@ class DiskStore:
         self._num_hits = 0  # not yet added into stats.json
         self._num_misses = 0
         self._stats_path = self.root / "stats.json"
-        self._flushed_at = time.monotonic()
+        self._clock = clock  # seconds, for STATS_FLUSH_S; tests pass a fake one instead of sleeping
+        self._flushed_at = clock()
         self._num_errors = 0
         self._num_write_errors = 0
         self._warn = WarnOnce(log)
@@ -328,7 +330,7 @@ class DiskStore:
 
     def _flush_counts(self) -> None:
         """Under the lock: add this process's counts into stats.json (kept here if that fails)."""
-        self._flushed_at = time.monotonic()
+        self._flushed_at = self._clock()
         if not (self._num_hits or self._num_misses):
             return
         hits, misses = self._saved_counts()
@@ -343,11 +345,11 @@ class DiskStore:
         self._num_hits = self._num_misses = 0
 
     def _maybe_flush_counts(self) -> None:
-        if time.monotonic() - self._flushed_at < STATS_FLUSH_S:
+        if self._clock() - self._flushed_at < STATS_FLUSH_S:
             return
         try:
             with self._locked():
-                if time.monotonic() - self._flushed_at >= STATS_FLUSH_S:  # another thread may have just done it
+                if self._clock() - self._flushed_at >= STATS_FLUSH_S:  # another thread may have just done it
                     self._flush_counts()
         except OSError as e:
             self._write_failed(None, e)

@@ -28,6 +28,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from .base import ModuleKV, StoreStats, VerifyReport
 from .codecs import check_codec, decode, encode
@@ -47,6 +48,7 @@ class RedisStore:
         chunk_bytes: int = 8 * 2**20,
         retry_after_s: float = 2.0,
         timeout_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         try:
             import redis
@@ -62,6 +64,7 @@ class RedisStore:
         self.codec = check_codec(codec)
         self.chunk_bytes = chunk_bytes
         self.retry_after_s = retry_after_s
+        self._clock = clock  # seconds, for the backoff; tests pass a fake one instead of sleeping
         # No client-side retries: a dead server must cost one fast failure, not seconds of backoff.
         self._client = redis.Redis.from_url(
             url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
@@ -88,11 +91,11 @@ class RedisStore:
     def available(self) -> bool:
         """False while backing off after a connection failure."""
         with self._lock:
-            return time.monotonic() >= self._down_until
+            return self._clock() >= self._down_until
 
     def _failed(self, e: Exception) -> None:
         with self._lock:
-            self._down_until = time.monotonic() + self.retry_after_s
+            self._down_until = self._clock() + self.retry_after_s
             first, self._down = not self._down, True
             self._num_errors += 1
         if first:
