@@ -26,6 +26,33 @@ def smollm():
     return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
 
 
+def pytest_collection_modifyitems(config, items):
+    # a test that takes the real model, directly or through another fixture, is in the smollm tier
+    for item in items:
+        if "smollm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.smollm)
+
+
+@pytest.fixture(autouse=True)
+def _smollm_weights_only_where_marked(request, monkeypatch):
+    """Fail a test that loads SmolLM2's weights in this process without the smollm marker, so that
+    `-m "not smollm"` stays fast as tests are added. Subprocesses are not watched."""
+    if request.node.get_closest_marker("smollm") is None:
+        from transformers import AutoModelForCausalLM
+
+        from rag_promptcache.model.loading import DEFAULT_MODEL
+
+        real = AutoModelForCausalLM.from_pretrained.__func__
+
+        def guarded(cls, path, *args, **kwargs):
+            if DEFAULT_MODEL in str(path) or "SmolLM2" in str(kwargs.get("gguf_file", "")):
+                pytest.fail(f"{request.node.nodeid} loads SmolLM2 ({path}): mark it smollm")
+            return real(cls, path, *args, **kwargs)
+
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(guarded))
+    yield
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer alone (seconds, no weights): what the tiny random-weight models

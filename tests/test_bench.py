@@ -14,6 +14,8 @@ from rag_promptcache.engine import DEFAULT_MODE
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
 from tests.tiny import build
 
+pytestmark = pytest.mark.slow
+
 TINY = BenchConfig(
     contexts=(32, 64), module_tokens=32, warmup=0, repeats_slow=1, repeats_fast=1, questions=2, ks=(2,),
     continuation=4, quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"),

@@ -13,6 +13,9 @@ from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
 from rag_promptcache.model.loading import dtype_name, resolve_device_dtype
 from tests.test_bench import TINY
 from tests.tiny import build
+import pytest
+
+pytestmark = pytest.mark.slow
 
 
 def test_decode_rows_and_metadata(tokenizer, tmp_path):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = ["--topics", "1", "--max-tokens", "8"]
 EXAMPLES = [

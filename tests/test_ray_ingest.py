@@ -24,7 +24,7 @@ from tests.store_helpers import needs_redis
 from tests.tiny_llama import save_tiny_llama
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = {

@@ -21,6 +21,8 @@ from rag_promptcache.rag.corpus_store import ENV_REDIS_URL, redis_prefix
 from tests.store_helpers import needs_redis
 from tests.tiny_llama import save_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 REPLICA = r"""
 import json, sys

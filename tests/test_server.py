@@ -22,7 +22,7 @@ import pytest
 
 from tests.store_helpers import free_port
 
-pytestmark = pytest.mark.smollm
+pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = {
     "zorblat.txt": "The zorblat is a purple fruit that grows only on the island of Quenti. "

@@ -14,6 +14,8 @@ from rag_promptcache.rag.prompts import build_prompt
 
 from langchain_rag_promptcache import ChatPromptCache, PromptCacheLLM, PromptCacheRetriever, format_modules
 
+pytestmark = pytest.mark.smollm
+
 PROMPT = PromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}\nAnswer:")
 QUESTION = "Which city is the Eiffel Tower in?"
 

@@ -8,6 +8,9 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from lc_shared import corpus, engine
 
 from langchain_rag_promptcache import ChatPromptCache, PromptCacheRetriever, format_modules
+import pytest
+
+pytestmark = pytest.mark.smollm
 
 
 class _Capabilities:

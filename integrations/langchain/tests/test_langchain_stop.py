@@ -5,6 +5,9 @@ from __future__ import annotations
 from langchain_core.messages import HumanMessage
 
 from langchain_rag_promptcache import ChatPromptCache, PromptCacheLLM
+import pytest
+
+pytestmark = pytest.mark.smollm
 
 NEVER = "zzzz-never"  # its letters occur in the answers; the string itself never does
 

@@ -12,6 +12,8 @@ from llama_index.llms.rag_promptcache import ModuleSynthesizer, PromptCacheLLM, 
 from llama_index.retrievers.rag_promptcache import PromptCacheRetriever
 from rag_promptcache.rag.prompts import build_prompt
 
+pytestmark = pytest.mark.smollm
+
 QUESTION = "Which city is the Eiffel Tower in?"
 
 

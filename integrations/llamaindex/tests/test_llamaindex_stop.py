@@ -5,6 +5,9 @@ from __future__ import annotations
 from llama_index.core.llms import ChatMessage
 
 from llama_index.llms.rag_promptcache import PromptCacheLLM
+import pytest
+
+pytestmark = pytest.mark.smollm
 
 NEVER = "zzzz-never"  # its letters occur in the answers; the string itself never does
 
