@@ -11,6 +11,7 @@ then exits 0 (uvicorn alone re-raises the signal: exit 143), Ctrl-C 130.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -63,6 +64,11 @@ def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: i
         raise ModuleNotFoundError(f"{INSTALL_HINT} ({e.name} is missing)") from e
 
     sock = bind(host, port)
+    errors = logging.getLogger("rag_promptcache.server")  # 500s: a request id and the traceback, on stderr
+    if not errors.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        errors.addHandler(handler)
     try:
         app, batcher, chat = build(corpus, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url,
                                    dtype=dtype, api_key=api_key)

@@ -44,8 +44,9 @@ class Embeddings:
             return [len(t.split()) for t in texts]
         tokenizer, limit = found
         encodings = tokenizer.encode_batch(list(texts))  # type: ignore[attr-defined]
-        # The tokenizer may already truncate (sentence-transformers set it up so): overflow means too long.
-        counts = [len(e.ids) + sum(len(o.ids) for o in e.overflowing) for e in encodings]
+        # The tokenizer may already pad and truncate (sentence-transformers set it up so): padding is not
+        # counted (the attention mask), and any overflow means too long.
+        counts = [sum(e.attention_mask) + sum(sum(o.attention_mask) for o in e.overflowing) for e in encodings]
         if limit is not None and (over := [i for i, (n, e) in enumerate(zip(counts, encodings))
                                            if n > limit or e.overflowing]):
             raise ValueError(f"input: item(s) {over} are longer than the embedder {self.name}'s limit of {limit} "
