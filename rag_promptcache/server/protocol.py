@@ -113,7 +113,7 @@ class _Generation(_Body):
             if name in OFF:
                 if value not in OFF[name]:
                     off = " or ".join(repr(v) for v in OFF[name]) or "null"
-                    return name, f"{name}={value!r} is not supported by this server (send {off}, or omit it)"
+                    return name, f"{name}={value!r} is not supported by this server (send {off} or omit it)"
                 continue
             known = sorted({*type(self).model_fields, *NEUTRAL})
             return name, f"unknown field {name!r}; this server accepts: {', '.join(known)}"
