@@ -303,7 +303,8 @@ def test_serve_command_help_and_a_missing_corpus(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and all(o in out for o in ("--corpus", "--host", "--port", "--k", "--max-batch", "--max-queue"))
+    assert e.value.code == 0 and all(o in out for o in ("--corpus", "--host", "--port", "--k", "--max-batch", "--max-queue",
+                                                        "--api-key", "RAG_PROMPTCACHE_API_KEY", "--shutdown-timeout"))
     with pytest.raises(SystemExit) as e:
         main(["serve", "--corpus", str(tmp_path / "nope")])
     assert e.value.code == 1 and "does not exist" in capsys.readouterr().err

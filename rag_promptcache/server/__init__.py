@@ -21,14 +21,17 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from rag_promptcache.engine.batcher import Batcher
+    from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.chat import CorpusChat
 
 INSTALL_HINT = "the server needs its extra: pip install 'rag-promptcache[server]'"
 
 
-def build(corpus: str | Path, *, k: int = 4, max_batch: int = 8, max_queue: int = 64, redis_url: str | None = None,
-          dtype: str | None = None, api_key: str | None = None) -> tuple[FastAPI, Batcher, CorpusChat]:
-    """Open `corpus`, start its scheduler, and return (app, scheduler, chat). Close the scheduler when done."""
+def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_queue: int = 64,
+          redis_url: str | None = None, dtype: str | None = None,
+          api_key: str | None = None) -> tuple[FastAPI, Batcher, CorpusChat]:
+    """Open `corpus` (a path, or a corpus already opened), load its model, start its scheduler, and return
+    (app, scheduler, chat). Close the scheduler and the corpus when done."""
     try:
         from rag_promptcache.server.app import create_app
     except ModuleNotFoundError as e:
@@ -38,10 +41,14 @@ def build(corpus: str | Path, *, k: int = 4, max_batch: int = 8, max_queue: int 
 
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
-    chat = CorpusChat(c)  # loads the model and compiles the corpus schema before the first request
+    c = corpus if isinstance(corpus, Corpus) else Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    try:
+        chat = CorpusChat(c)  # loads the model and compiles the corpus schema before the first request
+    except BaseException:
+        c.close()
+        raise
     batcher = c.engine.scheduler(max_batch=max_batch, max_queue=max_queue)
-    model_id = Path(corpus).resolve().name
+    model_id = c.path.resolve().name
     try:
         return create_app(chat, batcher, model_id=model_id, k=k, api_key=api_key), batcher, chat
     except BaseException:
@@ -63,19 +70,26 @@ def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: i
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"{INSTALL_HINT} ({e.name} is missing)") from e
 
-    sock = bind(host, port)
+    from rag_promptcache.rag import Corpus
+
+    # the quick checks first, each one line: the corpus (no model loaded yet), then the port
+    opened = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    try:
+        sock = bind(host, port)
+    except BaseException:
+        opened.close()
+        raise
     errors = logging.getLogger("rag_promptcache.server")  # 500s: a request id and the traceback, on stderr
     if not errors.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         errors.addHandler(handler)
     try:
-        app, batcher, chat = build(corpus, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url,
-                                   dtype=dtype, api_key=api_key)
+        app, batcher, chat = build(opened, k=k, max_batch=max_batch, max_queue=max_queue, api_key=api_key)
     except BaseException:
         sock.close()
         raise
-    model_id = Path(corpus).resolve().name
+    model_id = chat.corpus.path.resolve().name
     bound = sock.getsockname()[1]
     log(f"serving corpus {chat.corpus.path} as model {model_id!r} ({chat.corpus.engine.model_name}, "
         f"k={k}, max batch {max_batch}, queue {max_queue}{', API key required' if api_key else ''}) "
