@@ -9,7 +9,7 @@ TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo 
 KERNELS  := rag_promptcache/model/kernels
 LIBRARY  := $(KERNELS)/librag-promptcache-kernels.so
 
-.PHONY: venv kernels test test-fast demo bench bench-quick redis clean
+.PHONY: venv kernels test test-fast demo bench bench-quick redis browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,7 +44,16 @@ redis:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; }
 	@command -v redis-server >/dev/null 2>&1 && echo "redis-server: $$(command -v redis-server)"
 
-test: venv kernels redis
+# The chat page's test drives Debian's chromium through Selenium (Playwright's browser download is not reachable).
+browser: venv
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; }
+	@$(BIN)/python -c "import selenium" 2>/dev/null || $(BIN)/pip install -q "selenium>=4.20,<5"
+	@command -v chromedriver >/dev/null 2>&1 && echo "chromedriver: $$(command -v chromedriver)"
+
+test: venv kernels redis browser
 	$(BIN)/python -m pytest -q tests integrations/langchain/tests integrations/llamaindex/tests
 
 # Minutes, not tens of them: no SmolLM2 weights, no server, bench, examples, Ray or wheel builds (tests/conftest.py).

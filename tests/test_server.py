@@ -38,37 +38,33 @@ MODEL = "corpus"  # the corpus directory's name is the model id
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
-@pytest.fixture(scope="module")
-def corpus_path(smollm, tmp_path_factory) -> Path:
+def build_corpus(smollm, root: Path, path: Path) -> Path:
+    """The small corpus every server test answers from (DOCS), built with an in-memory store."""
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag import Corpus, Embedder
     from rag_promptcache.store import MemoryStore
 
     model, tokenizer = smollm
-    root = tmp_path_factory.mktemp("docs")
     for name, text in DOCS.items():
         (root / name).write_text(text)
-    path = tmp_path_factory.mktemp("srv") / MODEL
     engine = PromptCache(model, tokenizer, store=MemoryStore(), name="smollm2-135m-instruct")
     Corpus.build([root], path, engine=engine, embedder=Embedder(), chunk_tokens=64, overlap=8, progress=False).close()
     return path
 
 
-@pytest.fixture(scope="module")
-def base_url(corpus_path, tmp_path_factory):
-    path = corpus_path
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def start_server(path: Path, log_file: Path, *args: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`serve` in a subprocess, as users run it; returns once /health answers."""
+    port = port or free_port()
+    log = open(log_file, "w+")
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "rag_promptcache.cli", "serve", "--corpus", str(path),
-                             "--port", str(port), "--k", "2", "--max-batch", "2", "--max-queue", "2"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                             "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()}")
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log_file.read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 break
@@ -76,10 +72,26 @@ def base_url(corpus_path, tmp_path_factory):
             pass
         assert time.monotonic() < deadline, "the server did not come up in 300 s"
         time.sleep(0.5)
+    log.close()  # the child keeps its own descriptor
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def corpus_path(smollm, tmp_path_factory) -> Path:
+    return build_corpus(smollm, tmp_path_factory.mktemp("docs"), tmp_path_factory.mktemp("srv") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def server_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def base_url(corpus_path, server_log):
+    proc, url = start_server(corpus_path, server_log, "--k", "2", "--max-batch", "2", "--max-queue", "2")
     yield url
     proc.terminate()
     proc.wait(30)
-    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +110,12 @@ def _idle(base_url: str, timeout: float = 30) -> dict:
         time.sleep(0.1)
 
 
-def test_models_and_health(client, base_url):
+def test_models_and_health(client, base_url, corpus_path):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    model = client.models.list().data[0]
+    # the schema name /v1/completions prompts import modules from (PML), as manifest.json records it
+    assert model.model_extra["schema"] == json.loads((corpus_path / "manifest.json").read_text())["name"]
+    assert model.model_extra["embedder"] == "all-MiniLM-L6-v2"
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ok" and health["max_batch"] == 2
 
@@ -116,6 +132,8 @@ def test_openai_chat_usage_sources_and_streaming(client):
     assert u.prompt_tokens_details.cached_tokens > 20  # the retrieved modules came from the store
     sources = r.model_extra["sources"]
     assert len(sources) == 2 and sources[0]["label"].endswith("zorblat.txt") and sources[0]["score"] > 0
+    assert "purple fruit" in sources[0]["snippet"]  # the chunk's text, for a person to check the answer against
+    assert u.model_extra["ttft_s"] > 0
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
                                                  stream=True, stream_options={"include_usage": True}, **GREEDY))
@@ -206,6 +224,14 @@ BAD = [
     ("unknown module", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "module_ids": ["nope"]}, 400, None),
     ("bad recovery", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "recovery": "magic"}, 400, None),
     ("past the window", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, None),
+    # fields we do not implement that would change the output: refused by name, never ignored
+    ("json mode", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("tool_choice", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
+    ("logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("penalty", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("unknown field", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_new_tokenz": 5}, 400, "max_new_tokenz"),
 ]
 
 
@@ -225,17 +251,27 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, base_url
         assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
         unknown_field = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}],
                                                                 "max_tokens": 2, "frequency_penalty": 0, "user": "x"})
-        assert unknown_field.status_code == 200  # unknown fields are ignored, as OpenAI's clients expect
+        assert unknown_field.status_code == 200  # fields that cannot change the output are accepted
+        neutral = {"metadata": {"a": "b"}, "store": False, "parallel_tool_calls": None, "response_format": {"type": "text"},
+                   "tools": None, "logprobs": False, "logit_bias": {}, "service_tier": "auto"}
+        assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2, **neutral}).status_code == 200
+        echo = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True})
+        assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo", echo.text
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    with pytest.raises(openai.BadRequestError, match="response_format") as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
+    assert e.value.body["param"] == "response_format"
     assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
     assert "purple" in r.choices[0].message.content.lower()
 
 
-def test_an_internal_failure_is_a_500_for_that_request_and_the_server_stays_up(client, base_url, corpus_path):
+def test_an_internal_failure_is_a_500_for_that_request_and_the_server_stays_up(client, base_url, corpus_path, server_log):
     # A real fault inside the request: the corpus's module table goes missing under the running server
     # (retrieval reads it), then comes back. Only the requests in between fail.
     ask = lambda: client.chat.completions.create(  # noqa: E731
@@ -249,6 +285,11 @@ def test_an_internal_failure_is_a_500_for_that_request_and_the_server_stays_up(c
         assert r.status_code == 500, r.text
         error = r.json()["error"]
         assert error["type"] == "server_error" and "internal error" in error["message"]
+        # the client gets a request id, never the exception's text; the log has the traceback under that id
+        rid = r.headers["x-request-id"]
+        assert rid in error["message"] and "modules" not in error["message"] and "sqlite" not in error["message"].lower()
+        logged = server_log.read_text()
+        assert f"request id {rid}" in logged and "Traceback" in logged and "no such table: modules" in logged
         assert httpx.get(f"{base_url}/health").status_code == 200
     finally:
         db.execute("ALTER TABLE modules_away RENAME TO modules")
@@ -262,7 +303,72 @@ def test_serve_command_help_and_a_missing_corpus(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and all(o in out for o in ("--corpus", "--host", "--port", "--k", "--max-batch", "--max-queue"))
+    assert e.value.code == 0 and all(o in out for o in ("--corpus", "--host", "--port", "--k", "--max-batch", "--max-queue",
+                                                        "--api-key", "RAG_PROMPTCACHE_API_KEY", "--shutdown-timeout"))
     with pytest.raises(SystemExit) as e:
         main(["serve", "--corpus", str(tmp_path / "nope")])
     assert e.value.code == 1 and "does not exist" in capsys.readouterr().err
+
+
+def test_structured_output_from_langchain_is_refused_by_name_not_ignored(base_url):
+    # Until constrained decoding lands, with_structured_output must fail at the server naming the field,
+    # not come back as free text that fails in the client's parser.
+    import openai
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Colour(BaseModel):
+        colour: str
+
+    lc = ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", temperature=0, max_tokens=12, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        lc.with_structured_output(Colour).invoke(QUESTIONS[0])
+
+
+def test_embeddings_with_the_openai_client_and_langchain(client, base_url):
+    import base64
+
+    import numpy as np
+    from langchain_openai import OpenAIEmbeddings
+
+    from rag_promptcache.rag import Embedder
+
+    texts = ["The zorblat is purple.", "Castle Varn has a bell."]
+    local = Embedder().embed(texts)  # the corpus's embedder, loaded here: the reference
+    r = client.embeddings.create(model=MODEL, input=texts)  # the client asks for base64 and decodes it
+    assert [d.index for d in r.data] == [0, 1] and r.model == MODEL
+    np.testing.assert_allclose(np.array([d.embedding for d in r.data]), local, atol=1e-5)
+    tokens = Embedder().model.tokenizer(texts)["input_ids"]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(t) for t in tokens)
+    one = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts[0], encoding_format="float", dimensions=384)
+    np.testing.assert_allclose(one.data[0].embedding, local[0], atol=1e-5)
+
+    raw = httpx.post(f"{base_url}/v1/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][1]["embedding"]), dtype="<f4")  # OpenAI's layout
+    np.testing.assert_allclose(decoded, local[1], atol=1e-5)
+
+    lc = OpenAIEmbeddings(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", check_embedding_ctx_length=False)
+    np.testing.assert_allclose(lc.embed_documents(texts), local, atol=1e-5)
+    np.testing.assert_allclose(lc.embed_query(texts[1]), local[1], atol=1e-5)
+
+
+EMBED_BAD = [
+    ("token ids", {"input": [1, 2, 3]}, "input", "token-id"),
+    ("token id lists", {"input": [[1, 2], [3]]}, "input", "token-id"),
+    ("empty list", {"input": []}, "input", "empty"),
+    ("empty string", {"input": ["ok", " "]}, "input", "[1]"),
+    ("too long", {"input": ["short", "word " * 600]}, "input", "limit of"),
+    ("dimensions", {"input": "hi", "dimensions": 64}, "dimensions", "384"),
+    ("bad format", {"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
+    ("unknown field", {"input": "hi", "truncate": True}, "truncate", "unknown field"),
+]
+
+
+def test_embeddings_refuse_what_they_cannot_do_by_name(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        for what, body, param, says in EMBED_BAD:
+            r = http.post("/v1/embeddings", json={"model": MODEL, **body})
+            assert r.status_code == 400, (what, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and says in err["message"], (what, err)
+        assert http.post("/v1/embeddings", json={"model": "text-embedding-3-small", "input": "hi"}).status_code == 404

@@ -1,36 +1,48 @@
 """The HTTP app: OpenAI-compatible routes over one corpus and one continuous-batching scheduler.
 
-    GET  /v1/models             the one model; its id is the corpus directory's name
+    GET  /                      the chat page (static/index.html: one file, no build step)
+    GET  /v1/models             the one model; its id is the corpus directory's name, its `schema` the
+                                PML schema name that /v1/completions prompts import modules from
     POST /v1/chat/completions   retrieve k modules, answer from their cached KV (SSE when stream)
     POST /v1/completions        a raw prompt: PML or plain text
-    GET  /health                for load balancers
+    POST /v1/embeddings         the corpus's embedder (server/embeddings.py)
+    GET  /health                for load balancers; never needs the API key (server/auth.py)
 
 This layer only translates types: retrieval and prompts are `rag.chat.CorpusChat`, generation is the
-engine's `Batcher`. Errors are OpenAI-shaped: bad input 400 (404 for an unknown model), a full queue
-429 with Retry-After, a failure inside one request 500 for that request only.
-Not here: auth, TLS, rate limits per client (put a reverse proxy in front).
+engine's `Batcher`. Errors are OpenAI-shaped: bad input 400 (404 for an unknown model), a request
+field we do not implement 400 naming it, a missing or wrong API key 401, a full queue 429 with
+Retry-After, a failure inside one request 500 for that request only: "internal error" and a request
+id (body and `x-request-id` header), the traceback in the server's log, never in the response.
+Not here: TLS, rate limits per client (put a reverse proxy in front).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
+from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rag_promptcache.engine import ContextWindowExceeded
 from rag_promptcache.engine.batcher import Batcher, Handle
 from rag_promptcache.engine.result import Result
 from rag_promptcache.engine.scheduler import QueueFull
 from rag_promptcache.rag.chat import ChatPrompt, CorpusChat
 from rag_promptcache.server import protocol as p
+from rag_promptcache.server.auth import RequireKey
+from rag_promptcache.server.embeddings import Embeddings
 
 RETRY_AFTER_S = 1
+log = logging.getLogger("rag_promptcache.server")
 
 
 class ApiError(Exception):
@@ -40,10 +52,26 @@ class ApiError(Exception):
         self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
 
 
-def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4) -> FastAPI:
+def internal_error(where: str, e: BaseException) -> tuple[str, dict[str, object]]:
+    """Log the traceback under a new request id; the client gets the id, never the exception's text."""
+    rid = uuid.uuid4().hex[:16]
+    log.error("internal error in %s (request id %s)", where, rid, exc_info=e)
+    return rid, p.error(f"internal error (request id {rid}); the server's log has the details", "server_error")
+
+
+def page() -> str:
+    return resources.files("rag_promptcache.server").joinpath("static/index.html").read_text(encoding="utf-8")
+
+
+def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
-    aliases = {model_id, chat.corpus.manifest.name, chat.corpus.engine.model_name}
+    if api_key is not None:
+        app.add_middleware(RequireKey, key=api_key)
+    schema = chat.corpus.manifest.name
+    aliases = {model_id, schema, chat.corpus.engine.model_name}
     window = chat.corpus.engine.context_window
+    embeddings = Embeddings(chat.corpus.embedder)
+    html = page()  # read once: a missing file fails at start-up, not on the first visit
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -64,8 +92,13 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4)
         return JSONResponse(p.error(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(p.error(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        rid, body = internal_error(f"{request.method} {request.url.path}", e)
+        return JSONResponse(body, status_code=500, headers={"x-request-id": rid})
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(html)
 
     @app.get("/health")
     async def health() -> dict[str, object]:
@@ -76,44 +109,48 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4)
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
                                             "owned_by": "rag-promptcache", "root": chat.corpus.engine.model_name,
-                                            "max_model_len": window}]}
+                                            "max_model_len": window, "schema": schema,
+                                            "embedder": embeddings.name}]}
 
-    def check(body: p._Generation) -> None:
-        if body.model not in aliases:
+    def check(body: p._Generation | p.EmbeddingRequest, *extra: str) -> None:
+        if body.model not in aliases | set(extra):
             raise ApiError(404, f"unknown model {body.model!r}; this server serves {model_id!r}",
                            param="model", code="model_not_found")
-        if body.n not in (None, 1):
-            raise ApiError(400, f"n={body.n}: this server returns one choice per request (n must be 1)", param="n")
+        if refused := body.refused():
+            raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
-    async def submit(build: Callable[[], ChatPrompt], body: p._Generation, max_tokens: int | None) -> tuple[Handle, ChatPrompt]:
-        def work() -> tuple[Handle, ChatPrompt]:
+    async def submit(build: Callable[[], ChatPrompt], body: p._Generation,
+                     max_tokens: int | None) -> tuple[Handle, ChatPrompt, list[dict[str, object]]]:
+        def work() -> tuple[Handle, ChatPrompt, list[dict[str, object]]]:
             built = build()
+            found = p.sources(built.sources, chat.corpus.text)
             return batcher.submit(built.prompt, recovery=body.recovery, ignore_eos=body.ignore_eos,
-                                  **body.sampling(max_tokens)), built
+                                  **body.sampling(max_tokens)), built, found
         try:
             return await run_in_threadpool(work)
         except QueueFull as e:
             raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except ContextWindowExceeded as e:
+            raise ApiError(400, str(e), code="context_length_exceeded") from e
         except ValueError as e:
-            code = "context_length_exceeded" if "window" in str(e) else None
-            raise ApiError(400, str(e), code=code) from e
+            raise ApiError(400, str(e)) from e
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatRequest, request: Request):
         check(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        handle, built = await submit(lambda: chat.chat_prompt(
+        handle, built, found = await submit(lambda: chat.chat_prompt(
             body.turns(), k=body.k or k, module_ids=body.module_ids,
             max_new_tokens=max_tokens or p.DEFAULT_MAX_TOKENS), body, max_tokens)
         rid = p.new_id("chatcmpl")
         if not body.stream:
             result = await _drain(handle, request)
-            return p.chat_response(rid, model_id, result, built.sources)
+            return p.chat_response(rid, model_id, result, found)
 
         async def events() -> AsyncIterator[str]:
             yield json.dumps(p.chat_chunk(rid, model_id, {"role": "assistant", "content": ""},
-                                          sources=p.sources(built.sources)))
+                                          sources=found))
             async for piece in handle:
                 yield json.dumps(p.chat_chunk(rid, model_id, {"content": piece}))
             assert handle.result is not None
@@ -130,7 +167,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4)
             text = body.text()
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from e
-        handle, _ = await submit(lambda: chat.completion_prompt(text), body, body.max_tokens)
+        handle, _, _ = await submit(lambda: chat.completion_prompt(text), body, body.max_tokens)
         rid = p.new_id("cmpl")
         if not body.stream:
             return p.completion_response(rid, model_id, await _drain(handle, request))
@@ -145,6 +182,20 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4)
 
         return _sse(events(), handle)
 
+    @app.post("/v1/embeddings")
+    async def embed(body: p.EmbeddingRequest) -> dict[str, object]:
+        check(body, embeddings.name)
+        if body.dimensions is not None and body.dimensions != embeddings.embedder.dim:
+            raise ApiError(400, f"dimensions={body.dimensions}: the embedder {embeddings.name} returns "
+                                f"{embeddings.embedder.dim}-dimensional vectors and cannot shorten them; omit dimensions",
+                           param="dimensions", code="unsupported_parameter")
+        try:
+            texts = body.texts()
+            vectors, num_tokens = await run_in_threadpool(embeddings.embed, texts)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="input") from e
+        return p.embeddings_response(body.model, vectors, num_tokens, body.encoding_format)
+
     return app
 
 
@@ -156,7 +207,7 @@ def _sse(events: AsyncIterator[str], handle: Handle) -> EventSourceResponse:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - headers are sent: the error goes in the stream, then [DONE]
-            yield {"data": json.dumps(p.error(f"internal error: {type(e).__name__}: {e}", "server_error"))}
+            yield {"data": json.dumps(internal_error("a stream", e)[1])}
         finally:
             handle.cancel()  # a client gone mid-stream frees its row now; a no-op once finished
         yield {"data": "[DONE]"}

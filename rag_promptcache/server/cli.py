@@ -17,16 +17,23 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def serve(
         corpus: Annotated[Path, typer.Option("--corpus", help="The corpus directory to answer from.")],
-        host: Annotated[str, typer.Option("--host", help="Interface to listen on (no auth, no TLS: keep it on loopback or behind a proxy).")] = "127.0.0.1",
+        host: Annotated[str, typer.Option("--host", help="Interface to listen on (no TLS: keep it on loopback or behind a proxy).")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
         k: Annotated[int, typer.Option("--k", "-k", min=1, help="Chunks retrieved per question (a request's `k` overrides it).")] = 4,
         max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together.")] = 8,
         max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a row; past it, 429 with Retry-After.")] = 64,
         redis_url: RedisOpt = None,
         dtype: DtypeOpt = None,
+        api_key: Annotated[str | None, typer.Option(
+            "--api-key", envvar="RAG_PROMPTCACHE_API_KEY", show_envvar=True,
+            help="Require 'Authorization: Bearer KEY' on every route but /health (the chat page asks for it).")] = None,
+        shutdown_timeout: Annotated[float, typer.Option(
+            "--shutdown-timeout", min=0, help="On SIGTERM or Ctrl-C, seconds open requests get to finish before they are cancelled.")] = 30,
     ) -> None:
-        """Serve a corpus over the OpenAI API (chat and completions, streaming), batching concurrent requests."""
+        """Serve a corpus over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
         from rag_promptcache.server import serve as run
 
+        if api_key is not None and not api_key.strip():
+            raise ValueError("--api-key is empty; pass a key or leave it unset")
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
-            log=typer.echo)
+            api_key=api_key, shutdown_timeout=shutdown_timeout, log=typer.echo)

@@ -1,8 +1,15 @@
-"""The OpenAI wire format, both ways: request bodies (pydantic, strict, unknown fields ignored as
-OpenAI's clients expect) and response / chunk / error bodies (plain dicts).
+"""The OpenAI wire format, both ways: request bodies (pydantic, strict) and response / chunk / error
+bodies (plain dicts).
 
-Our extra request fields: `k`, `module_ids`, `recovery`, `ignore_eos`. Our extra response field:
-`sources`, a list of {module_id, label, score} (in the response, and in the first stream chunk).
+A request field we do not implement is refused by name (`refused`) unless it cannot change the output:
+bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored, and fields we lack
+(`response_format`, `tools`, `logprobs`, penalties, ...) are accepted only at their "off" value or null,
+which is what clients send by default. Silently ignoring them would hand a client output in a shape it
+did not ask for, failing far from the cause.
+
+Our extra request fields: `k`, `module_ids`, `recovery`, `ignore_eos`. Our extra response fields:
+`sources`, a list of {module_id, label, score, snippet} (in the response, and in the first stream
+chunk), and `usage.ttft_s` (the server's time to the first token).
 Not here: routing and generation (`app.py`).
 """
 
@@ -10,7 +17,11 @@ from __future__ import annotations
 
 import time
 import uuid
+import base64
+from collections.abc import Callable
 from typing import Literal
+
+import numpy as np
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +30,18 @@ from rag_promptcache.rag.chat import Source
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours → OpenAI's
 DEFAULT_MAX_TOKENS = 256
+SNIPPET_CHARS = 240
+
+# Accepted and ignored: they label or route a request, they do not change what is generated.
+NEUTRAL = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
+                     "safety_identifier"})
+# Not implemented: accepted only at the value that means "off" (or null).
+OFF: dict[str, tuple[object, ...]] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False, 0),
+    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "modalities": (["text"],), "echo": (False,), "best_of": (1,), "suffix": ("",), "audio": (), "prediction": (),
+    "reasoning_effort": (), "web_search_options": (),
+}
 
 
 class _Body(BaseModel):
@@ -45,6 +68,9 @@ class StreamOptions(_Body):
 
 
 class _Generation(_Body):
+    # extras are kept so that `refused` can name them; see the module docstring
+    model_config = ConfigDict(extra="allow", strict=True)
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -68,6 +94,30 @@ class _Generation(_Body):
         if self.seed is not None:
             out["seed"] = self.seed
         return out
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) for the first field this server cannot honour, or None."""
+        extra = self.model_extra or {}
+        if self.n not in (None, 1):
+            return "n", f"n={self.n}: this server returns one choice per request (n must be 1)"
+        if "response_format" in extra:
+            # Constrained decoding (json_object / json_schema through the engine) will be accepted here.
+            fmt = extra["response_format"]
+            if fmt is not None and fmt != {"type": "text"}:
+                kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+                return "response_format", (f"response_format {kind!r} is not supported yet (only {{'type': 'text'}}): "
+                                            "this server cannot constrain the output to JSON")
+        for name, value in extra.items():
+            if name == "response_format" or value is None or name in NEUTRAL:
+                continue
+            if name in OFF:
+                if value not in OFF[name]:
+                    off = " or ".join(repr(v) for v in OFF[name]) or "null"
+                    return name, f"{name}={value!r} is not supported by this server (send {off} or omit it)"
+                continue
+            known = sorted({*type(self).model_fields, *NEUTRAL})
+            return name, f"unknown field {name!r}; this server accepts: {', '.join(known)}"
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -95,6 +145,35 @@ class CompletionRequest(_Generation):
         return self.prompt[0]
 
 
+class EmbeddingRequest(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    # token-id inputs parse, so that they are refused by name rather than as a type error
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    def texts(self) -> list[str]:
+        """The inputs as a list of non-empty strings; ValueError for token ids or empty text."""
+        items = [self.input] if isinstance(self.input, str) else list(self.input)
+        if not items:
+            raise ValueError("input is empty: send a string or a list of strings")
+        if not all(isinstance(x, str) for x in items):
+            raise ValueError("input: token-id inputs are not supported (this server has its own embedder's "
+                             "tokenizer); send text, a string or a list of strings")
+        if empty := [i for i, x in enumerate(items) if not x.strip()]:
+            raise ValueError(f"input: item(s) {empty} are empty strings")
+        return items  # type: ignore[return-value]
+
+    def refused(self) -> tuple[str, str] | None:
+        for name, value in (self.model_extra or {}).items():
+            if value is not None and name not in NEUTRAL:
+                known = sorted({*type(self).model_fields, *NEUTRAL})
+                return name, f"unknown field {name!r}; this server accepts: {', '.join(known)}"
+        return None
+
+
 # -- responses -----------------------------------------------------------------------------------------
 
 def new_id(prefix: str) -> str:
@@ -104,18 +183,34 @@ def new_id(prefix: str) -> str:
 def usage(result: Result) -> dict[str, object]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.num_generated,
             "total_tokens": result.prompt_tokens + result.num_generated,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}, "ttft_s": round(result.ttft_s, 4)}
 
 
-def sources(found: tuple[Source, ...]) -> list[dict[str, object]]:
-    return [{"module_id": s.module_id, "label": s.label, "score": s.score} for s in found]
+def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[dict[str, object]]:
+    """`text_of(module_id)` gives the chunk's text; its start becomes the source's snippet."""
+    out = []
+    for s in found:
+        text = " ".join(text_of(s.module_id).split())
+        snippet = text if len(text) <= SNIPPET_CHARS else text[:SNIPPET_CHARS].rsplit(" ", 1)[0] + " …"
+        out.append({"module_id": s.module_id, "label": s.label, "score": s.score, "snippet": snippet})
+    return out
 
 
-def chat_response(rid: str, model: str, result: Result, found: tuple[Source, ...]) -> dict[str, object]:
+def embeddings_response(model: str, vectors: np.ndarray, num_tokens: int, encoding: str) -> dict[str, object]:
+    """OpenAI's shape; base64 is the raw little-endian float32 bytes, as OpenAI sends it."""
+    rows = np.ascontiguousarray(vectors, dtype="<f4")  # [n, dim]
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(row.tobytes()).decode("ascii") if encoding == "base64" else row.tolist()}
+            for i, row in enumerate(rows)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def chat_response(rid: str, model: str, result: Result, found: list[dict[str, object]]) -> dict[str, object]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                          "logprobs": None, "finish_reason": FINISH[result.finish_reason]}],
-            "usage": usage(result), "sources": sources(found)}
+            "usage": usage(result), "sources": found}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, object], finish: str | None = None,

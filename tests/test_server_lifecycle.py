@@ -1,0 +1,126 @@
+"""The server's API key, its start on a port in use, and its shutdown on SIGTERM, each against a real
+`serve` process (the key set through RAG_PROMPTCACHE_API_KEY here; the page test passes --api-key).
+
+The SIGTERM test runs last: it ends the module's server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_server import MODEL, QUESTIONS, ROOT, build_corpus, start_server
+
+pytestmark = pytest.mark.smollm
+KEY = "sk-test-5f2c"
+SHUTDOWN_TIMEOUT = 10
+
+
+@pytest.fixture(scope="module")
+def served(smollm, tmp_path_factory):
+    path = build_corpus(smollm, tmp_path_factory.mktemp("docs"), tmp_path_factory.mktemp("srv") / MODEL)
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    proc, url = start_server(path, log, "--k", "2", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+                             env={"RAG_PROMPTCACHE_API_KEY": KEY})
+    yield proc, url, log, path
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+def _error(r: httpx.Response) -> dict:
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+def test_every_route_but_health_and_the_page_needs_the_key(served):
+    import openai
+
+    _, url, _, _ = served
+    assert httpx.get(f"{url}/health").status_code == 200
+    page = httpx.get(f"{url}/")  # the page asks for the key itself
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "Authorization" in page.text
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4}
+    for method, path, payload in [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", body),
+                                  ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi"}),
+                                  ("POST", "/v1/embeddings", {"model": MODEL, "input": "hi"}), ("GET", "/nope", None)]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+            r = httpx.request(method, f"{url}{path}", json=payload, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert _error(r)["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    assert "missing API key" in _error(httpx.get(f"{url}/v1/models"))["message"]
+    assert httpx.get(f"{url}/nope", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       temperature=0, max_tokens=12)
+    assert "purple" in r.choices[0].message.content.lower()
+    assert len(client.embeddings.create(model=MODEL, input="hi").data[0].embedding) == 384
+
+
+def test_a_port_in_use_fails_in_one_line_before_announcing(served):
+    _, url, _, path = served
+    port = url.rsplit(":", 1)[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "rag_promptcache.cli", "serve", "--corpus", str(path), "--port", port],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done
+    assert done.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: the port is in use; stop the other " \
+                                  "server or pick another --port", done.stderr
+    assert "serving" not in done.stdout
+
+
+def test_sigterm_finishes_open_requests_then_cancels_the_rest_and_exits_0(served):
+    proc, url, log, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    short = {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}], "stream": True,
+             "temperature": 0, "max_tokens": 8}
+    endless = {**short, "max_tokens": 1000, "ignore_eos": True}  # far longer than the shutdown timeout
+    events: dict[str, list[str]] = {"short": [], "endless": []}
+    started = {name: threading.Event() for name in events}
+
+    def read(name: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events[name].append(line[5:].strip())
+                        started[name].set()
+        except httpx.HTTPError:
+            pass  # the endless stream is cut when it is cancelled
+        finally:
+            started[name].set()
+
+    threads = [threading.Thread(target=read, args=("endless", endless)), threading.Thread(target=read, args=("short", short))]
+    threads[0].start()
+    assert started["endless"].wait(120)
+    threads[1].start()
+    assert started["short"].wait(120)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(SHUTDOWN_TIMEOUT + 60) == 0
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - sent >= SHUTDOWN_TIMEOUT - 1  # the endless stream held it open until the timeout
+    # the short request, open when the signal came, finished whole
+    assert events["short"][-1] == "[DONE]"
+    finish = [c["choices"][0]["finish_reason"] for c in map(json.loads, events["short"][:-1]) if c["choices"]]
+    assert finish[-1] in ("stop", "length")
+    assert "[DONE]" not in events["endless"]  # cut, not finished
+    said = log.read_text()
+    assert re.search(r"received SIGTERM: refusing new connections; \d+ running and \d+ waiting request\(s\) get 10 s", said), said
+    assert f"cancelled the requests still open after {SHUTDOWN_TIMEOUT} s" in said and "server stopped" in said
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")

@@ -1,0 +1,97 @@
+"""The server's wire rules without a model: which request fields are refused by name, the embeddings
+request and its base64 layout, the API-key middleware, and the port check. Fast: no SmolLM2, no
+server process (tests/test_server*.py and tests/test_page.py run the real thing)."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import struct
+
+import numpy as np
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from rag_promptcache.server import protocol as p
+from rag_promptcache.server.auth import RequireKey
+from rag_promptcache.server.lifecycle import bind
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"user": "u", "metadata": {"k": "v"}, "store": True, "parallel_tool_calls": True},
+    {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logprobs": False, "frequency_penalty": 0.0},
+    {"response_format": None, "tools": None, "logit_bias": None, "top_logprobs": None, "anything_null": None},
+])
+def test_fields_that_cannot_change_the_output_are_accepted(extra):
+    assert p.ChatRequest.model_validate({**CHAT, **extra}).refused() is None
+
+
+@pytest.mark.parametrize(("extra", "field", "says"), [
+    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "cannot constrain"),
+    ({"tools": [{"type": "function"}]}, "tools", "send [] or omit it"),
+    ({"tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"presence_penalty": 1.0}, "presence_penalty", "send 0"),
+    ({"audio": {"voice": "x"}}, "audio", "send null"),
+    ({"n": 2}, "n", "n must be 1"),
+    ({"top_k": 5}, "top_k", "unknown field 'top_k'; this server accepts: "),
+])
+def test_fields_we_do_not_implement_are_refused_by_name(extra, field, says):
+    refused = p.ChatRequest.model_validate({**CHAT, **extra}).refused()
+    assert refused is not None and refused[0] == field and says in refused[1], refused
+
+
+def test_completion_only_fields_are_refused_too():
+    body = {"model": "m", "prompt": "hi"}
+    assert p.CompletionRequest.model_validate({**body, "echo": False, "best_of": 1}).refused() is None
+    assert p.CompletionRequest.model_validate({**body, "echo": True}).refused()[0] == "echo"
+    assert p.CompletionRequest.model_validate({**body, "suffix": "x"}).refused()[0] == "suffix"
+
+
+def test_embedding_inputs_and_the_base64_layout():
+    assert p.EmbeddingRequest.model_validate({"model": "m", "input": "a"}).texts() == ["a"]
+    for bad, says in (([1, 2], "token-id"), ([[1], [2]], "token-id"), ([], "empty"), (["a", ""], "[1]")):
+        with pytest.raises(ValueError, match=says.replace("[", r"\[").replace("]", r"\]")):
+            p.EmbeddingRequest.model_validate({"model": "m", "input": bad}).texts()
+    assert p.EmbeddingRequest.model_validate({"model": "m", "input": "a", "user": "u"}).refused() is None
+    assert p.EmbeddingRequest.model_validate({"model": "m", "input": "a", "truncate": "END"}).refused()[0] == "truncate"
+
+    vectors = np.array([[0.5, -1.25, 3.0], [1e-3, 0.0, -7.5]], dtype=np.float32)
+    out = p.embeddings_response("m", vectors, 7, "base64")
+    assert out["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    # OpenAI's base64: the raw little-endian float32 bytes of each row
+    assert base64.b64decode(out["data"][1]["embedding"]) == struct.pack("<3f", *vectors[1].tolist())
+    floats = p.embeddings_response("m", vectors, 7, "float")["data"]
+    assert [d["index"] for d in floats] == [0, 1] and floats[0]["embedding"] == [0.5, -1.25, 3.0]
+
+
+def test_the_key_guards_every_path_but_health_and_the_page():
+    async def ok(_):
+        return PlainTextResponse("ok")
+
+    app = RequireKey(Starlette(routes=[Route(path, ok) for path in ("/", "/health", "/v1/models")]), key="s3cret")
+    http = TestClient(app)
+    assert http.get("/health").text == "ok" and http.get("/").text == "ok"
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}, {"Authorization": "Bearer s3cret "}):
+        r = http.get("/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+    assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).text == "ok"
+    with pytest.raises(ValueError, match="empty"):
+        RequireKey(app, key="")
+
+
+def test_a_port_in_use_is_one_value_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+            bind("127.0.0.1", port)
+    bind("127.0.0.1", port).close()  # free again
