@@ -1,0 +1,226 @@
+"""Constrained decoding for structured output: a JSON object, or JSON matching a schema.
+
+`ResponseFormat` is what a caller asks for (OpenAI's `response_format` shapes parse into it, torch-free).
+`Grammar.compile(tokenizer, format, stop_ids)` turns it into a grammar for one tokenizer (cached), and
+`grammar.start()` gives one request its `GrammarState`: before each sampling step `mask(logits)` sets every
+token the grammar forbids to -inf, after it `accept(token)` advances. The model's stop tokens are allowed
+only once the JSON is complete, and `is_terminated()` says the answer is over.
+
+The grammar work is llguidance's (an Earley parser over the tokenizer's byte trie, computing each mask
+lazily: no per-schema precompile, rollback for drafted tokens). Its own torch helper for applying a mask
+is `torch.compile`d; on CPU that builds a C++ kernel per shape, so the bitmask is unpacked here with numpy.
+Why llguidance over xgrammar and outlines-core: the README's structured-output section.
+
+Out of scope: tool calls / function calling (the server refuses `tools` by name), user-written
+regex or Lark grammars (llguidance has them; nothing asks for them yet), and masks computed on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+    from transformers import PreTrainedTokenizerBase
+
+KINDS = ("json_object", "json_schema")
+# Whitespace between JSON tokens, bounded: llguidance's default allows any amount, and a small model
+# that likes "\n" after "{" can then spend its whole token budget on indentation.
+WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+INSTALL_HINT = "structured output needs llguidance: pip install 'rag-promptcache[structured]'"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """What the answer must be. `schema` is the JSON schema as JSON text, so that the record is
+    hashable (compiled grammars are cached by it). Key order is kept: properties are generated in the
+    order the schema declares them (a pydantic model's field order)."""
+
+    kind: str
+    schema: str = '{"type": "object"}'
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"response format kind must be one of {KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def json_object(cls) -> ResponseFormat:
+        """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: dict, name: str = "") -> ResponseFormat:
+        """JSON that validates against `schema` (a dict, as `model_json_schema()` returns)."""
+        if not isinstance(schema, dict):
+            raise ValueError(f"a JSON schema is a dict (a JSON object), got {type(schema).__name__}")
+        try:
+            text = json.dumps(schema)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the JSON schema {name!r} is not JSON-serialisable: {e}") from e
+        return cls("json_schema", text, name)
+
+    @classmethod
+    def from_openai(cls, obj: object) -> ResponseFormat | None:
+        """OpenAI's `response_format` → a format, or None for `{"type": "text"}` (no constraint).
+        Shapes: {"type": "json_object"}; {"type": "json_schema", "json_schema": {"name", "schema",
+        "strict"?, "description"?}}. Anything else raises a ValueError saying what is valid."""
+        if not isinstance(obj, dict) or "type" not in obj:
+            raise ValueError(f"response_format must be an object with a 'type', got {obj!r}")
+        kind = obj["type"]
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind != "json_schema":
+            raise ValueError(f"response_format type must be one of ('text', 'json_object', 'json_schema'), got {kind!r}")
+        spec = obj.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}, "
+                             f"got {spec!r}")
+        # `strict` is honoured either way: the output always matches the schema.
+        return cls.json_schema(spec["schema"], str(spec.get("name", "")))
+
+
+class Grammar:
+    """A format compiled for one tokenizer and its stop tokens; `start()` is cheap (a copy)."""
+
+    __slots__ = ("format", "matcher", "vocab_size")
+
+    def __init__(self, format: ResponseFormat, matcher: LLMatcher, vocab_size: int) -> None:
+        self.format = format
+        self.matcher = matcher  # an llguidance LLMatcher at the start state, copied per request
+        self.vocab_size = vocab_size  # the tokenizer's; the model's logits may be wider (padding)
+
+    @staticmethod
+    def compile(tokenizer: PreTrainedTokenizerBase, format: ResponseFormat,
+                stop_ids: Sequence[int] = ()) -> Grammar:
+        """Compile (or fetch the cached) grammar. `stop_ids`: the tokens that end an answer (the
+        engine's EOS set); default the tokenizer's `eos_token_id`. A schema llguidance cannot satisfy
+        or does not understand raises a ValueError with its message."""
+        stop = tuple(sorted(set(stop_ids))) or (tokenizer.eos_token_id,)
+        if None in stop:
+            raise ValueError("the tokenizer has no eos_token_id; pass stop_ids (the tokens that end an answer)")
+        return _compiled(_ll_tokenizer(tokenizer, stop), format)
+
+    @classmethod
+    def json_object(cls, tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int] = ()) -> Grammar:
+        return cls.compile(tokenizer, ResponseFormat.json_object(), stop_ids)
+
+    @classmethod
+    def json_schema(cls, tokenizer: PreTrainedTokenizerBase, schema: dict,
+                    stop_ids: Sequence[int] = ()) -> Grammar:
+        return cls.compile(tokenizer, ResponseFormat.json_schema(schema), stop_ids)
+
+    def start(self) -> GrammarState:
+        return GrammarState(self.matcher.deep_copy(), self.vocab_size)
+
+
+class GrammarState:
+    """One request's place in its grammar. Not thread-safe; one decode loop owns it."""
+
+    __slots__ = ("matcher", "bitmask", "num_accepted")
+
+    def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.bitmask = torch.empty(1, (vocab_size + 31) // 32, dtype=torch.int32)  # bit t of word t // 32: token t allowed
+        self.num_accepted = 0
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [V] or [1, V] → the same tensor, disallowed tokens set to -inf in place."""
+        fill_bitmask(self, self.bitmask, 0)
+        apply_bitmask(logits.view(1, -1), self.bitmask)
+        return logits
+
+    def accept(self, token_id: int) -> None:
+        """Advance past `token_id` (which `mask` allowed). A token the grammar forbids raises."""
+        if not self.matcher.consume_token(int(token_id)):
+            raise ValueError(f"token {token_id} is not allowed here by the grammar: {first_error(self.matcher)}")
+        self.num_accepted += 1
+
+    def is_terminated(self) -> bool:
+        """The output is complete (a stop token was accepted, or nothing but one could follow)."""
+        return bool(self.matcher.is_stopped())
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (a rejected draft)."""
+        if not 0 <= n <= self.num_accepted:
+            raise ValueError(f"can roll back 0..{self.num_accepted} tokens, got {n}")
+        assert self.matcher.rollback(n), f"{n=} {self.matcher.get_error()=}"
+        self.num_accepted -= n
+
+
+def mask_rows(states: Sequence[GrammarState | None], logits: torch.Tensor) -> torch.Tensor:
+    """logits: [n, V], one row per request (a batched decode step); rows whose state is None are left
+    alone. One bitmask, one apply for all constrained rows."""
+    assert len(states) == logits.shape[0], f"{len(states)=} {logits.shape=}"
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if rows:
+        bitmask = torch.empty(len(rows), states[rows[0]].bitmask.shape[1], dtype=torch.int32)
+        for k, i in enumerate(rows):
+            fill_bitmask(states[i], bitmask, k)
+        if len(rows) == len(states):
+            apply_bitmask(logits, bitmask)
+        else:
+            sub = logits[rows]  # advanced indexing copies: mask the copy, write it back
+            apply_bitmask(sub, bitmask)
+            logits[rows] = sub
+    return logits
+
+
+def fill_bitmask(state: GrammarState, bitmask: torch.Tensor, row: int) -> None:
+    """Write `state`'s allowed tokens into `bitmask[row]` ([n, W] int32, CPU)."""
+    v = bitmask[row]
+    state.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+    assert not state.matcher.is_error(), f"{state.matcher.get_error()=}"
+
+
+def first_error(matcher: LLMatcher) -> str:
+    """llguidance's error text with its parser-state dump left out."""
+    lines = matcher.get_error().splitlines()
+    return next((line.removeprefix("Error: ") for line in lines if line.startswith("Error: ")), lines[0] if lines else "")
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits: [n, V] any float dtype and device; bitmask: [n, W] int32 on CPU, little-endian bits.
+    Logit columns past the tokenizer's vocabulary (a padded lm_head) are never text: -inf."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")  # [n, 32 W]
+    vocab = min(logits.shape[-1], bits.shape[-1])
+    allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.bool)
+    logits[:, :vocab].masked_fill_(~allowed, float("-inf"))
+    logits[:, vocab:] = float("-inf")
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return llguidance
+
+
+@lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, stop: tuple[int, ...]) -> LLTokenizer:
+    # it walks every token's bytes (seconds for a large vocabulary): once per tokenizer and stop set
+    return _llguidance().hf.from_tokenizer(tokenizer, eos_token=list(stop))
+
+
+@lru_cache(maxsize=64)
+def _compiled(ll_tokenizer: LLTokenizer, format: ResponseFormat) -> Grammar:
+    llg = _llguidance()
+    text = llg.LLMatcher.grammar_from_json_schema(json.loads(format.schema), defaults={"whitespace_pattern": WHITESPACE})
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer)
+    if is_error:
+        what = f"JSON schema {format.name!r}" if format.name else "JSON schema"
+        raise ValueError(f"the {what} cannot be used for constrained decoding: {messages[0]}")
+    matcher = llg.LLMatcher(ll_tokenizer, text, log_level=0)
+    assert not matcher.is_error(), f"{matcher.get_error()=}"
+    return Grammar(format, matcher, ll_tokenizer.vocab_size)

@@ -1,0 +1,191 @@
+"""Constrained decoding on the real SmolLM2 tokenizer (no weights): a greedy loop over random logits,
+masked by a GrammarState, must produce JSON that parses and validates, whatever the logits say."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+pytest.importorskip("llguidance", reason="structured output needs the [structured] extra")
+
+from rag_promptcache.engine.grammar import Grammar, GrammarState, ResponseFormat, mask_rows  # noqa: E402
+
+STOP = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>, the engine's EOS set for this model
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["author", "editor", "reader"]},
+        "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                    "required": ["city"], "additionalProperties": False},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "scores", "address", "active"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def closers(tokenizer) -> torch.Tensor:
+    """Token ids that can end a value or a container. The loop adds a bonus to them that grows with
+    each step, so that random logits finish a free-form string in bounded steps; which tokens the
+    grammar allows is still decided by the grammar alone."""
+    chars = set('"}],0123456789')
+    ids = [i for tok, i in tokenizer.get_vocab().items()
+           if (text := tokenizer.convert_tokens_to_string([tok])) and set(text) <= chars]
+    return torch.tensor(ids + list(STOP))
+
+
+def greedy(state: GrammarState, tokenizer, closers: torch.Tensor, seed: int, dtype=torch.float32,
+           max_steps: int = 400) -> str:
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for step in range(max_steps):
+        logits = torch.randn(len(tokenizer), generator=g)  # [V]
+        logits[closers] += 0.02 * step
+        logits = logits.to(dtype)
+        token = int(state.mask(logits).argmax())
+        state.accept(token)
+        if token in STOP:
+            break
+        out.append(token)
+        if state.is_terminated():
+            break
+    assert state.is_terminated(), f"not finished in {max_steps} steps: {tokenizer.decode(out)!r}"
+    return tokenizer.decode(out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_object_output_parses_to_an_object(tokenizer, closers, seed):
+    text = greedy(Grammar.json_object(tokenizer, STOP).start(), tokenizer, closers, seed)
+    assert isinstance(json.loads(text), dict), text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_json_schema_output_validates(tokenizer, closers, seed, dtype):
+    text = greedy(Grammar.json_schema(tokenizer, PERSON, STOP).start(), tokenizer, closers, seed, dtype)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_without_the_grammar_the_same_loop_is_not_json(tokenizer, closers):
+    # the control: the logits alone do not produce JSON, so the tests above test the mask
+    g = torch.Generator().manual_seed(0)
+    tokens = [int(torch.randn(len(tokenizer), generator=g).argmax()) for _ in range(20)]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(tokenizer.decode(tokens))
+
+
+def test_stop_tokens_only_once_the_json_is_complete(tokenizer):
+    state = Grammar.json_object(tokenizer, STOP).start()
+    allowed = torch.isfinite(state.mask(torch.zeros(len(tokenizer))))
+    assert not allowed[list(STOP)].any()
+    assert tokenizer.decode(allowed.nonzero()[:, 0].tolist()).lstrip().startswith("{")
+    for token in tokenizer.encode('{"a": [1, {"b": null}]}'):
+        assert not state.is_terminated()
+        state.accept(token)
+    assert state.is_terminated()
+    allowed = torch.isfinite(state.mask(torch.zeros(len(tokenizer))))
+    assert allowed.nonzero()[:, 0].tolist() == list(STOP)
+
+
+def test_a_forbidden_token_is_refused(tokenizer):
+    state = Grammar.json_schema(tokenizer, PERSON, STOP).start()
+    with pytest.raises(ValueError, match="not allowed here by the grammar: Parser Error: token \"hello\""):
+        state.accept(tokenizer.encode("hello")[0])
+
+
+def test_properties_come_in_the_order_the_schema_declares(tokenizer):
+    # pydantic lists fields in class order; the model is asked for them in that order
+    state = Grammar.json_schema(tokenizer, PERSON, STOP).start()
+    for token in tokenizer.encode('{"name": "Ada", "age": 36, "role": "author", "scores": [], '
+                                  '"address": {"city": "London"}, "active": true}'):
+        state.accept(token)
+    assert state.is_terminated()
+
+
+def test_rollback_returns_to_the_earlier_mask(tokenizer):
+    state = Grammar.json_schema(tokenizer, PERSON, STOP).start()
+    tokens = tokenizer.encode('{"name": "Ada", "age"')
+    for token in tokens[:3]:
+        state.accept(token)
+    before = state.mask(torch.zeros(len(tokenizer))).clone()
+    for token in tokens[3:]:
+        state.accept(token)
+    assert not torch.equal(state.mask(torch.zeros(len(tokenizer))), before)
+    state.rollback(len(tokens) - 3)
+    assert torch.equal(state.mask(torch.zeros(len(tokenizer))), before)
+    with pytest.raises(ValueError, match="roll back 0..3"):
+        state.rollback(4)
+
+
+def test_mask_rows_masks_constrained_rows_only(tokenizer):
+    grammar = Grammar.json_schema(tokenizer, PERSON, STOP)
+    a, b = grammar.start(), Grammar.json_object(tokenizer, STOP).start()
+    for token in tokenizer.encode('{"name": "A'):
+        a.accept(token)
+    logits = torch.randn(3, len(tokenizer)).to(torch.bfloat16)  # [n, V]
+    free = logits[1].clone()
+    expect_a, expect_b = a.mask(logits[0].clone()), b.mask(logits[2].clone())
+    mask_rows([a, None, b], logits)
+    assert torch.equal(logits[0], expect_a) and torch.equal(logits[2], expect_b)
+    assert torch.equal(logits[1], free)
+
+
+def test_logits_wider_than_the_vocabulary_mask_the_padding(tokenizer):
+    # a padded lm_head (Qwen, Phi-3): the extra columns are never text
+    state = Grammar.json_object(tokenizer, STOP).start()
+    logits = state.mask(torch.zeros(len(tokenizer) + 64))
+    assert torch.isinf(logits[len(tokenizer):]).all()
+    assert torch.isfinite(logits[: len(tokenizer)]).any()
+
+
+def test_compiled_grammars_are_cached_per_schema(tokenizer):
+    again = json.loads(json.dumps(PERSON))  # an equal schema, another object
+    assert Grammar.json_schema(tokenizer, again, STOP) is Grammar.json_schema(tokenizer, PERSON, STOP)
+    assert Grammar.json_schema(tokenizer, PERSON, STOP) is not Grammar.json_object(tokenizer, STOP)
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "foo"}, "Invalid type: foo"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/defs/x"}}}, "/defs/x"),
+    ({"type": "object", "properties": {"x": False}, "required": ["x"]}, "unsatisfiable"),
+    ({"type": "string", "pattern": "(("}, "unclosed group"),
+])
+def test_a_bad_schema_is_a_value_error_naming_the_problem(tokenizer, schema, message):
+    with pytest.raises(ValueError, match="cannot be used for constrained decoding") as e:
+        Grammar.json_schema(tokenizer, schema, STOP)
+    assert message in str(e.value)
+
+
+def test_response_format_from_openai_shapes():
+    assert ResponseFormat.from_openai({"type": "text"}) is None
+    assert ResponseFormat.from_openai({"type": "json_object"}) == ResponseFormat.json_object()
+    fmt = ResponseFormat.from_openai({"type": "json_schema", "json_schema": {"name": "Person", "schema": PERSON,
+                                                                             "strict": True}})
+    assert (fmt.kind, fmt.name, json.loads(fmt.schema)) == ("json_schema", "Person", PERSON)
+
+
+@pytest.mark.parametrize(("obj", "message"), [
+    ("json", "must be an object with a 'type'"),
+    ({"type": "yaml"}, r"one of \('text', 'json_object', 'json_schema'\), got 'yaml'"),
+    ({"type": "json_schema"}, "needs {'json_schema'"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, "needs {'json_schema'"),
+])
+def test_a_bad_response_format_is_a_value_error(obj, message):
+    with pytest.raises(ValueError, match=message):
+        ResponseFormat.from_openai(obj)
+
+
+def test_a_schema_must_be_a_dict_and_serialisable():
+    with pytest.raises(ValueError, match="is a dict"):
+        ResponseFormat.json_schema([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        ResponseFormat.json_schema({"default": object()})
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ResponseFormat("xml")
