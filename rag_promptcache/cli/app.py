@@ -1,6 +1,8 @@
 """The `rag-promptcache` command: one typer app, its error policy, and where subcommands plug in.
 
-Exit codes: 0 ok, 1 user error (one line on stderr, no traceback), 2 internal error, 130 interrupted.
+Exit codes: 0 ok, 1 user error (one line on stderr, no traceback), 2 internal error, 130 interrupted,
+141 output closed early (`info | head -2`: quietly, with the code a shell gives a program SIGPIPE ends,
+as `cat` or `git log` would; Python ignores SIGPIPE, so we turn its BrokenPipeError into that).
 Heavy imports (torch, transformers, faiss) happen inside commands so `--help` stays fast.
 
 Other packages add commands by exposing `register(app: typer.Typer) -> None` in a `cli` module
@@ -42,6 +44,19 @@ RedisOpt = Annotated[str | None, typer.Option(
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for `cat big | head -1`'s cat
+
+
+def quiet_stdout() -> None:
+    """The reader of stdout is gone (`| head`): point stdout at devnull so that the interpreter's
+    final flush of what is still buffered does not raise a second BrokenPipeError at exit
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe). Help text, printed by typer
+    itself, is covered by typer's own handler (quietly, exit 1)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
@@ -56,6 +71,9 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except BrokenPipeError:  # the reader left (`| head`): not a failure of the command
+            quiet_stdout()
+            raise typer.Exit(SIGPIPE_EXIT) from None
         except KeyboardInterrupt:
             typer.echo("\ninterrupted", err=True)
             raise typer.Exit(130) from None
@@ -106,10 +124,14 @@ def main(argv: list[str] | None = None) -> None:
             # one line per warning, like the errors, not Python's "file:line: Category" with source
             warnings.showwarning = lambda message, category, *a, **k: typer.echo(f"warning: {message}", err=True)
             code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
+        sys.stdout.flush()  # inside the try: a pipe closed early fails here, not at interpreter exit
     except typer.TyperException as e:  # usage errors (typer vendors click; this is its base class)
         e.show() if hasattr(e, "show") else typer.echo(f"error: {e}", err=True)
         sys.exit(1)
     except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(130)
+    except BrokenPipeError:
+        quiet_stdout()
+        sys.exit(SIGPIPE_EXIT)
     sys.exit(code if isinstance(code, int) else 0)
