@@ -26,6 +26,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -222,6 +224,22 @@ def check_hub(repo_id: str, *, valid: str) -> bool:
     return False
 
 
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No "Loading weights" bar while we load a model: seconds of work, where bars belong to long
+    work (ingest, bench). The caller's setting is restored after: an application using this library
+    keeps its own bars."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -230,9 +248,10 @@ def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
         config = AutoConfig.from_pretrained(directory)
         # device_map places weights straight onto an accelerator; on the CPU it only costs time.
         placement = {} if device.type == "cpu" else {"device_map": str(device)}
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, config=config, dtype=dtype, attn_implementation="sdpa", **placement
-        )
+        with quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, config=config, dtype=dtype, attn_implementation="sdpa", **placement
+            )
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as e:
         where = "local directory" if Path(directory).is_dir() else "hub id"

@@ -88,12 +88,15 @@ class Embedder:
         self.name, target = resolve(name)
         self.batch_size = batch_size
         offline = target != name or os.path.isdir(target) or _hub_cached(target)
+        from rag_promptcache.model.loading import quiet_progress
+
         try:
-            if offline:
-                with _hub_offline():
+            with quiet_progress():
+                if offline:
+                    with _hub_offline():
+                        self.model = SentenceTransformer(target, device=device)
+                else:
                     self.model = SentenceTransformer(target, device=device)
-            else:
-                self.model = SentenceTransformer(target, device=device)
         except OSError as e:
             raise ValueError(f"cannot load embedder {name!r}: {e}") from e
         dim = self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") else None
