@@ -68,17 +68,9 @@ DEFAULT_NO_REPEAT_NGRAM = 6
 
 
 class Corpus:
-    def __init__(
-        self,
-        path: Path,
-        manifest: Manifest,
-        *,
-        engine: PromptCache | None = None,
-        embedder: EmbedderLike | None = None,
-        memory_bytes: int = 1 << 30,
-        redis_url: str | None = None,
-        disk_tier: bool = True,
-    ) -> None:
+    def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
+                 embedder: EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
+                 disk_tier: bool = True) -> None:
         self.path = path
         self.manifest = manifest
         self.table = layout.open_table(path)
@@ -99,18 +91,9 @@ class Corpus:
     # -- opening and creating ----------------------------------------------------------------------
 
     @classmethod
-    def open(
-        cls,
-        path: str | os.PathLike[str],
-        engine: PromptCache | None = None,
-        *,
-        model: str | None = None,
-        embedder: str | EmbedderLike | None = None,
-        memory_bytes: int = 1 << 30,
-        redis_url: str | None = None,
-        disk_tier: bool = True,
-        dtype: str | None = None,
-    ) -> Corpus:
+    def open(cls, path: str | os.PathLike[str], engine: PromptCache | None = None, *, model: str | None = None,
+             embedder: str | EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
+             disk_tier: bool = True, dtype: str | None = None) -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
         with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
         loads in the corpus's recorded dtype). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
@@ -126,29 +109,13 @@ class Corpus:
         return cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url, disk_tier=disk_tier)
 
     @classmethod
-    def build(
-        cls,
-        inputs: Iterable[str | os.PathLike[str] | object],
-        path: str | os.PathLike[str],
-        *,
-        model: str | None = None,
-        embedder: str | EmbedderLike | None = None,
-        engine: PromptCache | None = None,
-        chunk_tokens: int | None = None,
-        overlap: int | None = None,
-        max_tokens: int | None = None,
-        index: str | None = None,
-        instructions: str | None = None,
-        mode: str | None = None,
-        dtype: str | None = None,
-        field: str = "text",
-        id_field: str = "id",
-        token_budget: int = DEFAULT_TOKEN_BUDGET,
-        on_batch: OnBatch | None = None,
-        progress: bool | None = None,
-        redis_url: str | None = None,
-        ray: RayOptions | None = None,
-    ) -> Corpus:
+    def build(cls, inputs: Iterable[str | os.PathLike[str] | object], path: str | os.PathLike[str], *,
+              model: str | None = None, embedder: str | EmbedderLike | None = None, engine: PromptCache | None = None,
+              chunk_tokens: int | None = None, overlap: int | None = None, max_tokens: int | None = None,
+              index: str | None = None, instructions: str | None = None, mode: str | None = None,
+              dtype: str | None = None, field: str = "text", id_field: str = "id",
+              token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
+              redis_url: str | None = None, ray: RayOptions | None = None) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
         `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`). `dtype` ("auto"/None:
         the device's default) is recorded in the manifest; later opens use it."""
@@ -252,17 +219,9 @@ class Corpus:
 
     # -- ingest ------------------------------------------------------------------------------------
 
-    def add(
-        self,
-        inputs: Iterable[str | os.PathLike[str] | object],
-        *,
-        field: str = "text",
-        id_field: str = "id",
-        token_budget: int = DEFAULT_TOKEN_BUDGET,
-        on_batch: OnBatch | None = None,
-        progress: bool | None = None,
-        ray: RayOptions | None = None,
-    ) -> IngestReport:
+    def add(self, inputs: Iterable[str | os.PathLike[str] | object], *, field: str = "text", id_field: str = "id",
+            token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
+            ray: RayOptions | None = None) -> IngestReport:
         """Ingest new and changed documents; unchanged ones cost a hash. Files gone from an ingested
         directory are removed. Each .jsonl/.json record is a document named by its `id_field`, its
         text in `field`, its other fields kept as metadata. `on_batch` runs after each committed batch.
@@ -388,16 +347,8 @@ class Corpus:
         the question, where recovery `last:N` recomputes it (docs/FIDELITY.md)."""
         return list(module_ids)[::-1]
 
-    def ask(
-        self,
-        question: str,
-        k: int = 4,
-        *,
-        history: Sequence[tuple[str, str]] = (),
-        stream: bool = False,
-        max_new_tokens: int = 256,
-        **sampling: object,
-    ) -> Answer | AnswerStream:
+    def ask(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (), stream: bool = False,
+            max_new_tokens: int = 256, **sampling: object) -> Answer | AnswerStream:
         """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
         `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
         stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM."""
