@@ -85,8 +85,13 @@ class Corpus:
         self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
         self._ingest_lock = threading.RLock()  # one add or remove at a time
         self.last_report: IngestReport | None = None
-        self.index = layout.load_index(path, manifest, self.table)
         self._index_generation = self.table.generation
+        self.index, damaged = layout.load_index(path, manifest, self.table)
+        if damaged:
+            try:
+                layout.save_index(path, self.index, self._index_generation)
+            except OSError:
+                pass  # a read-only corpus: the warning repeats on each open, nothing is lost
 
     # -- opening and creating ----------------------------------------------------------------------
 
@@ -105,6 +110,7 @@ class Corpus:
             what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
             raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
         manifest = layout.read_manifest(path)
+        layout.check_files(path)
         emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder)
         return cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url, disk_tier=disk_tier)
 

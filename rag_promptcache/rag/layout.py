@@ -79,19 +79,32 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def load_index(path: Path, manifest: Manifest, table: ChunkTable) -> VectorIndex:
-    """The saved index when it reflects the table's generation, else one rebuilt from the table."""
+def check_files(path: Path) -> None:
+    """An existing corpus must still have its chunk table: opening would otherwise make an empty one."""
+    if not (path / TABLE).is_file():
+        raise ValueError(f"{path / TABLE} is missing; it holds the corpus's chunks and vectors and cannot be rebuilt: "
+                         "restore it from a backup, or re-ingest the documents into a new corpus")
+
+
+def load_index(path: Path, manifest: Manifest, table: ChunkTable) -> tuple[VectorIndex, bool]:
+    """The saved index when it reflects the table's generation, else one rebuilt from the table;
+    True when the saved one was damaged (the caller saves the rebuilt one, so it warns once)."""
     file, meta = path / INDEX, path / INDEX_META
     if file.exists() and meta.exists():
         try:
             saved = json.loads(meta.read_text())
             if saved.get("generation") == table.generation and saved.get("kind") == manifest.index:
-                return VectorIndex.load(file, manifest.dim, manifest.index)
+                return VectorIndex.load(file, manifest.dim, manifest.index), False
         except (ValueError, RuntimeError, AssertionError) as e:  # faiss raises RuntimeError on a damaged file
             # the index is derived data: the table holds every vector, so rebuild rather than fail
             warnings.warn(f"{file} or {meta.name} is damaged ({str(e).strip().splitlines()[0]}); "
                           f"rebuilding the index from {TABLE}", CorpusWarning, stacklevel=3)
+            return _rebuilt(manifest, table), True
     # Missing or behind the table (an ingest stopped between commit and save): rebuild.
+    return _rebuilt(manifest, table), False
+
+
+def _rebuilt(manifest: Manifest, table: ChunkTable) -> VectorIndex:
     index = VectorIndex(manifest.dim, manifest.index)
     index.add(*table.vectors(manifest.dim))
     return index
