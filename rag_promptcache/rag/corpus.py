@@ -42,11 +42,9 @@ from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, check
 from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
+from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM
 from rag_promptcache.rag.retrieval import Hit
 from rag_promptcache.rag.table import Dropped
-
-# Kept for rag_promptcache.cli.app, which reads the version through this name.
-from rag_promptcache.rag.layout import package_version as _package_version  # noqa: F401  isort: skip
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -64,7 +62,6 @@ DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to 
 BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 # The small default model can repeat a sentence until max_new_tokens; no 6-token run of an answer
 # twice stops that verbatim loop and leaves ordinary answers as they were (README: Limits).
-DEFAULT_NO_REPEAT_NGRAM = 6
 
 
 class Corpus:

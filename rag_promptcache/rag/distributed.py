@@ -215,7 +215,7 @@ def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]]]
         import ray
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
-    started = _connect(ray, opts)
+    started = connect(ray, opts)
     actors: list[object] = []
     try:
         sink, spec = _plan(ray, target, opts)
@@ -273,7 +273,7 @@ def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]]]
             ray.shutdown()
 
 
-def _connect(ray, opts: RayOptions) -> bool:
+def connect(ray, opts: RayOptions) -> bool:
     """Join the cluster (or start a local one); True when this call started Ray and must stop it."""
     if ray.is_initialized():
         return False
