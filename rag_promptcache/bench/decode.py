@@ -144,7 +144,7 @@ def answers(bench: Bench) -> dict[str, object]:
     """Decode on answers as a user gets them (see the module docstring): the engine in its default
     dtype with its default lookup and with none, and transformers in fp32 (the user's baseline) with
     the same answer-only no-repeat rule; every question once per round, rounds interleaved."""
-    from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
+    from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM
 
     cfg, tok = bench.config, bench.tokenizer
     dt = resolve_device_dtype(bench.device, None)[1]
