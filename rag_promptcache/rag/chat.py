@@ -1,7 +1,7 @@
 """Chat turns over a corpus → the prompt to generate from, with its sources: what a server needs per request.
 
-The last turn is the question; earlier turns are history. Retrieval is `Corpus.search`, trimmed to
-the context window like `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
+The last turn is the question; earlier turns are history. Retrieval is `Corpus.retrieve` (search
+fitted to the context window), as in `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
 imported (their stored KV reused) exactly as the framework adapters import them. `module_ids`
 skips retrieval. `completion_prompt` is the raw-prompt counterpart (PML or plain text).
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from rag_promptcache.pml import ast
 from rag_promptcache.rag.prompts import build_prompt
+from rag_promptcache.rag.retrieval import Hit
 
 if TYPE_CHECKING:
     from rag_promptcache.rag.corpus import Corpus
@@ -24,11 +25,7 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant")
 
 
-@dataclass(frozen=True, slots=True)
-class Source:
-    module_id: str
-    label: str  # the document the chunk came from
-    score: float | None  # cosine similarity to the question; None when the caller named the module
+Source = Hit  # a response's source: (module_id, label, score rounded to 4 places, or None when named by the caller)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,16 +64,16 @@ class CorpusChat:
         with self._lock:
             if module_ids is None:
                 history = [(text, "") for _, text in turns[:-1]]  # counted for the window, as `ask` does
-                hits: list[tuple[str, float | None]] = list(c._fit(c.search(question, k), question, history, max_new_tokens))
+                hits = [Hit(h.module_id, h.label, round(float(h.score), 4))
+                        for h in c.retrieve(question, k, history=history, max_new_tokens=max_new_tokens)]
             else:
                 unknown = [m for m in module_ids if not c.has_module(m)]
                 if unknown:
                     raise ValueError(f"unknown module id(s) {unknown} in corpus {c.path.name}; "
                                      "module ids come from a response's sources")
-                hits = [(m, None) for m in dict.fromkeys(module_ids)]
-            sources = tuple(Source(m, c._label(m), None if s is None else round(float(s), 4)) for m, s in hits)
-            prompt = build_prompt(turns, corpus=c, module_ids=[m for m, _ in hits])
-        return ChatPrompt(prompt, sources)
+                hits = [Hit(m, c.label(m), None) for m in dict.fromkeys(module_ids)]
+            prompt = build_prompt(turns, corpus=c, module_ids=[h.module_id for h in hits])
+        return ChatPrompt(prompt, tuple(hits))
 
     def completion_prompt(self, text: str) -> ChatPrompt:
         """A raw prompt: PML (which may import the corpus's modules by name) or plain text, as is."""
