@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("llguidance", reason="structured output needs the [structured] extra")
 
-from rag_promptcache.engine.grammar import Grammar, GrammarState, ResponseFormat, mask_rows  # noqa: E402
+from rag_promptcache.engine.grammar import Grammar, GrammarState, ResponseFormat  # noqa: E402
 
 STOP = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>, the engine's EOS set for this model
 PERSON = {
@@ -47,7 +47,7 @@ def greedy(state: GrammarState, tokenizer, closers: torch.Tensor, seed: int, dty
     out: list[int] = []
     for step in range(max_steps):
         logits = torch.randn(len(tokenizer), generator=g)  # [V]
-        logits[closers] += 0.02 * step
+        logits[closers] += 0.05 * step
         logits = logits.to(dtype)
         token = int(state.mask(logits).argmax())
         state.accept(token)
@@ -124,19 +124,6 @@ def test_rollback_returns_to_the_earlier_mask(tokenizer):
         state.rollback(4)
 
 
-def test_mask_rows_masks_constrained_rows_only(tokenizer):
-    grammar = Grammar.json_schema(tokenizer, PERSON, STOP)
-    a, b = grammar.start(), Grammar.json_object(tokenizer, STOP).start()
-    for token in tokenizer.encode('{"name": "A'):
-        a.accept(token)
-    logits = torch.randn(3, len(tokenizer)).to(torch.bfloat16)  # [n, V]
-    free = logits[1].clone()
-    expect_a, expect_b = a.mask(logits[0].clone()), b.mask(logits[2].clone())
-    mask_rows([a, None, b], logits)
-    assert torch.equal(logits[0], expect_a) and torch.equal(logits[2], expect_b)
-    assert torch.equal(logits[1], free)
-
-
 def test_logits_wider_than_the_vocabulary_mask_the_padding(tokenizer):
     # a padded lm_head (Qwen, Phi-3): the extra columns are never text
     state = Grammar.json_object(tokenizer, STOP).start()
@@ -189,3 +176,74 @@ def test_a_schema_must_be_a_dict_and_serialisable():
         ResponseFormat.json_schema({"default": object()})
     with pytest.raises(ValueError, match="kind must be one of"):
         ResponseFormat("xml")
+
+
+# -- through the engine: the one decode state, alone, batched and with prompt lookup -----------------
+
+SMALL = {  # every value bounded, so that even a random-weight model's answer ends
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["old", "new", "big"]}, "maxItems": 3},
+        "open": {"type": "boolean"},
+    },
+    "required": ["city", "rank", "tags", "open"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "City", "schema": SMALL, "strict": True}}
+DOC = ('<schema name="g"><module name="a">Paris: {"city": "Paris", "rank": 1, "tags": ["old", "big"], '
+       '"open": true}</module></schema>')
+ASK = '<prompt schema="g"><a/><user>Describe the city as JSON.</user></prompt>'
+
+
+@pytest.fixture(scope="module")
+def engines(tokenizer):
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.store import MemoryStore
+    from tests.tiny import build
+
+    def make(lookup: int) -> PromptCache:
+        pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(),
+                         recovery="none", prompt_lookup=lookup)
+        pc.add_schema(DOC)
+        return pc
+
+    return make(0), make(4)
+
+
+def test_engine_answers_validate_alone_batched_and_with_lookup(engines):
+    plain, lookup = engines
+    alone = plain.generate(ASK, response_format=FORMAT, max_new_tokens=300)
+    jsonschema.validate(json.loads(alone.text), SMALL)
+    assert alone.finish_reason == "eos"  # ended by the grammar, not the budget
+    assert lookup.generate(ASK, response_format=FORMAT, max_new_tokens=300).token_ids == alone.token_ids
+    batched = plain.generate_batch([ASK, ASK, "Say something."], max_batch=3, max_new_tokens=300,
+                                   response_format=FORMAT)
+    assert [r.token_ids for r in batched[:2]] == [alone.token_ids] * 2
+    free = plain.generate(ASK, max_new_tokens=40)  # the control: the same model unconstrained
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.text)
+
+
+def test_engine_json_object_and_a_format_record(engines):
+    plain, _ = engines
+    result = plain.generate(ASK, response_format=ResponseFormat.json_object(), max_new_tokens=300,
+                            no_repeat_ngram=3)  # the grammar wins where every allowed token repeats
+    assert result.finish_reason == "eos", result.text
+    assert isinstance(json.loads(result.text), dict)
+    assert plain.generate(ASK, response_format={"type": "text"}, max_new_tokens=8).text == \
+        plain.generate(ASK, max_new_tokens=8).text
+
+
+def test_engine_refuses_a_bad_schema_before_queueing(engines):
+    plain, _ = engines
+    bad = {"type": "json_schema", "json_schema": {"name": "Bad", "schema": {"type": "foo"}}}
+    with pytest.raises(ValueError, match="response_format: the JSON schema 'Bad' cannot be used"):
+        plain.stream(ASK, response_format=bad)
+    with plain.scheduler() as s:
+        with pytest.raises(ValueError, match="Invalid type: foo"):
+            s.submit(ASK, response_format=bad)
+        assert s.num_waiting == 0 and s.num_running == 0
+    with pytest.raises(ValueError, match="response_format type must be one of"):
+        plain.generate(ASK, response_format={"type": "yaml"})

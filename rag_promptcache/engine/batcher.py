@@ -46,6 +46,7 @@ from rag_promptcache.engine.scheduler import QueueFull, Rows
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from rag_promptcache.engine.grammar import Grammar
     from rag_promptcache.engine.plan import Plan
     from rag_promptcache.engine.prefill import Prefilled
     from rag_promptcache.engine.recovery import Recovery
@@ -69,6 +70,8 @@ class Engine(Protocol):
     def prefill(self, plan: Plan, room: int = ...) -> Prefilled: ...
 
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = ..., lookup: bool = ...) -> DecodeState: ...
+
+    def grammar(self, sampling: Sampling) -> Grammar | None: ...
 
 
 class Cancelled(Exception):
@@ -194,6 +197,7 @@ class Batcher:
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("this scheduler is closed")
+        self.engine.grammar(s)  # a response_format schema that cannot be used raises here, not in the loop
         # planning may encode missing modules (forward passes under engine.model_lock); raises on a
         # prompt past the context window
         plan = self.engine.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)

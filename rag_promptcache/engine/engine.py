@@ -28,6 +28,7 @@ from rag_promptcache.engine.batcher import Batcher
 from rag_promptcache.engine.compiler import LAYOUTS, Compiler, Layout
 from rag_promptcache.engine.decode import can_crop, decode
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode
+from rag_promptcache.engine.grammar import Grammar
 from rag_promptcache.engine.lookup import lookup_tokens
 from rag_promptcache.engine.plan import Plan, PlanConfig, Planner, uncached
 from rag_promptcache.engine.prefill import Prefilled, prefill
@@ -181,10 +182,18 @@ class PromptCache:
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = None, lookup: bool = True) -> DecodeState:
         """A fresh `DecodeState` for an answer to `plan`: this engine's tokenizer, EOS ids and prompt
         lookup (`lookup=False`: none, for a cache that cannot be cropped)."""
+        grammar = self.grammar(sampling)
         return DecodeState(sampling, start=plan.next_position, eos_ids=self.eos_ids,
                            text=TextStream(self.tokenizer, sampling.stop),
                            history=[t for p in plan.pieces for t in p.token_ids],
-                           lookup=self.prompt_lookup if lookup else 0, t0=t0)
+                           lookup=self.prompt_lookup if lookup else 0, t0=t0,
+                           grammar=grammar.start() if grammar is not None else None)
+
+    def grammar(self, sampling: Sampling) -> Grammar | None:
+        """`sampling.response_format` compiled for this tokenizer and EOS ids (cached), or None for free
+        text. Raises ValueError for a schema that cannot be used: callers check before queueing."""
+        fmt = sampling.response_format
+        return None if fmt is None else Grammar.compile(self.tokenizer, fmt, sorted(self.eos_ids))
 
     def stream_plan(self, plan: Plan, sampling: Sampling, *, t0: float | None = None) -> Stream:
         """Decode an answer to an already made plan (`plan`, possibly altered by the caller)."""
@@ -215,6 +224,7 @@ class PromptCache:
         s = Sampling(**sampling)
         t0 = time.perf_counter()
         # raises here, before the first next()
+        self.grammar(s)
         plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
         return self.stream_plan(plan, s, t0=t0)
 

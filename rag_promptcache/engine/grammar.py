@@ -2,7 +2,7 @@
 
 `ResponseFormat` is what a caller asks for (OpenAI's `response_format` shapes parse into it, torch-free).
 `Grammar.compile(tokenizer, format, stop_ids)` turns it into a grammar for one tokenizer (cached), and
-`grammar.start()` gives one request its `GrammarState`: before each sampling step `mask(logits)` sets every
+`grammar.start()` gives one request its `GrammarState` (engine/state.py holds it): before each sampling step `mask(logits)` sets every
 token the grammar forbids to -inf, after it `accept(token)` advances. The model's stop tokens are allowed
 only once the JSON is complete, and `is_terminated()` says the answer is over.
 
@@ -134,10 +134,10 @@ class GrammarState:
         self.num_accepted = 0
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [V] or [1, V] → the same tensor, disallowed tokens set to -inf in place."""
+        """logits: [V] or [1, V] → a copy with the tokens the grammar forbids set to -inf. A copy: the
+        model's logits are inference tensors, which cannot be written outside inference mode."""
         fill_bitmask(self, self.bitmask, 0)
-        apply_bitmask(logits.view(1, -1), self.bitmask)
-        return logits
+        return apply_bitmask(logits.view(1, -1), self.bitmask).view(logits.shape)
 
     def accept(self, token_id: int) -> None:
         """Advance past `token_id` (which `mask` allowed). A token the grammar forbids raises."""
@@ -157,24 +157,6 @@ class GrammarState:
         self.num_accepted -= n
 
 
-def mask_rows(states: Sequence[GrammarState | None], logits: torch.Tensor) -> torch.Tensor:
-    """logits: [n, V], one row per request (a batched decode step); rows whose state is None are left
-    alone. One bitmask, one apply for all constrained rows."""
-    assert len(states) == logits.shape[0], f"{len(states)=} {logits.shape=}"
-    rows = [i for i, s in enumerate(states) if s is not None]
-    if rows:
-        bitmask = torch.empty(len(rows), states[rows[0]].bitmask.shape[1], dtype=torch.int32)
-        for k, i in enumerate(rows):
-            fill_bitmask(states[i], bitmask, k)
-        if len(rows) == len(states):
-            apply_bitmask(logits, bitmask)
-        else:
-            sub = logits[rows]  # advanced indexing copies: mask the copy, write it back
-            apply_bitmask(sub, bitmask)
-            logits[rows] = sub
-    return logits
-
-
 def fill_bitmask(state: GrammarState, bitmask: torch.Tensor, row: int) -> None:
     """Write `state`'s allowed tokens into `bitmask[row]` ([n, W] int32, CPU)."""
     v = bitmask[row]
@@ -188,14 +170,18 @@ def first_error(matcher: LLMatcher) -> str:
     return next((line.removeprefix("Error: ") for line in lines if line.startswith("Error: ")), lines[0] if lines else "")
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits: [n, V] any float dtype and device; bitmask: [n, W] int32 on CPU, little-endian bits.
-    Logit columns past the tokenizer's vocabulary (a padded lm_head) are never text: -inf."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits: [n, V] any float dtype and device; bitmask: [n, W] int32 on CPU, little-endian bits →
+    masked logits [n, V]. Columns past the tokenizer's vocabulary (a padded lm_head) are never text."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")  # [n, 32 W]
+    allowed = np.zeros(logits.shape, dtype=bool)
     vocab = min(logits.shape[-1], bits.shape[-1])
-    allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.bool)
-    logits[:, :vocab].masked_fill_(~allowed, float("-inf"))
-    logits[:, vocab:] = float("-inf")
+    allowed[:, :vocab] = bits[:, :vocab]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy, single-threaded: a 2-thread torch masked_fill of one row stalls when the cores are
+        # busy (the other thread is descheduled), and one row is too small to gain from threads
+        return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(-np.inf)))
+    return logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
 
 
 def _llguidance():
@@ -220,7 +206,7 @@ def _compiled(ll_tokenizer: LLTokenizer, format: ResponseFormat) -> Grammar:
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer)
     if is_error:
         what = f"JSON schema {format.name!r}" if format.name else "JSON schema"
-        raise ValueError(f"the {what} cannot be used for constrained decoding: {messages[0]}")
+        raise ValueError(f"response_format: the {what} cannot be used for constrained decoding: {messages[0]}")
     matcher = llg.LLMatcher(ll_tokenizer, text, log_level=0)
     assert not matcher.is_error(), f"{matcher.get_error()=}"
     return Grammar(format, matcher, ll_tokenizer.vocab_size)

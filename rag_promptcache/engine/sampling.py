@@ -1,5 +1,6 @@
 """Sampling options and the choice of one token from next-token logits: temperature, top-k, top-p and
-the repetition controls. Also which token ids end an answer (`eos_token_ids`).
+the repetition controls. Also which token ids end an answer (`eos_token_ids`). The output format
+(`response_format`, constrained decoding) is an option here; its grammar is engine/grammar.py's.
 
 Out of scope: the decode loop and what a request's answer so far is (engine/state.py), forwards.
 """
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rag_promptcache.engine.grammar import ResponseFormat
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +31,20 @@ class Sampling:
     repetition_penalty: float = 1.0  # > 1 divides a positive logit (multiplies a negative one) of each token already generated
     no_repeat_ngram: int = 0  # n > 0: no n-gram of the answer is generated twice (stops verbatim loops)
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks), as vLLM's ignore_eos
+    # JSON output by constrained decoding: a ResponseFormat, or OpenAI's `response_format` dict
+    # ({"type": "json_object"}, {"type": "json_schema", "json_schema": {...}}); None or {"type": "text"}: free text
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) for s in stop):
             raise ValueError(f"stop takes a string or a sequence of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)  # normalised once here: every caller gets a tuple
+        if isinstance(self.response_format, dict):
+            object.__setattr__(self, "response_format", ResponseFormat.from_openai(self.response_format))
+        elif self.response_format is not None and not isinstance(self.response_format, ResponseFormat):
+            raise ValueError("response_format takes a ResponseFormat, an OpenAI response_format dict or None, "
+                             f"got {type(self.response_format).__name__}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:

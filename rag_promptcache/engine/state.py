@@ -8,8 +8,10 @@ back (`advance`); it answers with the text pieces to emit and how many draft tok
 cache. So the engine's single-request loop (engine/decode.py) and the batcher (engine/batcher.py)
 differ only in how they run the forward.
 
-Every token is chosen in one place, `_choose`: a logits processor (constrained decoding) goes there,
-once, for every path, draft checks included.
+Every token is chosen in one place, `_choose`: the grammar of a constrained request (engine/grammar.py)
+masks the logits there, once, for every path. A draft is checked row by row through `_choose`, the
+grammar advancing with each kept token, so prompt lookup needs no grammar rollback. A grammar that is
+complete ends the answer as an EOS would.
 
 Out of scope: forwards and caches (engine/runner.py, engine/decode.py, engine/batch.py), sampling
 math (engine/sampling.py).
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from rag_promptcache.engine.grammar import GrammarState
 from rag_promptcache.engine.lookup import NgramDrafter
 from rag_promptcache.engine.result import FinishReason
-from rag_promptcache.engine.sampling import Sampling, sample
+from rag_promptcache.engine.sampling import Sampling, penalize, sample
 from rag_promptcache.engine.text import TextStream
 
 
@@ -58,11 +61,13 @@ class DecodeState:
         history: Sequence[int] = (),
         lookup: int = 0,
         t0: float | None = None,
+        grammar: GrammarState | None = None,
     ) -> None:
         """`start`: the position of the answer's first token. `text`: None decodes token ids only (no
         stop strings). `history`: the prompt's token ids, what prompt lookup drafts from; `lookup` > 0:
         draft up to that many tokens per forward (greedy only: ignored when sampling). `t0`: when the
-        request came in, for the time to first token."""
+        request came in, for the time to first token. `grammar`: the request's place in its
+        `response_format` grammar (None: free text)."""
         self.sampling = sampling
         self.start = start
         self.eos_ids = frozenset() if sampling.ignore_eos else eos_ids
@@ -70,6 +75,7 @@ class DecodeState:
         self.history = history
         self.lookup = lookup if sampling.temperature == 0 else 0
         self.t0 = time.perf_counter() if t0 is None else t0
+        self.grammar = grammar
         self.tokens: list[int] = []  # the answer so far
         self.finish: FinishReason | None = None
         self.ttft_s = 0.0
@@ -126,6 +132,12 @@ class DecodeState:
         s = self.sampling
         if self._generator is None and s.seed is not None and s.temperature > 0:
             self._generator = torch.Generator(device=logits.device).manual_seed(s.seed)
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
+            # JSON repeats its structure (`}, {"name": `); where every continuation the grammar allows
+            # repeats an n-gram, the grammar wins over no_repeat_ngram
+            if s.no_repeat_ngram and not torch.isfinite(penalize(logits, s, self.tokens)).any():
+                s = replace(s, no_repeat_ngram=0)
         return sample(logits, s, self._generator, self.tokens)
 
     def _accept(self, token: int) -> str:
@@ -133,12 +145,16 @@ class DecodeState:
         if not self.tokens:
             self.ttft_s = time.perf_counter() - self.t0
         self.tokens.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         if token in self.eos_ids:  # never emitted as text
             self.finish = "eos"
             return ""
         piece = self.text.push(token) if self.text is not None else ""
         if self.text is not None and self.text.stopped:
             self.finish = "stop"
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.finish = "eos"  # the JSON is complete: nothing but an EOS could follow
         elif len(self.tokens) >= self.sampling.max_new_tokens:
             self.finish = "length"
         return piece
