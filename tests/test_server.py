@@ -225,7 +225,10 @@ BAD = [
     ("bad recovery", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "recovery": "magic"}, 400, None),
     ("past the window", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, None),
     # fields we do not implement that would change the output: refused by name, never ignored
-    ("json mode", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("bad response_format", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("unusable schema", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     400, "response_format"),
     ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
     ("tool_choice", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
@@ -262,9 +265,9 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, base_url
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
-    with pytest.raises(openai.BadRequestError, match="response_format") as e:
+    with pytest.raises(openai.BadRequestError, match="Invalid type: foo") as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})
     assert e.value.body["param"] == "response_format"
     assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], **GREEDY)
@@ -310,19 +313,48 @@ def test_serve_command_help_and_a_missing_corpus(capsys, tmp_path):
     assert e.value.code == 1 and "does not exist" in capsys.readouterr().err
 
 
-def test_structured_output_from_langchain_is_refused_by_name_not_ignored(base_url):
-    # Until constrained decoding lands, with_structured_output must fail at the server naming the field,
-    # not come back as free text that fails in the client's parser.
+def test_structured_output_from_langchain_and_the_openai_client(client, base_url):
+    # with_structured_output sends response_format json_schema (strict); the server decodes under the
+    # schema's grammar, so the client's parser gets an object that validates
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Fruit(BaseModel):
+        colour: str
+        island: str
+
+    lc = ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", temperature=0, max_tokens=64, max_retries=0)
+    fruit = lc.with_structured_output(Fruit).invoke("What colour is the zorblat, and on which island does it grow?")
+    assert isinstance(fruit, Fruit) and fruit.colour and fruit.island
+    raw = lc.with_structured_output(Fruit, include_raw=True).invoke(QUESTIONS[0])
+    assert raw["parsing_error"] is None and Fruit.model_validate_json(raw["raw"].content) == raw["parsed"]
+
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[2]}],
+                                       response_format={"type": "json_object"}, temperature=0, max_tokens=64)
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+    schema = {"type": "object", "properties": {"year": {"type": "integer"}}, "required": ["year"], "additionalProperties": False}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTIONS[2]}], stream=True, temperature=0, max_tokens=32,
+        response_format={"type": "json_schema", "json_schema": {"name": "Built", "schema": schema, "strict": True}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert set(json.loads(text)) == {"year"} and isinstance(json.loads(text)["year"], int), text
+
+
+def test_tools_are_refused_by_name_not_ignored(base_url):
+    # tool calls are not implemented: a client binding tools gets a 400 naming the field, never free text
     import openai
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel
 
-    class Colour(BaseModel):
-        colour: str
+    class Lookup(BaseModel):
+        """Look a fruit up."""
+
+        name: str
 
     lc = ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", temperature=0, max_tokens=12, max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        lc.with_structured_output(Colour).invoke(QUESTIONS[0])
+    with pytest.raises(openai.BadRequestError, match="tools") as e:
+        lc.bind_tools([Lookup]).invoke(QUESTIONS[0])
+    assert e.value.body["param"] == "tools"
 
 
 def test_embeddings_with_the_openai_client_and_langchain(client, base_url):

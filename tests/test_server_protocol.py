@@ -15,6 +15,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from rag_promptcache.engine.sampling import Sampling
 from rag_promptcache.server import protocol as p
 from rag_promptcache.server.auth import RequireKey
 from rag_promptcache.server.lifecycle import bind
@@ -26,14 +27,18 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     {}, {"user": "u", "metadata": {"k": "v"}, "store": True, "parallel_tool_calls": True},
     {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logprobs": False, "frequency_penalty": 0.0},
     {"response_format": None, "tools": None, "logit_bias": None, "top_logprobs": None, "anything_null": None},
+    # implemented by constrained decoding (engine/grammar.py)
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}},
 ])
 def test_fields_that_cannot_change_the_output_are_accepted(extra):
     assert p.ChatRequest.model_validate({**CHAT, **extra}).refused() is None
 
 
 @pytest.mark.parametrize(("extra", "field", "says"), [
-    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "cannot constrain"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "one of ('text', 'json_object', 'json_schema'), got 'yaml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "needs {'json_schema'"),
+    ({"response_format": {"json_schema": {"schema": {}}}}, "response_format", "must be an object with a 'type'"),
     ({"tools": [{"type": "function"}]}, "tools", "send [] or omit it"),
     ({"tool_choice": "required"}, "tool_choice", "not supported"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
@@ -46,6 +51,13 @@ def test_fields_that_cannot_change_the_output_are_accepted(extra):
 def test_fields_we_do_not_implement_are_refused_by_name(extra, field, says):
     refused = p.ChatRequest.model_validate({**CHAT, **extra}).refused()
     assert refused is not None and refused[0] == field and says in refused[1], refused
+
+
+def test_response_format_reaches_the_sampling_options():
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    options = p.ChatRequest.model_validate({**CHAT, "response_format": fmt}).sampling()
+    assert Sampling(**options).response_format.name == "x"
+    assert "response_format" not in p.ChatRequest.model_validate(CHAT).sampling()
 
 
 def test_completion_only_fields_are_refused_too():

@@ -134,7 +134,8 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
         except ContextWindowExceeded as e:
             raise ApiError(400, str(e), code="context_length_exceeded") from e
         except ValueError as e:
-            raise ApiError(400, str(e)) from e
+            # a schema the grammar library cannot use is found at submit; its message starts with the field
+            raise ApiError(400, str(e), param="response_format" if str(e).startswith("response_format") else None) from e
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatRequest, request: Request):

@@ -3,9 +3,12 @@ bodies (plain dicts).
 
 A request field we do not implement is refused by name (`refused`) unless it cannot change the output:
 bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored, and fields we lack
-(`response_format`, `tools`, `logprobs`, penalties, ...) are accepted only at their "off" value or null,
-which is what clients send by default. Silently ignoring them would hand a client output in a shape it
-did not ask for, failing far from the cause.
+(`tools`, `logprobs`, penalties, ...) are accepted only at their "off" value or null, which is what
+clients send by default. Silently ignoring them would hand a client output in a shape it did not ask
+for, failing far from the cause. `response_format` is implemented: `json_object` and `json_schema`
+(OpenAI's shapes, what `with_structured_output` sends) constrain decoding in the engine
+(engine/grammar.py); a malformed one is refused by name here, a schema the grammar library cannot
+use when the request is submitted.
 
 Our extra request fields: `k`, `module_ids`, `recovery`, `ignore_eos`. Our extra response fields:
 `sources`, a list of {module_id, label, score, snippet} (in the response, and in the first stream
@@ -25,6 +28,7 @@ import numpy as np
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rag_promptcache.engine.grammar import ResponseFormat
 from rag_promptcache.engine.result import Result
 from rag_promptcache.rag.chat import Source
 
@@ -82,6 +86,7 @@ class _Generation(_Body):
     n: int | None = 1
     recovery: str | None = None
     ignore_eos: bool = False
+    response_format: dict[str, object] | None = None  # checked in `refused`, parsed by Sampling
 
     def sampling(self, max_tokens: int | None = None) -> dict[str, object]:
         stop = self.stop if isinstance(self.stop, list) else [self.stop] if self.stop else []
@@ -93,6 +98,8 @@ class _Generation(_Body):
             out["top_p"] = self.top_p
         if self.seed is not None:
             out["seed"] = self.seed
+        if self.response_format is not None:
+            out["response_format"] = self.response_format
         return out
 
     def refused(self) -> tuple[str, str] | None:
@@ -100,15 +107,13 @@ class _Generation(_Body):
         extra = self.model_extra or {}
         if self.n not in (None, 1):
             return "n", f"n={self.n}: this server returns one choice per request (n must be 1)"
-        if "response_format" in extra:
-            # Constrained decoding (json_object / json_schema through the engine) will be accepted here.
-            fmt = extra["response_format"]
-            if fmt is not None and fmt != {"type": "text"}:
-                kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-                return "response_format", (f"response_format {kind!r} is not supported yet (only {{'type': 'text'}}): "
-                                            "this server cannot constrain the output to JSON")
+        if self.response_format is not None:
+            try:
+                ResponseFormat.from_openai(self.response_format)
+            except ValueError as e:
+                return "response_format", str(e)
         for name, value in extra.items():
-            if name == "response_format" or value is None or name in NEUTRAL:
+            if value is None or name in NEUTRAL:
                 continue
             if name in OFF:
                 if value not in OFF[name]:
