@@ -109,21 +109,6 @@ def test_properties_come_in_the_order_the_schema_declares(tokenizer):
     assert state.is_terminated()
 
 
-def test_rollback_returns_to_the_earlier_mask(tokenizer):
-    state = Grammar.json_schema(tokenizer, PERSON, STOP).start()
-    tokens = tokenizer.encode('{"name": "Ada", "age"')
-    for token in tokens[:3]:
-        state.accept(token)
-    before = state.mask(torch.zeros(len(tokenizer))).clone()
-    for token in tokens[3:]:
-        state.accept(token)
-    assert not torch.equal(state.mask(torch.zeros(len(tokenizer))), before)
-    state.rollback(len(tokens) - 3)
-    assert torch.equal(state.mask(torch.zeros(len(tokenizer))), before)
-    with pytest.raises(ValueError, match="roll back 0..3"):
-        state.rollback(4)
-
-
 def test_logits_wider_than_the_vocabulary_mask_the_padding(tokenizer):
     # a padded lm_head (Qwen, Phi-3): the extra columns are never text
     state = Grammar.json_object(tokenizer, STOP).start()

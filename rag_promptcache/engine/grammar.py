@@ -1,15 +1,20 @@
 """Constrained decoding for structured output: a JSON object, or JSON matching a schema.
 
-`ResponseFormat` is what a caller asks for (OpenAI's `response_format` shapes parse into it, torch-free).
+`ResponseFormat` is what a caller asks for (OpenAI's `response_format` shapes parse into it).
 `Grammar.compile(tokenizer, format, stop_ids)` turns it into a grammar for one tokenizer (cached), and
-`grammar.start()` gives one request its `GrammarState` (engine/state.py holds it): before each sampling step `mask(logits)` sets every
-token the grammar forbids to -inf, after it `accept(token)` advances. The model's stop tokens are allowed
-only once the JSON is complete, and `is_terminated()` says the answer is over.
+`grammar.start()` gives one request its `GrammarState`, which the one decode state holds
+(engine/state.py): before each sampling step `mask(logits)` sets every token the grammar forbids to
+-inf, after it `accept(token)` advances. The stop tokens are allowed only once the JSON is complete,
+and `is_terminated()` says the answer is over.
 
-The grammar work is llguidance's (an Earley parser over the tokenizer's byte trie, computing each mask
-lazily: no per-schema precompile, rollback for drafted tokens). Its own torch helper for applying a mask
-is `torch.compile`d; on CPU that builds a C++ kernel per shape, so the bitmask is unpacked here with numpy.
+The grammar work is llguidance's (an Earley parser over the tokenizer's byte trie, each mask computed
+when asked: no per-schema precompile). Its own torch helper for applying a mask is `torch.compile`d,
+which on CPU builds a C++ kernel per shape, so the bitmask is unpacked here with numpy instead.
 Why llguidance over xgrammar and outlines-core: the README's structured-output section.
+
+No rollback: prompt lookup drafts are checked token by token through the one decode state, which
+advances the grammar only past kept tokens (engine/state.py). llguidance has `rollback(n)` should a
+path ever need it.
 
 Out of scope: tool calls / function calling (the server refuses `tools` by name), user-written
 regex or Lark grammars (llguidance has them; nothing asks for them yet), and masks computed on a GPU.
@@ -126,42 +131,29 @@ class Grammar:
 class GrammarState:
     """One request's place in its grammar. Not thread-safe; one decode loop owns it."""
 
-    __slots__ = ("matcher", "bitmask", "num_accepted")
+    __slots__ = ("matcher", "bitmask")
 
     def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
         self.matcher = matcher
-        self.bitmask = torch.empty(1, (vocab_size + 31) // 32, dtype=torch.int32)  # bit t of word t // 32: token t allowed
-        self.num_accepted = 0
+        # bit t % 32 of word t // 32: token t allowed
+        self.bitmask = torch.empty(1, (vocab_size + 31) // 32, dtype=torch.int32)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [V] or [1, V] → a copy with the tokens the grammar forbids set to -inf. A copy: the
         model's logits are inference tensors, which cannot be written outside inference mode."""
-        fill_bitmask(self, self.bitmask, 0)
+        words = self.bitmask[0]
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        assert not self.matcher.is_error(), f"{self.matcher.get_error()=}"
         return apply_bitmask(logits.view(1, -1), self.bitmask).view(logits.shape)
 
     def accept(self, token_id: int) -> None:
         """Advance past `token_id` (which `mask` allowed). A token the grammar forbids raises."""
         if not self.matcher.consume_token(int(token_id)):
             raise ValueError(f"token {token_id} is not allowed here by the grammar: {first_error(self.matcher)}")
-        self.num_accepted += 1
 
     def is_terminated(self) -> bool:
         """The output is complete (a stop token was accepted, or nothing but one could follow)."""
         return bool(self.matcher.is_stopped())
-
-    def rollback(self, n: int) -> None:
-        """Undo the last `n` accepted tokens (a rejected draft)."""
-        if not 0 <= n <= self.num_accepted:
-            raise ValueError(f"can roll back 0..{self.num_accepted} tokens, got {n}")
-        assert self.matcher.rollback(n), f"{n=} {self.matcher.get_error()=}"
-        self.num_accepted -= n
-
-
-def fill_bitmask(state: GrammarState, bitmask: torch.Tensor, row: int) -> None:
-    """Write `state`'s allowed tokens into `bitmask[row]` ([n, W] int32, CPU)."""
-    v = bitmask[row]
-    state.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-    assert not state.matcher.is_error(), f"{state.matcher.get_error()=}"
 
 
 def first_error(matcher: LLMatcher) -> str:
