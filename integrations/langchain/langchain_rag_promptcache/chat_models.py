@@ -11,8 +11,10 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import AliasChoices, ConfigDict, Field, model_validator
+from langchain_core.runnables import Runnable
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM, build_prompt, generation_options, result_stats
 
@@ -106,6 +108,19 @@ class ChatPromptCache(BaseChatModel):
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         prompt, options = self._args(messages, stop, kwargs)
         return self._chat_result(await self.engine.agenerate(prompt, **options))
+
+    def with_structured_output(self, schema: dict[str, Any] | type[BaseModel], *, include_raw: bool = False,
+                               method: str = "json_schema", **kwargs: Any) -> Runnable:
+        """The answer constrained to `schema` (a pydantic class or a JSON schema dict) by the engine's
+        constrained decoding, parsed into that class (or a dict). Tools are not implemented."""
+        if method != "json_schema" or include_raw or kwargs:
+            raise ValueError(f"with_structured_output supports method='json_schema' only, without include_raw or "
+                             f"other options; got method={method!r}, include_raw={include_raw}, {sorted(kwargs)}")
+        pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
+        js = schema.model_json_schema() if pydantic else dict(schema)
+        fmt = {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
+        parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        return self.bind(response_format=fmt) | parser
 
     def _chat_result(self, result: Any) -> ChatResult:
         info = result_stats(result)

@@ -13,6 +13,8 @@ from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM as SHARED
 
 from langchain_rag_promptcache import ChatPromptCache, PromptCacheLLM
 
+pytestmark = pytest.mark.smollm
+
 
 @pytest.fixture
 def asked(engine, monkeypatch) -> list[dict]:
@@ -48,3 +50,20 @@ def test_repetition_control_is_on_by_default_and_overridable(engine, asked, cls)
     assert asked[-1]["no_repeat_ngram"] == 0
     cls(engine=engine, max_tokens=2).invoke("hi", no_repeat_ngram=3)
     assert asked[-1]["no_repeat_ngram"] == 3
+
+
+def test_with_structured_output_returns_a_validated_object(engine):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    city = ChatPromptCache(engine=engine, max_tokens=48).with_structured_output(City).invoke(
+        "Give the name and the country of the capital of France.")
+    assert isinstance(city, City) and city.name and city.country
+    as_dict = ChatPromptCache(engine=engine, max_tokens=48).with_structured_output(City.model_json_schema()).invoke(
+        "Give the name and the country of the capital of France.")
+    assert set(as_dict) == {"name", "country"}
+    with pytest.raises(ValueError, match="method='json_schema' only"):
+        ChatPromptCache(engine=engine).with_structured_output(City, method="function_calling")

@@ -11,6 +11,8 @@ from llama_index.core.llms import ChatMessage
 from llama_index.llms.rag_promptcache import PromptCacheLLM
 from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM
 
+pytestmark = pytest.mark.smollm
+
 
 @pytest.fixture
 def asked(engine, monkeypatch) -> list[dict]:
