@@ -234,7 +234,9 @@ def chat(
     typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, "
                "/quit (or Ctrl-D) ends, Ctrl-C stops an answer")
     history: list[tuple[str, str]] = []
-    last = None
+    # What /sources shows: the last answer's (module id, source, score), a stopped answer's too; None
+    # before any question, [] when a question was stopped before retrieval found anything.
+    shown: list[tuple[str, str, float]] | None = None
     while True:
         try:
             line = _prompt("you> ").strip()
@@ -248,9 +250,11 @@ def chat(
         if line in ("/quit", "/exit", "/q"):
             break
         if line == "/sources":
-            if last is None:
+            if shown is None:
                 typer.echo("no answer yet")
-            for mid, src, score in zip(last.module_ids, last.sources, last.scores) if last else ():
+            elif not shown:
+                typer.echo("the last question was stopped before its sources were retrieved")
+            for mid, src, score in shown or ():
                 typer.echo(f"  {src}  ({mid}, score {score:.3f})")
             continue
         if line.startswith("/"):
@@ -265,12 +269,15 @@ def chat(
         except KeyboardInterrupt:
             if s is not None:
                 s.close()
+            # the stopped answer is not history, but what it was drawn from is what /sources asks
+            shown = [] if s is None else [(m, src, score) for (m, score), src in zip(s.hits, s.sources)]
             typer.echo("\n  [stopped; the chat goes on]")
             continue
         except ValueError as e:  # this question cannot be answered (too long, say): the chat goes on
             typer.echo(f"\nerror: {e}", err=True)
             continue
         last = s.answer
+        shown = list(zip(last.module_ids, last.sources, last.scores))
         typer.echo(f"\n  [{_stats(last)}]")
         history.append((line, last.answer))
     c.close()
