@@ -236,17 +236,20 @@ class Corpus:
             return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
 
     def remove(self, source: str | os.PathLike[str]) -> int:
-        """Forget a document (by source path, id, or the name `ask` shows in its sources); returns the
-        number of modules dropped. Their vectors and their stored KV go too, unless another document
-        shares the module."""
+        """Forget a document (by source path, id, or the name `ask` shows in its sources; a .jsonl/.json
+        file by its path or bare file name: all its records); returns the number of modules dropped.
+        Their vectors and their stored KV go too, unless another document shares the module."""
         with self._ingest_lock:
-            key = documents.resolve(self.table, source, self.path)
+            keys = documents.resolve(self.table, source, self.path)
+            num_dropped = 0
             try:
-                dropped = self.table.remove_document(key)
-                self._forget(dropped)
+                for key in keys:
+                    dropped = self.table.remove_document(key)
+                    self._forget(dropped)
+                    num_dropped += len(dropped)
             finally:
                 self._save_index()
-            return len(dropped)
+            return num_dropped
 
     def _ingest(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
                 on_batch: OnBatch | None, progress: bool | None, ray: RayOptions | None = None) -> IngestReport:
