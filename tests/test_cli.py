@@ -106,6 +106,15 @@ def test_chat_sources_after_a_stopped_answer_are_that_answers(built: Path, fakes
     assert "rivers.md  (m" in listed and "cats.txt" not in listed
 
 
+def test_ingest_from_a_copied_folder_says_it_replaced(built: Path, tmp_path: Path, capsys) -> None:
+    import shutil
+
+    copy = shutil.copytree(tmp_path / "docs", tmp_path / "copy")
+    code, out, err = run(capsys, "ingest", copy, "--corpus", built)
+    assert code == 0, err
+    assert "replaced 3 document(s) of the same name ingested from another place" in out and "3 documents" in out
+
+
 def test_missing_path(tmp_path: Path, capsys) -> None:
     assert_user_error(run(capsys, "ingest", tmp_path / "nope", "--corpus", tmp_path / "c"), "no such file or directory")
     assert not (tmp_path / "c").exists()

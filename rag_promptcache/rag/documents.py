@@ -1,7 +1,8 @@
 """The documents of a corpus as a user names them: which stored document(s) a name means (for
 `remove`), and the listing `info --documents` shows.
 
-A document is stored under its source: an absolute file path, or `file#record id` for a record of a
+A document's name is its identity (the path relative to the directory ingested; see
+`loaders.Document.name`); it is stored under its source: an absolute file path, or `file#record id` for a record of a
 .jsonl/.json file (`records_loader.py`), or the id a caller gave an object. Naming a .jsonl/.json
 file (its path, or its bare file name) means every record of it. Its label is the shorter
 name answers show in their sources.
@@ -28,8 +29,11 @@ def resolve(table: ChunkTable, name: str | os.PathLike[str], corpus: Path) -> li
     path = str(Path(key).resolve())
     if table.document(path) is not None:
         return [path]
+    if named := table.named(key):
+        return [d.source for d in named]
     rows = table.documents()
     records = [d.source for d in rows if _file_of(d.source) == path]
+    records = records or [d.source for d in rows if (d.name or "").startswith(key + RECORD_SEPARATOR)]
     if records:
         return records
     by_label = [d.source for d in rows if d.label == key]
