@@ -33,6 +33,9 @@ class Manifest:
     updated: float
     format: int = MANIFEST_FORMAT
     dtype: str = "float32"  # the model's dtype when the modules were encoded; manifests before it: float32
+    # The recovery `eval --apply` chose for this corpus, the default of its engine and of `ask`;
+    # None (and manifests before it): the engine's own default.
+    recovery: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
