@@ -80,6 +80,41 @@ def test_chat(built: Path, capsys, monkeypatch) -> None:
     assert code == 0 and out.count("bot> echo: m") == 2 and "cats.txt  (m" in out and "commands:" in out
 
 
+def test_chat_sources_after_a_stopped_answer_are_that_answers(built: Path, fakes, capsys, monkeypatch) -> None:
+    """Ctrl-C mid-answer, then /sources: the stopped answer's sources, not the answer before it."""
+    from rag_promptcache.engine.result import Stream
+
+    lines = iter(["tell me about cats", "which river flows north into the Mediterranean?", "/sources", "/quit"])
+    monkeypatch.setattr("rag_promptcache.cli.commands._prompt", lambda prompt="": next(lines))
+    answer = fakes.stream
+
+    def stream(prompt: str, **sampling) -> Stream:
+        pieces = answer(prompt, **sampling)
+        if "river" not in prompt:
+            return pieces
+
+        def stopped():
+            yield next(pieces)
+            raise KeyboardInterrupt  # what SIGINT raises in the main thread mid-answer
+
+        return Stream(stopped())
+
+    monkeypatch.setattr(fakes, "stream", stream)
+    code, out, _ = run(capsys, "chat", "--corpus", built, "-k", "1")
+    assert code == 0 and "[stopped; the chat goes on]" in out
+    listed = out.split("[stopped; the chat goes on]", 1)[1]
+    assert "rivers.md  (m" in listed and "cats.txt" not in listed
+
+
+def test_ingest_from_a_copied_folder_says_it_replaced(built: Path, tmp_path: Path, capsys) -> None:
+    import shutil
+
+    copy = shutil.copytree(tmp_path / "docs", tmp_path / "copy")
+    code, out, err = run(capsys, "ingest", copy, "--corpus", built)
+    assert code == 0, err
+    assert "replaced 3 document(s) of the same name ingested from another place" in out and "3 documents" in out
+
+
 def test_missing_path(tmp_path: Path, capsys) -> None:
     assert_user_error(run(capsys, "ingest", tmp_path / "nope", "--corpus", tmp_path / "c"), "no such file or directory")
     assert not (tmp_path / "c").exists()

@@ -79,7 +79,7 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_chat(smollm, tmp_path: Path, monke
         term.proc.send_signal(signal.SIGINT)  # at the prompt
         term.expect("to quit, type /quit or press Ctrl-D")
         term.send("/sources")
-        term.expect("no answer yet")  # the stopped answer is not in the history
+        term.expect("cats.txt")  # the stopped answer's sources (it is not in the history, but it was drawn from these)
         term.send("/quit")
         assert term.proc.wait(timeout=60) == 0, term.seen
         assert "interrupted" not in term.seen and "Traceback" not in term.seen

@@ -64,3 +64,33 @@ def test_records_in_a_corpus_answer_remove_and_update_by_id(tmp_path: Path) -> N
     assert (report.num_ingested, report.num_removed) == (1, 1)
     assert [d["name"] for d in c.documents()] == ["7"] and len(c) == 1
     c.close()
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "bare"])
+def test_removing_a_records_file_removes_all_its_records(tmp_path: Path, monkeypatch, how: str) -> None:
+    """`remove misc/birds.jsonl` (relative, absolute or the bare file name) forgets every record of
+    it, and only those: another file's records stay."""
+    root = tmp_path / "docs"
+    birds = write(root / "misc" / "birds.jsonl", [json.dumps({"id": "robin", "text": "Robins sing at dawn."}),
+                                                  json.dumps({"id": "owl", "text": "Owls hunt at night."})])
+    write(root / "fish.jsonl", [json.dumps({"id": "trout", "text": "Trout live in cold rivers."})])
+    c = Corpus.build([root], tmp_path / "c", engine=FakeEngine(), embedder=FakeEmbedder(), chunk_tokens=32, overlap=4,
+                     progress=False)
+    monkeypatch.chdir(root)
+    name = {"relative": "misc/birds.jsonl", "absolute": str(birds.resolve()), "bare": "birds.jsonl"}[how]
+    assert c.remove(name) == 2
+    assert [d["name"] for d in c.documents()] == ["trout"] and len(c) == 1
+    with pytest.raises(ValueError, match="no document 'birds.jsonl'"):
+        c.remove("birds.jsonl")
+    c.close()
+
+
+def test_a_bare_file_name_of_two_records_files_is_ambiguous(tmp_path: Path) -> None:
+    for d in ("a", "b"):
+        write(tmp_path / "docs" / d / "birds.jsonl", [json.dumps({"id": f"{d}-robin", "text": f"Robins of {d} sing."})])
+    c = Corpus.build([tmp_path / "docs"], tmp_path / "c", engine=FakeEngine(), embedder=FakeEmbedder(), chunk_tokens=32,
+                     overlap=4, progress=False)
+    with pytest.raises(ValueError, match="'birds.jsonl' names 2 records files.*pass one of these paths"):
+        c.remove("birds.jsonl")
+    assert c.remove(tmp_path / "docs" / "a" / "birds.jsonl") == 1 and [d["name"] for d in c.documents()] == ["b-robin"]
+    c.close()

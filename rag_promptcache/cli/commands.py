@@ -148,7 +148,7 @@ TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
 NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off; the "
                                                       f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
-RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, first_k:K or selective:R (default: the engine's, last:2; docs/FIDELITY.md).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the engine's, last:2; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
 
 
@@ -234,7 +234,9 @@ def chat(
     typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, "
                "/quit (or Ctrl-D) ends, Ctrl-C stops an answer")
     history: list[tuple[str, str]] = []
-    last = None
+    # What /sources shows: the last answer's (module id, source, score), a stopped answer's too; None
+    # before any question, [] when a question was stopped before retrieval found anything.
+    shown: list[tuple[str, str, float]] | None = None
     while True:
         try:
             line = _prompt("you> ").strip()
@@ -248,9 +250,11 @@ def chat(
         if line in ("/quit", "/exit", "/q"):
             break
         if line == "/sources":
-            if last is None:
+            if shown is None:
                 typer.echo("no answer yet")
-            for mid, src, score in zip(last.module_ids, last.sources, last.scores) if last else ():
+            elif not shown:
+                typer.echo("the last question was stopped before its sources were retrieved")
+            for mid, src, score in shown or ():
                 typer.echo(f"  {src}  ({mid}, score {score:.3f})")
             continue
         if line.startswith("/"):
@@ -265,12 +269,15 @@ def chat(
         except KeyboardInterrupt:
             if s is not None:
                 s.close()
+            # the stopped answer is not history, but what it was drawn from is what /sources asks
+            shown = [] if s is None else [(m, src, score) for (m, score), src in zip(s.hits, s.sources)]
             typer.echo("\n  [stopped; the chat goes on]")
             continue
         except ValueError as e:  # this question cannot be answered (too long, say): the chat goes on
             typer.echo(f"\nerror: {e}", err=True)
             continue
         last = s.answer
+        shown = list(zip(last.module_ids, last.sources, last.scores))
         typer.echo(f"\n  [{_stats(last)}]")
         history.append((line, last.answer))
     c.close()
@@ -286,6 +293,8 @@ def info(
     """Documents, modules, tokens, store size and model of a corpus, and its documents."""
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
+    from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
+
     c = _open(corpus)
     # the schema's name is what a hand-written PML prompt imports the corpus's modules under
     # (`<prompt schema="…">`, e.g. in /v1/completions)
@@ -299,6 +308,8 @@ def info(
         ("store", mib(facts["store_bytes"])),
         ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),
         ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),
+        ("recovery", f"{facts['recovery']} (set by eval --apply)" if facts["recovery"]
+         else f"{DEFAULT_RECOVERY} (the engine default; `eval --apply` sets one for this corpus)"),
         ("embedder", f"{facts['embedder']} (dim {facts['dim']}), index {facts['index']}"),
         ("chunking", f"{facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}"),
     ], as_json)

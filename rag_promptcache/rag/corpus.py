@@ -60,8 +60,6 @@ DEFAULT_INSTRUCTIONS = (
 )
 DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to tens of GB
 BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
-# The small default model can repeat a sentence until max_new_tokens; no 6-token run of an answer
-# twice stops that verbatim loop and leaves ordinary answers as they were (README: Limits).
 
 
 class Corpus:
@@ -185,6 +183,10 @@ class Corpus:
             if self._engine is None:
                 engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype)
                 check_engine(engine, self.manifest, self.path)
+                if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
+                    from rag_promptcache.engine.recovery import Recovery
+
+                    engine.recovery = Recovery.parse(self.manifest.recovery)
                 self._engine, self._owns_engine = engine, True
             return self._engine
 
@@ -236,17 +238,35 @@ class Corpus:
             return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
 
     def remove(self, source: str | os.PathLike[str]) -> int:
-        """Forget a document (by source path, id, or the name `ask` shows in its sources); returns the
-        number of modules dropped. Their vectors and their stored KV go too, unless another document
-        shares the module."""
+        """Forget a document (by source path, id, or the name `ask` shows in its sources; a .jsonl/.json
+        file by its path or bare file name: all its records); returns the number of modules dropped.
+        Their vectors and their stored KV go too, unless another document shares the module."""
         with self._ingest_lock:
-            key = documents.resolve(self.table, source, self.path)
+            keys = documents.resolve(self.table, source, self.path)
+            num_dropped = 0
             try:
-                dropped = self.table.remove_document(key)
-                self._forget(dropped)
+                for key in keys:
+                    dropped = self.table.remove_document(key)
+                    self._forget(dropped)
+                    num_dropped += len(dropped)
             finally:
                 self._save_index()
-            return len(dropped)
+            return num_dropped
+
+    def set_recovery(self, spec: str | None) -> str | None:
+        """Record `spec` ("last:1"; None: the engine's default) as this corpus's recovery, which `ask`,
+        `chat`, `serve` and the adapters use where none is given (a caller's engine keeps its own
+        default). A bad spec is `Recovery.parse`'s `ValueError`. Returns the canonical form."""
+        from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+
+        chosen = None if spec is None else Recovery.parse(spec)
+        with self._lock:
+            self.manifest = dataclasses.replace(self.manifest, recovery=None if chosen is None else str(chosen),
+                                                updated=time.time())
+            layout.write_manifest(self.path, self.manifest)
+            if self._owns_engine and self._engine is not None:
+                self._engine.recovery = chosen or Recovery.parse(DEFAULT_RECOVERY)
+        return self.manifest.recovery
 
     def _ingest(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
                 on_batch: OnBatch | None, progress: bool | None, ray: RayOptions | None = None) -> IngestReport:
@@ -356,6 +376,8 @@ class Corpus:
         `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
         stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM."""
         sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
+        if sampling.get("recovery") is None and self.manifest.recovery is not None:
+            sampling["recovery"] = self.manifest.recovery  # the corpus's (eval --apply), also with a caller's engine
         hits = self.retrieve(question, k, history=history, max_new_tokens=max_new_tokens)
         prompt = self.prompt(question, self.order([h.module_id for h in hits]), history)
         engine = self.prepare()
@@ -376,7 +398,7 @@ class Corpus:
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
             "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
+            "recovery": m.recovery, "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,
         }

@@ -3,8 +3,11 @@
 For each question: retrieve k modules, build the prompt, generate greedily once with full prefill
 (`use_cache=False`, the reference) and once per recovery setting from the cache. With an expected
 answer, an answer is right when it contains it (`answer_contains`); without one, only agreement with
-full prefill's text is measured. `rag-promptcache eval` and the bench's `fidelity` scenario both use
-this. Not here: reading question files (cli/) or generating benchmark data (bench/fidelity_data.py).
+full prefill's text is measured, on the whole answer (up to `max_new_tokens`). `fastest_retaining`
+is the one rule a setting is recommended by (`eval`) and the engine default was chosen by (the bench's
+`fidelity` scenario, docs/FIDELITY.md): the fastest that keeps >= 95% of full prefill's right answers.
+`rag-promptcache eval` and the bench both use this module. Not here: reading question files (cli/),
+generating benchmark data (bench/fidelity_data.py), writing the choice into a corpus (`Corpus.set_recovery`).
 """
 
 from __future__ import annotations
@@ -12,16 +15,27 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag.corpus import Corpus
 
-DEFAULT_NEW_TOKENS = 20
+DEFAULT_NEW_TOKENS = 64  # the answer judged: long enough for a sentence or two, not just its first words
+TARGET_RETAINED = 0.95  # of full prefill's right answers a recommended setting keeps
+K = TypeVar("K", bound=Hashable)
+
+
+def fastest_retaining(retained: Mapping[K, float | None], speedup: Mapping[K, float], *,
+                      target: float = TARGET_RETAINED, min_speedup: float = 0.0) -> K | None:
+    """The rule: of the settings whose `retained` (cached right answers / full prefill's; None: not
+    measurable) is at least `target` and whose speed-up is at least `min_speedup`, the fastest.
+    None when no setting qualifies. Keys are whatever names a setting (a recovery, or mode and recovery)."""
+    met = [s for s, r in retained.items() if r is not None and r >= target and speedup.get(s, 0.0) >= min_speedup]
+    return max(met, key=lambda s: speedup[s]) if met else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +70,28 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
+class QuestionResult:
+    """One question under one setting: full prefill's and the cached answer side by side."""
+
+    question: str
+    expected: str | None
+    full: str
+    cached: str
+    full_right: bool | None
+    cached_right: bool | None
+    agrees: bool
+
+    @property
+    def failed(self) -> bool:
+        """The cached answer is wrong (with an expected answer), or differs from full prefill's (without)."""
+        return self.cached_right is False if self.expected is not None else not self.agrees
+
+    def as_dict(self) -> dict[str, object]:
+        return {"question": self.question, "expected": self.expected, "full": self.full, "cached": self.cached,
+                "full_right": self.full_right, "cached_right": self.cached_right, "agrees": self.agrees}
+
+
+@dataclass(frozen=True, slots=True)
 class SettingReport:
     """One recovery setting over all questions at one k."""
 
@@ -69,6 +105,11 @@ class SettingReport:
     full_ttft_s: float  # medians over the questions
     cached_ttft_s: float
     context_tokens: float  # mean retrieved-module tokens per prompt
+    results: tuple[QuestionResult, ...] = ()  # per question, in question order
+
+    @property
+    def failures(self) -> tuple[QuestionResult, ...]:
+        return tuple(r for r in self.results if r.failed)
 
     @property
     def full_accuracy(self) -> float | None:
@@ -162,7 +203,15 @@ def summarize(recovery: str, k: int, refs: Sequence[Reference], outcomes: Sequen
         agreement=sum(o.agrees for o in outcomes) / len(outcomes),
         full_ttft_s=statistics.median(r.ttft_s for r in refs), cached_ttft_s=statistics.median(o.ttft_s for o in outcomes),
         context_tokens=sum(r.context_tokens for r in refs) / len(refs),
+        results=tuple(QuestionResult(r.question.question, r.question.answer, r.text.strip(), o.text.strip(), r.right,
+                                     o.right, o.agrees) for r, o in zip(refs, outcomes)),
     )
+
+
+def recommend(reports: Sequence[SettingReport]) -> SettingReport | None:
+    """The setting `fastest_retaining` picks among these (one k), or None when none keeps the target."""
+    best = fastest_retaining({r.recovery: r.retained for r in reports}, {r.recovery: r.speedup for r in reports})
+    return next((r for r in reports if r.recovery == best), None)
 
 
 def evaluate(

@@ -26,7 +26,22 @@ def collect(inputs: list[object], field: str, id_field: str = "id") -> tuple[lis
     docs = list(load(inputs, field_name=field, id_field=id_field, report=report))
     if not docs:
         raise ValueError(f"nothing to ingest: {report.summary() or 'no supported files found'}")
+    check_names(docs)
     return docs, report
+
+
+def check_names(docs: list[Document]) -> None:
+    """A corpus keeps one document per name (`Document.name`): two places in one ingest that give
+    the same name (`a/README.md` and `b/README.md` passed as `a/ b/`) are refused before any work,
+    with how to keep both. The same source twice (objects sharing an id) is not refused here."""
+    first: dict[str, str] = {}
+    for d in docs:
+        other = first.setdefault(d.identity, d.source)
+        if other != d.source:
+            raise ValueError(
+                f"{other} and {d.source} are both named {d.identity!r}, and a corpus keeps one document per name "
+                "(a path relative to the directory ingested); to keep both, ingest a directory above both so that "
+                "their names differ, or ingest them into separate corpora")
 
 
 def check_budget(docs: list[Document], budget: int) -> None:

@@ -76,11 +76,14 @@ class Ingestor:
         table = self.parts.table
         todo = [d for d in docs if not self.unchanged(d)]
         check_budget(todo, token_budget)
+        # One document per name: the same one read from another place (a copied folder) replaces it.
+        replaced = [(d.identity, r.source) for d in docs for r in table.named(d.identity) if r.source != d.source]
         gone = stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
+        gone = [s for s in gone if s not in {old for _, old in replaced}]
         extra: dict[str, object] = {}
         self._bar = progress_bar(self.progress)
         try:
-            for source in gone:
+            for source in [*(old for _, old in replaced), *gone]:
                 self.parts.forget(table.remove_document(source))
             batches = self.batches(todo)
             if ray is None:
@@ -100,7 +103,8 @@ class Ingestor:
         return IngestReport(
             num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
             num_modules=s.num_modules, num_tokens=s.num_tokens, num_reused=s.num_reused,
-            seconds=time.perf_counter() - t0, encode_seconds=s.encode_seconds, skipped=tuple(report.skipped), **extra,
+            seconds=time.perf_counter() - t0, encode_seconds=s.encode_seconds, skipped=tuple(report.skipped),
+            replaced=tuple(replaced), **extra,
         )
 
     def unchanged(self, doc: Document) -> bool:
@@ -118,8 +122,8 @@ class Ingestor:
         batch: Batch = []
         finished: list[str] = []
         for doc in todo:
-            self.parts.forget(table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes),
-                                                   doc.metadata))
+            row = DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes, doc.identity)
+            self.parts.forget(table.begin_document(row, doc.metadata))
             done = table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
             for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
                 if chunk.module_id not in done:

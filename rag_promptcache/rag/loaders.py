@@ -31,13 +31,21 @@ class LoaderWarning(UserWarning):
 class Document:
     """One source. `blocks()` yields its text in pieces whose concatenation is the whole text."""
 
-    source: str  # identity: a resolved path, or an id given in metadata
+    source: str  # where it was read: a resolved path (records: `<path>#<id>`), or an id given in metadata
     label: str  # what the model sees: a path relative to what was passed, or the file name
     content_hash: str  # of the raw bytes (or text) plus loader options: unchanged hash = nothing to do
     blocks: Callable[[], Iterator[str]] = field(repr=False)
     num_bytes: int = 0
     kind: str = "text"
     metadata: dict[str, object] = field(default_factory=dict, compare=False)  # a record's other fields
+    # Its identity in a corpus: the path relative to what was passed (a file passed by itself: its
+    # name; a record: `<that>#<id>`), an object's id. A corpus keeps one document per name, so the
+    # same documents ingested from a copied folder replace the earlier ones. "" means the label.
+    name: str = ""
+
+    @property
+    def identity(self) -> str:
+        return self.name or self.label
 
 
 @dataclass(slots=True)
@@ -136,7 +144,7 @@ def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> D
         except Exception as e:  # noqa: BLE001 - any parse failure means "not a PDF we can read"
             _skip(report, path, f"unreadable PDF: {type(e).__name__}")
             return None
-    return Document(str(path.resolve()), label, digest, reader, size, kind)
+    return Document(str(path.resolve()), label, digest, reader, size, kind, name=label)
 
 
 def _sniff_text(path: Path) -> str:

@@ -33,6 +33,9 @@ class Manifest:
     updated: float
     format: int = MANIFEST_FORMAT
     dtype: str = "float32"  # the model's dtype when the modules were encoded; manifests before it: float32
+    # The recovery `eval --apply` chose for this corpus, the default of its engine and of `ask`;
+    # None (and manifests before it): the engine's own default.
+    recovery: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -67,6 +70,7 @@ class IngestReport:
     kv_written_by: str = "local"  # "local", "workers" (straight into the shared store) or "driver" (returned)
     failed: tuple[tuple[str, str], ...] = ()  # (file, why) of batches that kept failing; run ingest again
     worker_start_seconds: float = 0.0  # of `seconds`: until every Ray worker had loaded its model
+    replaced: tuple[tuple[str, str], ...] = ()  # (name, old source): the same document read from another place
 
     @property
     def modules_per_s(self) -> float:
@@ -87,6 +91,10 @@ class IngestReport:
         if self.workers:
             where = "written by the workers into the corpus's store" if self.kv_written_by == "workers" else "returned to the driver and written here"
             parts.append(f"{self.workers} Ray worker(s) (started in {self.worker_start_seconds:.1f}s), module KV {where}")
+        if self.replaced:
+            shown = ", ".join(f"{name} (was {old})" for name, old in self.replaced[:3])
+            more = f" and {len(self.replaced) - 3} more" if len(self.replaced) > 3 else ""
+            parts.append(f"replaced {len(self.replaced)} document(s) of the same name ingested from another place: {shown}{more}")
         if self.skipped:
             parts.append(f"skipped {len(self.skipped)} file(s) or record(s)")
         if self.failed:

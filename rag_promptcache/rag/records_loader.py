@@ -26,7 +26,8 @@ def record_documents(
     path: Path, label: str, text_field: str, id_field: str, skip: Callable[[str, str], None], make: Callable[..., object]
 ) -> list[object]:
     """Documents of the records in `path`. `skip(where, why)` reports one bad record;
-    `make(source, label, content_hash, blocks, num_bytes, kind, metadata)` builds a `Document`."""
+    `make(source, label, content_hash, blocks, num_bytes, kind, metadata, name=)` builds a `Document`;
+    a record's name (its identity in a corpus) is `<label of the file>#<id>`."""
     found = _jsonl(path, label, text_field, id_field, skip) if path.suffix.lower() == ".jsonl" else _json(path, label, text_field, id_field, skip)
     docs: list[object] = []
     first: dict[str, str] = {}
@@ -36,7 +37,8 @@ def record_documents(
             skip(where, f"repeated {id_field} {name!r} (first at {first[name]})")
             continue
         first[name] = where
-        docs.append(make(f"{resolved}{RECORD_SEPARATOR}{name}", name, digest, blocks, num_bytes, "record", metadata))
+        docs.append(make(f"{resolved}{RECORD_SEPARATOR}{name}", name, digest, blocks, num_bytes, "record", metadata,
+                         name=f"{label}{RECORD_SEPARATOR}{name}"))
     return docs
 
 

@@ -24,7 +24,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS documents(
     source TEXT PRIMARY KEY, label TEXT NOT NULL, content_hash TEXT NOT NULL,
-    complete INTEGER NOT NULL, num_bytes INTEGER NOT NULL, updated REAL NOT NULL);
+    complete INTEGER NOT NULL, num_bytes INTEGER NOT NULL, updated REAL NOT NULL, name TEXT);
 CREATE TABLE IF NOT EXISTS modules(
     module_id TEXT PRIMARY KEY, faiss_id INTEGER UNIQUE NOT NULL, text TEXT NOT NULL,
     num_tokens INTEGER NOT NULL, vector BLOB NOT NULL);
@@ -90,6 +90,7 @@ class DocumentRow:
     content_hash: str
     complete: bool
     num_bytes: int
+    name: str | None = None  # the identity (`loaders.Document.name`); None in tables older than it: the label
 
 
 class ChunkTable:
@@ -99,6 +100,8 @@ class ChunkTable:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        if "name" not in {r[1] for r in self.db.execute("PRAGMA table_info(documents)")}:
+            self.db.execute("ALTER TABLE documents ADD COLUMN name TEXT")  # a table from before names: NULL
 
     @_serialized
     def close(self) -> None:
@@ -131,14 +134,21 @@ class ChunkTable:
     @_serialized
     def document(self, source: str) -> DocumentRow | None:
         row = self.db.execute(
-            "SELECT source, label, content_hash, complete, num_bytes FROM documents WHERE source = ?", (source,)
+            "SELECT source, label, content_hash, complete, num_bytes, name FROM documents WHERE source = ?", (source,)
         ).fetchone()
-        return DocumentRow(row[0], row[1], row[2], bool(row[3]), row[4]) if row else None
+        return DocumentRow(row[0], row[1], row[2], bool(row[3]), row[4], row[5]) if row else None
+
+    @_serialized
+    def named(self, name: str) -> list[DocumentRow]:
+        """The documents whose identity is `name` (rows from before names: their label)."""
+        rows = self.db.execute("SELECT source, label, content_hash, complete, num_bytes, name FROM documents "
+                               "WHERE COALESCE(name, label) = ? ORDER BY source", (name,))
+        return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4], r[5]) for r in rows]
 
     @_serialized
     def documents(self) -> list[DocumentRow]:
-        rows = self.db.execute("SELECT source, label, content_hash, complete, num_bytes FROM documents ORDER BY source")
-        return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]) for r in rows]
+        rows = self.db.execute("SELECT source, label, content_hash, complete, num_bytes, name FROM documents ORDER BY source")
+        return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4], r[5]) for r in rows]
 
     @_serialized
     def document_chunks(self) -> list[tuple[DocumentRow, int, dict[str, object]]]:
@@ -213,10 +223,11 @@ class ChunkTable:
             old = self.document(doc.source)
             dropped = self._drop_chunks(db, doc.source) if old is not None and old.content_hash != doc.content_hash else Dropped()
             db.execute(
-                "INSERT INTO documents VALUES(?, ?, ?, 0, ?, ?) ON CONFLICT(source) DO UPDATE SET "
+                "INSERT INTO documents(source, label, content_hash, complete, num_bytes, updated, name) "
+                "VALUES(?, ?, ?, 0, ?, ?, ?) ON CONFLICT(source) DO UPDATE SET "
                 "label = excluded.label, content_hash = excluded.content_hash, complete = 0, "
-                "num_bytes = excluded.num_bytes, updated = excluded.updated",
-                (doc.source, doc.label, doc.content_hash, doc.num_bytes, time.time()),
+                "num_bytes = excluded.num_bytes, updated = excluded.updated, name = excluded.name",
+                (doc.source, doc.label, doc.content_hash, doc.num_bytes, time.time(), doc.name),
             )
             self._bump(db)
         return dropped
