@@ -178,11 +178,25 @@ class PrefixTree(Generic[P]):
                 self._lock_path(node)
             return Match(i, tuple(spans), node)
 
+    def num_held(self, namespace: Hashable, keys: Sequence[Hashable]) -> int:
+        """How many of `keys`, from the start, the tree holds; unlike `match`, no use is recorded."""
+        with self._lock:
+            node, i = self._roots.get(namespace), 0
+            while node is not None and i < len(keys):
+                child = node.children.get(keys[i])
+                if child is None:
+                    break
+                n = _common(child.keys, keys, i)
+                i += n
+                node = child if n == len(child.keys) else None
+            return i
+
     def insert(self, namespace: Hashable, keys: Sequence[Hashable], payload: P, num_bytes: int, *,
                start: int = 0) -> int:
         """Store `payload` (`num_bytes`), the data of `keys[start:]`, after the path of `keys[:start]`.
         → the number of tokens newly stored: 0 when the tree holds them all already, when the path of
-        `keys[:start]` is gone (evicted: the caller did not lock it), or when they alone exceed `max_bytes`."""
+        `keys[:start]` is gone (evicted: the caller did not lock it), or when they do not fit `max_bytes`
+        (alone, or beside what running requests hold locked)."""
         if not 0 <= start <= len(keys):
             raise ValueError(f"start must be within the keys (0 .. {len(keys)}), got {start}")
         if num_bytes < 0:
@@ -225,7 +239,7 @@ class PrefixTree(Generic[P]):
             self.num_bytes += num_bytes
             self.num_tokens_inserted += num_new
             self._evict_to(self.max_bytes)
-            return num_new
+            return num_new if leaf.parent is not None else 0  # evicted at once: all else is locked
 
     def lock(self, handle: Node[P] | None) -> None:
         """Hold `handle`'s path (the node and every node above it) against eviction. None: nothing."""
