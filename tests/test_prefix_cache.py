@@ -125,3 +125,15 @@ def test_store_copies_only_what_the_tree_lacks_and_the_budget_holds():
     assert reuse.num_tokens == 3
     assert cache.store(NS, reuse, cache_from(keys, keys), [3]) == 0  # 4 tokens would exceed; the prefix is locked
     assert cache.stats().num_bytes == 3 * per_token
+
+
+def test_follow_ups_over_the_same_modules_keep_the_previous_order():
+    from rag_promptcache.rag.chat import keep_order
+
+    # turn 2 ranks the same modules differently: it imports them as turn 1 did, so turn 1's prompt is its prefix
+    assert keep_order([["a", "b", "c"], ["c", "a", "b"]]) == ["a", "b", "c"]
+    # and turn 3 too, back through every turn over the same set
+    assert keep_order([["a", "b", "c"], ["b", "a", "c"], ["c", "b", "a"]]) == ["a", "b", "c"]
+    # other modules: the turn's own ranking, which later turns then keep
+    assert keep_order([["a", "b"], ["a", "d"], ["d", "a"]]) == ["a", "d"]
+    assert keep_order([["x"]]) == ["x"] and keep_order([[]]) == []
