@@ -82,8 +82,7 @@ class Reuse:
     handle: Node[KV] | None = None
 
 
-def splice(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], reuse: Reuse, fingerprint: str,
-           mode: str) -> tuple[list[Piece], dict[str, ModuleKV]]:
+def splice(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], reuse: Reuse) -> tuple[list[Piece], dict[str, ModuleKV]]:
     """The plan's pieces and module KV with the first `reuse.num_tokens` tokens taken from `reuse`:
     cached pieces at their own positions (no relocation: the shift is 0), then the rest of the plan.
     The assembler puts them first in the cache, so the new tokens attend to them as to any module."""
@@ -99,8 +98,9 @@ def splice(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], reuse: Reuse, f
             end = next((i for i in range(1, len(labels)) if labels[i][1] != labels[0][1] + i), len(labels))
             ids = tuple(int(label[0]) for label in labels[:end])
             name = f"{PREFIX}{len(out)}"
+            # a ModuleKV only as the assembler's input (never stored): the span's own KV, at its own positions
             out_kvs[name] = ModuleKV(keys[:, :, run : run + end], values[:, :, run : run + end], labels[0][1], ids,
-                                     fingerprint, mode)
+                                     "", "prefix")
             out.append(Piece(ids, labels[0][1], name))
             run += end
         seq += n
@@ -134,19 +134,24 @@ def cache_slots(pieces: Sequence[Piece]) -> list[int]:
 
 
 @torch.inference_mode()
-def gather(cache: DynamicCache, slots: Sequence[int]) -> KV:
-    """The KV at cache slots `slots` (in that order), copied out of the cache: keys, values [L, H, len, D]."""
-    layers = cache.layers
-    first = layers[0].keys  # [1, H, length, D], every layer alike (`supported`)
-    length = min(layer.keys.shape[-2] for layer in layers)
-    assert not slots or max(slots) < length, f"{max(slots)=} {length=}"
+def gather(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], slots: Sequence[int]) -> KV:
+    """The KV at `slots` of a cache given per layer (keys[i], values[i]: [H, capacity, D]), copied out in
+    that order → keys, values [L, H, len(slots), D]."""
+    first = keys[0]
     index = torch.tensor(slots, dtype=torch.long, device=first.device)
-    keys = first.new_empty(len(layers), first.shape[1], len(slots), first.shape[3])
-    values = torch.empty_like(keys)
-    for i, layer in enumerate(layers):
-        torch.index_select(layer.keys[0], 1, index, out=keys[i])
-        torch.index_select(layer.values[0], 1, index, out=values[i])
-    return keys, values
+    out_k = first.new_empty(len(keys), first.shape[0], len(slots), first.shape[2])
+    out_v = torch.empty_like(out_k)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        torch.index_select(k, 1, index, out=out_k[i])
+        torch.index_select(v, 1, index, out=out_v[i])
+    return out_k, out_v
+
+
+def cache_layers(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """A one-sequence cache's KV per layer ([H, length, D] each) and its length in tokens."""
+    keys = [layer.keys[0] for layer in cache.layers]  # layer.keys: [1, H, length, D]
+    values = [layer.values[0] for layer in cache.layers]
+    return keys, values, min(k.shape[1] for k in keys)
 
 
 @torch.inference_mode()
@@ -159,6 +164,22 @@ def _split(kv: KV, at: int) -> tuple[KV, KV]:
 
 def _num_bytes(kv: KV) -> int:
     return sum(t.numel() * t.element_size() for t in kv)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixUse:
+    """One request's use of the prefix cache, from its prefill (`begin`) to its end (`end` or `abort`):
+    what it reused (locked meanwhile), its plan's pieces and module KV with that prefix spliced in (what
+    to assemble), and each prompt token's slot in the assembled cache."""
+
+    reuse: Reuse
+    pieces: tuple[Piece, ...]
+    kvs: Mapping[str, ModuleKV]
+    slots: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.reuse.num_tokens
 
 
 class PrefixCache:
@@ -175,29 +196,79 @@ class PrefixCache:
         m = self.tree.match(namespace, labels[:-1], lock=True)
         return Reuse(labels, m.num_tokens, m.spans, m.handle)
 
-    def store(self, namespace: Hashable, reuse: Reuse, cache: DynamicCache, slots: Sequence[int],
-              answer: Sequence[Label] = ()) -> int:
-        """Keep what the request computed past its reused prefix: the tokens of `reuse.labels` then
-        `answer`, whose KV lies at cache `slots` (one per token, `cache_slots` of the spliced plan, then
-        the answer's slots). Releases the reuse's lock. → tokens newly stored."""
+    def begin(self, namespace: Hashable, labels: Sequence[Label], pieces: Sequence[Piece],
+              kvs: Mapping[str, ModuleKV]) -> PrefixUse:
+        """A request's prefill is about to assemble `pieces` (labelled `labels`): the longest stored
+        prefix, locked, spliced into them. The caller owes an `end` or an `abort`."""
+        reuse = self.lookup(namespace, labels) if labels else Reuse(())
+        if reuse.num_tokens:
+            pieces, kvs = splice(pieces, kvs, reuse)
+        return PrefixUse(reuse, tuple(pieces), kvs, tuple(cache_slots(pieces)) if labels else ())
+
+    def end(self, namespace: Hashable, use: PrefixUse, keys: Sequence[torch.Tensor],
+            values: Sequence[torch.Tensor], length: int, answer: Sequence[int], answer_start: int) -> int:
+        """The request is done: keep its prompt's KV and its answer's, from its cache (per layer,
+        [H, capacity, D], `length` tokens written: the prompt's, then the answer's), and release its
+        prefix. Only answer tokens the model was fed count (not the last one sampled, nor rejected
+        drafts past the end). → tokens newly stored."""
+        if not use.reuse.labels:
+            self.abort(use)
+            return 0
+        prompt = len(use.slots)
+        fed = max(min(len(answer) - 1, length - prompt), 0)
+        answer_labels = tuple((t, answer_start + i) for i, t in enumerate(answer[:fed]))
+        # the reused tokens took the cache's first slots (the assembler puts cached pieces first)
+        own = [*use.slots[use.num_tokens :], *range(prompt, prompt + fed)]
+        return self.store(namespace, use.reuse, keys, values, own, answer_labels)
+
+    def abort(self, use: PrefixUse) -> None:
+        """The request failed: release its prefix, keep nothing of it."""
+        self.tree.release(use.reuse.handle)
+
+    def store(self, namespace: Hashable, reuse: Reuse, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+              slots: Sequence[int], answer: Sequence[Label] = ()) -> int:
+        """Keep what a request computed past its reused prefix: the tokens of `reuse.labels` then
+        `answer`, the ones past the prefix at `slots` (in sequence order) of the cache given per layer.
+        Releases the reuse's lock. → tokens newly stored."""
         labels = reuse.labels + tuple(answer)
-        assert len(slots) == len(labels) - reuse.num_tokens, f"{len(slots)=} {len(labels)=} {reuse.num_tokens=}"
         try:
-            if len(labels) == reuse.num_tokens:
+            assert len(slots) == len(labels) - reuse.num_tokens, f"{len(slots)=} {len(labels)=} {reuse.num_tokens=}"
+            if not slots:
                 return 0
             # the tree may hold more of it by now (a twin request): only copy the part it lacks
             held = self.tree.num_held(namespace, labels)
             if held >= len(labels):
                 return 0
             skip = max(held - reuse.num_tokens, 0)
-            kv = gather(cache, slots[skip:])
+            kv = gather(keys, values, slots[skip:])
             return self.tree.insert(namespace, labels, kv, _num_bytes(kv), start=reuse.num_tokens + skip)
         finally:
             self.tree.release(reuse.handle)
 
-    def release(self, reuse: Reuse) -> None:
-        """Give up the reuse's lock without storing anything (a request that failed)."""
-        self.tree.release(reuse.handle)
-
     def stats(self) -> TreeStats:
         return self.tree.stats()
+
+
+class NullPrefixCache:
+    """The prefix cache off: nothing is reused, nothing kept."""
+
+    def begin(self, namespace: Hashable, labels: Sequence[Label], pieces: Sequence[Piece],
+              kvs: Mapping[str, ModuleKV]) -> PrefixUse:
+        return PrefixUse(Reuse(()), tuple(pieces), kvs, ())
+
+    def end(self, namespace: Hashable, use: PrefixUse, keys: Sequence[torch.Tensor],
+            values: Sequence[torch.Tensor], length: int, answer: Sequence[int], answer_start: int) -> int:
+        return 0
+
+    def abort(self, use: PrefixUse) -> None:
+        pass
+
+    def stats(self) -> TreeStats:
+        return TreeStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def make_prefix_cache(max_bytes: int, geometry: KVGeometry) -> PrefixCache | NullPrefixCache:
+    """`max_bytes` 0, or a model whose cache does not hold every token (`supported`): off."""
+    if max_bytes < 0:
+        raise ValueError(f"the prefix cache's byte budget must be >= 0 (0 turns it off), got {max_bytes}")
+    return PrefixCache(max_bytes) if max_bytes and supported(geometry) else NullPrefixCache()
