@@ -33,7 +33,7 @@ venv: $(STAMP)
 # `pip install -e .` builds the native CPU kernels (setup.py); this rebuilds them after their sources
 # change. Where they cannot be built (no compiler, or one without AVX512-BF16) the torch code runs.
 $(LIBRARY): $(wildcard $(KERNELS)/*.c) | $(STAMP)
-	$(BIN)/python -m rag_promptcache.model.native build || echo "native kernels not built: the torch code runs"
+	$(BIN)/rag-promptcache kernels build || echo "native kernels not built: the torch code runs"
 
 kernels: $(LIBRARY)
 

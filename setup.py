@@ -5,7 +5,7 @@ with ctypes, not a Python extension module, so the build step compiles it with t
 model/native.py names (`native.build`, loaded here by path: importing the package would need torch,
 which a build environment may not have). The build is optional: without a C compiler, or with one
 that does not know AVX512-BF16, the install goes on with a warning and the torch code runs.
-`python -m rag_promptcache.model.native build` builds them later.
+`rag-promptcache kernels build` builds them later.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class BuildKernels(build_ext):
         why = native.build(Path(self.get_ext_fullpath(ext.name)))
         if why is not None:
             self.warn(f"the native CPU kernels were not built, so the torch code will run (slower, same results): "
-                      f"{why}. Build them later with `python -m rag_promptcache.model.native build`.")
+                      f"{why}. Build them later with `rag-promptcache kernels build`.")
 
     def get_outputs(self) -> list[str]:
         # a library that was not built is not an output; its record is one

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from rag_promptcache.engine import attention
 from rag_promptcache.engine import forward as lean
 from rag_promptcache.engine.assemble import reserved_cache
-from rag_promptcache.engine.decode import forward_last, forward_logits
+from rag_promptcache.engine.runner import forward_last, forward_logits
 from rag_promptcache.model import native
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import build

@@ -13,7 +13,7 @@ import torch
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.batch import BatchCache, decode_step
 from rag_promptcache.engine.batcher import Cancelled
-from rag_promptcache.engine.decode import forward_last, lean_forward
+from rag_promptcache.engine.runner import forward_last, lean_forward
 from rag_promptcache.engine.scheduler import Move, QueueFull, Rows
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
@@ -75,7 +75,8 @@ def tiny(tokenizer):
 
 def _reference(pc: PromptCache, prompt: str, steps: int) -> tuple[list[int], list[torch.Tensor], int]:
     """The one-at-a-time path: greedy tokens and the logits before each of them."""
-    cache, logits, position = pc._prefill(pc.plan(prompt), steps)
+    first = pc.prefill(pc.plan(prompt), steps)
+    cache, logits, position = first.cache, first.logits, first.next_position
     tokens, seen = [], [logits]
     for i in range(steps):
         tokens.append(int(logits.argmax()))
@@ -99,7 +100,8 @@ def test_batched_step_logits_match_alone_with_rows_joining_and_leaving(tiny, lea
             rows.submit(i)
             while rows.has_room():
                 j = rows.next_waiting()
-                cache, logits, _ = pc._prefill(pc.plan(PROMPTS[j]), 0)
+                first = pc.prefill(pc.plan(PROMPTS[j]))
+                cache, logits = first.cache, first.logits
                 assert torch.equal(logits, refs[j][1][0])
                 batch.load(rows.join(j), cache)
         running = rows.running

@@ -19,19 +19,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_decode_rows_and_metadata(tokenizer, tmp_path):
-    # the compiled row (decode_compile) is tested in tests/test_compiled_decode.py, at a cost kept out of here
-    config = dataclasses.replace(TINY, decode_context=64, decode_tokens=4, dtype="float32", decode_compile="off")
+    config = dataclasses.replace(TINY, decode_context=64, decode_tokens=4, dtype="float32")
     bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", config, log=lambda _: None)
     result = run_loaded(bench, quick=True, json_path=tmp_path / "bench.json", scenarios=("decode",))
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["dtype"] == "float32" and saved["torch"] and isinstance(saved["cpu_flags"], list)
-    assert saved["compile"] == "off" and saved["decode_compile"] == "off"  # the engine's default is eager
     rows = saved["decode"]
     assert sorted((r["system"], r["dtype"], r["prompt_lookup"]) for r in rows) == sorted(
         (system, dtype, lookup) for system in ("transformers", "rag-promptcache")
         for dtype in ("float32", "bfloat16") for lookup in (0, DEFAULT_LOOKUP))
     engine_rows = [r for r in rows if r["system"] == "rag-promptcache"]
-    assert all(r["compile"] == "off" and 1.0 <= r["tokens_per_forward"] <= 1 + DEFAULT_LOOKUP for r in engine_rows)
+    assert all(1.0 <= r["tokens_per_forward"] <= 1 + DEFAULT_LOOKUP for r in engine_rows)
     assert all(r["tokens_per_forward"] == 1.0 for r in rows if not r["prompt_lookup"])
     # the random model's 4 tokens in fp32: the same with and without lookup (bf16 may round apart)
     assert [r["tokens_match_no_lookup"] for r in engine_rows if r["prompt_lookup"] and r["dtype"] == "float32"] == [True]

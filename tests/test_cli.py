@@ -14,6 +14,7 @@ from rag_promptcache.cli import main
 from rag_promptcache.cli.store_cmds import parse_size
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag import corpus as corpus_mod
+from rag_promptcache.rag.ingestor import Ingestor
 
 
 @pytest.fixture
@@ -160,7 +161,7 @@ def test_settings_of_an_existing_corpus_cannot_change(built: Path, tmp_path: Pat
 def test_interrupted_ingest_exits_130_and_resumes(tmp_path: Path, fakes, capsys, monkeypatch) -> None:
     docs = write_docs(tmp_path / "docs", {**TOPICS, **{f"x{i}.txt": f"Extra document number {i}. " * 40 for i in range(4)}})
     monkeypatch.setattr(corpus_mod, "BATCH_CHUNKS", 4)
-    real_flush = Corpus._flush
+    real_flush = Ingestor.flush
     calls = []
 
     def flaky_flush(self, *args):
@@ -169,10 +170,10 @@ def test_interrupted_ingest_exits_130_and_resumes(tmp_path: Path, fakes, capsys,
             raise KeyboardInterrupt
         return real_flush(self, *args)
 
-    monkeypatch.setattr(Corpus, "_flush", flaky_flush)
+    monkeypatch.setattr(Ingestor, "flush", flaky_flush)
     code, _, err = run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32")
     assert code == 130 and "resume" in err
-    monkeypatch.setattr(Corpus, "_flush", real_flush)
+    monkeypatch.setattr(Ingestor, "flush", real_flush)
     code, out, _ = run(capsys, "ingest", docs, "--corpus", tmp_path / "c")
     assert code == 0 and "updated corpus" in out
     assert json.loads(run(capsys, "info", "--corpus", tmp_path / "c", "--json")[1])["num_incomplete"] == 0

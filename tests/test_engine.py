@@ -13,7 +13,7 @@ import torch
 
 from rag_promptcache import PMLError
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.decode import TextStream
+from rag_promptcache.engine.text import TextStream
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
 
@@ -148,7 +148,7 @@ def test_foreign_entry_under_our_key_is_not_used(tokenizer):
     other = engine("qwen2", tokenizer)  # a different model's KV
     other.generate(prompt, max_new_tokens=1)
     plan = pc.plan(prompt)
-    key = pc._key(pc._compile("s", False), pc._compile("s", False).units["a"], False)
+    key = pc.store_keys("s", ["a"])["a"]
     pc.store.put(key, other.plan(prompt).kvs["a"])  # plant it under this engine's key
     res = pc.generate(prompt, max_new_tokens=4)
     assert "a" in res.missed_modules
@@ -310,8 +310,7 @@ def test_entry_of_another_mode_under_our_key_is_not_used(tokenizer):
     assert iso.fingerprint == shared.fingerprint  # the same weights: only the mode differs
     prompt = '<prompt schema="s"><a/> What?</prompt>'
     planted = iso.plan(prompt).kvs["a"]
-    compiled = shared._compile("s", False)
-    shared.store.put(shared._key(compiled, compiled.units["a"], False), planted)
+    shared.store.put(shared.store_keys("s", ["a"])["a"], planted)
     assert "a" in shared.generate(prompt, max_new_tokens=1).missed_modules
 
 

@@ -48,7 +48,7 @@ def test_missed_module_tokens_count_as_computed_not_cached(model, tokenizer):
     pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none")
     pc.add_schema(SCHEMA)
     prompt = '<prompt schema="s"><a/><b/> Where?</prompt>'
-    units = pc._compile("s", False).units
+    units = pc.schemas.compile("s", False).units
     a_b = len(units["a"].token_ids) + len(units["b"].token_ids)
     first = pc.generate(prompt, max_new_tokens=2)  # both missed: encoded in this request
     assert set(first.missed_modules) == {"a", "b"}
@@ -57,7 +57,7 @@ def test_missed_module_tokens_count_as_computed_not_cached(model, tokenizer):
     assert second.cached_tokens - first.cached_tokens == a_b
     assert first.computed_tokens - second.computed_tokens == a_b
     assert first.cached_tokens + a_b <= first.prompt_tokens
-    pc.store.delete(pc._key(pc._compile("s", False), units["b"], False))
+    pc.store.delete(pc.store_keys("s", ["b"])["b"])
     third = pc.generate(prompt, max_new_tokens=2)  # one missed
     assert third.missed_modules == ("b",)
     assert third.cached_tokens == second.cached_tokens - len(units["b"].token_ids)

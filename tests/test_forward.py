@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.assemble import _POOL, assemble, reserved_cache
-from rag_promptcache.engine.decode import forward_last, lean_forward
+from rag_promptcache.engine.runner import forward_last, lean_forward
 from rag_promptcache.engine.forward import PACK_ENV, LeanLlama, can_pack
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import ARCHS, build

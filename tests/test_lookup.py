@@ -9,7 +9,9 @@ from transformers import DynamicCache
 
 from rag_promptcache.engine import PromptCache, Sampling
 from rag_promptcache.engine.assemble import reserved_cache
-from rag_promptcache.engine.decode import DecodeStats, decode_tokens, forward_last
+from rag_promptcache.engine.decode import decode
+from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.engine.state import DecodeState, DecodeStats
 from rag_promptcache.engine.lookup import DEFAULT_LOOKUP, ENV, NgramDrafter
 from rag_promptcache.model.positions import kv_geometry
 from rag_promptcache.store import MemoryStore
@@ -71,10 +73,11 @@ PROMPT = '<prompt schema="s"><a/><b/>Where does the river Aldern run, and when d
 
 def _decode(model, cache, prompt: list[int], lookup: int, n: int) -> tuple[list[int], DecodeStats]:
     logits = forward_last(model, torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
-    stats = DecodeStats()
-    tokens = list(decode_tokens(model, cache, logits, len(prompt), Sampling(max_new_tokens=n), frozenset(),
-                                history=prompt, lookup=lookup, stats=stats))
-    return tokens, stats
+    state = DecodeState(Sampling(max_new_tokens=n), start=len(prompt), eos_ids=frozenset(), history=prompt, lookup=lookup)
+    state.advance(logits[None])
+    for _ in decode(model, cache, state):  # no text: the tokens are the state's
+        pass
+    return state.tokens, state.stats
 
 
 # llama: the lean forward over the reserved cache; qwen2, phi3: transformers' forward over it, or

@@ -263,3 +263,26 @@ def test_budget_refuses_huge_input_before_loading_anything(tmp_path: Path, monke
     with pytest.raises(ValueError, match="exceeds the ingest budget"):
         Corpus.build([tmp_path / "big.txt"], tmp_path / "c", embedder=FakeEmbedder(), token_budget=1000)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_damaged_index_is_rebuilt_and_saved_once(docs: Path, tmp_path: Path) -> None:
+    import warnings
+
+    from rag_promptcache.rag.corpus import CorpusWarning
+
+    n = len(build(docs, tmp_path / "c"))
+    (tmp_path / "c" / "index.faiss").write_bytes(b"not a faiss index")
+    with pytest.warns(CorpusWarning, match="is damaged"):
+        assert len(Corpus.open(tmp_path / "c", FakeEngine(), embedder=FakeEmbedder())) == n
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CorpusWarning)  # the rebuilt index was saved: no warning the second time
+        c = Corpus.open(tmp_path / "c", FakeEngine(), embedder=FakeEmbedder())
+    assert len(c) == n and c.search("volcano lava", 1)
+
+
+def test_a_missing_chunk_table_is_named_as_missing(docs: Path, tmp_path: Path) -> None:
+    build(docs, tmp_path / "c").close()
+    (tmp_path / "c" / "chunks.sqlite").unlink()
+    with pytest.raises(ValueError, match=r"chunks.sqlite is missing.*re-ingest"):
+        Corpus.open(tmp_path / "c", FakeEngine(), embedder=FakeEmbedder())
+    assert not (tmp_path / "c" / "chunks.sqlite").exists()  # opening did not leave an empty table behind

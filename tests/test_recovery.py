@@ -65,6 +65,18 @@ def test_generation_uses_recovery_and_counts_recomputed_tokens(tokenizer):
     assert rec.computed_tokens > base.computed_tokens
 
 
+@pytest.mark.parametrize("recovery", ["none", "last:2", "first_k:4", "selective:0.5", "last:3"])
+def test_every_prompt_token_counts_once_as_cached_or_computed(recovery, tokenizer):
+    # issue 25 item 12: a missed module that recovery also recomputes was counted as computed twice
+    pc = engine("llama", tokenizer, recovery=recovery)
+    missed = pc.generate(PROMPT, max_new_tokens=2)  # nothing stored yet: every module missed
+    assert set(missed.missed_modules) == {"a", "b", "c"} and missed.cached_tokens == 0
+    assert missed.computed_tokens == missed.prompt_tokens
+    hit = pc.generate(PROMPT, max_new_tokens=2)
+    assert set(hit.hit_modules) == {"a", "b", "c"}
+    assert hit.cached_tokens + hit.computed_tokens == hit.prompt_tokens == missed.prompt_tokens
+
+
 @pytest.mark.parametrize("spec,match", [
     ("selective:1.5", r"fraction r in \[0, 1\]"), ("selective:-0.1", r"fraction r in \[0, 1\]"),
     ("first_k:-1", "k >= 0"), ("first_k:2.5", "whole number"), ("blend:0.1", "valid: none, first_k, selective"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.decode import Sampling
+from rag_promptcache.engine.sampling import Sampling
 from rag_promptcache.pml import ast
 from rag_promptcache.store import MemoryStore
 

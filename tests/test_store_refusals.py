@@ -139,6 +139,6 @@ def test_disk_full(model, tokenizer, expected, caplog, tmp_path):
             while True:  # take every byte left
                 f.write(b"\0" * 4096)
         check_refused(pc, expected, caplog, "disk full")
-        assert DiskStore(root / "store").get(pc._key(pc._compile("s", False), pc._compile("s", False).units["a"], False))
+        assert DiskStore(root / "store").get(pc.store_keys("s", ["a"])["a"])
     finally:
         subprocess.run(["umount", str(root)], check=True)

@@ -71,7 +71,6 @@ def run_loaded(
 
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
-    from rag_promptcache.engine.static_decode import compile_mode
     from rag_promptcache.engine import attention
     from rag_promptcache.model.loading import cpu_flags
 
@@ -88,10 +87,6 @@ def run_loaded(
         "cpu_flags": list(cpu_flags()),
         # model/native.py's kernels (prefill attention, key relocation) ran for this run's bf16 CPU model
         "native_kernels": attention.available(bench.model.dtype, dev),
-        # the engine's default decode step in this run ("off": eager; else RAG_PROMPTCACHE_COMPILE's mode);
-        # the decode scenario's compiled row, if any, carries its own mode in its "compile" field
-        "compile": compile_mode(None) or "off",
-        "decode_compile": bench.config.decode_compile,
         "ttft": [], "quality": [], "memory": [], "langchain": {"skipped": "not run"},
     }
     seconds: dict[str, float] = {}

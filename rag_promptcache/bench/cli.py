@@ -29,7 +29,6 @@ def register(app: typer.Typer) -> None:
         contexts: Annotated[str | None, typer.Option("--contexts", help="Comma-separated retrieved-context sizes for TTFT, e.g. 2048,4096 [default: the run's].")] = None,
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
-        decode_compile: Annotated[str | None, typer.Option("--decode-compile", help="Compile mode of the decode scenario's rag-promptcache-compiled row: default, freezing, max-autotune-no-cudagraphs, max-autotune-freezing, or off (no such row) [default: default].")] = None,
         fidelity_settings: Annotated[str | None, typer.Option("--fidelity-settings", help="Comma-separated settings the fidelity scenario compares with full prefill, each RECOVERY or MODE/RECOVERY (mode: shared_prefix, the default, or isolated), e.g. none,last:2 [default: the sweep in bench/common.py].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
@@ -52,12 +51,6 @@ def register(app: typer.Typer) -> None:
             for d in names:
                 parse_dtype(d)
             config = dataclasses.replace(config, decode_dtypes=names)
-        if decode_compile is not None:
-            if decode_compile != "off":
-                from rag_promptcache.engine.static_decode import compile_mode
-
-                compile_mode(decode_compile)  # a bad name fails here, before the model loads
-            config = dataclasses.replace(config, decode_compile=decode_compile)
         if decode_tokens is not None:
             config = dataclasses.replace(config, decode_tokens=decode_tokens)
         if contexts is not None:

@@ -72,7 +72,6 @@ class BenchConfig:
     decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt
     decode_tokens: int = 128  # new tokens per decode run (EOS ignored)
     decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # each system runs in each ("auto": the default)
-    decode_compile: str = "default"  # compile mode of the decode scenario's compiled row; "off": no such row
 
     @classmethod
     def quick(cls) -> BenchConfig:

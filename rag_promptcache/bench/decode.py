@@ -7,15 +7,10 @@ systems interleaved run by run. Per dtype in `decode_dtypes` (a copy of the mode
 - `transformers` with `prompt_lookup: 8`: the same with `prompt_lookup_num_tokens=8`, transformers'
   own prompt lookup decoding (the best plain transformers offers for this; not its default);
 - `rag-promptcache`: `PromptCache.generate(..., ignore_eos=True)` with every module cached, with the
-  engine's default decode step (eager unless RAG_PROMPTCACHE_COMPILE is set) and its default prompt
-  lookup (engine/lookup.py); a second row with `prompt_lookup: 0`, the plain one-token loop, whose
-  greedy tokens the default row's are compared with (`tokens_match_no_lookup`: equal in fp32, while
-  bf16 rounds a multi-token check differently from single steps and may flip a near tie);
-- `rag-promptcache-compiled` (unless `decode_compile` is "off" or the default already compiles): the
-  same with the compiled static decode step (engine/static_decode.py) in mode `decode_compile`; its
-  graph is compiled before the timed runs (`compile_s`: that warm-up, which the FX graph cache in
-  ~/.cache or TORCHINDUCTOR_CACHE_DIR shortens in a later process) and its greedy tokens are
-  compared with the eager row's (`tokens_match_eager`).
+  engine's default prompt lookup (engine/lookup.py); a second row with `prompt_lookup: 0`, the plain
+  one-token loop, whose greedy tokens the default row's are compared with (`tokens_match_no_lookup`:
+  equal in fp32, while bf16 rounds a multi-token check differently from single steps and may flip a
+  near tie).
 
 Decode seconds exclude the first token: for transformers, the time between the first and the last
 call of a logits processor (one call per generated token, after each forward; with prompt lookup,
@@ -44,9 +39,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml
 from rag_promptcache.engine import PromptCache, Sampling
-from rag_promptcache.engine.decode import penalize
+from rag_promptcache.engine.sampling import penalize
 from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
-from rag_promptcache.engine.static_decode import compile_mode
 from rag_promptcache.model.loading import dtype_name, parse_dtype, resolve_device_dtype
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import MemoryStore
@@ -54,7 +48,6 @@ from rag_promptcache.store import MemoryStore
 SCHEMA = "bench_decode"
 ENGINE = "rag-promptcache"
 BASELINE = "transformers"
-COMPILED = "rag-promptcache-compiled"
 WARMUP_TOKENS = 8
 # about the decode prompt's documents (the pydoc topics "assert" and "assignment"), for `answers`
 ANSWER_QUESTIONS = (
@@ -95,9 +88,8 @@ def run(bench: Bench) -> list[dict[str, object]]:
     systems: dict[str, tuple] = {}
     results: dict[str, list[tuple[float, float, int]]] = {}  # name → [(decode s, end-to-end s, forwards)]
     meta: dict[str, tuple[str, torch.dtype, int]] = {}  # name → (system, dtype, prompt lookup)
-    extra: dict[str, dict[str, object]] = {}  # name → fields of the engine rows
+    compare: dict[str, str] = {}  # an engine row → the row whose greedy tokens it is compared with
     tokens: dict[str, tuple[int, ...]] = {}  # name → the greedy tokens of its last run
-    compiled = None if compile_mode(None) is not None or cfg.decode_compile == "off" else compile_mode(cfg.decode_compile)
     for dt in dict.fromkeys(parse_dtype(d) or default_dtype for d in cfg.decode_dtypes):
         model, d = model_in(bench, dt), dtype_name(dt)
         pc = PromptCache(model, tok, name=bench.model_name, **bench.engine_options)
@@ -115,26 +107,11 @@ def run(bench: Bench) -> list[dict[str, object]]:
             name = f"{ENGINE}/{d}/{engine.prompt_lookup}"
             systems[name] = (_engine(engine, prompt, n, results, name, tokens), cfg.repeats_slow, 0)
             meta[name] = (ENGINE, dt, engine.prompt_lookup)
-            extra[name] = {"decoder": engine.decoder}
-        extra[f"{ENGINE}/{d}/{pc.prompt_lookup}"]["compare_to"] = ("tokens_match_no_lookup", f"{ENGINE}/{d}/0")
+        compare[f"{ENGINE}/{d}/{pc.prompt_lookup}"] = f"{ENGINE}/{d}/0"
         if cfg.warmup:  # a short run warms every kernel and allocation that a long one uses
             _hf(model, ids, WARMUP_TOKENS, {"w": []}, "w", DEFAULT_LOOKUP)()
             for engine in (pc, plain):
                 _engine(engine, prompt, WARMUP_TOKENS, {"w": []}, "w")()
-        fast = None if compiled is None else PromptCache(model, tok, store=pc.store, name=bench.model_name,
-                                                         compile=compiled, **bench.engine_options)
-        if fast is not None and fast.decoder is None:
-            bench.log(f"decode: no compiled row, {type(model).__name__} has no static decode step")
-        elif fast is not None:
-            fast.add_schema(schema)
-            name = f"{COMPILED}/{d}"
-            compile_s = fast.warm_decode(ids.shape[1] + n)  # as Corpus.prepare does: before any question
-            systems[name] = (_engine(fast, prompt, n, results, name, tokens), cfg.repeats_slow, 0)
-            if cfg.warmup:
-                _engine(fast, prompt, WARMUP_TOKENS, {"w": []}, "w")()
-            meta[name] = (COMPILED, dt, 0)  # the compiled step runs one token per forward: no lookup
-            extra[name] = {"decoder": fast.decoder, "compile_s": compile_s,
-                           "compare_to": ("tokens_match_eager", f"{ENGINE}/{d}/0")}
         bench.log(f"decode: {d} prompt of {ids.shape[1]} tokens, {n} new tokens")
     for name in systems:
         results[name] = []
@@ -150,16 +127,8 @@ def run(bench: Bench) -> list[dict[str, object]]:
             "default": system == ENGINE and dt == default_dtype and lookup == DEFAULT_LOOKUP,
         })
         rows[-1]["tokens_per_forward"] = (n - 1) / median([r[2] for r in runs])
-        if name in extra:  # the engine's rows: how their decode step ran
-            fields = dict(extra[name])
-            decoder, compare_to = fields.pop("decoder"), fields.pop("compare_to", None)
-            rows[-1]["compile"] = decoder.mode if decoder is not None else "off"
-            if decoder is not None:
-                rows[-1].update(graphs=len(decoder.capacities), compile_error=decoder.error)
-            if compare_to is not None:
-                field, other = compare_to
-                rows[-1][field] = tokens.get(name) == tokens.get(other)
-            rows[-1].update(fields)
+        if name in compare:
+            rows[-1]["tokens_match_no_lookup"] = tokens.get(name) == tokens.get(compare[name])
     baseline = {r["dtype"]: r["tokens_per_s"] for r in rows if r["system"] == BASELINE and not r["prompt_lookup"]}
     for r in rows:
         # fp32: the user's baseline (transformers loads the default model, a dequantized GGUF, in fp32)
@@ -175,7 +144,7 @@ def answers(bench: Bench) -> dict[str, object]:
     """Decode on answers as a user gets them (see the module docstring): the engine in its default
     dtype with its default lookup and with none, and transformers in fp32 (the user's baseline) with
     the same answer-only no-repeat rule; every question once per round, rounds interleaved."""
-    from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
+    from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM
 
     cfg, tok = bench.config, bench.tokenizer
     dt = resolve_device_dtype(bench.device, None)[1]

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import re
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,11 +24,9 @@ import torch
 
 from rag_promptcache.bench.fidelity import CHUNK_TOKENS
 from rag_promptcache.bench.fidelity_data import Question, generate
-from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine import PromptCache, Sampling
 from rag_promptcache.engine.compiler import ROOT
-from rag_promptcache.engine.decode import Sampling
 from rag_promptcache.engine.recovery import split
-from rag_promptcache.engine.result import Stream
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import answer_contains
 from rag_promptcache.store import DiskStore
@@ -93,7 +90,7 @@ def answer(engine: PromptCache, prompt: str, chosen_for: Callable[[str, int], se
             chosen.update(seq + o - p.offset for o in offs if p.offset <= o < p.offset + len(p.token_ids))
         seq += len(p.token_ids)
     plan = dataclasses.replace(plan, pieces=tuple(split(plan.pieces, chosen)))
-    return Stream(engine._run(plan, Sampling(max_new_tokens=max_new), time.perf_counter())).consume().text
+    return engine.stream_plan(plan, Sampling(max_new_tokens=max_new)).consume().text
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

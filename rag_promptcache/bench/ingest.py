@@ -28,11 +28,11 @@ def run(bench: Bench) -> dict[str, object]:
         import ray
     except ImportError:
         return {"skipped": "ray is not installed (pip install 'rag-promptcache[ray]')"}
-    from rag_promptcache.rag.distributed import RayOptions, _connect
+    from rag_promptcache.rag.distributed import RayOptions, connect
 
     cfg = bench.config
     docs = sample_documents(TOPICS[: cfg.ingest_topics])
-    started = _connect(ray, RayOptions(workers=max(cfg.ingest_workers, default=1)))
+    started = connect(ray, RayOptions(workers=max(cfg.ingest_workers, default=1)))
     runs: list[dict[str, object]] = []
     try:
         for workers in (0, *cfg.ingest_workers):

@@ -38,7 +38,7 @@ def markdown(report: dict[str, object]) -> str:
               r["overhead_vs_lower_bound"], r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
     if report.get("decode"):
         out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, EOS ignored, "
-                f"{report['decode'][0]['context_tokens']}-token context; compile {report.get('compile', 'off')})", "",
+                f"{report['decode'][0]['context_tokens']}-token context)", "",
                 _table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
                         "x transformers same dtype", "end to end s", "default"],
                        [[r["system"], r["dtype"], r["prompt_lookup"], r["tokens_per_s"], r["tokens_per_forward"],

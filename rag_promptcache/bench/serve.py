@@ -153,7 +153,7 @@ def _line(r: dict[str, object]) -> str:
 
 def _demo_corpus(bench: Bench, engine):
     from rag_promptcache.rag import Corpus, is_corpus
-    from rag_promptcache.rag.corpus import Manifest
+    from rag_promptcache.rag.records import Manifest
     from rag_promptcache.rag.sample import demo_home, sample_documents
 
     home = demo_home()

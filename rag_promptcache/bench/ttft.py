@@ -36,7 +36,7 @@ from rag_promptcache.bench.common import (
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import ROOT
-from rag_promptcache.engine.decode import forward_last
+from rag_promptcache.engine.runner import forward_last
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import DiskStore, MemoryStore, NullStore
 

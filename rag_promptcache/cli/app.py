@@ -1,10 +1,15 @@
 """The `rag-promptcache` command: one typer app, its error policy, and where subcommands plug in.
 
-Exit codes: 0 ok, 1 user error (one line on stderr, no traceback), 2 internal error, 130 interrupted.
-Heavy imports (torch, transformers, faiss) happen inside commands so `--help` stays fast.
+Exit codes: 0 ok, 1 user error (one line on stderr, no traceback), 2 internal error, 130 interrupted,
+141 output closed early (`info | head -2`: quietly, with the code a shell gives a program SIGPIPE ends,
+as `cat` or `git log` would; Python ignores SIGPIPE, so we turn its BrokenPipeError into that).
+Heavy imports (torch, transformers, faiss) happen inside commands, so `--help` and `--version`
+answer without importing torch (tests/test_cli_startup.py checks that).
 
 Other packages add commands by exposing `register(app: typer.Typer) -> None` in a `cli` module
-(`rag_promptcache.bench.cli` for `bench`); `_register_optional` picks them up when present.
+(`rag_promptcache.bench.cli` for `bench`); `_register_optional` picks them up when present. One whose
+package imports torch on import (bench) is listed in LAZY: `--help` shows its line from there, and
+its module is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -18,9 +23,48 @@ import warnings
 from collections.abc import Callable
 from typing import Annotated, TypeVar
 
+import click
 import typer
+from typer.core import TyperGroup
+
+# command → (module with `register(app)`, the one line `--help` lists; test_cli_startup holds it true)
+LAZY = {"bench": ("rag_promptcache.bench.cli", "Measure TTFT, quality, memory and throughput against full prefill; "
+                  "write JSON, Markdown and plots.")}
+
+
+class LazyGroup(TyperGroup):
+    """The root command: a LAZY command is imported when it runs (or shows its own help), not when
+    the root's help lists it."""
+
+    listing = False
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*super().list_commands(ctx), *(name for name in LAZY if name not in self.commands)]
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self.listing = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            self.listing = False
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in LAZY or cmd_name in self.commands:
+            return super().get_command(ctx, cmd_name)
+        module, short_help = LAZY[cmd_name]
+        if self.listing:
+            return click.Command(cmd_name, help=short_help)
+        plugin = typer.Typer(rich_markup_mode=None, pretty_exceptions_enable=False, add_completion=False)
+        if not _register(module, plugin):
+            return None
+        command = typer.main.get_group(plugin).get_command(ctx, cmd_name)
+        if command is not None:
+            self.add_command(command, cmd_name)
+        return command
+
 
 app = typer.Typer(
+    cls=LazyGroup,
     name="rag-promptcache",
     help="Answer questions over your documents fast: each chunk's KV cache is computed once and reused.",
     no_args_is_help=True,
@@ -42,6 +86,19 @@ RedisOpt = Annotated[str | None, typer.Option(
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for `cat big | head -1`'s cat
+
+
+def quiet_stdout() -> None:
+    """The reader of stdout is gone (`| head`): point stdout at devnull so that the interpreter's
+    final flush of what is still buffered does not raise a second BrokenPipeError at exit
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe). Help text, printed by typer
+    itself, is covered by typer's own handler (quietly, exit 1)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
@@ -56,6 +113,9 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except BrokenPipeError:  # the reader left (`| head`): not a failure of the command
+            quiet_stdout()
+            raise typer.Exit(SIGPIPE_EXIT) from None
         except KeyboardInterrupt:
             typer.echo("\ninterrupted", err=True)
             raise typer.Exit(130) from None
@@ -72,9 +132,13 @@ def handle_errors(fn: F) -> F:
 
 def _version(value: bool) -> None:
     if value:
-        from rag_promptcache.rag.corpus import _package_version
+        from importlib.metadata import PackageNotFoundError, version
 
-        typer.echo(f"rag-promptcache {_package_version()}")
+        try:
+            installed = version("rag-promptcache")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            installed = "0+unknown"
+        typer.echo(f"rag-promptcache {installed}")
         raise typer.Exit(0)
 
 
@@ -85,31 +149,49 @@ def _root(
     """Answer questions over your documents fast: each chunk's KV cache is computed once and reused."""
 
 
+def _register(module: str, target: typer.Typer) -> bool:
+    """`module.register(target)`; False when that package has no CLI (yet)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module.startswith(e.name):
+            return False
+        raise
+    mod.register(target)
+    return True
+
+
 def _register_optional(target: typer.Typer) -> None:
-    for module in ("rag_promptcache.bench.cli", "rag_promptcache.server.cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name is not None and module.startswith(e.name):
-                continue  # that package has no CLI (yet)
-            raise
-        mod.register(target)
+    for module in ("rag_promptcache.server.cli",):
+        _register(module, target)
+
+
+# Library notices a user of the command cannot act on, silenced for the command only (an application
+# using the library keeps them): transformers' deprecation of the `past_key_values=` keyword the
+# engine's forward passes (the engine's to change, not the user's).
+QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = ((r".*`past_key_values` is deprecated", FutureWarning),)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 1, like every other user error."""
-    from rag_promptcache.cli import commands, demo, eval_cmd, store_cmds  # noqa: F401 - registers the commands
+    from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds  # noqa: F401 - registers the commands
 
     _register_optional(app)
     try:
         with warnings.catch_warnings():
             # one line per warning, like the errors, not Python's "file:line: Category" with source
             warnings.showwarning = lambda message, category, *a, **k: typer.echo(f"warning: {message}", err=True)
+            for message, category in QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=category)
             code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
+        sys.stdout.flush()  # inside the try: a pipe closed early fails here, not at interpreter exit
     except typer.TyperException as e:  # usage errors (typer vendors click; this is its base class)
         e.show() if hasattr(e, "show") else typer.echo(f"error: {e}", err=True)
         sys.exit(1)
     except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(130)
+    except BrokenPipeError:
+        quiet_stdout()
+        sys.exit(SIGPIPE_EXIT)
     sys.exit(code if isinstance(code, int) else 0)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import select
 import sys
 import warnings
@@ -13,7 +14,10 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import DtypeOpt, RedisOpt, app, fail, handle_errors
-from rag_promptcache.rag.corpus import DEFAULT_NO_REPEAT_NGRAM
+
+# Help shows the corpus default (rag_promptcache.rag.repetition.DEFAULT_NO_REPEAT_NGRAM; a test holds
+# them equal) without importing rag, whose package imports torch: `--help` stays fast.
+SHOWN_NO_REPEAT_NGRAM = 6
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
 KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
@@ -67,6 +71,8 @@ def ingest(
     if ray:
         from rag_promptcache.rag.distributed import RayOptions
 
+        quiet_ray(ray_address)
+
         ray_opts = RayOptions(address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker, kv=ray_kv)
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
@@ -90,6 +96,17 @@ def ingest(
     c.close()
     if report is not None and report.failed:
         raise fail(f"{len(report.failed)} file(s) failed and are kept incomplete; run the same command again to retry them")
+
+
+def quiet_ray(address: str | None) -> None:
+    """Ray's notices the user of `ingest --ray` cannot act on, off for this process: the token-auth
+    warning of the local cluster Ray starts (its own default mode, token, set explicitly; a cluster
+    given by --ray-address keeps its settings), and colour codes in worker log lines that do not go
+    to a terminal. Variables the user set win."""
+    if address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
@@ -129,16 +146,18 @@ def _prompt(text: str) -> str:
 
 TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples more freely.")]
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
-NoRepeatOpt = Annotated[int, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off).")]
+NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off; the "
+                                                      f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
 RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, first_k:K or selective:R (default: the engine's, last:2; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
 
 
-def _sampling(temperature: float, repetition_penalty: float, no_repeat_ngram: int, recovery: str | None,
+def _sampling(temperature: float, repetition_penalty: float, no_repeat_ngram: int | None, recovery: str | None,
               stop: list[str] | None) -> dict[str, object]:
+    """Options given → Corpus.ask keyword arguments; one not given is left to Corpus.ask's default."""
     out: dict[str, object] = {"temperature": temperature, "repetition_penalty": repetition_penalty,
-                              "no_repeat_ngram": no_repeat_ngram, "stop": tuple(stop or ())}
-    return out if recovery is None else {**out, "recovery": recovery}
+                              "no_repeat_ngram": no_repeat_ngram, "recovery": recovery, "stop": tuple(stop or ())}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 @app.command()
@@ -153,7 +172,7 @@ def ask(
     redis_url: RedisOpt = None,
     temperature: TemperatureOpt = 0.0,
     repetition_penalty: RepetitionOpt = 1.0,
-    no_repeat_ngram: NoRepeatOpt = DEFAULT_NO_REPEAT_NGRAM,
+    no_repeat_ngram: NoRepeatOpt = None,
     recovery: RecoveryOpt = None,
     stop: StopOpt = None,
     dtype: DtypeOpt = None,
@@ -198,7 +217,7 @@ def chat(
     turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3,
     temperature: TemperatureOpt = 0.0,
     repetition_penalty: RepetitionOpt = 1.0,
-    no_repeat_ngram: NoRepeatOpt = DEFAULT_NO_REPEAT_NGRAM,
+    no_repeat_ngram: NoRepeatOpt = None,
     recovery: RecoveryOpt = None,
     stop: StopOpt = None,
     redis_url: RedisOpt = None,
@@ -268,7 +287,9 @@ def info(
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
     c = _open(corpus)
-    facts = {**c.info(), "documents": c.documents()}
+    # the schema's name is what a hand-written PML prompt imports the corpus's modules under
+    # (`<prompt schema="…">`, e.g. in /v1/completions)
+    facts = {**c.info(), "schema": c.manifest.name, "documents": c.documents()}
     c.close()
     incomplete = f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""
     echo_facts(facts, [
@@ -276,6 +297,7 @@ def info(
         ("documents", f"{facts['num_documents']}{incomplete}"),
         ("modules", f"{facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)"),
         ("store", mib(facts["store_bytes"])),
+        ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),
         ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),
         ("embedder", f"{facts['embedder']} (dim {facts['dim']}), index {facts['index']}"),
         ("chunking", f"{facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}"),

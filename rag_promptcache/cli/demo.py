@@ -15,7 +15,6 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import DtypeOpt, app, handle_errors
-from rag_promptcache.rag.sample import QUESTIONS, TOPICS, demo_home, sample_documents
 
 
 @app.command()
@@ -29,6 +28,7 @@ def demo(
     """Ingest a slice of the Python reference (first run only), then answer questions from it."""
     from rag_promptcache.model.loading import dtype_name, parse_dtype
     from rag_promptcache.rag import Corpus, ModelMismatchError, is_corpus
+    from rag_promptcache.rag.sample import QUESTIONS, TOPICS, demo_home, sample_documents
 
     where = corpus or demo_home()
     wanted = parse_dtype(dtype)  # a bad name fails before anything loads

@@ -11,7 +11,8 @@ first n rows (the scheduler keeps them packed), so the step uses views, never a 
 `decode_row` runs several tokens of one row alone through the single-sequence forward: the
 batcher's prompt lookup check for a request running alone.
 
-Not here: who runs when (`scheduler.py`, `batcher.py`), sampling (`decode.py`).
+Not here: who runs when (`scheduler.py`, `batcher.py`), sampling (`sampling.py`), which forward runs
+(`runner.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from rag_promptcache.engine.assemble import ReservedLayer
-from rag_promptcache.engine.decode import forward_logits, lean_forward, native_gqa
+from rag_promptcache.engine.runner import forward_batch, forward_logits
 from rag_promptcache.model.positions import KVGeometry
 
 
@@ -129,14 +130,7 @@ def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], posit
     mask.masked_fill_((slots[None, :] > s.lengths[:, None])[:, None, None, :], torch.finfo(batch.dtype).min)
     input_ids = torch.tensor(ids, device=device)[:, None]  # [n, 1]
     position_ids = torch.tensor(positions, device=device)[:, None]  # [n, 1]
-    fast = lean_forward(model) if lean else None
-    if fast is not None:
-        logits = fast.decode_batch(input_ids, position_ids, batch.cache.layers, mask)
-    else:
-        with native_gqa(device):
-            out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=batch.cache,
-                        attention_mask=mask, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1].float()
+    logits = forward_batch(model, input_ids, position_ids, batch.cache, mask, lean=lean)
     for r in range(n):
         batch.lengths[r] += 1
     return logits

@@ -7,15 +7,20 @@
 
 A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Between decode steps
 the thread admits waiting requests while rows are free: each is prefilled alone through the
-engine's own plan → assemble → forward path, its KV copied into a free row of the `BatchCache`,
-and its first token sampled. Then one `decode_step` advances every running row by one token. A
-request running alone with nothing waiting decodes as `PromptCache.generate` does, checking prompt
-lookup drafts (engine/lookup.py) in a forward of its row (`decode_row`). A
-row that ends (EOS, stop string, max tokens) or is cancelled leaves before the next step. Each
-request keeps its own `Sampling`, seeded generator and `TextStream`, so a request decoded in a batch
-gets the tokens it gets alone (up to float rounding of the batched matmuls).
+engine's public `prefill`, its KV copied into a free row of the `BatchCache`, and its first token
+chosen. Then one `decode_step` advances every running row by one token. A request running alone with
+nothing waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts
+(engine/lookup.py) in a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
+tokens) or is cancelled leaves before the next step. Each request keeps its own `DecodeState`
+(engine/state.py: sampling, seeded generator, text, finish, drafts), the one the engine's own loop
+uses, so a request decoded in a batch gets the tokens it gets alone (up to float rounding of the
+batched matmuls).
 
-Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`).
+The batcher knows the engine only through the `Engine` protocol below: engine.py imports this
+module, never the other way round.
+
+Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`). Chunked prefill
+(issue 24) would admit a request over several steps here, through engine/prefill.py.
 """
 
 from __future__ import annotations
@@ -26,24 +31,44 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rag_promptcache.engine.assemble import release
 from rag_promptcache.engine.batch import BatchCache, decode_row, decode_step
-from rag_promptcache.engine.decode import Sampling, TextStream, sample, verify
-from rag_promptcache.engine.lookup import NgramDrafter
-from rag_promptcache.engine.result import FinishReason, Result
+from rag_promptcache.engine.result import Result
+from rag_promptcache.engine.sampling import Sampling
 from rag_promptcache.engine.scheduler import QueueFull, Rows
 
 if TYPE_CHECKING:
-    from rag_promptcache.engine.engine import Plan, PromptCache
+    from transformers import PreTrainedModel
+
+    from rag_promptcache.engine.plan import Plan
+    from rag_promptcache.engine.prefill import Prefilled
     from rag_promptcache.engine.recovery import Recovery
+    from rag_promptcache.engine.state import DecodeState
+    from rag_promptcache.model.positions import KVGeometry
     from rag_promptcache.pml import ast
 
 __all__ = ["Batcher", "Handle", "QueueFull"]
+
+
+class Engine(Protocol):
+    """What the batcher uses of its engine (`PromptCache`): its public request path, model and lock."""
+
+    model: PreTrainedModel
+    geometry: KVGeometry
+    model_lock: AbstractContextManager[object]  # held around every forward
+
+    def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = ..., recovery: str | Recovery | None = ...,
+             max_new_tokens: int = ...) -> Plan: ...
+
+    def prefill(self, plan: Plan, room: int = ...) -> Prefilled: ...
+
+    def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = ..., lookup: bool = ...) -> DecodeState: ...
 
 
 class Cancelled(Exception):
@@ -56,11 +81,10 @@ class Handle:
     `cancel()` frees its row before the next decode step. A failure in this request (only) is
     re-raised by the iterator."""
 
-    def __init__(self, id: int, plan: Plan, sampling: Sampling, ignore_eos: bool, t0: float) -> None:
+    def __init__(self, id: int, plan: Plan, sampling: Sampling, t0: float) -> None:
         self.id = id
         self.plan = plan
         self.sampling = sampling
-        self.ignore_eos = ignore_eos
         self.t0 = t0
         self.result: Result | None = None
         self.cancelled = False
@@ -144,17 +168,11 @@ class Handle:
 @dataclass(slots=True)
 class _Running:
     handle: Handle
-    text: TextStream
-    generator: torch.Generator | None
-    position: int  # of the next token fed
-    ids: list[int] = field(default_factory=list)
-    ttft: float = 0.0
-    num_forwards: int = 0  # decode forwards this request took part in
-    drafter: NgramDrafter | None = None  # prompt lookup, built when it first runs alone
+    state: DecodeState
 
 
 class Batcher:
-    def __init__(self, engine: PromptCache, *, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64) -> None:
         self.engine = engine
         self.rows = Rows(max_batch, max_queue)
         model = engine.model
@@ -172,14 +190,14 @@ class Batcher:
     def submit(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None, ignore_eos: bool = False,
                use_cache: bool = True, **sampling) -> Handle:
         """Plan `prompt` (raising here on bad input) and queue it; `QueueFull` when the queue is full."""
-        s = Sampling(**sampling)
+        s = Sampling(ignore_eos=ignore_eos, **sampling)
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("this scheduler is closed")
         # planning may encode missing modules (forward passes under engine.model_lock); raises on a
         # prompt past the context window
         plan = self.engine.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
-        handle = Handle(next(self._ids), plan, s, ignore_eos, t0)
+        handle = Handle(next(self._ids), plan, s, t0)
         handle._batcher = self
         with self._cv:
             self.rows.submit(handle.id)  # raises QueueFull
@@ -246,29 +264,28 @@ class Batcher:
                     return
                 rid = self.rows.next_waiting()
             handle = self._handles[rid]
-            s = handle.sampling
             try:
-                with self.engine.model_lock:
-                    cache, logits, position = self.engine._prefill(handle.plan, 0)
+                first = self.engine.prefill(handle.plan)
             except Exception as e:  # noqa: BLE001 - this request fails; the others go on
                 self._finish(rid, e)
                 continue
-            generator = None
-            if s.seed is not None and s.temperature > 0:
-                generator = torch.Generator(device=logits.device).manual_seed(s.seed)
             with self._cv:
                 row = self.rows.join(rid)
-            self.batch.load(row, cache, s.max_new_tokens)
-            release(cache)  # copied into the batch: its buffers go back to the pool now
-            self._running[rid] = _Running(handle, TextStream(self.engine.tokenizer, s.stop), generator, position)
-            self._emit(rid, sample(logits, s, generator))
+            self.batch.load(row, first.cache, handle.sampling.max_new_tokens)
+            release(first.cache)  # copied into the batch: its buffers go back to the pool now
+            # a row's KV is dropped by setting its length back: drafts can always be rolled back here
+            self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0))
+            self._advance(rid, first.logits[None])
 
     def _step(self) -> None:
         order = self.rows.running
-        if len(order) == 1 and not self.rows.num_waiting and self._step_alone(order[0]):
+        alone = len(order) == 1 and not self.rows.num_waiting  # only then a prompt lookup draft is checked
+        fed = [self._running[rid].state.next_input(draft=alone) for rid in order]
+        if alone and len(fed[0]) > 1:
+            self._step_row(order[0], fed[0])
             return
-        ids = [self._running[rid].ids[-1] for rid in order]
-        positions = [self._running[rid].position for rid in order]
+        ids = [f[0] for f in fed]
+        positions = [self._running[rid].state.position for rid in order]
         try:
             with self.engine.model_lock:
                 logits = decode_step(self.engine.model, self.batch, ids, positions)  # [n, V]
@@ -277,63 +294,31 @@ class Batcher:
                 self._finish(rid, e)
             return
         for r, rid in enumerate(order):
-            run = self._running[rid]
-            run.position += 1
-            run.num_forwards += 1
-            self._emit(rid, sample(logits[r], run.handle.sampling, run.generator, run.ids))  # ids: for the repetition controls
+            self._advance(rid, logits[r : r + 1])
 
-    def _step_alone(self, rid: int) -> bool:
-        """The one running request, greedy: check a prompt lookup draft (engine/lookup.py) in a forward
-        of its row alone, as `PromptCache.generate` does. False where there is no draft to check."""
-        run = self._running[rid]
-        s = run.handle.sampling
-        if not self.engine.prompt_lookup or s.temperature > 0:
-            return False
-        if run.drafter is None:
-            run.drafter = NgramDrafter(t for p in run.handle.plan.pieces for t in p.token_ids)
-        draft = run.drafter.draft_after(run.ids, min(self.engine.prompt_lookup, s.max_new_tokens - len(run.ids) - 1))
-        if not draft:
-            return False
+    def _step_row(self, rid: int, fed: list[int]) -> None:
+        """The one running request with a prompt lookup draft: check it in a forward of its row alone
+        (row 0), as `PromptCache.generate` does, and drop the KV of the draft's rejected rest."""
+        state = self._running[rid].state
         try:
             with self.engine.model_lock:
-                rows = decode_row(self.engine.model, self.batch, 0, [run.ids[-1], *draft], run.position)
+                rows = decode_row(self.engine.model, self.batch, 0, fed, state.position)
         except Exception as e:  # noqa: BLE001 - this request fails; the thread serves the next ones
             self._finish(rid, e)
-            return True
-        run.num_forwards += 1
-        accepted = 0
-        for token, kept in verify(rows, draft, s, run.generator, run.ids):
-            accepted += kept
-            run.position += 1
-            self._emit(rid, token)  # appends to run.ids
-            if rid not in self._running:  # finished: EOS, a stop string, max tokens, or cancelled
-                return True
-        self.batch.lengths[0] -= len(draft) - accepted  # the rejected rest of the draft
-        return True
+            return
+        rejected = self._advance(rid, rows)
+        self.batch.lengths[0] -= rejected
 
-    def _emit(self, rid: int, token: int) -> None:
-        """Record one sampled token of `rid`; finish it when it ends."""
+    def _advance(self, rid: int, rows: torch.Tensor) -> int:
+        """Hand `rid`'s state the logits of its forward; emit its text, finish it when it ends → the
+        draft tokens it rejected."""
         run = self._running[rid]
-        h = run.handle
-        if not run.ids:
-            run.ttft = time.perf_counter() - h.t0
-        run.ids.append(token)
-        finish: FinishReason | None = None
-        if token in self.engine.eos_ids and not h.ignore_eos:
-            finish = "eos"
-        else:
-            piece = run.text.push(token)
-            if piece:
-                h._put(piece)
-            if run.text.stopped:
-                finish = "stop"
-            elif len(run.ids) >= h.sampling.max_new_tokens:
-                finish = "length"
-        if finish is not None:
-            tail = run.text.finish()
-            if tail:
-                h._put(tail)
-            self._finish(rid, _result(run, finish))
+        step = run.state.advance(rows)
+        for piece in step.pieces:
+            run.handle._put(piece)
+        if run.state.finished:
+            self._finish(rid, run.handle.plan.result(run.state, time.perf_counter() - run.handle.t0))
+        return step.num_rejected
 
     def _finish(self, rid: int, outcome: Result | BaseException) -> None:
         with self._cv:
@@ -343,8 +328,3 @@ class Batcher:
         if move is not None:
             self.batch.move(move.src, move.dst)
         handle._put(outcome)
-
-
-def _result(run: _Running, finish: FinishReason) -> Result:
-    return run.handle.plan.result(run.text.text, run.ids, finish, run.ttft, time.perf_counter() - run.handle.t0,
-                                  run.num_forwards)

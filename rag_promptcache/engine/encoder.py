@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.compiler import Unit
-from rag_promptcache.engine.decode import native_gqa
+from rag_promptcache.engine.runner import forward_base
 from rag_promptcache.store.base import ModuleKV
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")
@@ -55,14 +55,13 @@ def encode_units(
     for i, u in enumerate(units):
         assert u.token_ids, f"{u.name=} has no tokens"
         groups[u.context_ids if mode == "shared_prefix" else ()].append(i)
-    with native_gqa(model.device):  # a unit after a shared prefix is a masked prefill
-        for context, idx in groups.items():
-            idx.sort(key=lambda i: len(units[i].token_ids))  # similar lengths share a batch: less padding
-            prefix = _prefix_kv(model, context) if context else None
-            for b in range(0, len(idx), batch_size):
-                batch = [units[i] for i in idx[b : b + batch_size]]
-                for i, kv in zip(idx[b : b + batch_size], _encode_batch(model, batch, prefix, mode, fingerprint)):
-                    out[i] = kv
+    for context, idx in groups.items():
+        idx.sort(key=lambda i: len(units[i].token_ids))  # similar lengths share a batch: less padding
+        prefix = _prefix_kv(model, context) if context else None
+        for b in range(0, len(idx), batch_size):
+            batch = [units[i] for i in idx[b : b + batch_size]]
+            for i, kv in zip(idx[b : b + batch_size], _encode_batch(model, batch, prefix, mode, fingerprint)):
+                out[i] = kv
     return [out[i] for i in range(len(units))]
 
 
@@ -70,8 +69,7 @@ def _prefix_kv(model: PreTrainedModel, context: tuple[int, ...]) -> list[tuple[t
     device = model.device
     ids = torch.tensor([context], device=device)
     cache = DynamicCache(config=model.config)
-    model.base_model(input_ids=ids, position_ids=torch.arange(len(context), device=device)[None],
-                     past_key_values=cache, use_cache=True)
+    forward_base(model, ids, torch.arange(len(context), device=device)[None], cache)
     return [(layer.keys, layer.values) for layer in cache.layers]  # each [1, H, C, D]
 
 
@@ -101,7 +99,7 @@ def _encode_batch(
             config=model.config,
         )
         skip = prefix[0][0].shape[2]
-    model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    forward_base(model, ids, pos, cache)  # a unit after a shared prefix is a masked prefill
     assert cache.layers[0].keys.shape[2] == skip + width, f"{cache.layers[0].keys.shape=} {skip=} {width=}"
     result = []
     for r, u in enumerate(batch):

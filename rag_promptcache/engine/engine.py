@@ -1,10 +1,13 @@
 """`PromptCache`: the engine. PML prompt → plan (hit / miss per module) → assemble → prefill → decode.
 
-A module whose KV is missing from the store (never encoded, evicted, corrupt, or made by another
-model: the key is content-addressed, so that is a miss too) is encoded from its text in the request,
-used, and written back; the answer is the same as on a hit. On a model with learned absolute
-positions a module is reused only where it was encoded; elsewhere its tokens are recomputed in the
-prefill, and the result lists it in `recomputed_modules`.
+Each step is owned once, elsewhere; this class wires them over one model and one store:
+- the schema registry (engine/schemas.py) and the planner (engine/plan.py): a module whose KV is
+  missing from the store is encoded from its text in the request, used, and written back; the answer
+  is the same as on a hit. On a model with learned absolute positions a module is reused only where
+  it was encoded; elsewhere its tokens are recomputed in the prefill, and the result lists it in
+  `recomputed_modules`;
+- the prefill (engine/prefill.py), then the request's `DecodeState` (engine/state.py) driven by the
+  single-request loop (engine/decode.py) or, through `scheduler()`, by the batcher (engine/batcher.py).
 
 Out of scope here: retrieval (rag/), storage tiers (store/), positions per architecture (model/).
 """
@@ -12,81 +15,33 @@ Out of scope here: retrieval (rag/), storage tiers (store/), positions per archi
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generator
+from collections.abc import Callable, Generator, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine import attention
-from rag_promptcache.engine.assemble import assemble, release
-from rag_promptcache.engine.compiler import LAYOUTS, ROOT, CompiledSchema, Compiler, Layout, Piece, Unit
-from rag_promptcache.engine.decode import DecodeStats, Sampling, TextStream, decode_tokens, eos_token_ids, forward_last
-from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode, encode_units
-from rag_promptcache.engine.errors import ContextWindowExceeded
+from rag_promptcache.engine.assemble import release
+from rag_promptcache.engine.batcher import Batcher
+from rag_promptcache.engine.compiler import LAYOUTS, Compiler, Layout
+from rag_promptcache.engine.decode import can_crop, decode
+from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode
 from rag_promptcache.engine.lookup import lookup_tokens
-from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery, recover
-from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, FinishReason, Result, Stream
-from rag_promptcache.engine.static_decode import bucket, static_decoder, warm_up
+from rag_promptcache.engine.plan import Plan, PlanConfig, Planner, uncached
+from rag_promptcache.engine.prefill import Prefilled, prefill
+from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
+from rag_promptcache.engine.sampling import Sampling, eos_token_ids
+from rag_promptcache.engine.schemas import Schemas
+from rag_promptcache.engine.state import DecodeState
+from rag_promptcache.engine.text import TextStream
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.pml import ast
-from rag_promptcache.pml.parser import parse_prompt, parse_schema, to_pml
-from rag_promptcache.store.base import ModuleKV, Store, module_key
-
-if TYPE_CHECKING:
-    from rag_promptcache.engine.batcher import Batcher
-
-PLAIN = ""  # the empty schema that plain-text prompts use
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    pieces: tuple[Piece, ...]
-    kvs: dict[str, ModuleKV]
-    hits: tuple[str, ...]
-    misses: tuple[str, ...]
-    recomputed: tuple[str, ...]
-    num_encoded_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.pieces)
-
-    @property
-    def num_cached(self) -> int:
-        """Tokens assembled from module KV, whether fetched from the store or encoded just now."""
-        return sum(len(p.token_ids) for p in self.pieces if p.cached)
-
-    @property
-    def num_from_store(self) -> int:
-        """Tokens served from stored KV (hits only): what `Result.cached_tokens` reports. A missed
-        module's KV was computed in this request, so its tokens count as computed."""
-        hits = set(self.hits)
-        return sum(len(p.token_ids) for p in self.pieces if p.cached and p.unit in hits)
-
-    def result(self, text: str, token_ids: Sequence[int], finish_reason: FinishReason, ttft_s: float,
-               total_s: float, num_decode_forwards: int) -> Result:
-        """The `Result` of a generation from this plan (the engine's and the batch scheduler's)."""
-        return Result(
-            text=text,
-            token_ids=tuple(token_ids),
-            finish_reason=finish_reason,
-            ttft_s=ttft_s,
-            total_s=total_s,
-            prompt_tokens=self.num_tokens,
-            cached_tokens=self.num_from_store,
-            computed_tokens=self.num_tokens - self.num_cached + self.num_encoded_tokens,
-            hit_modules=tuple(n for n in self.hits if n != ROOT),
-            missed_modules=tuple(n for n in self.misses if n != ROOT),
-            recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
-            num_decode_forwards=num_decode_forwards,
-        )
+from rag_promptcache.store.base import Store
 
 
 class PromptCache:
@@ -102,14 +57,9 @@ class PromptCache:
         batch_size: int = 8,
         recovery: str | Recovery | None = DEFAULT_RECOVERY,
         codec: str | None = None,
-        compile: bool | str | None = None,
         prompt_lookup: int | None = None,
     ) -> None:
-        """`compile`: run each decode step through the compiled static step (engine/static_decode.py):
-        True or a mode name; None reads RAG_PROMPTCACHE_COMPILE (unset: eager, measured no faster on
-        CPU, see the README's limits). Call `warm_decode` before serving to compile ahead of time.
-
-        `prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
+        """`prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
         prompt and the answer so far (engine/lookup.py); 0 turns it off; None reads
         RAG_PROMPTCACHE_PROMPT_LOOKUP (unset: 8)."""
         prompt_lookup = lookup_tokens(prompt_lookup)
@@ -140,18 +90,17 @@ class PromptCache:
         self.context_window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.compiler = Compiler(tokenizer, role_markup(tokenizer))
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self._schemas: dict[str, ast.Schema] = {PLAIN: ast.Schema(PLAIN, ())}
-        self._schema_chat: dict[str, bool] = {PLAIN: False}  # whether a schema uses role tags: once, not per request
-        self._first_role: dict[str, str | None] = {PLAIN: None}  # its first role tag, in document order
-        self._compiled: dict[tuple[str, bool, bool], CompiledSchema] = {}
-        self._keys: dict[tuple[str, bool, bool, str], str] = {}
-        self._lock = threading.Lock()  # the schema, compiled-schema and key maps
+        self.prompt_lookup = prompt_lookup
         # Every forward pass of this model runs under it: prefill, each decode step, encoding, recovery
         # passes (whose layer hooks would otherwise fire in another thread's forward). Reentrant, so a
         # caller (the batch scheduler) may hold it around engine calls.
         self.model_lock = threading.RLock()
-        self.decoder = static_decoder(model, compile)  # None: every decode step runs eagerly
-        self.prompt_lookup = prompt_lookup
+        self.schemas = Schemas(self.compiler, self.fingerprint, self.mode)
+        self.planner = Planner(
+            self.schemas, self.compiler, store, model, self.relocator, self.geometry,
+            PlanConfig(self.mode, layout, batch_size, self.recovery, self.context_window, self.fingerprint),
+            self.model_lock,
+        )
 
     @classmethod
     def from_pretrained(
@@ -166,41 +115,15 @@ class PromptCache:
         hf_model, tokenizer = load_model(model, device=device, dtype=dtype)
         return cls(hf_model, tokenizer, name=kwargs.pop("name", model), **kwargs)
 
-    def warm_decode(self, num_tokens: int) -> float:
-        """Compile the decode step for requests of up to `num_tokens` (prompt and answer) now, rather
-        than in the first such request → seconds it took (0.0 when compiling is off or already done)."""
-        if self.decoder is None:
-            return 0.0
-        with self.model_lock:
-            return warm_up(self.decoder, self.model, num_tokens)
-
     # -- schemas ---------------------------------------------------------------------------------
 
     def add_schema(self, schema: str | ast.Schema, *, replace: bool = False) -> ast.Schema:
         """Register a schema, given as PML or as a parsed `Schema`. Registering the same content
         again is a no-op; a name already registered to other content needs `replace=True`."""
-        parsed = parse_schema(schema) if isinstance(schema, str) else schema
-        if not parsed.name:
-            raise ValueError("a schema needs a non-empty name (the empty name is the engine's plain-prompt schema)")
-        with self._lock:
-            old = self._schemas.get(parsed.name)
-            if old is not None and _same_schema(old, parsed):
-                return old
-            if old is not None and not replace:
-                raise ValueError(f"schema {parsed.name!r} is already registered with other content; "
-                                 "pass replace=True to replace it, or register it under another name")
-            self._schemas[parsed.name] = parsed
-            self._schema_chat[parsed.name] = _uses_roles(parsed.children)
-            self._first_role[parsed.name] = _first_role(parsed.children)
-            self._compiled = {k: v for k, v in self._compiled.items() if k[0] != parsed.name}
-            self._keys = {k: v for k, v in self._keys.items() if k[0] != parsed.name}
-        return parsed
+        return self.schemas.add(schema, replace=replace)
 
     def schema(self, name: str) -> ast.Schema:
-        if name not in self._schemas:
-            known = ", ".join(repr(n) for n in sorted(self._schemas) if n != PLAIN) or "none"
-            raise ValueError(f"unknown schema {name!r}; known: {known}")
-        return self._schemas[name]
+        return self.schemas.get(name)
 
     def encode(
         self,
@@ -215,26 +138,67 @@ class PromptCache:
         after each batch with the number of modules it encoded.
         """
         t0 = time.perf_counter()
-        chat, default = self._chat_of(schema_name, ())
-        compiled = self._compile(schema_name, chat, default)
+        chat, default = self.schemas.chat_of(schema_name)
+        compiled = self.schemas.compile(schema_name, chat, default)
         names = list(compiled.units) if module_names is None else list(module_names)
         for n in names:
             if n not in compiled.units:
                 raise ValueError(f"schema {schema_name!r} has no module {n!r}")
         wanted = [compiled.units[n] for n in names if compiled.units[n].token_ids]
-        todo = [u for u in wanted if not self.store.contains(self._key(compiled, u, chat, default))]
+        keys = {u.name: self.schemas.key(compiled, u, chat, default) for u in wanted}
+        todo = [u for u in wanted if not self.store.contains(keys[u.name])]
         num_tokens = 0
         for b in range(0, len(todo), self.batch_size):
             batch = todo[b : b + self.batch_size]
-            with self.model_lock:
-                kvs = encode_units(self.model, batch, mode=self.mode, fingerprint=self.fingerprint,
-                                   batch_size=self.batch_size)
-            for u, kv in zip(batch, kvs):
-                self.store.put(self._key(compiled, u, chat, default), kv)
+            for u, kv in zip(batch, self.planner.encode(batch)):
+                self.store.put(keys[u.name], kv)
                 num_tokens += kv.num_tokens
             if progress is not None:
                 progress(len(batch))
         return EncodeReport(len(todo), num_tokens, len(wanted) - len(todo), time.perf_counter() - t0)
+
+    def store_keys(self, schema_name: str, module_names: Sequence[str]) -> dict[str, str]:
+        """The store key of each named module's KV, as `plan` and `encode` compute it: callers that drop
+        KV (a corpus removing a document) ask here rather than copy the formula."""
+        return self.schemas.module_keys(schema_name, module_names)
+
+    def is_cached(self, schema_name: str, module_name: str) -> bool:
+        return self.store.contains(self.store_keys(schema_name, [module_name])[module_name])
+
+    # -- the request path: plan → prefill → decode -----------------------------------------------
+
+    def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
+             max_new_tokens: int = 0) -> Plan:
+        """Compile the prompt and fetch (or encode and store) the KV of every module it uses.
+        Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window."""
+        return self.planner.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=max_new_tokens)
+
+    def prefill(self, plan: Plan, room: int = 0) -> Prefilled:
+        """`plan`'s KV assembled with `room` tokens to spare and its new tokens run → the cache (the
+        caller `release`s it when done), the next-token logits and the answer's first position."""
+        return prefill(self.model, plan, self.relocator, self.geometry, room, lock=self.model_lock)
+
+    def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = None, lookup: bool = True) -> DecodeState:
+        """A fresh `DecodeState` for an answer to `plan`: this engine's tokenizer, EOS ids and prompt
+        lookup (`lookup=False`: none, for a cache that cannot be cropped)."""
+        return DecodeState(sampling, start=plan.next_position, eos_ids=self.eos_ids,
+                           text=TextStream(self.tokenizer, sampling.stop),
+                           history=[t for p in plan.pieces for t in p.token_ids],
+                           lookup=self.prompt_lookup if lookup else 0, t0=t0)
+
+    def stream_plan(self, plan: Plan, sampling: Sampling, *, t0: float | None = None) -> Stream:
+        """Decode an answer to an already made plan (`plan`, possibly altered by the caller)."""
+        return Stream(self._run(plan, sampling, time.perf_counter() if t0 is None else t0))
+
+    def _run(self, plan: Plan, s: Sampling, t0: float) -> Generator[str, None, Result]:
+        first = self.prefill(plan, s.max_new_tokens)
+        state = self.decode_state(plan, s, t0=t0, lookup=can_crop(first.cache))
+        try:
+            yield from state.advance(first.logits[None]).pieces
+            yield from decode(self.model, first.cache, state, lock=self.model_lock)
+        finally:  # finished, stopped or closed by the caller: the KV buffers go back to the pool now
+            release(first.cache)
+        return plan.result(state, time.perf_counter() - t0)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -252,7 +216,7 @@ class PromptCache:
         t0 = time.perf_counter()
         # raises here, before the first next()
         plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
-        return Stream(self._run(plan, s, t0))
+        return self.stream_plan(plan, s, t0=t0)
 
     async def agenerate(self, prompt: str | ast.Prompt, **kwargs) -> Result:
         return await asyncio.to_thread(self.generate, prompt, **kwargs)
@@ -263,8 +227,6 @@ class PromptCache:
 
     def scheduler(self, *, max_batch: int = 8, max_queue: int = 64) -> Batcher:
         """A continuous-batching scheduler over this engine (a thread; `close()` it, or use `with`)."""
-        from rag_promptcache.engine.batcher import Batcher
-
         return Batcher(self, max_batch=max_batch, max_queue=max_queue)
 
     def generate_batch(self, prompts: Sequence[str | ast.Prompt], *, max_batch: int = 8, **kwargs) -> list[Result]:
@@ -276,15 +238,16 @@ class PromptCache:
     def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""
         plan = self.plan(prompt, recovery=recovery)
-        cached = self._prefill(plan, 0)[1]
-        full = self._prefill(_uncached(plan), 0)[1]
-        log_p, log_q = full.log_softmax(-1), cached.log_softmax(-1)
+        cached, full = self.prefill(plan), self.prefill(uncached(plan))
+        release(cached.cache)
+        release(full.cache)
+        log_p, log_q = full.logits.log_softmax(-1), cached.logits.log_softmax(-1)
         return Comparison(
-            max_abs_logit_diff=float((full - cached).abs().max()),
-            top1_match=bool(full.argmax() == cached.argmax()),
+            max_abs_logit_diff=float((full.logits - cached.logits).abs().max()),
+            top1_match=bool(full.logits.argmax() == cached.logits.argmax()),
             kl=float((log_p.exp() * (log_p - log_q)).sum()),
-            cached_top1=int(cached.argmax()),
-            full_top1=int(full.argmax()),
+            cached_top1=int(cached.logits.argmax()),
+            full_top1=int(full.logits.argmax()),
             prompt_tokens=plan.num_tokens,
             cached_tokens=plan.num_cached,
         )
@@ -292,216 +255,3 @@ class PromptCache:
     def full_prefill_ttft(self, prompt: str | ast.Prompt) -> float:
         """Seconds to the first token with nothing cached: the baseline for TTFT comparisons."""
         return self.generate(prompt, use_cache=False, max_new_tokens=1).ttft_s
-
-    def store_keys(self, schema_name: str, module_names: Sequence[str]) -> dict[str, str]:
-        """The store key of each named module's KV, as `plan` and `encode` compute it: callers that drop
-        KV (a corpus removing a document) ask here rather than copy the formula."""
-        chat, default = self._chat_of(schema_name, ())
-        compiled = self._compile(schema_name, chat, default)
-        return {m: self._key(compiled, compiled.units[m], chat, default) for m in module_names}
-
-    def is_cached(self, schema_name: str, module_name: str) -> bool:
-        chat, default = self._chat_of(schema_name, ())
-        compiled = self._compile(schema_name, chat, default)
-        return self.store.contains(self._key(compiled, compiled.units[module_name], chat, default))
-
-    # -- internals -------------------------------------------------------------------------------
-
-    def plan(
-        self,
-        prompt: str | ast.Prompt,
-        *,
-        use_cache: bool = True,
-        recovery: str | Recovery | None = None,
-        max_new_tokens: int = 0,
-    ) -> Plan:
-        """Compile the prompt and fetch (or encode and store) the KV of every module it uses.
-        Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window."""
-        parsed = self._parse(prompt)
-        chat, default = self._chat_of(parsed.schema, parsed.children)
-        compiled = self._compile(parsed.schema, chat, default)
-        pieces = self.compiler.compile_prompt(compiled, parsed, self.layout)
-        if not pieces or not any(p.token_ids for p in pieces):
-            raise ValueError("empty prompt: it compiles to no tokens")
-        self._check_window(pieces, max_new_tokens)
-        if not use_cache:
-            return _uncached(Plan(tuple(pieces), {}, (), (), (), 0))
-        if pieces[-1].cached:  # the last token's logits are needed: compute it
-            last = pieces.pop()
-            if len(last.token_ids) > 1:
-                pieces.append(Piece(last.token_ids[:-1], last.position, last.unit, last.offset))
-            pieces.append(Piece(last.token_ids[-1:], last.position + len(last.token_ids) - 1))
-        recomputed: list[str] = []
-        end = max(p.position + len(p.token_ids) for p in pieces)
-        bound = self.relocator.exact_below
-        if not self.relocator.relocatable or (bound is not None and end >= bound):
-            # a moved module's keys would be wrong here: compute its tokens in the prefill instead
-            for i, p in enumerate(pieces):
-                unit = compiled.units[p.unit] if p.cached else None
-                if unit is not None and p.position != unit.encode_start + p.offset:
-                    pieces[i] = Piece(p.token_ids, p.position)
-                    recomputed.append(unit.name)
-        needed = list(dict.fromkeys(p.unit for p in pieces if p.cached))
-        kvs: dict[str, ModuleKV] = {}
-        misses: list[Unit] = []
-        for name in needed:
-            unit = compiled.units[name]
-            kv = self.store.get(self._key(compiled, unit, chat, default))
-            # keys are content addresses; this re-checks what the entry says of itself, so a foreign
-            # entry planted under our key is recomputed, never used
-            if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, self.fingerprint, self.mode):
-                misses.append(unit)
-            else:
-                kvs[name] = kv
-        encoded = 0
-        if misses:
-            with self.model_lock:
-                encoded_kvs = encode_units(self.model, misses, mode=self.mode, fingerprint=self.fingerprint,
-                                           batch_size=self.batch_size)
-            for u, kv in zip(misses, encoded_kvs):
-                self.store.put(self._key(compiled, u, chat, default), kv)
-                kvs[u.name] = kv
-                encoded += kv.num_tokens
-        chosen = self.recovery if recovery is None else Recovery.parse(recovery)
-        with self.model_lock:
-            pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
-        return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in {u.name for u in misses}),
-                    tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
-
-    @torch.inference_mode()
-    def _prefill(self, plan: Plan, max_new_tokens: int, static: bool = False) -> tuple[DynamicCache, torch.Tensor, int]:
-        """→ (cache with room for the answer, next-token logits [V] fp32, next position). `static`: reserve
-        a capacity bucket, the shape the compiled decode step has a graph for."""
-        extra = max_new_tokens
-        if static and self.decoder is not None:
-            extra = bucket(plan.num_tokens + max_new_tokens) - plan.num_tokens
-        asm = assemble(plan.pieces, plan.kvs, self.relocator, self.model.config, self.geometry,
-                       self.model.device, self.model.dtype, extra=extra)
-        with self.model_lock:
-            logits = forward_last(self.model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
-        next_position = max(p.position + len(p.token_ids) for p in plan.pieces)
-        return asm.cache, logits, next_position
-
-    def _run(self, plan: Plan, s: Sampling, t0: float) -> Generator[str, None, Result]:
-        cache, logits, next_position = self._prefill(plan, s.max_new_tokens, static=True)
-        step = None
-        if self.decoder is not None and self.decoder.fits(cache):
-            step = functools.partial(self.decoder.step, cache=cache)
-        text = TextStream(self.tokenizer, s.stop)
-        ids: list[int] = []
-        ttft = 0.0
-        finish = "length"
-        stats = DecodeStats()
-        steps = decode_tokens(self.model, cache, logits, next_position, s,
-                              frozenset() if s.ignore_eos else self.eos_ids, step,
-                              history=[t for p in plan.pieces for t in p.token_ids], lookup=self.prompt_lookup,
-                              stats=stats)
-        try:
-            while True:
-                with self.model_lock:  # one decode step; never held across a yield to the caller
-                    token = next(steps, None)
-                if token is None:
-                    break
-                if not ids:
-                    ttft = time.perf_counter() - t0
-                ids.append(token)
-                if token in self.eos_ids and not s.ignore_eos:
-                    finish = "eos"
-                    break
-                piece = text.push(token)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    finish = "stop"
-                    break
-        finally:  # finished, stopped or closed by the caller: the KV buffers go back to the pool now
-            steps.close()
-            release(cache)
-        tail = text.finish()
-        if tail:
-            yield tail
-        return plan.result(text.text, ids, finish, ttft, time.perf_counter() - t0, stats.num_forwards)
-
-    def _check_window(self, pieces: Sequence[Piece], max_new_tokens: int) -> None:
-        # positions, not token counts: the schema layout leaves gaps, and RoPE tables end at the window
-        end = max(p.position + len(p.token_ids) for p in pieces)
-        if end + max_new_tokens > self.context_window:
-            num_tokens = sum(len(p.token_ids) for p in pieces)
-            where = "" if end == num_tokens else f" reaching position {end}"
-            raise ContextWindowExceeded(
-                f"prompt of {num_tokens} tokens{where} plus max_new_tokens={max_new_tokens} is "
-                f"{end + max_new_tokens}, past the model's {self.context_window}-token context window; "
-                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens"
-            )
-
-    def _parse(self, prompt: str | ast.Prompt) -> ast.Prompt:
-        if isinstance(prompt, ast.Prompt):
-            return prompt
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt is PML or plain text (str), got {type(prompt).__name__}")
-        if prompt.lstrip().startswith("<prompt"):
-            return parse_prompt(prompt, self._schemas)
-        return ast.Prompt(PLAIN, (ast.Text(prompt),))
-
-    def _chat_of(self, name: str, prompt_children: Sequence[ast.PromptNode]) -> tuple[bool, bool]:
-        """(whether the sequence is a conversation, whether the template's default system turn opens
-        it: its first role, the schema's or else the prompt's, is not a system message)."""
-        schema = self.schema(name).name
-        chat = self._schema_chat[schema] or _uses_roles(prompt_children)
-        first = self._first_role[schema] or _first_role(prompt_children)
-        return chat, chat and bool(self.compiler.markup.default_system) and first != "system"
-
-    def _compile(self, name: str, chat: bool, default_system: bool = False) -> CompiledSchema:
-        with self._lock:
-            compiled = self._compiled.get((name, chat, default_system))
-            if compiled is None:
-                compiled = self.compiler.compile_schema(self.schema(name), chat, default_system)
-                self._compiled[(name, chat, default_system)] = compiled
-            return compiled
-
-    def _key(self, compiled: CompiledSchema, unit: Unit, chat: bool, default_system: bool = False) -> str:
-        memo = (compiled.name, chat, default_system, unit.name)
-        with self._lock:
-            key = self._keys.get(memo)
-        if key is None:
-            context = unit.context_ids if self.mode == "shared_prefix" else ()
-            key = module_key(self.fingerprint, self.mode, unit.token_ids, unit.encode_start, context)
-            with self._lock:  # memoised only for the current compilation: a schema may be replaced meanwhile
-                if self._compiled.get((compiled.name, chat, default_system)) is compiled:
-                    self._keys[memo] = key
-        return key
-
-
-def _uncached(plan: Plan) -> Plan:
-    """The same token sequence with every piece computed: the full-prefill reference."""
-    merged = Piece(tuple(t for p in plan.pieces for t in p.token_ids), plan.pieces[0].position)
-    contiguous = all(
-        b.position == a.position + len(a.token_ids) for a, b in zip(plan.pieces, plan.pieces[1:])
-    )
-    pieces = (merged,) if contiguous else tuple(Piece(p.token_ids, p.position) for p in plan.pieces if p.token_ids)
-    return Plan(pieces, {}, (), (), (), 0)
-
-
-def _same_schema(a: ast.Schema, b: ast.Schema) -> bool:
-    """The same content, wherever it was written: positions in the PML source do not count."""
-    return to_pml(a) == to_pml(b)
-
-
-def _first_role(nodes: Iterable[object]) -> str | None:
-    for n in nodes:
-        if isinstance(n, ast.Role):
-            return n.role
-        children = getattr(n, "children", None) or getattr(n, "modules", None)
-        if children and (role := _first_role(children)) is not None:
-            return role
-    return None
-
-
-def _uses_roles(nodes: Iterable[object]) -> bool:
-    for n in nodes:
-        if isinstance(n, ast.Role):
-            return True
-        children = getattr(n, "children", None) or getattr(n, "modules", None)
-        if children and _uses_roles(children):
-            return True
-    return False

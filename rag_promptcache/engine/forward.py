@@ -68,7 +68,7 @@ class Projection:
 
     Packed (`can_pack`): one call on a copy of the weights in oneDNN's blocked layout, made for a
     batch of one row (the decode step; a prefill of thousands of rows runs as fast as `F.linear` on
-    it). Otherwise, and inside a compiled graph, the modules themselves, one call each."""
+    it). Otherwise the modules themselves, one call each."""
 
     def __init__(self, linears: Sequence[torch.nn.Linear], pack: bool) -> None:
         self.linears = tuple(linears)
@@ -83,9 +83,7 @@ class Projection:
                                        else lin.bias.detach() for lin in linears])
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # inductor cannot lower a packed weight it did not pack itself (its "freezing" mode packs the
-        # modules' weights on its own): a compiled graph traces the modules
-        if self.weight is None or torch.compiler.is_compiling():
+        if self.weight is None:
             return tuple(lin(x) for lin in self.linears)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
         y = y.view(*x.shape[:-1], y.shape[-1])

@@ -8,9 +8,9 @@ rows: on CPU a decode step is bound by reading the weights, so that forward cost
 one token's, and every accepted token is a step saved. Greedy only: the answer is the one plain
 greedy decoding gives (up to float rounding, since k + 1 rows are summed in another order than one).
 
-This module is the bookkeeping: pure Python over token ids, no torch. The checks run in
-engine/decode.py (`decode_tokens`, `verify`) and, for a request running alone in the server, in
-engine/batcher.py.
+This module is the bookkeeping: pure Python over token ids, no torch. The checks and the rollback
+are the request's `DecodeState` (engine/state.py), whichever loop drives it: the engine's own
+(engine/decode.py) or, for a request running alone in the server, the batcher's.
 
 Out of scope: sampling with temperature (that needs rejection sampling against a draft
 distribution), draft models, drafts for several rows at once (the server's batched step decodes one

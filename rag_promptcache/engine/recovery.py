@@ -31,7 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import ROOT, Piece
-from rag_promptcache.engine.decode import native_gqa
+from rag_promptcache.engine.runner import forward_base
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
@@ -208,9 +208,7 @@ def _most_attended(
 
     handle = attn.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        with native_gqa(device):
-            model.base_model(input_ids=asm.new_ids, position_ids=asm.new_positions, past_key_values=asm.cache,
-                             attention_mask=asm.mask, use_cache=True)
+        forward_base(model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
     except _Stop:
         pass
     finally:
@@ -288,7 +286,7 @@ def _early_cache(model: PreTrainedModel, pieces: Sequence[Piece], layer: int) ->
 
     handle = layers[layer].register_forward_hook(stop)
     try:
-        model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        forward_base(model, ids, pos, cache)
     except _Stop:
         pass
     finally:

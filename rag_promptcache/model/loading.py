@@ -26,6 +26,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,29 +206,31 @@ def _resolve_directory(name_or_path: str) -> str:
         return str(path)
     if name_or_path.lower().endswith(".gguf") or name_or_path.startswith(("/", "./", "../", "~")):
         raise ValueError(f"no such file or directory: {name_or_path!r}")
-    _check_hub(name_or_path)
+    check_hub(name_or_path, valid=f"valid: the offline default {DEFAULT_MODEL!r}, a local model directory, "
+                                   "a .gguf file path, or a hub id that is cached or reachable")
     return name_or_path  # a hub id
 
 
-def _check_hub(repo_id: str) -> None:
-    """Fail in a moment, not after ~25 s of download retries, when a hub id is neither in the hub
-    cache nor downloadable: one 2 s TCP probe of the hub's host (HF_ENDPOINT) when it is not cached.
-    Under HF_HUB_OFFLINE there is no probe: transformers fails at once, with its own message."""
+def check_hub(repo_id: str, *, valid: str) -> bool:
+    """Whether hub repo `repo_id` is in the hub cache (True: load it with the hub off) or must be
+    downloaded (False: the hub's host answered). Fails in a moment, not after ~75 s of download
+    retries, when it is neither: one 2 s TCP probe of the hub's host (HF_ENDPOINT), raising a
+    ValueError that ends with `valid`. Under HF_HUB_OFFLINE there is no probe (False): the loader
+    then fails at once, without retries, with its own message. The model and the embedder loaders
+    both call this."""
     import socket
     from urllib.parse import urlparse
 
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
 
-    valid = (f"valid: the offline default {DEFAULT_MODEL!r}, a local model directory, a .gguf file path, "
-             "or a hub id that is cached or reachable")
     try:
         if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-            return
+            return True
     except HFValidationError as e:
         raise ValueError(f"{repo_id!r} is not a local path and not a valid hub id ({e}); {valid}") from e
     if constants.HF_HUB_OFFLINE:
-        return  # transformers then fails at once, without retries, with its own message
+        return False
     url = urlparse(constants.ENDPOINT)
     host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
     try:
@@ -235,6 +239,23 @@ def _check_hub(repo_id: str) -> None:
         raise ValueError(
             f"hub id {repo_id!r} is not in the hub cache and the hub ({host}:{port}) is unreachable: {e}; {valid}"
         ) from e
+    return False
+
+
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No "Loading weights" bar while we load a model: seconds of work, where bars belong to long
+    work (ingest, bench). The caller's setting is restored after: an application using this library
+    keeps its own bars."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
@@ -245,9 +266,10 @@ def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
         config = AutoConfig.from_pretrained(directory)
         # device_map places weights straight onto an accelerator; on the CPU it only costs time.
         placement = {} if device.type == "cpu" else {"device_map": str(device)}
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, config=config, dtype=dtype, attn_implementation="sdpa", **placement
-        )
+        with quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, config=config, dtype=dtype, attn_implementation="sdpa", **placement
+            )
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as e:
         where = "local directory" if Path(directory).is_dir() else "hub id"

@@ -8,7 +8,7 @@ the same fp32 arithmetic and bf16 roundings (tests/test_native.py, tests/test_at
 
 Building. The sources are plain C with no torch headers, so a build takes about a second: `$CC`
 (else `cc` or `gcc`). It happens at install time (setup.py's build step calls `build`, for a wheel and
-for `pip install -e .`), or by hand: `python -m rag_promptcache.model.native build`, which writes into
+for `pip install -e .`), or by hand: `rag-promptcache kernels build`, which writes into
 the package when it can and else into `<cache home>/kernels/` (a read-only install). A build writes
 under a temporary name and renames, so a concurrent process never loads a half-written file. The
 library uses OpenMP from libgomp.so.1, the runtime torch's CPU wheels have already loaded: its loops run
@@ -52,7 +52,7 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"
          "-fopenmp", "-shared", "-fPIC")
 _NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})  # /proc/cpuinfo's names for FLAGS
 _RECORD_VERSION = 1  # bumped when the record's fields change
-BUILD_HINT = "python -m rag_promptcache.model.native build"
+BUILD_HINT = "rag-promptcache kernels build"
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}  # "lib": the library, or None once known not to run here
@@ -75,7 +75,7 @@ def sources_digest() -> str:
 
 
 def user_dir() -> Path:
-    """Where `python -m rag_promptcache.model.native build` writes when the package is read-only."""
+    """Where `rag-promptcache kernels build` writes when the package is read-only."""
     from rag_promptcache.model.loading import cache_home
 
     return cache_home() / "kernels"
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     `check`: say which library loads here, or why none does."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m rag_promptcache.model.native", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="rag-promptcache kernels", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build", help="compile the kernels").add_argument("dir", nargs="?", type=Path)
     sub.add_parser("check", help="say which library loads here")

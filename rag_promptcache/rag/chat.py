@@ -1,7 +1,7 @@
 """Chat turns over a corpus → the prompt to generate from, with its sources: what a server needs per request.
 
-The last turn is the question; earlier turns are history. Retrieval is `Corpus.search`, trimmed to
-the context window like `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
+The last turn is the question; earlier turns are history. Retrieval is `Corpus.retrieve` (search
+fitted to the context window), as in `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
 imported (their stored KV reused) exactly as the framework adapters import them. `module_ids`
 skips retrieval. A follow-up that retrieves the same modules as the turn before imports them in that
 turn's order (`keep_order`), so the engine's prefix cache reuses the earlier turn. `completion_prompt`
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from rag_promptcache.pml import ast
 from rag_promptcache.rag.prompts import build_prompt
+from rag_promptcache.rag.retrieval import Hit
 
 if TYPE_CHECKING:
     from rag_promptcache.rag.corpus import Corpus
@@ -28,11 +29,7 @@ ROLES = ("system", "user", "assistant")
 RETRIEVALS_KEPT = 256  # questions whose retrieval CorpusChat remembers (for the order of follow-ups)
 
 
-@dataclass(frozen=True, slots=True)
-class Source:
-    module_id: str
-    label: str  # the document the chunk came from
-    score: float | None  # cosine similarity to the question; None when the caller named the module
+Source = Hit  # a response's source: (module_id, label, score rounded to 4 places, or None when named by the caller)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +58,7 @@ class CorpusChat:
     def __init__(self, corpus: Corpus) -> None:
         self.corpus = corpus
         self._lock = threading.Lock()
-        self._retrieved: OrderedDict[tuple[object, ...], list[tuple[str, float]]] = OrderedDict()
+        self._retrieved: OrderedDict[tuple[object, ...], list[Hit]] = OrderedDict()
         with self._lock:
             corpus.prepare()
 
@@ -86,21 +83,19 @@ class CorpusChat:
                 users = [i for i, (role, _) in enumerate(turns) if role == "user"]
                 # earlier turns' retrievals only order this one's modules, so remembered ones will do
                 rankings = [self._retrieve(turns[: i + 1], k, max_new_tokens, fresh=i == users[-1]) for i in users]
-                hits: list[tuple[str, float | None]] = list(rankings[-1])
-                order = keep_order([[m for m, _ in r] for r in rankings])
+                hits = [Hit(h.module_id, h.label, round(float(h.score), 4)) for h in rankings[-1]]
+                order = keep_order([[h.module_id for h in r] for r in rankings])
             else:
                 unknown = [m for m in module_ids if not c.has_module(m)]
                 if unknown:
                     raise ValueError(f"unknown module id(s) {unknown} in corpus {c.path.name}; "
                                      "module ids come from a response's sources")
-                hits = [(m, None) for m in dict.fromkeys(module_ids)]
-                order = [m for m, _ in hits]
-            sources = tuple(Source(m, c._label(m), None if s is None else round(float(s), 4)) for m, s in hits)
+                hits = [Hit(m, c.label(m), None) for m in dict.fromkeys(module_ids)]
+                order = [h.module_id for h in hits]
             prompt = build_prompt(turns, corpus=c, module_ids=order)
-        return ChatPrompt(prompt, sources)
+        return ChatPrompt(prompt, tuple(hits))
 
-    def _retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int,
-                  fresh: bool) -> list[tuple[str, float]]:
+    def _retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, fresh: bool) -> list[Hit]:
         """The modules retrieved for the last of `turns` (a user turn), fit to the window; remembered,
         since every later turn of the conversation asks again for its order (`keep_order`). `fresh`:
         search even if remembered (the corpus may have changed since)."""
@@ -108,9 +103,8 @@ class CorpusChat:
         if key in self._retrieved and not fresh:
             self._retrieved.move_to_end(key)
             return self._retrieved[key]
-        c, question = self.corpus, turns[-1][1]
         history = [(text, "") for _, text in turns[:-1]]  # counted for the window, as `ask` does
-        hits = list(c._fit(c.search(question, k), question, history, max_new_tokens))
+        hits = self.corpus.retrieve(turns[-1][1], k, history=history, max_new_tokens=max_new_tokens)
         self._retrieved[key] = hits
         self._retrieved.move_to_end(key)
         if len(self._retrieved) > RETRIEVALS_KEPT:

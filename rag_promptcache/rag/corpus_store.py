@@ -54,3 +54,15 @@ def open_store(disk: Path | None, memory_bytes: int | None, redis: str | None, c
     if not tiers:
         raise ValueError("a corpus store needs at least one tier: memory, disk or redis")
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
+def delete(keys: list[str], disk: Path | None, redis: str | None, corpus_name: str) -> None:
+    """Delete module KV from a corpus's own tiers (those that outlive a process: disk, Redis)."""
+    if not keys or (disk is None and redis is None):
+        return
+    store = open_store(disk, None, redis, corpus_name)
+    try:
+        for k in keys:
+            store.delete(k)
+    finally:
+        store.close()

@@ -1,10 +1,10 @@
 """Distributed ingestion on Ray: chunk batches are embedded and encoded by a pool of Ray actors.
 
 The driver does what is cheap and must be ordered: loading, chunking, deciding which modules are
-new, and committing (`Corpus._commit`, the same code a local ingest runs), one batch at a time in
-submission order, so an interrupted run leaves whole batches and resumes with or without Ray. Each
-actor loads the model and the embedder once and, per batch, returns the vectors and stores the
-modules' KV. Where the KV goes (`RayOptions.kv`):
+new, and committing (the ingestor's `commit`, which a local ingest runs too), one batch at a time
+in submission order, so an interrupted run leaves whole batches and resumes with or without Ray.
+Each actor loads the model and the embedder once and, per batch, runs `encoding.encode_modules` (the
+same call a local ingest makes): it returns the vectors and stores the modules' KV. Where the KV goes (`RayOptions.kv`):
 - "workers": the actors write into the corpus's store themselves: its Redis tier, and its disk
   directory when every node sees it (a local cluster does; a shared filesystem does);
 - "driver": the actors return the KV (fp16, as it is stored at rest) and the driver writes it;
@@ -26,7 +26,8 @@ Failures: an actor whose process dies is restarted and its batch retried (`max_r
 `IngestReport.failed` with its source files, which stay incomplete (the next ingest retries them),
 and the rest of the corpus is kept.
 
-Not here: chunking, the table or the index (`corpus.py`), the tiers (`corpus_store.py`).
+Not here: chunking, the table or the index (`ingestor.py`), the encoding itself (`encoding.py`), the
+tiers (`corpus_store.py`).
 """
 
 from __future__ import annotations
@@ -42,16 +43,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rag_promptcache.rag.corpus_store import AT_REST_CODEC, open_store
+from rag_promptcache.rag.encoding import Batch, encode_modules
+from rag_promptcache.rag.models import load_embedder, load_engine
 from rag_promptcache.rag.records import Manifest
 
 if TYPE_CHECKING:
     from rag_promptcache.rag.chunker import Chunk
-    from rag_promptcache.rag.corpus import Batch, Corpus
-    from rag_promptcache.store import EncodedKV, ModuleKV
+    from rag_promptcache.store import EncodedKV, ModuleKV, Store
 
 KV_SINKS = ("auto", "workers", "driver")
 INSTALL_HINT = "ingest --ray needs Ray: pip install 'rag-promptcache[ray]'"
-Commit = Callable[["Batch", list[str], dict[str, "Chunk"], np.ndarray], None]
+Commit = Callable[[Batch, list[str], dict[str, "Chunk"], np.ndarray], None]
+NewModules = Callable[[Batch], dict[str, "Chunk"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,16 @@ class RayOptions:
             raise ValueError(f"unknown KV destination {self.kv!r}; valid: {', '.join(KV_SINKS)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+
+@dataclass(frozen=True, slots=True)
+class RayTarget:
+    """The corpus an ingest on Ray writes into, as the driver sees it."""
+
+    manifest: Manifest
+    store_dir: Path | None  # the corpus's disk store (absolute), None without a disk tier
+    redis_url: str | None
+    driver_store: Callable[[], Store]  # the driver engine's store, for KV the workers return
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,35 +165,26 @@ class EncodeWorker:
     """One Ray actor: the model and the embedder, loaded once; `run` embeds and encodes a batch."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        from rag_promptcache.rag.corpus import _load_embedder, _load_engine
-
         m = spec.manifest
         self.spec = spec
         self.collect = _Collect() if spec.collect else None
         store = self.collect or open_store(Path(spec.disk) if spec.disk else None, None, spec.redis, m.name)
-        self.engine = _load_engine(m.model, store, m.mode, m.dtype)
+        self.engine = load_engine(m.model, store, m.mode, m.dtype)
         if self.engine.fingerprint != m.fingerprint:
             raise ValueError(f"worker on {os.uname().nodename} loaded {m.model!r} with fingerprint "
                              f"{self.engine.fingerprint[:16]}, the corpus was built with {m.fingerprint[:16]}")
-        self.embedder = _load_embedder(m.embedder)
+        self.embedder = load_embedder(m.embedder)
 
     def pid(self) -> int:
         return os.getpid()
 
     def run(self, modules: list[tuple[str, str]]) -> BatchOut:
-        from rag_promptcache.rag.corpus import _schema
         from rag_promptcache.store import encode
 
         self._fault(modules)
-        m = self.spec.manifest
-        vectors = self.embedder.embed([text for _, text in modules])
-        t = time.perf_counter()
-        # Exactly what Corpus._flush does, so the store keys are the same.
-        self.engine.add_schema(_schema(m, modules, suffix=".ingest"), replace=True)
-        self.engine.encode(m.name + ".ingest")
-        seconds = time.perf_counter() - t
+        out = encode_modules(self.engine, self.embedder, self.spec.manifest, modules)
         kv = tuple((k, encode(v, AT_REST_CODEC)) for k, v in self.collect.take().items()) if self.collect else ()
-        return BatchOut(vectors, kv, seconds)
+        return BatchOut(out.vectors, kv, out.encode_seconds)
 
     def _fault(self, modules: list[tuple[str, str]]) -> None:
         f = self.spec.fault
@@ -203,16 +207,18 @@ class _Pending:
     slot: int
 
 
-def ingest_batches(corpus: Corpus, batches: Iterable[tuple[Batch, list[str]]], opts: RayOptions, commit: Commit) -> RayRun:
-    """Run `batches` through a pool of Ray actors and `commit` each in order on this process."""
+def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]]], opts: RayOptions,
+                   new_modules: NewModules, commit: Commit) -> RayRun:
+    """Run `batches` through a pool of Ray actors and `commit` each in order on this process.
+    `new_modules(batch)`: the modules the corpus does not hold yet, the only ones sent."""
     try:
         import ray
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
-    started = _connect(ray, opts)
+    started = connect(ray, opts)
     actors: list[object] = []
     try:
-        sink, spec = _plan(ray, corpus, opts)
+        sink, spec = _plan(ray, target, opts)
         actor_cls = ray.remote(num_cpus=opts.cpus_per_worker, max_restarts=opts.max_retries,
                                max_task_retries=opts.max_retries)(EncodeWorker)
         t0 = time.perf_counter()
@@ -224,9 +230,9 @@ def ingest_batches(corpus: Corpus, batches: Iterable[tuple[Batch, list[str]]], o
         start_s = time.perf_counter() - t0
         failed: dict[str, str] = {}
         encode_s = 0.0
-        store = corpus.engine.store if sink == "driver" else None
+        store = target.driver_store() if sink == "driver" else None
         pending: deque[_Pending] = deque()
-        dim = corpus.manifest.dim
+        dim = target.manifest.dim
 
         def finish(p: _Pending) -> None:
             nonlocal encode_s
@@ -251,7 +257,7 @@ def ingest_batches(corpus: Corpus, batches: Iterable[tuple[Batch, list[str]]], o
             commit(p.batch, [s for s in p.finished if s not in failed], p.new, vectors)
 
         for i, (batch, finished) in enumerate(batches):
-            new = corpus.new_modules(batch)
+            new = new_modules(batch)
             slot = i % len(actors)
             ref = actors[slot].run.options(retry_exceptions=True).remote([(m, c.module_text) for m, c in new.items()]) if new else None
             pending.append(_Pending(batch, finished, new, ref, slot))
@@ -267,7 +273,7 @@ def ingest_batches(corpus: Corpus, batches: Iterable[tuple[Batch, list[str]]], o
             ray.shutdown()
 
 
-def _connect(ray, opts: RayOptions) -> bool:
+def connect(ray, opts: RayOptions) -> bool:
     """Join the cluster (or start a local one); True when this call started Ray and must stop it."""
     if ray.is_initialized():
         return False
@@ -286,18 +292,18 @@ def _connect(ray, opts: RayOptions) -> bool:
     return True
 
 
-def _plan(ray, corpus: Corpus, opts: RayOptions) -> tuple[str, WorkerSpec]:
+def _plan(ray, target: RayTarget, opts: RayOptions) -> tuple[str, WorkerSpec]:
     cpus = ray.cluster_resources().get("CPU", 0)
     if cpus < opts.workers * opts.cpus_per_worker:
         raise ValueError(f"{opts.workers} worker(s) of {opts.cpus_per_worker} CPU need "
                          f"{opts.workers * opts.cpus_per_worker:g} CPUs; the cluster has {cpus:g}: pass fewer --workers")
     local = _local_cluster(ray)
-    redis = corpus.redis_url if corpus.redis_url and _reachable(corpus) else None
+    redis = target.redis_url if target.redis_url and _reachable(target.redis_url) else None
     sink = opts.kv if opts.kv != "auto" else ("workers" if local or redis else "driver")
-    disk = str(corpus.path.resolve() / "store") if corpus.disk_tier and (local or opts.kv == "workers") else None
-    if sink == "workers" and disk is None and corpus.redis_url is None:
+    disk = str(target.store_dir) if target.store_dir is not None and (local or opts.kv == "workers") else None
+    if sink == "workers" and disk is None and target.redis_url is None:
         raise ValueError("kv='workers' needs a Redis tier (--redis-url) or the corpus's disk store on every node")
-    spec = WorkerSpec(corpus.manifest, disk if sink == "workers" else None, corpus.redis_url if sink == "workers" else None,
+    spec = WorkerSpec(target.manifest, disk if sink == "workers" else None, target.redis_url if sink == "workers" else None,
                       sink == "driver", opts.fault)
     return sink, spec
 
@@ -308,10 +314,10 @@ def _local_cluster(ray) -> bool:
     return all(n["NodeManagerAddress"] == here for n in ray.nodes() if n["Alive"])
 
 
-def _reachable(corpus: Corpus) -> bool:
+def _reachable(url: str) -> bool:
     import redis
 
-    client = redis.Redis.from_url(corpus.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
     try:
         return bool(client.ping())
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):

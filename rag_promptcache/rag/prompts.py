@@ -5,7 +5,9 @@
   A reference the corpus does not know falls back to its text; one without text is an error.
 - `build_prompt`: (role, text) turns + references → a PML prompt, a chat prompt with no schema, or
   plain completion text.
-- `generation_options`: framework call options (`max_tokens`, …) → engine keyword arguments.
+- `generation_options`: framework call options (`max_tokens`, or its other name `max_new_tokens`, …)
+  → engine keyword arguments. Callers put the shared repetition default in their defaults
+  (`DEFAULT_NO_REPEAT_NGRAM`, re-exported here from `rag.repetition`; `no_repeat_ngram=0` is off).
 - `result_stats`: an engine `Result` → the statistics adapters report, under the engine's names.
 
 Out of scope: any framework's types (the adapters translate those), retrieval, generation.
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.pml.parser import escape, unescape
+from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM  # noqa: F401 - the adapters' default, re-exported
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import Result
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 ModuleRef = str | tuple[str, str]  # a module id, or (id, text to fall back on)
 REFERENCE = re.compile(r'<module id="([^"<>]+)"\s*(?:/>|>(.*?)</module>)', re.S)
 OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "no_repeat_ngram")
+ALIASES = {"max_new_tokens": "max_tokens"}  # the CLI's and PromptCache.generate's name (README: LangChain)
 STATS = ("finish_reason", "ttft_s", "total_s", "prompt_tokens", "cached_tokens", "computed_tokens",
          "hit_modules", "missed_modules", "recomputed_modules")
 
@@ -101,9 +105,16 @@ def _text(raw: str | None) -> str | None:
 
 def generation_options(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Call options over defaults (None means unset) → engine keyword arguments."""
-    if unknown := set(overrides) - set(OPTIONS):
-        raise ValueError(f"unsupported option(s) {sorted(unknown)}; valid: {', '.join(OPTIONS)}")
-    merged = {**defaults, **{k: v for k, v in overrides.items() if v is not None}}
+    if unknown := set(overrides) - set(OPTIONS) - set(ALIASES):
+        valid = ", ".join(OPTIONS) + "".join(f" ({alias} = {name})" for alias, name in ALIASES.items())
+        raise ValueError(f"unsupported option(s) {sorted(unknown)}; valid: {valid}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for alias, name in ALIASES.items():
+        if alias in given:
+            value = given.pop(alias)
+            if given.setdefault(name, value) != value:
+                raise ValueError(f"{name}={given[name]} and {alias}={value} disagree; pass one of them")
+    merged = {**defaults, **given}
     max_tokens = merged.get("max_tokens")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")

@@ -14,7 +14,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Usag
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
-from rag_promptcache.rag.prompts import build_prompt, generation_options, result_stats
+from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM, build_prompt, generation_options, result_stats
 
 from langchain_rag_promptcache.modules import engine_of
 
@@ -56,6 +56,8 @@ class ChatPromptCache(BaseChatModel):
     model_name: str = ""
     max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
+    # the CLI's and Corpus.ask's repetition control (README: Limits); 0 turns it off
+    no_repeat_ngram: int = Field(default=DEFAULT_NO_REPEAT_NGRAM, ge=0)
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
@@ -90,7 +92,8 @@ class ChatPromptCache(BaseChatModel):
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # `stream=` is LangChain's, already acted on
         prompt = build_prompt([_turn(m) for m in messages], corpus=self.corpus, chat=True)
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                    "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
+                    "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
+                    "no_repeat_ngram": self.no_repeat_ngram}
         return prompt, generation_options(defaults, {**kwargs, "stop": stop})
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,

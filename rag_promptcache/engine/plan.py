@@ -1,0 +1,190 @@
+"""Planning a request: a prompt → its token pieces, and the KV of every module it uses (`Plan`).
+
+`Planner.plan` compiles the prompt against its schema, checks it fits the context window, fetches each
+module's KV from the store, encodes and stores the ones missing (a miss: never encoded, evicted,
+corrupt, or made by another model; the key is content-addressed, so that is a miss too), turns modules
+that cannot move to their place here (learned absolute positions) into new tokens, and applies the
+quality recovery (engine/recovery.py). The plan is the request's one record from here to its `Result`.
+
+Out of scope: assembling the KV and running the prefill (engine/prefill.py), decoding (engine/state.py,
+engine/decode.py), the schema registry (engine/schemas.py). A prefix lookup of earlier requests' KV
+(issue 23) would run here, before the store, and mark what it matched in the plan.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedModel
+
+from rag_promptcache.engine.compiler import ROOT, Compiler, Layout, Piece, Unit
+from rag_promptcache.engine.encoder import encode_units
+from rag_promptcache.engine.errors import ContextWindowExceeded
+from rag_promptcache.engine.recovery import Recovery, recover
+from rag_promptcache.engine.result import Result
+from rag_promptcache.engine.schemas import Schemas
+from rag_promptcache.model.positions import KVGeometry, Relocator
+from rag_promptcache.pml import ast
+from rag_promptcache.store.base import ModuleKV, Store
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine.state import DecodeState
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    pieces: tuple[Piece, ...]
+    kvs: dict[str, ModuleKV]
+    hits: tuple[str, ...]
+    misses: tuple[str, ...]
+    recomputed: tuple[str, ...]
+    num_encoded_tokens: int  # tokens of the missed modules, encoded by this request
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.pieces)
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens assembled from module KV, whether fetched from the store or encoded just now."""
+        return sum(len(p.token_ids) for p in self.pieces if p.cached)
+
+    @property
+    def num_from_store(self) -> int:
+        """Tokens served from stored KV (hits only): what `Result.cached_tokens` reports. A missed
+        module's KV was computed in this request, so its tokens count as computed."""
+        hits = set(self.hits)
+        return sum(len(p.token_ids) for p in self.pieces if p.cached and p.unit in hits)
+
+    @property
+    def next_position(self) -> int:
+        """The position of the answer's first token."""
+        return max(p.position + len(p.token_ids) for p in self.pieces)
+
+    def result(self, state: DecodeState, total_s: float) -> Result:
+        """The `Result` of a finished decode of this plan (the engine's loop and the batcher's)."""
+        assert state.finish is not None, f"{state.finish=}"
+        return Result(
+            text=state.text.text if state.text is not None else "",
+            token_ids=tuple(state.tokens),
+            finish_reason=state.finish,
+            ttft_s=state.ttft_s,
+            total_s=total_s,
+            prompt_tokens=self.num_tokens,
+            cached_tokens=self.num_from_store,
+            # every prompt token is either served from the store or computed here, once: a missed module
+            # that recovery also recomputes is not counted twice (issue 25 item 12)
+            computed_tokens=self.num_tokens - self.num_from_store,
+            hit_modules=tuple(n for n in self.hits if n != ROOT),
+            missed_modules=tuple(n for n in self.misses if n != ROOT),
+            recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
+            num_decode_forwards=state.stats.num_forwards,
+        )
+
+
+def uncached(plan: Plan) -> Plan:
+    """The same token sequence with every piece computed: the full-prefill reference."""
+    merged = Piece(tuple(t for p in plan.pieces for t in p.token_ids), plan.pieces[0].position)
+    contiguous = all(
+        b.position == a.position + len(a.token_ids) for a, b in zip(plan.pieces, plan.pieces[1:])
+    )
+    pieces = (merged,) if contiguous else tuple(Piece(p.token_ids, p.position) for p in plan.pieces if p.token_ids)
+    return Plan(pieces, {}, (), (), (), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    """What a planner needs of its engine, fixed at the engine's construction."""
+
+    mode: str
+    layout: Layout
+    batch_size: int  # modules encoded per forward
+    recovery: Recovery  # the default; a request may name another
+    context_window: int
+    fingerprint: str
+
+
+class Planner:
+    def __init__(self, schemas: Schemas, compiler: Compiler, store: Store, model: PreTrainedModel,
+                 relocator: Relocator, geometry: KVGeometry, config: PlanConfig, model_lock: threading.RLock) -> None:
+        self.schemas, self.compiler, self.store, self.model = schemas, compiler, store, model
+        self.relocator, self.geometry, self.config = relocator, geometry, config
+        self.model_lock = model_lock  # held around every forward: encoding misses, recovery passes
+
+    def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
+             max_new_tokens: int = 0) -> Plan:
+        """Compile the prompt and fetch (or encode and store) the KV of every module it uses. Raises
+        `ContextWindowExceeded` if the prompt plus `max_new_tokens` does not fit the model's context window."""
+        cfg = self.config
+        parsed = self.schemas.parse(prompt)
+        chat, default = self.schemas.chat_of(parsed.schema, parsed.children)
+        compiled = self.schemas.compile(parsed.schema, chat, default)
+        pieces = self.compiler.compile_prompt(compiled, parsed, cfg.layout)
+        if not pieces or not any(p.token_ids for p in pieces):
+            raise ValueError("empty prompt: it compiles to no tokens")
+        self.check_window(pieces, max_new_tokens)
+        if not use_cache:
+            return uncached(Plan(tuple(pieces), {}, (), (), (), 0))
+        if pieces[-1].cached:  # the last token's logits are needed: compute it
+            last = pieces.pop()
+            if len(last.token_ids) > 1:
+                pieces.append(Piece(last.token_ids[:-1], last.position, last.unit, last.offset))
+            pieces.append(Piece(last.token_ids[-1:], last.position + len(last.token_ids) - 1))
+        recomputed: list[str] = []
+        end = max(p.position + len(p.token_ids) for p in pieces)
+        bound = self.relocator.exact_below
+        if not self.relocator.relocatable or (bound is not None and end >= bound):
+            # a moved module's keys would be wrong here: compute its tokens in the prefill instead
+            for i, p in enumerate(pieces):
+                unit = compiled.units[p.unit] if p.cached else None
+                if unit is not None and p.position != unit.encode_start + p.offset:
+                    pieces[i] = Piece(p.token_ids, p.position)
+                    recomputed.append(unit.name)
+        needed = list(dict.fromkeys(p.unit for p in pieces if p.cached))
+        keys = {name: self.schemas.key(compiled, compiled.units[name], chat, default) for name in needed}
+        kvs: dict[str, ModuleKV] = {}
+        misses: list[Unit] = []
+        for name in needed:
+            unit = compiled.units[name]
+            kv = self.store.get(keys[name])
+            # keys are content addresses; this re-checks what the entry says of itself, so a foreign
+            # entry planted under our key is recomputed, never used
+            if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, cfg.fingerprint, cfg.mode):
+                misses.append(unit)
+            else:
+                kvs[name] = kv
+        encoded = 0
+        for u, kv in zip(misses, self.encode(misses)):
+            self.store.put(keys[u.name], kv)
+            kvs[u.name] = kv
+            encoded += kv.num_tokens
+        chosen = cfg.recovery if recovery is None else Recovery.parse(recovery)
+        with self.model_lock:
+            pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
+        missed = {u.name for u in misses}
+        return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
+                    tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
+
+    def encode(self, units: Sequence[Unit]) -> list[ModuleKV]:
+        """The KV of `units`, computed now (not stored: the caller knows their keys)."""
+        if not units:
+            return []
+        with self.model_lock:
+            return encode_units(self.model, units, mode=self.config.mode, fingerprint=self.config.fingerprint,
+                                batch_size=self.config.batch_size)
+
+    def check_window(self, pieces: Sequence[Piece], max_new_tokens: int) -> None:
+        # positions, not token counts: the schema layout leaves gaps, and RoPE tables end at the window
+        end = max(p.position + len(p.token_ids) for p in pieces)
+        window = self.config.context_window
+        if end + max_new_tokens > window:
+            num_tokens = sum(len(p.token_ids) for p in pieces)
+            where = "" if end == num_tokens else f" reaching position {end}"
+            raise ContextWindowExceeded(
+                f"prompt of {num_tokens} tokens{where} plus max_new_tokens={max_new_tokens} is "
+                f"{end + max_new_tokens}, past the model's {window}-token context window; "
+                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens"
+            )

@@ -1,0 +1,65 @@
+"""The corpus schema, and the one encoding of an ingest batch: run by a local ingest and by every
+Ray worker alike, so both store the same KV under the same keys.
+
+The schema is union-free: the instructions, then one module per chunk, all inside the system turn.
+A batch is encoded as the schema's `.ingest` twin holding only that batch's modules: a module's KV
+key depends on the text before it in the schema (the instructions), not on its siblings, so this
+matches the full schema a question is planned against.
+
+Not here: which modules are new or where rows go (`ingestor.py`), loading the model (`models.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rag_promptcache.pml import ast
+from rag_promptcache.rag.chunker import Chunk
+from rag_promptcache.rag.embed import EmbedderLike
+from rag_promptcache.rag.records import Manifest
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine import PromptCache
+
+INGEST_SUFFIX = ".ingest"
+Batch = list[tuple[str, int, Chunk]]  # (document source, chunk seq, chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    vectors: np.ndarray  # [modules, dim] float32, in the order given
+    encode_seconds: float  # KV encoding only, not embedding
+
+
+def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str = "") -> ast.Schema:
+    """The union-free corpus schema over (module id, text): instructions, then every module, inside the system turn."""
+    mods = {m: ast.Module(m, (ast.Text(text),)) for m, text in modules}
+    system = ast.Role("system", (ast.Text(manifest.instructions + "\n\n"), *mods.values()))
+    return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={})
+
+
+def encode_modules(engine: PromptCache, embedder: EmbedderLike, manifest: Manifest,
+                   modules: Sequence[tuple[str, str]]) -> Encoded:
+    """Embed the modules' text and store their KV through the engine's store."""
+    if not modules:
+        return Encoded(np.zeros((0, manifest.dim), np.float32), 0.0)
+    vectors = embedder.embed([text for _, text in modules])
+    t = time.perf_counter()
+    engine.add_schema(corpus_schema(manifest, modules, suffix=INGEST_SUFFIX), replace=True)
+    # All units: the batch's modules and the root (instructions), so no question pays for them.
+    engine.encode(manifest.name + INGEST_SUFFIX)
+    return Encoded(vectors, time.perf_counter() - t)
+
+
+def store_keys(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """The store key of each module's KV, as the engine computes it (registering the batch's schema
+    only tokenizes), so that forgetting a module can drop its KV."""
+    if not modules:
+        return {}
+    engine.add_schema(corpus_schema(manifest, modules, suffix=INGEST_SUFFIX), replace=True)
+    return engine.store_keys(manifest.name + INGEST_SUFFIX, [m for m, _ in modules])

@@ -1,0 +1,171 @@
+"""Running an ingest: documents → chunk batches → embedded and encoded (here, or on Ray) → committed
+to the table and the index, in order, with typed counts (`IngestStats`) → an `IngestReport`.
+
+A batch is committed whole (its rows, vectors and the documents it completes in one transaction,
+then the index), so an interrupted ingest leaves whole batches and the next one resumes after them,
+with or without Ray. The corpus hands the ingestor what it owns as callables (the engine, the
+embedder, adding vectors to its index, forgetting dropped modules), so this module does not import it.
+
+Not here: gathering inputs and the budget (`ingest.py`), the encoding itself (`encoding.py`), Ray
+(`distributed.py`), saving the index (the corpus, after `run`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
+from rag_promptcache.rag.embed import EmbedderLike
+from rag_promptcache.rag.encoding import Batch, encode_modules, store_keys
+from rag_promptcache.rag.index import faiss_id
+from rag_promptcache.rag.ingest import check_budget, progress_bar, stale
+from rag_promptcache.rag.loaders import Document, LoadReport
+from rag_promptcache.rag.records import IngestReport, Manifest
+from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.rag.distributed import RayOptions, RayTarget
+
+OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
+
+
+@dataclass(slots=True)
+class IngestStats:
+    """What one ingest has committed so far."""
+
+    num_modules: int = 0  # new modules, embedded and encoded
+    num_tokens: int = 0  # their tokens
+    num_reused: int = 0  # chunks whose module already existed (identical text)
+    encode_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CorpusParts:
+    """What the ingestor writes through; the corpus owns each of them."""
+
+    table: ChunkTable
+    manifest: Manifest
+    engine: Callable[[], PromptCache]  # loaded on first use; its schema is not the corpus's during ingest
+    embedder: Callable[[], EmbedderLike]
+    add_vectors: Callable[[np.ndarray, np.ndarray], None]  # (faiss ids [n], vectors [n, dim]) into the index
+    forget: Callable[[Dropped], None]  # drop modules no document references any more: vectors and KV
+
+
+class Ingestor:
+    """One ingest run over a corpus's parts; `batch_chunks` chunks are embedded and encoded at a time."""
+
+    def __init__(self, parts: CorpusParts, *, batch_chunks: int, on_batch: OnBatch | None = None,
+                 progress: bool | None = None) -> None:
+        self.parts = parts
+        self.batch_chunks = batch_chunks
+        self.on_batch = on_batch
+        self.progress = progress
+        self.stats = IngestStats()
+        self._bar = None
+
+    def run(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
+            ray: RayOptions | None = None, ray_target: RayTarget | None = None) -> IngestReport:
+        """Ingest new and changed documents, drop those gone from an ingested directory or file."""
+        t0 = time.perf_counter()
+        table = self.parts.table
+        todo = [d for d in docs if not self.unchanged(d)]
+        check_budget(todo, token_budget)
+        gone = stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
+        extra: dict[str, object] = {}
+        self._bar = progress_bar(self.progress)
+        try:
+            for source in gone:
+                self.parts.forget(table.remove_document(source))
+            batches = self.batches(todo)
+            if ray is None:
+                for batch, finished in batches:
+                    self.flush(batch, finished)
+            elif todo:
+                from rag_promptcache.rag.distributed import ingest_batches
+
+                assert ray_target is not None, f"{ray_target=}"
+                run = ingest_batches(ray_target, batches, ray, self.new_modules, self.commit)
+                self.stats.encode_seconds += run.encode_seconds
+                extra = {"workers": run.num_workers, "kv_written_by": run.kv_written_by, "failed": run.failed,
+                         "worker_start_seconds": run.start_seconds}
+        finally:
+            self._bar.close()
+        s = self.stats
+        return IngestReport(
+            num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
+            num_modules=s.num_modules, num_tokens=s.num_tokens, num_reused=s.num_reused,
+            seconds=time.perf_counter() - t0, encode_seconds=s.encode_seconds, skipped=tuple(report.skipped), **extra,
+        )
+
+    def unchanged(self, doc: Document) -> bool:
+        row = self.parts.table.document(doc.source)
+        return row is not None and row.complete and row.content_hash == doc.content_hash
+
+    def batches(self, todo: list[Document]) -> Iterator[tuple[Batch, list[str]]]:
+        """(chunks to embed and encode, documents complete once they are committed), in order.
+        Starts each document in the table as it reaches it; skips chunks an interrupted ingest committed."""
+        if not todo:
+            yield [], []
+            return
+        m, table = self.parts.manifest, self.parts.table
+        chunker = Chunker(self.parts.engine().tokenizer, ChunkParams(m.chunk_tokens, m.overlap, m.max_tokens))
+        batch: Batch = []
+        finished: list[str] = []
+        for doc in todo:
+            self.parts.forget(table.begin_document(DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes),
+                                                   doc.metadata))
+            done = table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
+            for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
+                if chunk.module_id not in done:
+                    batch.append((doc.source, seq, chunk))
+                if len(batch) >= self.batch_chunks:
+                    yield batch, finished
+                    batch, finished = [], []
+            finished.append(doc.source)
+        yield batch, finished
+
+    def new_modules(self, batch: Batch) -> dict[str, Chunk]:
+        """The batch's modules the table does not hold yet (identical chunks share one module)."""
+        return {c.module_id: c for _, _, c in batch if not self.parts.table.has_module(c.module_id)}
+
+    def flush(self, batch: Batch, finished: list[str]) -> None:
+        """Embed and encode one batch here, then commit it."""
+        if not batch and not finished:
+            return
+        new = self.new_modules(batch)
+        modules = [(m, c.module_text) for m, c in new.items()]
+        out = encode_modules(self.parts.engine(), self.parts.embedder(), self.parts.manifest, modules)
+        self.stats.encode_seconds += out.encode_seconds
+        self.commit(batch, finished, new, out.vectors)
+
+    def commit(self, batch: Batch, finished: list[str], new: dict[str, Chunk], vectors: np.ndarray) -> None:
+        """Commit one batch whose modules' KV is stored: its rows and vectors in one transaction,
+        then the index. `vectors` [len(new), dim] are the rows of `new`, in order. The local and the
+        Ray paths both commit here, so both build the same corpus."""
+        if not batch and not finished:
+            return
+        assert len(vectors) == len(new), f"{len(vectors)=} {len(new)=}"
+        table = self.parts.table
+        # With batches in flight on a cluster, another batch may have committed the same module since.
+        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v)
+                   for (m, c), v in zip(new.items(), vectors) if not table.has_module(m)]
+        chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]
+        keys = store_keys(self.parts.engine(), self.parts.manifest, [(m, c.module_text) for m, c in new.items()])
+        table.commit_batch(modules, chunks, finished, keys)
+        kept = np.array([m.vector for m in modules], np.float32).reshape(len(modules), self.parts.manifest.dim)
+        self.parts.add_vectors(np.array([m.faiss_id for m in modules], dtype=np.int64), kept)
+        s = self.stats
+        s.num_modules += len(modules)
+        s.num_tokens += sum(m.num_tokens for m in modules)
+        s.num_reused += len(batch) - len(modules)
+        if self._bar is not None:
+            self._bar.update(len(modules))
+            self._bar.set_postfix(tok_s=f"{s.num_tokens / max(self._bar.format_dict['elapsed'], 1e-9):.0f}")
+        if self.on_batch is not None:
+            self.on_batch(s.num_modules, s.num_tokens)

@@ -1,0 +1,122 @@
+"""A corpus directory on disk: its files, reading them with errors that say what to do, and the
+saved FAISS index.
+
+- `manifest.json`: model, fingerprint, embedder, chunking, versions (`records.Manifest`); it cannot be
+  rebuilt from the others.
+- `chunks.sqlite`: documents, chunks with offsets, module texts and vectors: the source of truth
+  (`table.ChunkTable`).
+- `index.faiss` + `index.json`: a saved index and the table generation it reflects. Derived data:
+  rebuilt from the table when missing, behind it, or damaged.
+- `store/`: module KV (`corpus_store.py`).
+
+Not here: what ingest writes (`ingestor.py`) or how the index is searched (`retrieval.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from rag_promptcache.rag.index import VectorIndex
+from rag_promptcache.rag.records import Manifest
+from rag_promptcache.rag.table import ChunkTable
+
+MANIFEST = "manifest.json"
+TABLE = "chunks.sqlite"
+INDEX = "index.faiss"
+INDEX_META = "index.json"
+STORE = "store"
+
+
+class CorpusWarning(UserWarning):
+    """A corpus file was damaged and has been rebuilt from the others (nothing was lost)."""
+
+
+def is_corpus(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def package_version() -> str:
+    """This package's version, recorded in each manifest."""
+    try:
+        return version("rag-promptcache")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def read_manifest(path: Path) -> Manifest:
+    file = path / MANIFEST
+    try:
+        return Manifest.from_json(file.read_text(), str(file))
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        if str(file) in str(e):
+            raise  # already names the file and the fix (a format from another version)
+        raise ValueError(f"{file} is damaged ({e}); it records the corpus's model and settings and cannot be "
+                         "rebuilt: re-ingest the documents into a new corpus") from e
+
+
+def write_manifest(path: Path, manifest: Manifest) -> None:
+    write_atomic(path / MANIFEST, manifest.to_json())
+
+
+def open_table(path: Path) -> ChunkTable:
+    file = path / TABLE
+    try:
+        return ChunkTable(file)
+    except sqlite3.DatabaseError as e:
+        raise ValueError(f"{file} is damaged ({e}); it holds the corpus's chunks and vectors: re-ingest the "
+                         "documents into a new corpus (a damaged module store is checked with "
+                         "`rag-promptcache store verify`)") from e
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def check_files(path: Path) -> None:
+    """An existing corpus must still have its chunk table: opening would otherwise make an empty one."""
+    if not (path / TABLE).is_file():
+        raise ValueError(f"{path / TABLE} is missing; it holds the corpus's chunks and vectors and cannot be rebuilt: "
+                         "restore it from a backup, or re-ingest the documents into a new corpus")
+
+
+def load_index(path: Path, manifest: Manifest, table: ChunkTable) -> tuple[VectorIndex, bool]:
+    """The saved index when it reflects the table's generation, else one rebuilt from the table;
+    True when the saved one was damaged (the caller saves the rebuilt one, so it warns once)."""
+    file, meta = path / INDEX, path / INDEX_META
+    if file.exists() and meta.exists():
+        try:
+            saved = json.loads(meta.read_text())
+            if saved.get("generation") == table.generation and saved.get("kind") == manifest.index:
+                return VectorIndex.load(file, manifest.dim, manifest.index), False
+        except (ValueError, RuntimeError, AssertionError) as e:  # faiss raises RuntimeError on a damaged file
+            # the index is derived data: the table holds every vector, so rebuild rather than fail
+            warnings.warn(f"{file} or {meta.name} is damaged ({str(e).strip().splitlines()[0]}); "
+                          f"rebuilding the index from {TABLE}", CorpusWarning, stacklevel=3)
+            return _rebuilt(manifest, table), True
+    # Missing or behind the table (an ingest stopped between commit and save): rebuild.
+    return _rebuilt(manifest, table), False
+
+
+def _rebuilt(manifest: Manifest, table: ChunkTable) -> VectorIndex:
+    index = VectorIndex(manifest.dim, manifest.index)
+    index.add(*table.vectors(manifest.dim))
+    return index
+
+
+def save_index(path: Path, index: VectorIndex, generation: int) -> None:
+    """Save the index with the table generation it reflects (the caller holds the index's lock)."""
+    index.save(path / INDEX)
+    meta = {"generation": generation, "kind": index.kind, "num_vectors": len(index)}
+    write_atomic(path / INDEX_META, json.dumps(meta) + "\n")
+
+
+def store_bytes(path: Path) -> int:
+    store = path / STORE
+    return sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) if store.exists() else 0

@@ -1,0 +1,66 @@
+"""Retrieval: a question → the nearest modules (FAISS over the table's vectors, ids → module ids) →
+those that fit the model's context window with the rest of the prompt and the answer, as `Hit`s.
+
+Not here: the prompt built from them (`Corpus.prompt`, `prompts.build_prompt`) or generation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rag_promptcache.engine.errors import ContextWindowExceeded
+from rag_promptcache.rag.embed import EmbedderLike
+from rag_promptcache.rag.index import VectorIndex
+from rag_promptcache.rag.table import ChunkTable
+
+TEMPLATE_TOKENS = 32  # room for the chat template's role markup around the turns
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    module_id: str
+    label: str  # the document the chunk came from, as `Corpus.documents()` names it
+    score: float | None  # cosine similarity to the question; None when the caller named the module
+
+
+def search(index: VectorIndex, lock: threading.RLock, embedder: EmbedderLike, table: ChunkTable,
+           question: str, k: int) -> list[tuple[str, float]]:
+    """The k modules nearest to the question: (module id, cosine score), best first. `lock` guards
+    the index: FAISS indexes are not safe to search while another thread adds or removes."""
+    vector = embedder.embed([question])
+    with lock:
+        hits = index.search(vector, k)[0]
+    names = table.module_ids_for([i for i, _ in hits])
+    return [(names[i], s) for i, s in hits if i in names]
+
+
+def fit(
+    hits: list[tuple[str, float]],
+    sizes: Sequence[int],
+    count: Callable[[str], int],
+    *,
+    instructions: str,
+    question: str,
+    history: Sequence[tuple[str, str]],
+    max_new: int,
+    window: int,
+) -> list[tuple[str, float]]:
+    """Drop the lowest-scoring hits (`sizes`: each one's tokens) until the prompt and the answer fit
+    the window; `ContextWindowExceeded` naming what takes the room when even the best one does not."""
+    parts = {"instructions": count(instructions), "question": count(question),
+             "history": sum(count(u) + count(a) for u, a in history), "chat template (about)": TEMPLATE_TOKENS}
+    fixed = sum(parts.values())
+    sizes = list(sizes)
+    best = sizes[0] if sizes else 0
+    while hits and fixed + sum(sizes) + max_new > window:
+        hits, sizes = hits[:-1], sizes[:-1]
+    if not hits and fixed + best + max_new > window:
+        named = ", ".join(f"{n} {what}" for what, n in [("for the best retrieved chunk", best), *parts.items()] if n or what != "history")
+        raise ContextWindowExceeded(
+            f"the prompt needs {fixed + best} tokens ({named}) plus max_new_tokens {max_new}: "
+            f"{fixed + best + max_new}, more than the model's {window}-token window; "
+            + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question")
+        )
+    return hits

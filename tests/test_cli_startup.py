@@ -1,0 +1,104 @@
+"""Start-up and noise (issue 25, items 10 and 11's `info` half): `--help` and `--version` answer
+without importing torch (checked on the modules a real process imported, not by the clock); model
+loading shows no "Loading weights" bar; the CLI silences library notices a user cannot act on;
+`ingest --ray` quiets Ray's; `info` names the corpus schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from test_cli import built, fakes, run  # noqa: F401 - fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "faiss", "sentence_transformers", "numpy")
+PROBE = ("import sys\nfrom rag_promptcache.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+         "print('\\nIMPORTED', sorted(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)")
+
+
+def imported(*argv: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *argv], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    return json.loads(done.stderr.split("IMPORTED ")[-1].strip().replace("'", '"'))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["ask", "--help"], ["ingest", "--help"], []])
+def test_help_and_version_do_not_import_torch(argv: list[str]) -> None:
+    assert imported(*argv) == []
+
+
+def test_the_lazy_bench_line_is_the_bench_docstring(capsys) -> None:
+    import typer
+
+    from rag_promptcache.bench.cli import register
+    from rag_promptcache.cli.app import LAZY
+
+    plugin = typer.Typer()
+    register(plugin)
+    real = typer.main.get_command(plugin)
+    assert " ".join(real.help.split()) == LAZY["bench"][1]
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "bench" in out and "serve" in out
+
+
+def test_help_shows_the_shared_repetition_default() -> None:
+    from rag_promptcache.cli.commands import SHOWN_NO_REPEAT_NGRAM
+    from rag_promptcache.rag import corpus
+    from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM
+
+    assert SHOWN_NO_REPEAT_NGRAM == DEFAULT_NO_REPEAT_NGRAM == corpus.DEFAULT_NO_REPEAT_NGRAM
+
+
+def test_loading_a_model_shows_no_progress_bar_and_keeps_the_callers_setting(tmp_path: Path, capfd) -> None:
+    from tiny import build
+    from transformers.utils import logging as hf_logging
+
+    from rag_promptcache.model.loading import load_model
+
+    build("llama").save_pretrained(tmp_path / "m")
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    with pytest.raises(ValueError):  # no tokenizer files: the weights load first, then it fails
+        load_model(str(tmp_path / "m"), device="cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # an application's own bars stay on
+
+
+def test_the_cli_silences_transformers_deprecation_notices(capsys, monkeypatch) -> None:
+    from rag_promptcache.cli.app import app
+
+    monkeypatch.setattr(app, "registered_commands", list(app.registered_commands))
+
+    @app.command("noisy")
+    def noisy() -> None:
+        warnings.warn("`past_key_values` is deprecated and will be removed in version 5.40.0", FutureWarning, stacklevel=1)
+        warnings.warn("something the user can act on", UserWarning, stacklevel=1)
+
+    code, _, err = run(capsys, "noisy")
+    assert code == 0 and "past_key_values" not in err and "warning: something the user can act on" in err
+
+
+def test_ingest_ray_quiets_ray_for_its_own_local_cluster(monkeypatch) -> None:
+    from rag_promptcache.cli.commands import quiet_ray
+
+    for name in ("RAY_AUTH_MODE", "RAY_COLOR_PREFIX"):
+        monkeypatch.delenv(name, raising=False)
+    quiet_ray(None)
+    assert os.environ["RAY_AUTH_MODE"] == "token"  # Ray's default, said explicitly: no warning
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"  # pytest's stderr is not a terminal
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    quiet_ray("auto")  # someone else's cluster keeps its auth settings; the user's variables win
+    assert "RAY_AUTH_MODE" not in os.environ and os.environ["RAY_COLOR_PREFIX"] == "1"
+
+
+def test_info_names_the_schema(built: Path, capsys) -> None:
+    facts = json.loads(run(capsys, "info", "--corpus", built, "--json")[1])
+    assert facts["schema"].startswith("rag_")
+    code, out, _ = run(capsys, "info", "--corpus", built)
+    assert code == 0 and f'schema     {facts["schema"]} (PML prompts import its modules: <prompt schema="{facts["schema"]}">)' in out
