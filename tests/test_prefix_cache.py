@@ -4,6 +4,7 @@ these, on tiny random-weight models."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -61,22 +62,22 @@ def test_gather_copies_slots_in_sequence_order():
 def test_splice_takes_the_prefix_from_the_cache_and_the_rest_from_the_plan():
     doc = kv_of((10, 11, 12, 13), 0, tag=100.0)
     pieces = [Piece((1, 2), 0), Piece((10, 11, 12, 13), 2, "doc"), Piece((3, 4), 6)]
-    kvs = {"doc": doc}
     labels = token_labels(pieces, {"doc": "k"})
     reused = torch.full((L, H, 5, D), 7.0)
     cache = PrefixCache(10**6)
     cache.tree.insert(NS, labels[:5], (reused, -reused), 2 * reused.numel() * 4)
-    reuse = cache.lookup(NS, labels)
-    assert reuse.num_tokens == 5  # 1 2 10 11 12: the prefix stops inside the module
-    out, out_kvs = splice(pieces, kvs, reuse)
-    assert [(p.token_ids, p.position, p.unit, p.offset) for p in out] == [
+    use = cache.begin(NS, labels, pieces, {"doc": doc})
+    assert use.num_tokens == 5  # 1 2 10 11 12: the prefix stops inside the module
+    assert cache.stats().num_locked == 1  # while the prefill copies it
+    assert [(p.token_ids, p.position, p.unit, p.offset) for p in use.pieces] == [
         ((1, 2, 10, 11, 12), 0, PREFIX + "0", 0),
         ((13,), 5, "doc", 3),
         ((3, 4), 6, None, 0),
     ]
-    assert torch.equal(out_kvs[PREFIX + "0"].keys, reused) and out_kvs[PREFIX + "0"].start == 0
-    assert out_kvs["doc"] is doc
-    cache.tree.release(reuse.handle)
+    assert torch.equal(use.kvs[PREFIX + "0"].keys, reused) and use.kvs[PREFIX + "0"].start == 0
+    assert use.kvs["doc"] is doc
+    assert use.slots == (0, 1, 2, 3, 4, 5, 6, 7)  # prefix, then the doc's last token (cached), then 3 4
+    cache.unlock(use)
     assert cache.stats().num_locked == 0
 
 
@@ -85,11 +86,11 @@ def test_a_span_with_a_position_gap_becomes_two_pieces():
     cache = PrefixCache(10**6)
     kv = torch.arange(L * H * 4 * D, dtype=torch.float32).reshape(L, H, 4, D)
     cache.tree.insert(NS, labels, (kv, kv), 100)
-    reuse = cache.lookup(NS, labels + ((5, 12),))
-    out, out_kvs = splice([Piece((1, 2), 0), Piece((3, 4, 5), 10)], {}, reuse)
-    assert [(p.token_ids, p.position) for p in out] == [((1, 2), 0), ((3, 4), 10), ((5,), 12)]
-    assert torch.equal(out_kvs[out[1].unit].keys, kv[:, :, 2:4])
-    cache.tree.release(reuse.handle)
+    pieces = [Piece((1, 2), 0), Piece((3, 4, 5), 10)]
+    use = cache.begin(NS, labels + ((5, 12),), pieces, {})
+    assert [(p.token_ids, p.position) for p in use.pieces] == [((1, 2), 0), ((3, 4), 10), ((5,), 12)]
+    assert torch.equal(use.kvs[use.pieces[1].unit].keys, kv[:, :, 2:4])
+    cache.unlock(use)
 
 
 def test_a_request_keeps_its_prompt_and_answer_and_a_follow_up_reuses_them():
@@ -108,12 +109,12 @@ def test_a_request_keeps_its_prompt_and_answer_and_a_follow_up_reuses_them():
     follow_pieces = [*pieces, Piece((20, 21, 30, 31), 5)]
     follow = token_labels(follow_pieces, {"doc": "k"})
     use = cache.begin(NS, follow, follow_pieces, {"doc": doc})
+    cache.unlock(use)
     assert use.num_tokens == 7
     assert [(p.token_ids, p.position, p.cached) for p in use.pieces] == [((1, 2, 10, 11, 3, 20, 21), 0, True),
                                                                           ((30, 31), 7, False)]
     assert torch.equal(use.kvs[use.pieces[0].unit].keys, in_order) and set(use.kvs) == {use.pieces[0].unit}
     assert use.slots == tuple(range(9))
-    cache.abort(use)
     s = cache.stats()
     assert s.num_bytes == 2 * in_order.numel() * 4 and s.num_locked == 0 and s.num_hits == 1
 
@@ -125,31 +126,41 @@ def test_a_module_assembled_in_one_request_and_computed_in_another_is_not_shared
     turn1 = [Piece((1,), 0), Piece((10, 11), 1, "a"), Piece((12, 13), 3), Piece((2,), 5)]
     labels1 = token_labels(turn1, {"a": "key-a"})
     use = cache.begin(NS, labels1, turn1, {"a": kv_of((10, 11), 1, 0.0)})
+    cache.unlock(use)
     k, v, n = cache_layers(cache_from(torch.randn(L, H, 6, D), torch.randn(L, H, 6, D)))
     cache.end(NS, use, k, v, n, [], 6)
     turn2 = [Piece((1,), 0), Piece((10, 11), 1, "a"), Piece((12, 13), 3, "b"), Piece((5,), 5)]
     use = cache.begin(NS, token_labels(turn2, {"a": "key-a", "b": "key-b"}), turn2,
                       {"a": kv_of((10, 11), 1, 0.0), "b": kv_of((12, 13), 3, 1.0)})
     assert use.num_tokens == 3
-    cache.abort(use)
+    cache.unlock(use)
 
 
-def test_store_copies_only_what_the_tree_lacks_and_the_budget_holds():
+def test_the_budget_holds_and_an_evicted_prefix_is_stored_again_from_the_request():
     per_token = 2 * L * H * D * 4
     cache = PrefixCache(3 * per_token)
-    labels = tuple((t, t) for t in range(5))
-    keys = torch.randn(L, H, 5, D)
+    pieces = [Piece((0, 1, 2, 3, 4), 0)]
+    labels = token_labels(pieces, {})
+    keys = torch.randn(L, H, 6, D)
     k, v, _ = cache_layers(cache_from(keys, keys))
-    reuse = cache.lookup(NS, labels)
-    assert cache.store(NS, reuse, k, v, list(range(5))) == 0  # 5 tokens never fit in 3
-    assert cache.stats().num_bytes == 0
-    short = labels[:3]
-    reuse = cache.lookup(NS, short)
-    assert cache.store(NS, reuse, k, v, [0, 1, 2]) == 3
-    reuse = cache.lookup(NS, short + ((9, 3),))
-    assert reuse.num_tokens == 3
-    assert cache.store(NS, reuse, k, v, [3]) == 0  # a 4th token would not fit: the prefix is locked
-    assert cache.stats().num_bytes == 3 * per_token and cache.stats().num_locked == 0
+
+    def run(n: int) -> int:  # a request over the first n tokens: begin, prefill (nothing here), end
+        use = cache.begin(NS, labels[:n], [Piece(pieces[0].token_ids[:n], 0)], {})
+        cache.unlock(use)
+        return cache.end(NS, use, k, v, n, [], n)
+
+    assert run(5) == 0 and cache.stats().num_bytes == 0  # 5 tokens never fit in 3
+    assert run(3) == 3 and cache.stats().num_bytes == 3 * per_token
+    assert run(3) == 0  # held already: nothing copied
+    # a request reusing 2 tokens; another evicts them before it ends: it stores them again from its own cache
+    use = cache.begin(NS, labels[:3], [Piece((0, 1, 2), 0)], {})
+    cache.unlock(use)
+    assert use.num_tokens == 2
+    cache.tree.evict(0)
+    assert cache.end(NS, use, k, v, 3, [], 3) == 3
+    assert cache.tree.match(NS, labels[:3]).num_tokens == 3
+    got = torch.cat([kv[0][:, :, :n] for kv, n in cache.tree.match(NS, labels[:3]).spans], dim=2)
+    assert torch.equal(got, keys[:, :, :3])
 
 
 def test_off_is_its_own_class():
@@ -157,6 +168,7 @@ def test_off_is_its_own_class():
     pieces = [Piece((1, 2), 0)]
     use = off.begin(NS, token_labels(pieces, {}), pieces, {})
     assert use.num_tokens == 0 and use.pieces == tuple(pieces)
+    off.unlock(use)
     assert off.end(NS, use, [], [], 0, [5], 2) == 0 and off.stats().num_bytes == 0
 
 
@@ -170,3 +182,138 @@ def test_follow_ups_over_the_same_modules_keep_the_previous_order():
     # other modules: the turn's own ranking, which later turns then keep
     assert keep_order([["a", "b"], ["a", "d"], ["d", "a"]]) == ["a", "d"]
     assert keep_order([["x"]]) == ["x"] and keep_order([[]]) == []
+
+
+# -- over the engine: with the prefix cache on, answers equal those with it off --------------------
+
+from rag_promptcache.engine import PromptCache  # noqa: E402
+from rag_promptcache.pml.build import prompt_pml  # noqa: E402
+from rag_promptcache.store import MemoryStore  # noqa: E402
+from tests.tiny import build  # noqa: E402
+
+DOCS = {
+    "a": "The quick brown fox jumps over the lazy dog near the river bank.",
+    "b": "Paris is the capital of France, and the Seine runs through it.",
+    "c": "Mount Fuji is the highest mountain in Japan, near Tokyo.",
+    "d": "The Amazon river carries more water than any other river.",
+}
+CHAT_SCHEMA = ('<schema name="docs"><system>Answer from the documents.\n'
+               + "".join(f'<module name="{n}">{t}</module>' for n, t in DOCS.items()) + "</system></schema>")
+GREEDY = dict(max_new_tokens=10, ignore_eos=True)
+
+
+def tiny_engine(tokenizer, **kwargs) -> PromptCache:
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(),
+                     **{"recovery": "last:2", **kwargs})
+    pc.add_schema(CHAT_SCHEMA)
+    return pc
+
+
+def chat(modules, turns) -> str:
+    return prompt_pml("docs", modules, turns)
+
+
+def conversation(pc: PromptCache, modules_per_turn, questions, generate=None):
+    """Turns of a chat; each follow-up repeats the earlier questions and answers → the results."""
+    generate = generate or pc.generate
+    turns: list[tuple[str, str]] = []
+    results = []
+    for modules, q in zip(modules_per_turn, questions):
+        r = generate(chat(modules, [*turns, ("user", q)]), **GREEDY)
+        results.append(r)
+        turns += [("user", q), ("assistant", r.text)]
+    return results
+
+
+QUESTIONS = ["Where is Paris?", "And Fuji?", "Which river is long?"]
+
+
+def test_follow_up_turns_reuse_the_previous_turn_and_answer_as_with_the_cache_off(tokenizer):
+    on, off = tiny_engine(tokenizer), tiny_engine(tokenizer, prefix_cache_bytes=0)
+    same = [["a", "b", "c"]] * 3
+    got, want = conversation(on, same, QUESTIONS), conversation(off, same, QUESTIONS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.num_prefix_tokens for r in want] == [0, 0, 0]
+    assert got[0].num_prefix_tokens == 0
+    for before, r in zip(got, got[1:]):
+        # the whole previous prompt at least (its answer too, as far as its text tokenizes back the same)
+        assert r.num_prefix_tokens >= before.prompt_tokens, (before, r)
+        assert r.cached_tokens >= r.num_prefix_tokens and r.computed_tokens == r.prompt_tokens - r.cached_tokens
+    assert on.prefix_cache.stats().num_hits == 2 and off.prefix_cache.stats().num_bytes == 0
+
+
+def test_a_module_recovery_recomputed_before_but_assembles_now_is_not_reused(tokenizer):
+    """Turn 1 imports a b c: `last:2` computes b and c against what precedes them. Turn 2 imports
+    a b c d: it computes c and d, and assembles b from the store. Equal token ids up to d, but b's KV
+    differs, so only what comes before b is reused; the answer is the one of the cache off."""
+    on, off = tiny_engine(tokenizer), tiny_engine(tokenizer, prefix_cache_bytes=0)
+    modules = [["a", "b", "c"], ["a", "b", "c", "d"]]
+    got, want = conversation(on, modules, QUESTIONS[:2]), conversation(off, modules, QUESTIONS[:2])
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    plan = on.plan(chat(["a", "b", "c", "d"], [("user", "x")]))
+    before_b = 0
+    for p in plan.pieces:
+        if p.unit == "b":
+            break
+        before_b += len(p.token_ids)
+    assert 0 < got[1].num_prefix_tokens <= before_b
+
+
+def test_the_batcher_reuses_and_keeps_prefixes_as_the_engine_does(tokenizer):
+    on, off = tiny_engine(tokenizer), tiny_engine(tokenizer, prefix_cache_bytes=0)
+    same = [["b", "c"]] * 2
+    with on.scheduler(max_batch=2) as batcher:
+        got = conversation(on, same, QUESTIONS[:2], generate=lambda p, **kw: batcher.submit(p, **kw).consume())
+    want = conversation(off, same, QUESTIONS[:2])
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert got[1].num_prefix_tokens >= got[0].prompt_tokens
+    # and what the batcher kept serves the engine's own loop
+    again = on.generate(chat(["b", "c"], [("user", QUESTIONS[0]), ("assistant", got[0].text), ("user", "Why?")]),
+                        **GREEDY)
+    assert again.num_prefix_tokens >= got[0].prompt_tokens
+
+
+def test_full_prefill_and_compare_reuse_nothing(tokenizer):
+    pc = tiny_engine(tokenizer)
+    prompt = chat(["a"], [("user", "Where?")])
+    pc.generate(prompt, **GREEDY)
+    assert pc.generate(prompt, use_cache=False, **GREEDY).num_prefix_tokens == 0
+    assert pc.generate(prompt, **GREEDY).num_prefix_tokens == pc.plan(prompt).num_tokens - 1
+    assert pc.compare(prompt) == tiny_engine(tokenizer).compare(prompt)  # as if no request came before
+
+
+def test_the_prefix_cache_stays_within_its_byte_budget(tokenizer):
+    probe = tiny_engine(tokenizer)
+    probe.generate(chat(["a"], [("user", "q0")]), **GREEDY)
+    one = probe.prefix_cache.stats().num_bytes  # about one request's prompt and answer
+    pc = tiny_engine(tokenizer, prefix_cache_bytes=int(one * 2.5))
+    for i, modules in enumerate([["a"], ["b"], ["c"], ["d"], ["a", "b"], ["c", "d"]]):
+        pc.generate(chat(modules, [("user", f"question {i}")]), **GREEDY)
+        s = pc.prefix_cache.stats()
+        assert s.num_bytes <= s.max_bytes and s.num_locked == 0
+    assert s.num_evictions > 0 and s.num_bytes > 0
+
+
+def test_the_budget_comes_from_the_store_config(tokenizer, monkeypatch):
+    monkeypatch.setenv("RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES", "1MiB")
+    assert tiny_engine(tokenizer).prefix_cache.stats().max_bytes == 2**20
+    monkeypatch.setenv("RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES", "0")
+    assert isinstance(tiny_engine(tokenizer).prefix_cache, NullPrefixCache)
+    with pytest.raises(ValueError, match="prefix cache's byte budget"):
+        tiny_engine(tokenizer, prefix_cache_bytes=-1)
+
+
+@pytest.mark.smollm
+def test_smollm2_chat_turns_with_the_prefix_cache_answer_as_without(smollm):
+    model, tokenizer = smollm
+    on = PromptCache(model, tokenizer, store=MemoryStore())
+    off = PromptCache(model, tokenizer, store=MemoryStore(), prefix_cache_bytes=0)
+    for pc in (on, off):
+        pc.add_schema(CHAT_SCHEMA)
+    same = [["a", "b", "c", "d"]] * 3
+    questions = ["What is the capital of France?", "Which river runs through it?", "What is the highest mountain in Japan?"]
+    got, want = conversation(on, same, questions), conversation(off, same, questions)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    for before, r in zip(got, got[1:]):
+        assert r.num_prefix_tokens >= before.prompt_tokens + before.num_generated - 2, (before, r)

@@ -30,9 +30,14 @@ number of new tokens, one decode step per answer token), so it may differ from a
 same tokens by float rounding, as llama.cpp's and SGLang's reuse does. Greedy answers agree in the
 tests (fp32); a near tie in bf16 could go either way.
 
-Not here: when the plan is made (engine/plan.py calls `lookup` after recovery, so recovery passes that
-run the model, `selective` and `attend`, still run over the whole prompt), models whose cache keeps
-only a sliding window (`supported` says no: their cache does not hold every token's KV).
+The engine's prefill (`PromptCache.prefill`) calls `begin` with its plan, assembles what it returns
+and `unlock`s; the request's owner (the engine's decode loop, the batcher) calls `end` with the
+request's cache when the answer is done.
+
+Not here: making the plan (engine/plan.py; it runs whole, cache or no cache, so the recovery passes
+that run the model, `selective` and `attend`, still run over the whole prompt), models whose cache
+keeps only a sliding window (`supported` says no: their cache does not hold every token's KV),
+sharing across processes.
 """
 
 from __future__ import annotations
@@ -73,8 +78,8 @@ def supported(geometry: KVGeometry) -> bool:
 @dataclass(frozen=True, slots=True)
 class Reuse:
     """What a request takes from the prefix cache: its first `num_tokens` tokens' KV, in `spans`
-    (each span's KV and how many of its tokens are used), while it holds `handle` locked; and the labels
-    of its whole prompt, to store what it computes after them."""
+    (each span's KV and how many of its tokens are used), with `handle` locked while they are copied;
+    and the labels of its whole prompt, to store what it computed at its end."""
 
     labels: tuple[Label, ...]
     num_tokens: int = 0
@@ -168,9 +173,10 @@ def _num_bytes(kv: KV) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PrefixUse:
-    """One request's use of the prefix cache, from its prefill (`begin`) to its end (`end` or `abort`):
-    what it reused (locked meanwhile), its plan's pieces and module KV with that prefix spliced in (what
-    to assemble), and each prompt token's slot in the assembled cache."""
+    """One request's use of the prefix cache: what it reused (`reuse`, locked from `begin` until
+    `unlock`, which the prefill calls once the spans are copied into the request's cache), its plan's
+    pieces and module KV with that prefix spliced in (what to assemble), and where each prompt token
+    lies in the assembled cache (`slots`, in sequence order), for `end`."""
 
     reuse: Reuse
     pieces: tuple[Piece, ...]
@@ -184,66 +190,46 @@ class PrefixUse:
 
 class PrefixCache:
     """The KV of recent requests by token labels, at most `max_bytes` of it (least recently used
-    spans go first; spans a running request uses stay). Thread-safe: the tree has one lock."""
+    spans go first). Thread-safe: the tree has one lock.
+
+    A request's spans are locked only while its prefill copies them into its own cache: after that
+    it holds its own copy, and at its end (`end`) it stores from that copy whatever the tree lacks by
+    then, its reused prefix included if that was evicted meanwhile. So no lock outlives a prefill."""
 
     def __init__(self, max_bytes: int) -> None:
         self.tree: PrefixTree[KV] = PrefixTree(max_bytes, split=_split)
 
-    def lookup(self, namespace: Hashable, labels: Sequence[Label]) -> Reuse:
-        """The longest stored prefix of `labels`, short of the last token (whose logits the prefill must
-        compute), locked until `release` or `store`."""
-        labels = tuple(labels)
-        m = self.tree.match(namespace, labels[:-1], lock=True)
-        return Reuse(labels, m.num_tokens, m.spans, m.handle)
-
     def begin(self, namespace: Hashable, labels: Sequence[Label], pieces: Sequence[Piece],
               kvs: Mapping[str, ModuleKV]) -> PrefixUse:
         """A request's prefill is about to assemble `pieces` (labelled `labels`): the longest stored
-        prefix, locked, spliced into them. The caller owes an `end` or an `abort`."""
-        reuse = self.lookup(namespace, labels) if labels else Reuse(())
+        prefix, short of the last token (whose logits the prefill computes), locked, spliced into them.
+        The caller owes an `unlock` once it has assembled them."""
+        labels = tuple(labels)
+        m = self.tree.match(namespace, labels[:-1], lock=True)
+        reuse = Reuse(labels, m.num_tokens, m.spans, m.handle)
         if reuse.num_tokens:
             pieces, kvs = splice(pieces, kvs, reuse)
-        return PrefixUse(reuse, tuple(pieces), kvs, tuple(cache_slots(pieces)) if labels else ())
+        return PrefixUse(reuse, tuple(pieces), kvs, tuple(cache_slots(pieces)))
+
+    def unlock(self, use: PrefixUse) -> None:
+        self.tree.release(use.reuse.handle)
 
     def end(self, namespace: Hashable, use: PrefixUse, keys: Sequence[torch.Tensor],
             values: Sequence[torch.Tensor], length: int, answer: Sequence[int], answer_start: int) -> int:
         """The request is done: keep its prompt's KV and its answer's, from its cache (per layer,
-        [H, capacity, D], `length` tokens written: the prompt's, then the answer's), and release its
-        prefix. Only answer tokens the model was fed count (not the last one sampled, nor rejected
-        drafts past the end). → tokens newly stored."""
-        if not use.reuse.labels:
-            self.abort(use)
-            return 0
+        [H, capacity, D], `length` tokens written: the prompt's, then the answer's) → tokens newly
+        stored. Only answer tokens the model was fed count (not the last one sampled, nor a rejected
+        draft's KV past the end)."""
         prompt = len(use.slots)
         fed = max(min(len(answer) - 1, length - prompt), 0)
-        answer_labels = tuple((t, answer_start + i) for i, t in enumerate(answer[:fed]))
-        # the reused tokens took the cache's first slots (the assembler puts cached pieces first)
-        own = [*use.slots[use.num_tokens :], *range(prompt, prompt + fed)]
-        return self.store(namespace, use.reuse, keys, values, own, answer_labels)
-
-    def abort(self, use: PrefixUse) -> None:
-        """The request failed: release its prefix, keep nothing of it."""
-        self.tree.release(use.reuse.handle)
-
-    def store(self, namespace: Hashable, reuse: Reuse, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-              slots: Sequence[int], answer: Sequence[Label] = ()) -> int:
-        """Keep what a request computed past its reused prefix: the tokens of `reuse.labels` then
-        `answer`, the ones past the prefix at `slots` (in sequence order) of the cache given per layer.
-        Releases the reuse's lock. → tokens newly stored."""
-        labels = reuse.labels + tuple(answer)
-        try:
-            assert len(slots) == len(labels) - reuse.num_tokens, f"{len(slots)=} {len(labels)=} {reuse.num_tokens=}"
-            if not slots:
-                return 0
-            # the tree may hold more of it by now (a twin request): only copy the part it lacks
-            held = self.tree.num_held(namespace, labels)
-            if held >= len(labels):
-                return 0
-            skip = max(held - reuse.num_tokens, 0)
-            kv = gather(keys, values, slots[skip:])
-            return self.tree.insert(namespace, labels, kv, _num_bytes(kv), start=reuse.num_tokens + skip)
-        finally:
-            self.tree.release(reuse.handle)
+        labels = use.reuse.labels + tuple((t, answer_start + i) for i, t in enumerate(answer[:fed]))
+        slots = (*use.slots, *range(prompt, prompt + fed))
+        # only copy what the tree lacks by now: a twin request may have stored more, or evictions taken some
+        held = self.tree.num_held(namespace, labels)
+        if held >= len(labels):
+            return 0
+        kv = gather(keys, values, slots[held:])
+        return self.tree.insert(namespace, labels, kv, _num_bytes(kv), start=held)
 
     def stats(self) -> TreeStats:
         return self.tree.stats()
@@ -256,12 +242,12 @@ class NullPrefixCache:
               kvs: Mapping[str, ModuleKV]) -> PrefixUse:
         return PrefixUse(Reuse(()), tuple(pieces), kvs, ())
 
+    def unlock(self, use: PrefixUse) -> None:
+        pass
+
     def end(self, namespace: Hashable, use: PrefixUse, keys: Sequence[torch.Tensor],
             values: Sequence[torch.Tensor], length: int, answer: Sequence[int], answer_start: int) -> int:
         return 0
-
-    def abort(self, use: PrefixUse) -> None:
-        pass
 
     def stats(self) -> TreeStats:
         return TreeStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
