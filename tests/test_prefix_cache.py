@@ -213,13 +213,13 @@ def chat(modules, turns) -> str:
     return prompt_pml("docs", modules, turns)
 
 
-def conversation(pc: PromptCache, modules_per_turn, questions, generate=None):
+def conversation(pc: PromptCache, modules_per_turn, questions, generate=None, sampling=GREEDY):
     """Turns of a chat; each follow-up repeats the earlier questions and answers → the results."""
     generate = generate or pc.generate
     turns: list[tuple[str, str]] = []
     results = []
     for modules, q in zip(modules_per_turn, questions):
-        r = generate(chat(modules, [*turns, ("user", q)]), **GREEDY)
+        r = generate(chat(modules, [*turns, ("user", q)]), **sampling)
         results.append(r)
         turns += [("user", q), ("assistant", r.text)]
     return results
@@ -312,8 +312,11 @@ def test_smollm2_chat_turns_with_the_prefix_cache_answer_as_without(smollm):
         pc.add_schema(CHAT_SCHEMA)
     same = [["a", "b", "c", "d"]] * 3
     questions = ["What is the capital of France?", "Which river runs through it?", "What is the highest mountain in Japan?"]
-    got, want = conversation(on, same, questions), conversation(off, same, questions)
+    answers = dict(max_new_tokens=24)  # to the model's own end of turn, as a chat goes
+    got, want = conversation(on, same, questions, sampling=answers), conversation(off, same, questions, sampling=answers)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.text for r in got] == [r.text for r in want]
     for before, r in zip(got, got[1:]):
-        assert r.num_prefix_tokens >= before.prompt_tokens + before.num_generated - 2, (before, r)
+        # the previous prompt and answer, all but the answer's last token (sampled, never fed: no KV)
+        assert r.num_prefix_tokens == before.prompt_tokens + before.num_generated - 1, (before, r)
+        assert r.computed_tokens < 20, r  # the end of the answer's turn and the new question
