@@ -320,3 +320,55 @@ def test_smollm2_chat_turns_with_the_prefix_cache_answer_as_without(smollm):
         # the previous prompt and answer, all but the answer's last token (sampled, never fed: no KV)
         assert r.num_prefix_tokens == before.prompt_tokens + before.num_generated - 1, (before, r)
         assert r.computed_tokens < 20, r  # the end of the answer's turn and the new question
+
+
+# -- over a corpus: CorpusChat keeps a follow-up's modules in the previous turn's order ---------------
+
+CORPUS_DOCS = {
+    "cats.txt": "Cats sleep sixteen hours a day. A cat purrs when it is content.",
+    "bread.txt": "Sourdough bread rises with wild yeast fed with flour and water.",
+    "tides.txt": "Tides follow the moon; spring tides come at new and full moon.",
+    "zebra.txt": "Zebras have stripes that confuse biting flies.",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    from rag_promptcache.rag.corpus import Corpus
+    from tests.tiny_llama import save_tiny_llama
+
+    docs = tmp_path_factory.mktemp("docs")
+    for name, text in CORPUS_DOCS.items():
+        (docs / name).write_text(text)
+    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    corpus = Corpus.build([docs], tmp_path_factory.mktemp("corpus") / "c", model=model, progress=False,
+                          redis_url="", dtype="float32")
+    yield corpus
+    corpus.close()
+
+
+def test_corpus_chat_follow_ups_keep_the_order_and_reuse_the_previous_turn(tiny_corpus):
+    import re
+
+    from rag_promptcache.rag.chat import CorpusChat
+
+    chat = CorpusChat(tiny_corpus)
+    pc = tiny_corpus.engine
+    off = PromptCache(pc.model, pc.tokenizer, store=pc.store, mode=pc.mode, prefix_cache_bytes=0)
+    off.add_schema(pc.schema(tiny_corpus.manifest.name))
+    turns: list[tuple[str, str]] = []
+    rankings, orders, results = [], [], []
+    for q in ["How long do cats sleep?", "What makes sourdough rise?", "When do spring tides come?"]:
+        cp = chat.chat_prompt([*turns, ("user", q)], k=4, max_new_tokens=8)
+        r = pc.generate(cp.prompt, max_new_tokens=8)
+        assert off.generate(cp.prompt, max_new_tokens=8).token_ids == r.token_ids
+        rankings.append([s.module_id for s in cp.sources])
+        orders.append(re.findall(r"<([^ />]+)/>", cp.prompt))
+        results.append(r)
+        turns += [("user", q), ("assistant", r.text)]
+    assert len(set(map(tuple, rankings))) > 1  # each question ranks the 4 chunks its own way ...
+    assert orders[0] == orders[1] == orders[2] == tiny_corpus.order(rankings[0])  # ... imported as in turn 1
+    for before, r in zip(results, results[1:]):
+        # the previous prompt but its last token: the random model answers newlines, which tokenize back
+        # merged with the "\n" that opens the assistant turn (a real answer is reused too: the SmolLM2 test)
+        assert r.num_prefix_tokens >= before.prompt_tokens - 1, (before, r)
