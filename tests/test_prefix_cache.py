@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from rag_promptcache.engine.compiler import Piece
 from rag_promptcache.engine.prefix_cache import (
-    PREFIX, NullPrefixCache, PrefixCache, cache_layers, cache_slots, gather, splice, token_labels,
+    PREFIX, NullPrefixCache, PrefixCache, cache_layers, cache_slots, gather, token_labels,
 )
 from rag_promptcache.store.base import ModuleKV
 
