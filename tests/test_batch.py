@@ -68,7 +68,10 @@ def test_rows_admit_in_order_stay_packed_and_bound_the_queue():
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none")
+    # no prefix cache: these tests hold a batched request to the same prompt run alone, counts included,
+    # and the second of two equal prompts would reuse the first's KV (tests/test_prefix_cache.py)
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+                     prefix_cache_bytes=0)
     pc.add_schema(SCHEMA)
     return pc
 

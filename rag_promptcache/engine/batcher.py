@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from rag_promptcache.engine.grammar import Grammar
     from rag_promptcache.engine.plan import Plan
     from rag_promptcache.engine.prefill import Prefilled
+    from rag_promptcache.engine.prefix_cache import PrefixUse
     from rag_promptcache.engine.recovery import Recovery
     from rag_promptcache.engine.state import DecodeState
     from rag_promptcache.model.positions import KVGeometry
@@ -68,6 +69,9 @@ class Engine(Protocol):
              max_new_tokens: int = ...) -> Plan: ...
 
     def prefill(self, plan: Plan, room: int = ...) -> Prefilled: ...
+
+    def keep_prefix(self, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
+                    values: Sequence[torch.Tensor], length: int) -> int: ...
 
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = ..., lookup: bool = ...) -> DecodeState: ...
 
@@ -172,6 +176,7 @@ class Handle:
 class _Running:
     handle: Handle
     state: DecodeState
+    prefix: PrefixUse | None  # what the prefill reused from the prefix cache; its row is kept there at the end
 
 
 class Batcher:
@@ -278,7 +283,8 @@ class Batcher:
             self.batch.load(row, first.cache, handle.sampling.max_new_tokens)
             release(first.cache)  # copied into the batch: its buffers go back to the pool now
             # a row's KV is dropped by setting its length back: drafts can always be rolled back here
-            self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0))
+            self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0),
+                                          first.prefix)
             self._advance(rid, first.logits[None])
 
     def _step(self) -> None:
@@ -321,7 +327,11 @@ class Batcher:
         for piece in step.pieces:
             run.handle._put(piece)
         if run.state.finished:
-            self._finish(rid, run.handle.plan.result(run.state, time.perf_counter() - run.handle.t0))
+            row = self.rows.row(rid)
+            self.engine.keep_prefix(run.prefix, run.state, self.batch.keys[:, row], self.batch.values[:, row],
+                                    self.batch.lengths[row])
+            num_prefix = run.prefix.num_tokens if run.prefix is not None else 0
+            self._finish(rid, run.handle.plan.result(run.state, time.perf_counter() - run.handle.t0, num_prefix))
         return step.num_rejected
 
     def _finish(self, rid: int, outcome: Result | BaseException) -> None:

@@ -15,6 +15,7 @@ Out of scope here: retrieval (rag/), storage tiers (store/), positions per archi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -32,6 +33,7 @@ from rag_promptcache.engine.grammar import Grammar
 from rag_promptcache.engine.lookup import lookup_tokens
 from rag_promptcache.engine.plan import Plan, PlanConfig, Planner, uncached
 from rag_promptcache.engine.prefill import Prefilled, prefill
+from rag_promptcache.engine.prefix_cache import PrefixUse, cache_layers, make_prefix_cache, token_labels
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
 from rag_promptcache.engine.sampling import Sampling, eos_token_ids
@@ -43,6 +45,7 @@ from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.pml import ast
 from rag_promptcache.store.base import Store
+from rag_promptcache.store.config import load_config
 
 
 class PromptCache:
@@ -59,10 +62,15 @@ class PromptCache:
         recovery: str | Recovery | None = DEFAULT_RECOVERY,
         codec: str | None = None,
         prompt_lookup: int | None = None,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         """`prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
         prompt and the answer so far (engine/lookup.py); 0 turns it off; None reads
-        RAG_PROMPTCACHE_PROMPT_LOOKUP (unset: 8)."""
+        RAG_PROMPTCACHE_PROMPT_LOOKUP (unset: 8).
+
+        `prefix_cache_bytes`: the KV of recent requests kept for later ones that start the same way
+        (a chat's follow-up turns; engine/prefix_cache.py), in bytes; 0 turns it off; None reads the
+        store config's `prefix_cache_bytes` ($RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES, default 256 MiB)."""
         prompt_lookup = lookup_tokens(prompt_lookup)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
@@ -92,6 +100,11 @@ class PromptCache:
         self.compiler = Compiler(tokenizer, role_markup(tokenizer))
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.prompt_lookup = prompt_lookup
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = load_config().prefix_cache_bytes
+        self.prefix_cache = make_prefix_cache(prefix_cache_bytes, self.geometry)
+        # what produced a prefix's KV beyond its labels: the weights and dtype (the fingerprint), the device
+        self.prefix_namespace = (self.fingerprint, str(model.device))
         # Every forward pass of this model runs under it: prefill, each decode step, encoding, recovery
         # passes (whose layer hooks would otherwise fire in another thread's forward). Reentrant, so a
         # caller (the batch scheduler) may hold it around engine calls.
@@ -176,8 +189,29 @@ class PromptCache:
 
     def prefill(self, plan: Plan, room: int = 0) -> Prefilled:
         """`plan`'s KV assembled with `room` tokens to spare and its new tokens run → the cache (the
-        caller `release`s it when done), the next-token logits and the answer's first position."""
-        return prefill(self.model, plan, self.relocator, self.geometry, room, lock=self.model_lock)
+        caller `release`s it when done), the next-token logits and the answer's first position.
+
+        The longest prefix of the plan that an earlier request computed the same way is copied from the
+        prefix cache instead (`Prefilled.prefix` says how much); hand the request's cache to
+        `keep_prefix` when its answer is done, so later requests may reuse this one."""
+        if plan.sources is None:  # a full-prefill reference: nothing reused
+            return prefill(self.model, plan, self.relocator, self.geometry, room, lock=self.model_lock)
+        use = self.prefix_cache.begin(self.prefix_namespace, token_labels(plan.pieces, plan.sources),
+                                      plan.pieces, plan.kvs)
+        try:
+            spliced = dataclasses.replace(plan, pieces=use.pieces, kvs=dict(use.kvs))
+            first = prefill(self.model, spliced, self.relocator, self.geometry, room, lock=self.model_lock)
+        finally:  # the reused spans are copied into the request's cache (or the prefill failed)
+            self.prefix_cache.unlock(use)
+        return dataclasses.replace(first, prefix=use)
+
+    def keep_prefix(self, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
+                    values: Sequence[torch.Tensor], length: int) -> int:
+        """Keep a finished request's prompt and answer KV in the prefix cache, from its cache given per
+        layer (keys[i], values[i]: [H, capacity, D], `length` tokens written) → tokens newly kept."""
+        if prefix is None:
+            return 0
+        return self.prefix_cache.end(self.prefix_namespace, prefix, keys, values, length, state.tokens, state.start)
 
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = None, lookup: bool = True) -> DecodeState:
         """A fresh `DecodeState` for an answer to `plan`: this engine's tokenizer, EOS ids and prompt
@@ -202,12 +236,19 @@ class PromptCache:
     def _run(self, plan: Plan, s: Sampling, t0: float) -> Generator[str, None, Result]:
         first = self.prefill(plan, s.max_new_tokens)
         state = self.decode_state(plan, s, t0=t0, lookup=can_crop(first.cache))
+        sound = False  # whether the cache holds what the state says (not after a failed forward)
         try:
             yield from state.advance(first.logits[None]).pieces
             yield from decode(self.model, first.cache, state, lock=self.model_lock)
+            sound = True
+        except GeneratorExit:  # closed by the caller between steps
+            sound = True
+            raise
         finally:  # finished, stopped or closed by the caller: the KV buffers go back to the pool now
+            if sound:
+                self.keep_prefix(first.prefix, state, *cache_layers(first.cache))
             release(first.cache)
-        return plan.result(state, time.perf_counter() - t0)
+        return plan.result(state, time.perf_counter() - t0, first.prefix.num_tokens if first.prefix else 0)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -247,7 +288,7 @@ class PromptCache:
 
     def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""
-        plan = self.plan(prompt, recovery=recovery)
+        plan = dataclasses.replace(self.plan(prompt, recovery=recovery), sources=None)  # this plan alone
         cached, full = self.prefill(plan), self.prefill(uncached(plan))
         release(cached.cache)
         release(full.cache)

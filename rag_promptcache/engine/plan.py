@@ -7,14 +7,15 @@ that cannot move to their place here (learned absolute positions) into new token
 quality recovery (engine/recovery.py). The plan is the request's one record from here to its `Result`.
 
 Out of scope: assembling the KV and running the prefill (engine/prefill.py), decoding (engine/state.py,
-engine/decode.py), the schema registry (engine/schemas.py). A prefix lookup of earlier requests' KV
-(issue 23) would run here, before the store, and mark what it matched in the plan.
+engine/decode.py), the schema registry (engine/schemas.py), earlier requests' KV: the plan is made
+as if there were none, and the prefill takes the longest prefix an earlier request computed the same
+way (engine/prefix_cache.py), which `sources` lets it tell.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,9 @@ class Plan:
     misses: tuple[str, ...]
     recomputed: tuple[str, ...]
     num_encoded_tokens: int  # tokens of the missed modules, encoded by this request
+    # the store key of each module it assembles: with the pieces, how each token's KV is produced, the
+    # prefix cache's labels (engine/prefix_cache.py); None: a full-prefill reference, which reuses nothing
+    sources: Mapping[str, str] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,9 +68,22 @@ class Plan:
         """The position of the answer's first token."""
         return max(p.position + len(p.token_ids) for p in self.pieces)
 
-    def result(self, state: DecodeState, total_s: float) -> Result:
-        """The `Result` of a finished decode of this plan (the engine's loop and the batcher's)."""
+    def num_from_store_after(self, num_tokens: int) -> int:
+        """`num_from_store` past the first `num_tokens` tokens (those came from the prefix cache)."""
+        hits = set(self.hits)
+        seq = out = 0
+        for p in self.pieces:
+            n = len(p.token_ids)
+            if p.cached and p.unit in hits:
+                out += n - min(max(num_tokens - seq, 0), n)
+            seq += n
+        return out
+
+    def result(self, state: DecodeState, total_s: float, num_prefix_tokens: int = 0) -> Result:
+        """The `Result` of a finished decode of this plan (the engine's loop and the batcher's), whose
+        first `num_prefix_tokens` tokens' KV came from the prefix cache."""
         assert state.finish is not None, f"{state.finish=}"
+        cached = num_prefix_tokens + self.num_from_store_after(num_prefix_tokens)
         return Result(
             text=state.text.text if state.text is not None else "",
             token_ids=tuple(state.tokens),
@@ -74,14 +91,15 @@ class Plan:
             ttft_s=state.ttft_s,
             total_s=total_s,
             prompt_tokens=self.num_tokens,
-            cached_tokens=self.num_from_store,
-            # every prompt token is either served from the store or computed here, once: a missed module
-            # that recovery also recomputes is not counted twice (issue 25 item 12)
-            computed_tokens=self.num_tokens - self.num_from_store,
+            cached_tokens=cached,
+            # every prompt token is either served from a cache (the store, the prefix cache) or computed
+            # here, once: a missed module that recovery also recomputes is not counted twice (issue 25 item 12)
+            computed_tokens=self.num_tokens - cached,
             hit_modules=tuple(n for n in self.hits if n != ROOT),
             missed_modules=tuple(n for n in self.misses if n != ROOT),
             recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
             num_decode_forwards=state.stats.num_forwards,
+            num_prefix_tokens=num_prefix_tokens,
         )
 
 
@@ -166,7 +184,7 @@ class Planner:
             pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
         missed = {u.name for u in misses}
         return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
-                    tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded)
+                    tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded, keys)
 
     def encode(self, units: Sequence[Unit]) -> list[ModuleKV]:
         """The KV of `units`, computed now (not stored: the caller knows their keys)."""

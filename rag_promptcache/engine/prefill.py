@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.plan import Plan
+from rag_promptcache.engine.prefix_cache import PrefixUse
 from rag_promptcache.engine.runner import forward_last
 from rag_promptcache.model.positions import KVGeometry, Relocator
 
@@ -30,6 +31,8 @@ class Prefilled:
     cache: DynamicCache  # the prompt's KV, with room for `room` more tokens
     logits: torch.Tensor  # [V] fp32: the next-token logits after the prompt
     next_position: int  # of the answer's first token
+    # what the prefix cache gave and holds locked for this request: its owner ends it (engine.keep_prefix)
+    prefix: PrefixUse | None = None
 
 
 @torch.inference_mode()

@@ -18,13 +18,15 @@ class Result:
     ttft_s: float  # from the call to the first sampled token: parse, plan, fetch, encode misses, prefill
     total_s: float
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the store
+    cached_tokens: int  # prompt tokens whose KV was not computed here: from the store or the prefix cache
     computed_tokens: int  # prompt tokens computed in this request (new text, misses, recomputed modules)
     hit_modules: tuple[str, ...]
     missed_modules: tuple[str, ...]  # not in the store: encoded from their text, used, and written back
     recomputed_modules: tuple[str, ...]  # stored but not reusable at this position (absolute positions)
     # forwards after the prefill: one per token after the first, fewer where prompt lookup drafts were accepted
     num_decode_forwards: int = 0
+    # of cached_tokens, those reused from an earlier request's KV (the prefix cache: engine/prefix_cache.py)
+    num_prefix_tokens: int = 0
 
     @property
     def num_generated(self) -> int:

@@ -3,7 +3,9 @@
 The last turn is the question; earlier turns are history. Retrieval is `Corpus.retrieve` (search
 fitted to the context window), as in `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
 imported (their stored KV reused) exactly as the framework adapters import them. `module_ids`
-skips retrieval. `completion_prompt` is the raw-prompt counterpart (PML or plain text).
+skips retrieval. A follow-up that retrieves the same modules as the turn before imports them in that
+turn's order (`keep_order`), so the engine's prefix cache reuses the earlier turn. `completion_prompt`
+is the raw-prompt counterpart (PML or plain text).
 
 Not here: generation (the engine's scheduler) and any HTTP types (server/).
 """
@@ -11,6 +13,7 @@ Not here: generation (the engine's scheduler) and any HTTP types (server/).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.corpus import Corpus
 
 ROLES = ("system", "user", "assistant")
+RETRIEVALS_KEPT = 256  # questions whose retrieval CorpusChat remembers (for the order of follow-ups)
 
 
 Source = Hit  # a response's source: (module_id, label, score rounded to 4 places, or None when named by the caller)
@@ -34,6 +38,19 @@ class ChatPrompt:
     sources: tuple[Source, ...]
 
 
+def keep_order(rankings: Sequence[Sequence[str]]) -> list[str]:
+    """Each user turn's retrieved module ids (best first), oldest turn first → the last turn's ids in
+    the order to import them: the previous turn's order when it retrieved the same modules (and so on
+    back), else its own ranking. A follow-up over the same modules then repeats the previous prompt
+    token for token up to its new question, the prefix the engine's prefix cache reuses; a new
+    ranking of the same modules would move them and break that prefix at the first module."""
+    order: list[str] = []
+    for ranked in rankings:
+        if not order or set(order) != set(ranked):
+            order = list(ranked)
+    return order
+
+
 class CorpusChat:
     """One corpus shared by concurrent requests: retrieval and prompt building run under one lock
     (the chunk table is one SQLite connection), generation does not."""
@@ -41,6 +58,7 @@ class CorpusChat:
     def __init__(self, corpus: Corpus) -> None:
         self.corpus = corpus
         self._lock = threading.Lock()
+        self._retrieved: OrderedDict[tuple[object, ...], list[Hit]] = OrderedDict()
         with self._lock:
             corpus.prepare()
 
@@ -59,21 +77,39 @@ class CorpusChat:
                 raise ValueError(f"unsupported message role {role!r}; valid: {', '.join(ROLES)}")
         if turns[-1][0] != "user":
             raise ValueError(f"the last message must be the user's question, got a {turns[-1][0]!r} message")
-        question = turns[-1][1]
         c = self.corpus
         with self._lock:
             if module_ids is None:
-                history = [(text, "") for _, text in turns[:-1]]  # counted for the window, as `ask` does
-                hits = [Hit(h.module_id, h.label, round(float(h.score), 4))
-                        for h in c.retrieve(question, k, history=history, max_new_tokens=max_new_tokens)]
+                users = [i for i, (role, _) in enumerate(turns) if role == "user"]
+                # earlier turns' retrievals only order this one's modules, so remembered ones will do
+                rankings = [self._retrieve(turns[: i + 1], k, max_new_tokens, fresh=i == users[-1]) for i in users]
+                hits = [Hit(h.module_id, h.label, round(float(h.score), 4)) for h in rankings[-1]]
+                order = keep_order([[h.module_id for h in r] for r in rankings])
             else:
                 unknown = [m for m in module_ids if not c.has_module(m)]
                 if unknown:
                     raise ValueError(f"unknown module id(s) {unknown} in corpus {c.path.name}; "
                                      "module ids come from a response's sources")
                 hits = [Hit(m, c.label(m), None) for m in dict.fromkeys(module_ids)]
-            prompt = build_prompt(turns, corpus=c, module_ids=[h.module_id for h in hits])
+                order = [h.module_id for h in hits]
+            prompt = build_prompt(turns, corpus=c, module_ids=order)
         return ChatPrompt(prompt, tuple(hits))
+
+    def _retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, fresh: bool) -> list[Hit]:
+        """The modules retrieved for the last of `turns` (a user turn), fit to the window; remembered,
+        since every later turn of the conversation asks again for its order (`keep_order`). `fresh`:
+        search even if remembered (the corpus may have changed since)."""
+        key = (tuple(turns), k, max_new_tokens)
+        if key in self._retrieved and not fresh:
+            self._retrieved.move_to_end(key)
+            return self._retrieved[key]
+        history = [(text, "") for _, text in turns[:-1]]  # counted for the window, as `ask` does
+        hits = self.corpus.retrieve(turns[-1][1], k, history=history, max_new_tokens=max_new_tokens)
+        self._retrieved[key] = hits
+        self._retrieved.move_to_end(key)
+        if len(self._retrieved) > RETRIEVALS_KEPT:
+            self._retrieved.popitem(last=False)
+        return hits
 
     def completion_prompt(self, text: str) -> ChatPrompt:
         """A raw prompt: PML (which may import the corpus's modules by name) or plain text, as is."""

@@ -63,6 +63,8 @@ class StoreConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    # the engine's prefix cache of recent requests' KV (engine/prefix_cache.py), in bytes; 0 turns it off
+    prefix_cache_bytes: int = 256 * 2**20
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -78,6 +80,13 @@ def parse_size(value: str | int | None) -> int | None:
         raise ValueError(f"cannot read size {value!r}; write e.g. 1048576, 512MiB, 2G")
     unit = 1024 ** ("kmgt".index(m[2].lower()) + 1) if m[2] else 1
     return int(float(m[1]) * unit)
+
+
+def _byte_budget(value: str | int) -> int:
+    size = parse_size(value)
+    if size is None or size < 0:
+        raise ValueError(f"prefix_cache_bytes must be a size >= 0 (0 turns the prefix cache off), got {value!r}")
+    return size
 
 
 def _opt_float(value: str | float | None) -> float | None:
@@ -105,6 +114,7 @@ OPTIONS: dict[str, tuple[str, str, Callable[..., object]]] = {
     "redis_codec": ("redis", "codec", check_codec),
     "redis_chunk_bytes": ("redis", "chunk_bytes", parse_size),
     "redis_retry_after_s": ("redis", "retry_after_s", float),
+    "prefix_cache_bytes": ("", "prefix_cache_bytes", _byte_budget),
 }
 
 
