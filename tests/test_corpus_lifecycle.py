@@ -78,13 +78,14 @@ def num_entries(capsys, corpus: Path) -> int:
 
 def test_remove_and_reingest_drop_the_stored_kv(own_store, tmp_path: Path, capsys) -> None:
     docs = write(tmp_path / "d", DOCS)
-    copy = write(tmp_path / "copy", {"zorblat.txt": DOCS["zorblat.txt"]})  # same label and text: one shared module
+    copy = write(tmp_path / "copy", {"zorblat.txt": DOCS["zorblat.txt"]})  # same name and text: the same module
     c = tmp_path / "c"
-    cli(capsys, "ingest", docs, copy, "--corpus", c, "--chunk-tokens", "64")
+    cli(capsys, "ingest", docs, "--corpus", c, "--chunk-tokens", "64")
     full = num_entries(capsys, c)
-    assert full == 3  # the instructions, the zorblat module (stored once), the trains module
+    assert full == 3  # the instructions, the zorblat module, the trains module
 
-    cli(capsys, "remove", "--corpus", c, copy / "zorblat.txt")  # still used by d/zorblat.txt: its KV stays
+    # A document's identity is its name: the copy replaces d/zorblat.txt, and its module (the same key) stays stored.
+    assert "replaced 1 document" in cli(capsys, "ingest", copy, "--corpus", c)
     assert num_entries(capsys, c) == full
     cli(capsys, "remove", "--corpus", c, "trains.md")  # the name `ask` prints in its sources
     assert num_entries(capsys, c) == full - 1
