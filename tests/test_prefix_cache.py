@@ -173,7 +173,7 @@ def test_off_is_its_own_class():
 
 
 def test_follow_ups_over_the_same_modules_keep_the_previous_order():
-    from rag_promptcache.rag.chat import keep_order
+    from rag_promptcache.rag.retrieval import keep_order
 
     # turn 2 ranks the same modules differently: it imports them as turn 1 did, so turn 1's prompt is its prefix
     assert keep_order([["a", "b", "c"], ["c", "a", "b"]]) == ["a", "b", "c"]
@@ -372,3 +372,22 @@ def test_corpus_chat_follow_ups_keep_the_order_and_reuse_the_previous_turn(tiny_
         # the previous prompt but its last token: the random model answers newlines, which tokenize back
         # merged with the "\n" that opens the assistant turn (a real answer is reused too: the SmolLM2 test)
         assert r.num_prefix_tokens >= before.prompt_tokens - 1, (before, r)
+
+
+def test_corpus_ask_follow_ups_keep_the_order_and_answer_as_with_the_cache_off(tiny_corpus):
+    import re
+
+    pc = tiny_corpus.engine
+    off = PromptCache(pc.model, pc.tokenizer, store=pc.store, mode=pc.mode, prefix_cache_bytes=0)
+    off.add_schema(pc.schema(tiny_corpus.manifest.name))
+    history: list[tuple[str, str]] = []
+    orders, answers = [], []
+    for q in ["How long do cats sleep?", "What makes sourdough rise?", "When do spring tides come?"]:
+        a = tiny_corpus.ask(q, k=4, history=history, max_new_tokens=8)
+        assert off.generate(a.prompt, max_new_tokens=8, no_repeat_ngram=6).text.strip() == a.answer
+        orders.append(re.findall(r"<([^ />]+)/>", a.prompt))
+        answers.append(a)
+        history.append((q, a.answer))
+    assert orders[0] == orders[1] == orders[2]  # the same modules, imported as in turn 1
+    for before, a in zip(answers, answers[1:]):
+        assert a.cached_tokens >= before.prompt_tokens - 1, (before, a)  # the previous prompt, reused

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from rag_promptcache.pml import ast
 from rag_promptcache.rag.prompts import build_prompt
-from rag_promptcache.rag.retrieval import Hit
+from rag_promptcache.rag.retrieval import Hit, keep_order
 
 if TYPE_CHECKING:
     from rag_promptcache.rag.corpus import Corpus
@@ -36,19 +36,6 @@ Source = Hit  # a response's source: (module_id, label, score rounded to 4 place
 class ChatPrompt:
     prompt: str | ast.Prompt  # what `PromptCache.generate` / `Batcher.submit` take
     sources: tuple[Source, ...]
-
-
-def keep_order(rankings: Sequence[Sequence[str]]) -> list[str]:
-    """Each user turn's retrieved module ids (best first), oldest turn first → the last turn's ids in
-    the order to import them: the previous turn's order when it retrieved the same modules (and so on
-    back), else its own ranking. A follow-up over the same modules then repeats the previous prompt
-    token for token up to its new question, the prefix the engine's prefix cache reuses; a new
-    ranking of the same modules would move them and break that prefix at the first module."""
-    order: list[str] = []
-    for ranked in rankings:
-        if not order or set(order) != set(ranked):
-            order = list(ranked)
-    return order
 
 
 class CorpusChat:

@@ -43,7 +43,7 @@ from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
 from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM
-from rag_promptcache.rag.retrieval import Hit
+from rag_promptcache.rag.retrieval import Hit, keep_order
 from rag_promptcache.rag.table import Dropped
 
 if TYPE_CHECKING:
@@ -379,7 +379,11 @@ class Corpus:
         if sampling.get("recovery") is None and self.manifest.recovery is not None:
             sampling["recovery"] = self.manifest.recovery  # the corpus's (eval --apply), also with a caller's engine
         hits = self.retrieve(question, k, history=history, max_new_tokens=max_new_tokens)
-        prompt = self.prompt(question, self.order([h.module_id for h in hits]), history)
+        # a follow-up over the same modules keeps the earlier turns' import order: its prompt then
+        # starts with the previous turn's, which the engine's prefix cache reuses (retrieval.keep_order)
+        earlier = [self.retrieve(u, k, history=history[:i], max_new_tokens=max_new_tokens) for i, (u, _) in enumerate(history)]
+        ranked = keep_order([[h.module_id for h in r] for r in [*earlier, hits]])
+        prompt = self.prompt(question, self.order(ranked), history)
         engine = self.prepare()
         out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling),
                            [(h.module_id, h.score) for h in hits], [h.label for h in hits], prompt)

@@ -64,3 +64,16 @@ def fit(
             + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question")
         )
     return hits
+
+
+def keep_order(rankings: Sequence[Sequence[str]]) -> list[str]:
+    """Each user turn's retrieved module ids (best first), oldest turn first → the last turn's ids in
+    the order to import them: the previous turn's order when it retrieved the same modules (and so on
+    back), else its own ranking. A follow-up over the same modules then repeats the previous prompt
+    token for token up to its new question, the prefix the engine's prefix cache reuses; a new
+    ranking of the same modules would move them and break that prefix at the first module."""
+    order: list[str] = []
+    for ranked in rankings:
+        if not order or set(order) != set(ranked):
+            order = list(ranked)
+    return order
