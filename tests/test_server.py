@@ -155,6 +155,21 @@ def test_openai_chat_usage_sources_and_streaming(client):
     assert c.object == "text_completion" and c.choices[0].text and c.usage.completion_tokens <= 4
 
 
+def test_a_follow_up_turn_reuses_the_previous_turn_from_the_prefix_cache(client):
+    """The engine's prefix cache: turn 2 repeats turn 1's prompt (same modules, same order) and answer,
+    so usage counts turn 1's prompt as cached (tests/test_prefix_cache.py holds the answers equal to
+    the cache off)."""
+    first = [{"role": "user", "content": QUESTIONS[1]}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, **GREEDY)
+    ids = [s["module_id"] for s in r1.model_extra["sources"]]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, **GREEDY, extra_body={"module_ids": ids})
+    follow = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+              {"role": "user", "content": QUESTIONS[2]}]
+    r2 = client.chat.completions.create(model=MODEL, messages=follow, **GREEDY, extra_body={"module_ids": ids})
+    assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 1, (r1.usage, r2.usage)
+
+
 def test_frameworks_change_only_base_url(base_url):
     from langchain_openai import ChatOpenAI
     from llama_index.core.llms import ChatMessage
