@@ -7,7 +7,8 @@ in a temporary folder). Clients are threads with their own HTTP connections, eac
 completion for a different question: greedy, `max_tokens` 64 and `ignore_eos`, so every answer is 64
 tokens. Per level (1, 4, 8, 16 clients at once, and the same 8 requests one at a time): total
 generated tokens/s over the level's wall time, p50/p95 time to the first content chunk, p50/p95
-total latency. A warm-up pass (not timed) encodes every module the questions retrieve. The 8-client
+time between a request's consecutive content chunks (inter-token time, pooled over the level's
+requests: what a prefill running between decode steps stretches), p50/p95 total latency. A warm-up pass (not timed) encodes every module the questions retrieve. The 8-client
 pair (at once, one at a time) runs twice, interleaved, and the table keeps each one's faster run: on
 a shared machine that is the run other processes disturbed least; the JSON keeps every run.
 
@@ -103,12 +104,13 @@ def _level(url: str, questions: tuple[str, ...], *, concurrent: bool, max_tokens
     import httpx
 
     results: list[tuple[float, float, int]] = [(0.0, 0.0, 0)] * len(questions)
+    gaps: list[list[float]] = [[] for _ in questions]  # per request: seconds between its content chunks
 
     def one(i: int) -> None:
         body = {"model": "demo", "messages": [{"role": "user", "content": questions[i]}], "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
-        ttft, tokens = 0.0, 0
+        ttft, tokens, last = 0.0, 0, 0.0
         with httpx.Client(timeout=600) as http, http.stream("POST", url, json=body) as r:
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
@@ -117,8 +119,13 @@ def _level(url: str, questions: tuple[str, ...], *, concurrent: bool, max_tokens
                 chunk = json.loads(line[5:])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"]["message"])
-                if not ttft and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    ttft = time.perf_counter() - t0
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    now = time.perf_counter()
+                    if not ttft:
+                        ttft = now - t0
+                    else:
+                        gaps[i].append(now - last)
+                    last = now
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
         results[i] = (ttft, time.perf_counter() - t0, tokens)
@@ -136,8 +143,10 @@ def _level(url: str, questions: tuple[str, ...], *, concurrent: bool, max_tokens
     wall = time.perf_counter() - t0
     ttfts, totals = sorted(r[0] for r in results), sorted(r[1] for r in results)
     tokens = sum(r[2] for r in results)
+    itl = sorted(g for request in gaps for g in request) or [0.0]
     return {"requests": len(questions), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p95_s": _pct(ttfts, 95),
+            "itl_p50_s": _pct(itl, 50), "itl_p95_s": _pct(itl, 95), "itl_max_s": itl[-1],
             "latency_p50_s": _pct(totals, 50), "latency_p95_s": _pct(totals, 95)}
 
 
@@ -148,7 +157,8 @@ def _pct(xs: list[float], p: int) -> float:
 
 def _line(r: dict[str, object]) -> str:
     return (f"serve, {r['clients']} client(s) {r['mode']}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f}s "
-            f"p95 {r['ttft_p95_s']:.2f}s, latency p50 {r['latency_p50_s']:.2f}s p95 {r['latency_p95_s']:.2f}s")
+            f"p95 {r['ttft_p95_s']:.2f}s, inter-token p50 {1e3 * r['itl_p50_s']:.0f}ms p95 {1e3 * r['itl_p95_s']:.0f}ms, "
+            f"latency p50 {r['latency_p50_s']:.2f}s p95 {r['latency_p95_s']:.2f}s")
 
 
 def _demo_corpus(bench: Bench, engine):
@@ -177,9 +187,10 @@ def markdown(serve: dict[str, object]) -> list[str]:
 
     rows = serve["rows"]
     return ["## Serving: concurrent clients (HTTP, batched decoding)", "", _table(
-        ["clients", "mode", "tokens/s", "TTFT p50 s", "TTFT p95 s", "latency p50 s", "latency p95 s"],
-        [[r["clients"], r["mode"], r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"], r["latency_p50_s"],
-          r["latency_p95_s"]] for r in rows]), "",
+        ["clients", "mode", "tokens/s", "TTFT p50 s", "TTFT p95 s", "inter-token p50 ms", "inter-token p95 ms",
+         "latency p50 s", "latency p95 s"],
+        [[r["clients"], r["mode"], r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"], 1e3 * r.get("itl_p50_s", 0.0),
+          1e3 * r.get("itl_p95_s", 0.0), r["latency_p50_s"], r["latency_p95_s"]] for r in rows]), "",
         f"8 concurrent vs the same 8 one at a time: {serve['speedup_8_concurrent_vs_sequential']:.2f}x tokens/s "
         f"(best of {serve.get('repeats_8', 1)} interleaved runs each; k={serve['k']}, max_tokens {serve['max_tokens']} "
         f"with ignore_eos, max batch {serve['max_batch']}; "
