@@ -6,9 +6,13 @@
         h.result                                         # the engine's `Result`
 
 A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Between decode steps
-the thread admits waiting requests while rows are free: each is prefilled alone through the
-engine's public `prefill`, its KV copied into a free row of the `BatchCache`, and its first token
-chosen. Then one `decode_step` advances every running row by one token. A request running alone with
+the thread admits waiting requests while rows are free (an admitted request holds its row while it
+prefills). Prefill is chunked (engine/prefill.py `start` → `Prefilling`): while rows are decoding,
+each loop runs at most `prefill_chunk` of the admitted requests' new tokens, oldest request first,
+then one `decode_step` advances every running row by one token, so a new request's prefill stretches
+the running streams' time between tokens by one chunk's forward per step instead of stalling them for
+the whole prefill. With no row decoding, the oldest admitted request's prefill runs whole: nobody waits
+on it. A finished prefill's KV is copied into its row of the `BatchCache` and its first token chosen. A request running alone with
 nothing waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts
 (engine/lookup.py) in a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
 tokens) or is cancelled leaves before the next step. Each request keeps its own `DecodeState`
@@ -19,8 +23,9 @@ batched matmuls).
 The batcher knows the engine only through the `Engine` protocol below: engine.py imports this
 module, never the other way round.
 
-Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`). Chunked prefill
-(issue 24) would admit a request over several steps here, through engine/prefill.py.
+Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`); a prefill
+chunk and the decode tokens in one forward (a mixed batch: the chunk runs in its own forward between
+steps).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 
 from rag_promptcache.engine.assemble import release
 from rag_promptcache.engine.batch import BatchCache, decode_row, decode_step
+from rag_promptcache.engine.prefill import start
 from rag_promptcache.engine.result import Result
 from rag_promptcache.engine.sampling import Sampling
 from rag_promptcache.engine.scheduler import QueueFull, Rows
@@ -47,10 +53,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from rag_promptcache.engine.plan import Plan
-    from rag_promptcache.engine.prefill import Prefilled
+    from rag_promptcache.engine.prefill import Prefilled, Prefilling
     from rag_promptcache.engine.recovery import Recovery
     from rag_promptcache.engine.state import DecodeState
-    from rag_promptcache.model.positions import KVGeometry
+    from rag_promptcache.model.positions import KVGeometry, Relocator
     from rag_promptcache.pml import ast
 
 __all__ = ["Batcher", "Handle", "QueueFull"]
@@ -61,6 +67,7 @@ class Engine(Protocol):
 
     model: PreTrainedModel
     geometry: KVGeometry
+    relocator: Relocator  # with model and geometry: what engine/prefill.py `start` assembles a plan with
     model_lock: AbstractContextManager[object]  # held around every forward
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = ..., recovery: str | Recovery | None = ...,
@@ -171,14 +178,25 @@ class _Running:
     state: DecodeState
 
 
+DEFAULT_PREFILL_CHUNK = 64  # new tokens per loop while rows decode; `bench --scenarios serve` shows the trade
+
+
 class Batcher:
-    def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64,
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
+        """`prefill_chunk`: new tokens of prefill run between two decode steps (None: each prefill whole)."""
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a number of tokens >= 1, or None for whole prefills; "
+                             f"got {prefill_chunk!r}")
         self.engine = engine
+        self.prefill_chunk = prefill_chunk
         self.rows = Rows(max_batch, max_queue)
         model = engine.model
         self.batch = BatchCache(model.config, engine.geometry, max_batch, 256, model.dtype, model.device)
         self._handles: dict[int, Handle] = {}
         self._running: dict[int, _Running] = {}
+        self._prefilling: deque[int] = deque()  # admitted (each holds a row), oldest first, not yet prefilled
+        self._partial: dict[int, Prefilling] = {}  # the ones whose prefill has started: KV assembled
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -238,16 +256,20 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self.rows.num_waiting and not self.rows.num_running:
+                while not (self._closed or self.rows.num_waiting or self.rows.num_running or self._prefilling):
                     self._cv.wait()
                 if self._closed:
                     break
             self._drop_cancelled()
             self._admit()
+            self._prefill()
             if self.rows.num_running:
                 self._step()
         with self._cv:
-            pending = [*self.rows.running, *[self.rows.next_waiting() for _ in range(self.rows.num_waiting)]]
+            pending = [*self.rows.running, *self._prefilling,
+                       *[self.rows.next_waiting() for _ in range(self.rows.num_waiting)]]
+        for rid in self._partial:
+            release(self._partial[rid].cache)
         for rid in pending:
             self._handles.pop(rid)._put(Cancelled("the scheduler was closed"))
 
@@ -258,24 +280,47 @@ class Batcher:
             self._finish(rid, Cancelled(f"request {rid} was cancelled"))
 
     def _admit(self) -> None:
-        while True:
-            with self._cv:
-                if not self.rows.has_room():
-                    return
-                rid = self.rows.next_waiting()
+        """Waiting requests take the free rows; their prefills queue, oldest first."""
+        with self._cv:
+            while self.rows.has_room():
+                self._prefilling.append(self.rows.next_waiting())
+
+    def _prefill(self) -> None:
+        """Run up to `prefill_chunk` new tokens of the queued prefills while rows decode (their streams
+        wait for this), else the oldest one whole; a request whose prefill ends joins the batch."""
+        budget = self.prefill_chunk if self.rows.num_running else None
+        while self._prefilling and (budget is None or budget > 0):
+            rid = self._prefilling[0]
             handle = self._handles[rid]
             try:
-                first = self.engine.prefill(handle.plan)
+                todo = self._partial.get(rid)
+                if todo is None:  # assembly copies module KV, runs no model: outside the lock
+                    eng = self.engine
+                    todo = self._partial[rid] = start(eng.model, handle.plan, eng.relocator, eng.geometry)
+                tokens = None if budget is None else min(budget, todo.num_left)
+                with self.engine.model_lock:
+                    first = todo.run(self.engine.model, tokens)
             except Exception as e:  # noqa: BLE001 - this request fails; the others go on
                 self._finish(rid, e)
                 continue
-            with self._cv:
-                row = self.rows.join(rid)
-            self.batch.load(row, first.cache, handle.sampling.max_new_tokens)
-            release(first.cache)  # copied into the batch: its buffers go back to the pool now
-            # a row's KV is dropped by setting its length back: drafts can always be rolled back here
-            self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0))
-            self._advance(rid, first.logits[None])
+            if first is None:
+                return  # the budget is spent mid-prefill
+            self._prefilling.popleft()
+            del self._partial[rid]
+            self._join(rid, first)
+            if budget is None:
+                return  # a row decodes now: the next prefill goes in chunks between its steps
+            budget -= tokens
+
+    def _join(self, rid: int, first: Prefilled) -> None:
+        handle = self._handles[rid]
+        with self._cv:
+            row = self.rows.join(rid)
+        self.batch.load(row, first.cache, handle.sampling.max_new_tokens)
+        release(first.cache)  # copied into the batch: its buffers go back to the pool now
+        # a row's KV is dropped by setting its length back: drafts can always be rolled back here
+        self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0))
+        self._advance(rid, first.logits[None])
 
     def _step(self) -> None:
         order = self.rows.running
@@ -325,6 +370,11 @@ class Batcher:
             move = self.rows.leave(rid)
             handle = self._handles.pop(rid)
         self._running.pop(rid, None)
+        if rid in self._prefilling:
+            self._prefilling.remove(rid)
+        todo = self._partial.pop(rid, None)
+        if todo is not None:
+            release(todo.cache)
         if move is not None:
             self.batch.move(move.src, move.dst)
         handle._put(outcome)
