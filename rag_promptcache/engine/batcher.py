@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from rag_promptcache.engine.assemble import release
-from rag_promptcache.engine.batch import BatchCache, decode_row, decode_step
+from rag_promptcache.engine.batch import BatchCache, can_mix, decode_row, decode_step, mixed_step
 from rag_promptcache.engine.prefill import start
 from rag_promptcache.engine.result import Result
 from rag_promptcache.engine.sampling import Sampling
@@ -197,6 +197,8 @@ class Batcher:
         self._running: dict[int, _Running] = {}
         self._prefilling: deque[int] = deque()  # admitted (each holds a row), oldest first, not yet prefilled
         self._partial: dict[int, Prefilling] = {}  # the ones whose prefill has started: KV assembled
+        # a chunk rides in the decode step's forward (batch.mixed_step) where the model allows it
+        self._mix = prefill_chunk is not None and can_mix(model)
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -262,6 +264,9 @@ class Batcher:
                     break
             self._drop_cancelled()
             self._admit()
+            if self._mix and self.rows.num_running and self._prefilling:
+                self._step(carry=True)
+                continue
             self._prefill()
             if self.rows.num_running:
                 self._step()
@@ -289,14 +294,12 @@ class Batcher:
         """Run up to `prefill_chunk` new tokens of the queued prefills while rows decode (their streams
         wait for this), else the oldest one whole; a request whose prefill ends joins the batch."""
         budget = self.prefill_chunk if self.rows.num_running else None
-        while self._prefilling and (budget is None or budget > 0):
-            rid = self._prefilling[0]
-            handle = self._handles[rid]
+        while budget is None or budget > 0:
+            head = self._head_prefill()
+            if head is None:
+                return
+            rid, todo = head
             try:
-                todo = self._partial.get(rid)
-                if todo is None:  # assembly copies module KV, runs no model: outside the lock
-                    eng = self.engine
-                    todo = self._partial[rid] = start(eng.model, handle.plan, eng.relocator, eng.geometry)
                 tokens = None if budget is None else min(budget, todo.num_left)
                 with self.engine.model_lock:
                     first = todo.run(self.engine.model, tokens)
@@ -312,6 +315,22 @@ class Batcher:
                 return  # a row decodes now: the next prefill goes in chunks between its steps
             budget -= tokens
 
+    def _head_prefill(self) -> tuple[int, Prefilling] | None:
+        """The oldest admitted request's prefill, its KV assembled now if it was not yet (a request
+        whose assembly fails fails, and the next one is tried); None when no prefill waits."""
+        while self._prefilling:
+            rid = self._prefilling[0]
+            todo = self._partial.get(rid)
+            if todo is None:  # assembly copies module KV, runs no model: outside the lock
+                eng = self.engine
+                try:
+                    todo = self._partial[rid] = start(eng.model, self._handles[rid].plan, eng.relocator, eng.geometry)
+                except Exception as e:  # noqa: BLE001 - this request fails; the others go on
+                    self._finish(rid, e)
+                    continue
+            return rid, todo
+        return None
+
     def _join(self, rid: int, first: Prefilled) -> None:
         handle = self._handles[rid]
         with self._cv:
@@ -322,9 +341,13 @@ class Batcher:
         self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0))
         self._advance(rid, first.logits[None])
 
-    def _step(self) -> None:
+    def _step(self, carry: bool = False) -> None:
+        """One token for every running row; `carry`: with the next chunk of the oldest prefill in the
+        same forward (`mixed_step`), which joins the batch when that chunk was its last."""
+        head = self._head_prefill() if carry else None
         order = self.rows.running
-        alone = len(order) == 1 and not self.rows.num_waiting  # only then a prompt lookup draft is checked
+        # only a request decoding alone checks a prompt lookup draft
+        alone = len(order) == 1 and not self.rows.num_waiting and head is None
         fed = [self._running[rid].state.next_input(draft=alone) for rid in order]
         if alone and len(fed[0]) > 1:
             self._step_row(order[0], fed[0])
@@ -333,13 +356,23 @@ class Batcher:
         positions = [self._running[rid].state.position for rid in order]
         try:
             with self.engine.model_lock:
-                logits = decode_step(self.engine.model, self.batch, ids, positions)  # [n, V]
+                if head is None:
+                    logits = decode_step(self.engine.model, self.batch, ids, positions)  # [n, V]
+                else:
+                    chunk = head[1].take(self.prefill_chunk)
+                    logits, last = mixed_step(self.engine.model, self.batch, ids, positions, head[1].cache, chunk)
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the thread serves the next ones
-            for rid in order:
+            for rid in [*order, *([head[0]] if head is not None else [])]:
                 self._finish(rid, e)
             return
         for r, rid in enumerate(order):
             self._advance(rid, logits[r : r + 1])
+        if head is not None and chunk.last:
+            rid, todo = head
+            assert self._prefilling[0] == rid, f"{self._prefilling=} {rid=}"
+            self._prefilling.popleft()
+            del self._partial[rid]
+            self._join(rid, todo.prefilled(last))
 
     def _step_row(self, rid: int, fed: list[int]) -> None:
         """The one running request with a prompt lookup draft: check it in a forward of its row alone

@@ -38,6 +38,16 @@ class Prefilled:
     next_position: int  # of the answer's first token
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """The next new tokens of a `Prefilling`, as a forward over its cache takes them."""
+
+    ids: torch.Tensor  # [1, m]
+    positions: torch.Tensor  # [1, m]
+    mask: torch.Tensor | None  # [1, 1, m, cache length + m] additive; None: causal, the whole cache visible
+    last: bool  # the prefill's last chunk: its last token's logits are the answer's first
+
+
 class Prefilling:
     """A prefill under way: the plan's KV assembled, `num_done` of its `num_new` new tokens run so far."""
 
@@ -55,10 +65,9 @@ class Prefilling:
     def num_left(self) -> int:
         return self.num_new - self.num_done
 
-    @torch.inference_mode()
-    def run(self, model: PreTrainedModel, tokens: int | None = None) -> Prefilled | None:
-        """Run the next `tokens` new tokens (None: all that are left) in one forward → the `Prefilled`
-        once the last one has run, else None. The caller holds the model lock around it."""
+    def take(self, tokens: int | None = None) -> Chunk:
+        """The next `tokens` new tokens (None: all that are left), counted as done: the caller runs them
+        against `cache` (`run`, or the batcher's step that carries a chunk, engine/batch.py)."""
         if tokens is not None and tokens < 1:
             raise ValueError(f"a prefill chunk needs at least 1 token, got {tokens}")
         assert self.num_left > 0, f"{self.num_done=} {self.num_new=}: this prefill is done"
@@ -69,9 +78,21 @@ class Prefilling:
         # columns of what the cache holds once the chunk is in: the C cached tokens and new tokens 0..b-1,
         # which sit in the cache in that same order (earlier chunks wrote new tokens 0..a-1 after the C)
         mask = None if asm.mask is None else asm.mask[:, :, a:b, : asm.num_cached + b]
-        logits = forward_last(model, asm.new_ids[:, a:b], asm.new_positions[:, a:b], asm.cache, mask)
         self.num_done = b
-        return Prefilled(asm.cache, logits, self.next_position) if b == self.num_new else None
+        return Chunk(asm.new_ids[:, a:b], asm.new_positions[:, a:b], mask, b == self.num_new)
+
+    def prefilled(self, logits: torch.Tensor) -> Prefilled:
+        """`logits` [V]: the last chunk's last token's → the finished prefill."""
+        assert self.num_left == 0, f"{self.num_left=}"
+        return Prefilled(self.asm.cache, logits, self.next_position)
+
+    @torch.inference_mode()
+    def run(self, model: PreTrainedModel, tokens: int | None = None) -> Prefilled | None:
+        """Run the next `tokens` new tokens (None: all that are left) in one forward → the `Prefilled`
+        once the last one has run, else None. The caller holds the model lock around it."""
+        chunk = self.take(tokens)
+        logits = forward_last(model, chunk.ids, chunk.positions, self.asm.cache, chunk.mask)
+        return self.prefilled(logits) if chunk.last else None
 
 
 def start(model: PreTrainedModel, plan: Plan, relocator: Relocator, geometry: KVGeometry, room: int = 0) -> Prefilling:
