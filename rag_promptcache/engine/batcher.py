@@ -184,7 +184,8 @@ DEFAULT_PREFILL_CHUNK = 64  # new tokens per loop while rows decode; `bench --sc
 class Batcher:
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
-        """`prefill_chunk`: new tokens of prefill run between two decode steps (None: each prefill whole)."""
+        """`prefill_chunk`: new tokens of prefill run with each decode step (None: every admitted request's
+        prefill whole before the next step, as before chunked prefill)."""
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a number of tokens >= 1, or None for whole prefills; "
                              f"got {prefill_chunk!r}")
@@ -312,7 +313,9 @@ class Batcher:
             del self._partial[rid]
             self._join(rid, first)
             if budget is None:
-                return  # a row decodes now: the next prefill goes in chunks between its steps
+                if self.prefill_chunk is not None:
+                    return  # a row decodes now: the next prefill goes in chunks with its steps
+                continue  # whole prefills: every admitted one before the next step
             budget -= tokens
 
     def _head_prefill(self) -> tuple[int, Prefilling] | None:
