@@ -7,14 +7,16 @@
 
 A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Between decode steps
 the thread admits waiting requests while rows are free (an admitted request holds its row while it
-prefills). Prefill is chunked (engine/prefill.py `start` → `Prefilling`): while rows are decoding,
-each loop runs at most `prefill_chunk` of the admitted requests' new tokens, oldest request first,
-then one `decode_step` advances every running row by one token, so a new request's prefill stretches
-the running streams' time between tokens by one chunk's forward per step instead of stalling them for
-the whole prefill. With no row decoding, the oldest admitted request's prefill runs whole: nobody waits
-on it. A finished prefill's KV is copied into its row of the `BatchCache` and its first token chosen. A request running alone with
-nothing waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts
-(engine/lookup.py) in a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
+prefills). Prefill is chunked (engine/prefill.py `start` → `Prefilling`, as vLLM and SGLang schedule
+it): while rows are decoding, each step of theirs carries the next `prefill_chunk` new tokens of the
+oldest admitted request in the same forward (`batch.mixed_step`, Llama's lean forward), or, for other
+models, runs them in a forward of their own just before the step. So a new request's prefill stretches
+the running streams' time between tokens by one chunk per step instead of stalling them for the whole
+prefill. With no row decoding, the oldest admitted request's prefill runs whole: nobody waits on it. A
+finished prefill's KV is copied into its row of the `BatchCache` and its first token chosen; then one
+`decode_step` advances every running row by one token. A request running alone with nothing
+waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts (engine/lookup.py) in
+a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
 tokens) or is cancelled leaves before the next step. Each request keeps its own `DecodeState`
 (engine/state.py: sampling, seeded generator, text, finish, drafts), the one the engine's own loop
 uses, so a request decoded in a batch gets the tokens it gets alone (up to float rounding of the
@@ -23,9 +25,8 @@ batched matmuls).
 The batcher knows the engine only through the `Engine` protocol below: engine.py imports this
 module, never the other way round.
 
-Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`); a prefill
-chunk and the decode tokens in one forward (a mixed batch: the chunk runs in its own forward between
-steps).
+Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`); chunks of
+several prefills in one step (the oldest prefill's chunk only), a budget in seconds rather than tokens.
 """
 
 from __future__ import annotations
@@ -72,8 +73,6 @@ class Engine(Protocol):
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = ..., recovery: str | Recovery | None = ...,
              max_new_tokens: int = ...) -> Plan: ...
-
-    def prefill(self, plan: Plan, room: int = ...) -> Prefilled: ...
 
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = ..., lookup: bool = ...) -> DecodeState: ...
 
@@ -309,8 +308,6 @@ class Batcher:
                 continue
             if first is None:
                 return  # the budget is spent mid-prefill
-            self._prefilling.popleft()
-            del self._partial[rid]
             self._join(rid, first)
             if budget is None:
                 if self.prefill_chunk is not None:
@@ -335,6 +332,10 @@ class Batcher:
         return None
 
     def _join(self, rid: int, first: Prefilled) -> None:
+        """The oldest prefill, `rid`, is done: into its row, and its first token."""
+        assert self._prefilling[0] == rid, f"{self._prefilling=} {rid=}"
+        self._prefilling.popleft()
+        del self._partial[rid]
         handle = self._handles[rid]
         with self._cv:
             row = self.rows.join(rid)
@@ -371,11 +372,7 @@ class Batcher:
         for r, rid in enumerate(order):
             self._advance(rid, logits[r : r + 1])
         if head is not None and chunk.last:
-            rid, todo = head
-            assert self._prefilling[0] == rid, f"{self._prefilling=} {rid=}"
-            self._prefilling.popleft()
-            del self._partial[rid]
-            self._join(rid, todo.prefilled(last))
+            self._join(head[0], head[1].prefilled(last))
 
     def _step_row(self, rid: int, fed: list[int]) -> None:
         """The one running request with a prompt lookup draft: check it in a forward of its row alone
