@@ -8,8 +8,11 @@ completion for a different question: greedy, `max_tokens` 64 and `ignore_eos`, s
 tokens. Per level (1, 4, 8, 16 clients at once, and the same 8 requests one at a time): total
 generated tokens/s over the level's wall time, p50/p95 time to the first content chunk, p50/p95
 time between a request's consecutive content chunks (inter-token time, pooled over the level's
-requests: what a prefill running between decode steps stretches), p50/p95 total latency. A warm-up pass (not timed) encodes every module the questions retrieve. The 8-client
-pair (at once, one at a time) runs twice, interleaved, and the table keeps each one's faster run: on
+requests: what a prefill running between decode steps stretches) and the longest such gap (a stream
+stalled while other requests prefill), p50/p95 total latency. `run(prefill_chunks=...)` compares
+batcher settings (whole prefills against chunked ones) side by side over one engine and corpus. A
+warm-up pass (not timed) encodes every module the questions retrieve. The 8-client pair (at once,
+one at a time) runs twice, interleaved, and the table keeps each one's faster run: on
 a shared machine that is the run other processes disturbed least; the JSON keeps every run.
 
 Not here: single-request TTFT (`ttft.py`) or decode speed of one sequence.
@@ -209,9 +212,10 @@ def markdown(serve: dict[str, object]) -> list[str]:
     rows = serve["rows"]
     return ["## Serving: concurrent clients (HTTP, batched decoding)", "", _table(
         ["clients", "mode", "prefill chunk", "tokens/s", "TTFT p50 s", "TTFT p95 s", "inter-token p50 ms",
-         "inter-token p95 ms", "latency p50 s", "latency p95 s"],
+         "inter-token p95 ms", "longest stall s", "latency p50 s", "latency p95 s"],
         [[r["clients"], r["mode"], _chunk_label(r), r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"],
-          1e3 * r.get("itl_p50_s", 0.0), 1e3 * r.get("itl_p95_s", 0.0), r["latency_p50_s"], r["latency_p95_s"]]
+          1e3 * r.get("itl_p50_s", 0.0), 1e3 * r.get("itl_p95_s", 0.0), r.get("itl_max_s", 0.0), r["latency_p50_s"],
+          r["latency_p95_s"]]
          for r in rows]), "",
         "8 concurrent vs the same 8 one at a time: " + ", ".join(
             f"{x:.2f}x tokens/s ({'prefill chunk ' + c if c != 'None' else 'whole prefills'})"
