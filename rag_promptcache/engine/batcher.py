@@ -7,16 +7,16 @@
 
 A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Between decode steps
 the thread admits waiting requests while rows are free (an admitted request holds its row while it
-prefills). Prefill is chunked (engine/prefill.py `start` → `Prefilling`, as vLLM and SGLang schedule
-it): while rows are decoding, each step of theirs carries the next `prefill_chunk` new tokens of the
-oldest admitted request in the same forward (`batch.mixed_step`, Llama's lean forward), or, for other
-models, runs them in a forward of their own just before the step. So a new request's prefill stretches
-the running streams' time between tokens by one chunk per step instead of stalling them for the whole
-prefill. With no row decoding, the oldest admitted request's prefill runs whole: nobody waits on it. A
-finished prefill's KV is copied into its row of the `BatchCache` and its first token chosen; then one
-`decode_step` advances every running row by one token. A request running alone with nothing
-waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts (engine/lookup.py) in
-a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
+prefills). By default each admitted request's prefill runs whole before the next step. With
+`prefill_chunk=N` it is chunked (engine/prefill.py `start` → `Prefilling`, as vLLM and SGLang
+schedule it): while rows decode, each of their steps carries the next N new tokens of the oldest
+admitted request in the same forward (`batch.mixed_step`, Llama's lean forward), or, for other
+models, runs them in a forward of their own just before the step; with no row decoding, the oldest
+prefill runs whole (nobody waits on it). A running stream then waits one chunk per step instead of
+whole prefills. A finished prefill's KV is copied into its row of the `BatchCache` and its first
+token chosen; then one `decode_step` advances every running row by one token. A request running
+alone with nothing waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts
+(engine/lookup.py) in a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
 tokens) or is cancelled leaves before the next step. Each request keeps its own `DecodeState`
 (engine/state.py: sampling, seeded generator, text, finish, drafts), the one the engine's own loop
 uses, so a request decoded in a batch gets the tokens it gets alone (up to float rounding of the
@@ -177,7 +177,10 @@ class _Running:
     state: DecodeState
 
 
-DEFAULT_PREFILL_CHUNK = 64  # new tokens per loop while rows decode; `bench --scenarios serve` shows the trade
+# Whole prefills by default: on a CPU a prefill is compute-bound at any chunk size, so chunking moves its
+# time between the steps rather than hiding it. It bounds the longest stall of a running stream but costs
+# burst throughput and median time between tokens (docs/bench/serve-2026-11-25: run_serve.py).
+DEFAULT_PREFILL_CHUNK: int | None = None
 
 
 class Batcher:
