@@ -259,10 +259,11 @@ def test_a_module_recovery_recomputed_before_but_assembles_now_is_not_reused(tok
     assert 0 < got[1].num_prefix_tokens <= before_b
 
 
-def test_the_batcher_reuses_and_keeps_prefixes_as_the_engine_does(tokenizer):
+@pytest.mark.parametrize("prefill_chunk", [None, 3])  # whole prefills, and chunked ones
+def test_the_batcher_reuses_and_keeps_prefixes_as_the_engine_does(tokenizer, prefill_chunk):
     on, off = tiny_engine(tokenizer), tiny_engine(tokenizer, prefix_cache_bytes=0)
     same = [["b", "c"]] * 2
-    with on.scheduler(max_batch=2) as batcher:
+    with on.scheduler(max_batch=2, prefill_chunk=prefill_chunk) as batcher:
         got = conversation(on, same, QUESTIONS[:2], generate=lambda p, **kw: batcher.submit(p, **kw).consume())
     want = conversation(off, same, QUESTIONS[:2])
     assert [r.token_ids for r in got] == [r.token_ids for r in want]

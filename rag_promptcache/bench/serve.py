@@ -7,8 +7,12 @@ in a temporary folder). Clients are threads with their own HTTP connections, eac
 completion for a different question: greedy, `max_tokens` 64 and `ignore_eos`, so every answer is 64
 tokens. Per level (1, 4, 8, 16 clients at once, and the same 8 requests one at a time): total
 generated tokens/s over the level's wall time, p50/p95 time to the first content chunk, p50/p95
-total latency. A warm-up pass (not timed) encodes every module the questions retrieve. The 8-client
-pair (at once, one at a time) runs twice, interleaved, and the table keeps each one's faster run: on
+time between a request's consecutive content chunks (inter-token time, pooled over the level's
+requests: what a prefill running between decode steps stretches) and the longest such gap (a stream
+stalled while other requests prefill), p50/p95 total latency. `run(prefill_chunks=...)` compares
+batcher settings (whole prefills against chunked ones) side by side over one engine and corpus. A
+warm-up pass (not timed) encodes every module the questions retrieve. The 8-client pair (at once,
+one at a time) runs twice, interleaved, and the table keeps each one's faster run: on
 a shared machine that is the run other processes disturbed least; the JSON keeps every run.
 
 Not here: single-request TTFT (`ttft.py`) or decode speed of one sequence.
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 from rag_promptcache.bench.common import Bench
+from rag_promptcache.engine.batcher import DEFAULT_PREFILL_CHUNK
 
 LEVELS = (1, 4, 8, 16)
 MAX_TOKENS = 64
@@ -50,10 +55,15 @@ QUESTIONS = (
 )
 
 
-def run(bench: Bench) -> dict[str, object]:
+def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEATS,
+        prefill_chunks: tuple[int | None, ...] = (DEFAULT_PREFILL_CHUNK,)) -> dict[str, object]:
+    """`prefill_chunks`: the batcher settings to compare (None: each prefill whole before the decode step,
+    as before chunked prefill), each behind its own server over the same engine and corpus; the 8 one
+    at a time (no batching, so no chunking either) run once per repeat."""
     import uvicorn
 
     from rag_promptcache.engine import PromptCache
+    from rag_promptcache.engine.batcher import Batcher
     from rag_promptcache.rag.chat import CorpusChat
     from rag_promptcache.server.app import create_app
     from rag_promptcache.store import MemoryStore
@@ -61,54 +71,67 @@ def run(bench: Bench) -> dict[str, object]:
     engine = PromptCache(bench.model, bench.tokenizer, store=MemoryStore(), name=bench.model_name, **bench.engine_options)
     corpus, where = _demo_corpus(bench, engine)
     chat = CorpusChat(corpus)
-    batcher = engine.scheduler(max_batch=MAX_BATCH, max_queue=64)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(chat, batcher, model_id="demo", k=K), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    served: list[tuple[int | None, str, uvicorn.Server, threading.Thread, Batcher]] = []
     try:
-        while not server.started:
-            time.sleep(0.05)
-        _level(url, QUESTIONS, concurrent=True, max_tokens=1)  # warm-up: encodes every retrieved module
+        for chunk in prefill_chunks:  # an idle batcher waits on its condition: the others cost nothing
+            batcher = Batcher(engine, max_batch=MAX_BATCH, max_queue=64, prefill_chunk=chunk)
+            port = _free_port()
+            server = uvicorn.Server(uvicorn.Config(create_app(chat, batcher, model_id="demo", k=K), host="127.0.0.1",
+                                                   port=port, log_level="warning"))
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            served.append((chunk, f"http://127.0.0.1:{port}/v1/chat/completions", server, thread, batcher))
+            while not server.started:
+                time.sleep(0.05)
+        _level(served[0][1], QUESTIONS, concurrent=True, max_tokens=1)  # warm-up: encodes every retrieved module
         runs: list[dict[str, object]] = []
-        for _ in range(REPEATS):  # the pair the target is about, interleaved so both see the same load
-            for concurrent in (False, True):
-                runs.append(_level(url, QUESTIONS[:8], concurrent=concurrent)
-                            | {"clients": 8 if concurrent else 1, "mode": "concurrent" if concurrent else "8 one at a time"})
-                bench.log(_line(runs[-1]))
-        for n in LEVELS:
+
+        def record(r: dict[str, object]) -> None:
+            runs.append(r)
+            bench.log(_line(r))
+
+        for _ in range(repeats):  # the pair the target is about, interleaved so all see the same load
+            record(_level(served[0][1], QUESTIONS[:8], concurrent=False)
+                   | {"clients": 1, "mode": "8 one at a time", "prefill_chunk": None})
+            for chunk, url, *_ in served:
+                record(_level(url, QUESTIONS[:8], concurrent=True)
+                       | {"clients": 8, "mode": "concurrent", "prefill_chunk": chunk})
+        for n in levels:
             if n != 8:
-                runs.append(_level(url, QUESTIONS[:n], concurrent=True) | {"clients": n, "mode": "concurrent"})
-                bench.log(_line(runs[-1]))
+                for chunk, url, *_ in served:
+                    record(_level(url, QUESTIONS[:n], concurrent=True)
+                           | {"clients": n, "mode": "concurrent", "prefill_chunk": chunk})
     finally:
-        server.should_exit = True
-        thread.join(30)
-        batcher.close()
+        for _, _, server, thread, batcher in served:
+            server.should_exit = True
+            thread.join(30)
+            batcher.close()
         corpus.close()
     best = {}
     for r in runs:  # best of the repeats: the run the other tenants of the machine disturbed least
-        key = (r["clients"], r["mode"])
+        key = (r["clients"], r["mode"], r["prefill_chunk"])
         if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
             best[key] = r
-    rows = sorted(best.values(), key=lambda r: (r["mode"] == "concurrent", r["clients"]))
-    sequential, eight = best[(1, "8 one at a time")]["tokens_per_s"], best[(8, "concurrent")]["tokens_per_s"]
+    rows = sorted(best.values(), key=lambda r: (r["mode"] == "concurrent", r["clients"], str(r["prefill_chunk"])))
+    sequential = best[(1, "8 one at a time", None)]["tokens_per_s"]
+    speedups = {str(c): best[(8, "concurrent", c)]["tokens_per_s"] / sequential for c in prefill_chunks}
     return {"via": "HTTP server (uvicorn, in process) + scheduler", "corpus": where, "k": K, "max_tokens": MAX_TOKENS,
-            "max_batch": MAX_BATCH, "repeats_8": REPEATS, "rows": rows, "runs": runs,
-            "speedup_8_concurrent_vs_sequential": eight / sequential}
+            "max_batch": MAX_BATCH, "repeats_8": repeats, "prefill_chunks": list(prefill_chunks), "rows": rows,
+            "runs": runs, "speedup_8_concurrent_vs_sequential": speedups[str(prefill_chunks[-1])],
+            "speedup_8_by_prefill_chunk": speedups}
 
 
 def _level(url: str, questions: tuple[str, ...], *, concurrent: bool, max_tokens: int = MAX_TOKENS) -> dict[str, object]:
     import httpx
 
     results: list[tuple[float, float, int]] = [(0.0, 0.0, 0)] * len(questions)
+    gaps: list[list[float]] = [[] for _ in questions]  # per request: seconds between its content chunks
 
     def one(i: int) -> None:
         body = {"model": "demo", "messages": [{"role": "user", "content": questions[i]}], "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
-        ttft, tokens = 0.0, 0
+        ttft, tokens, last = 0.0, 0, 0.0
         with httpx.Client(timeout=600) as http, http.stream("POST", url, json=body) as r:
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
@@ -117,8 +140,13 @@ def _level(url: str, questions: tuple[str, ...], *, concurrent: bool, max_tokens
                 chunk = json.loads(line[5:])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"]["message"])
-                if not ttft and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    ttft = time.perf_counter() - t0
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    now = time.perf_counter()
+                    if not ttft:
+                        ttft = now - t0
+                    else:
+                        gaps[i].append(now - last)
+                    last = now
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
         results[i] = (ttft, time.perf_counter() - t0, tokens)
@@ -136,8 +164,10 @@ def _level(url: str, questions: tuple[str, ...], *, concurrent: bool, max_tokens
     wall = time.perf_counter() - t0
     ttfts, totals = sorted(r[0] for r in results), sorted(r[1] for r in results)
     tokens = sum(r[2] for r in results)
+    itl = sorted(g for request in gaps for g in request) or [0.0]
     return {"requests": len(questions), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p95_s": _pct(ttfts, 95),
+            "itl_p50_s": _pct(itl, 50), "itl_p95_s": _pct(itl, 95), "itl_max_s": itl[-1],
             "latency_p50_s": _pct(totals, 50), "latency_p95_s": _pct(totals, 95)}
 
 
@@ -147,8 +177,12 @@ def _pct(xs: list[float], p: int) -> float:
 
 
 def _line(r: dict[str, object]) -> str:
-    return (f"serve, {r['clients']} client(s) {r['mode']}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f}s "
-            f"p95 {r['ttft_p95_s']:.2f}s, latency p50 {r['latency_p50_s']:.2f}s p95 {r['latency_p95_s']:.2f}s")
+    chunk = r.get("prefill_chunk")
+    return (f"serve, {r['clients']} client(s) {r['mode']}"
+            f"{'' if r['mode'] != 'concurrent' else f', prefill chunk {chunk}' if chunk else ', whole prefills'}: "
+            f"{r['tokens_per_s']:.1f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f}s "
+            f"p95 {r['ttft_p95_s']:.2f}s, inter-token p50 {1e3 * r['itl_p50_s']:.0f}ms p95 {1e3 * r['itl_p95_s']:.0f}ms, "
+            f"latency p50 {r['latency_p50_s']:.2f}s p95 {r['latency_p95_s']:.2f}s")
 
 
 def _demo_corpus(bench: Bench, engine):
@@ -177,13 +211,24 @@ def markdown(serve: dict[str, object]) -> list[str]:
 
     rows = serve["rows"]
     return ["## Serving: concurrent clients (HTTP, batched decoding)", "", _table(
-        ["clients", "mode", "tokens/s", "TTFT p50 s", "TTFT p95 s", "latency p50 s", "latency p95 s"],
-        [[r["clients"], r["mode"], r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"], r["latency_p50_s"],
-          r["latency_p95_s"]] for r in rows]), "",
-        f"8 concurrent vs the same 8 one at a time: {serve['speedup_8_concurrent_vs_sequential']:.2f}x tokens/s "
-        f"(best of {serve.get('repeats_8', 1)} interleaved runs each; k={serve['k']}, max_tokens {serve['max_tokens']} "
+        ["clients", "mode", "prefill chunk", "tokens/s", "TTFT p50 s", "TTFT p95 s", "inter-token p50 ms",
+         "inter-token p95 ms", "longest stall s", "latency p50 s", "latency p95 s"],
+        [[r["clients"], r["mode"], _chunk_label(r), r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"],
+          1e3 * r.get("itl_p50_s", 0.0), 1e3 * r.get("itl_p95_s", 0.0), r.get("itl_max_s", 0.0), r["latency_p50_s"],
+          r["latency_p95_s"]]
+         for r in rows]), "",
+        "8 concurrent vs the same 8 one at a time: " + ", ".join(
+            f"{x:.2f}x tokens/s ({'prefill chunk ' + c if c != 'None' else 'whole prefills'})"
+            for c, x in serve.get("speedup_8_by_prefill_chunk", {"64": serve["speedup_8_concurrent_vs_sequential"]}).items())
+        + f" (best of {serve.get('repeats_8', 1)} interleaved runs each; k={serve['k']}, max_tokens {serve['max_tokens']} "
         f"with ignore_eos, max batch {serve['max_batch']}; "
         f"{serve['via']})", ""]
+
+
+def _chunk_label(r: dict[str, object]) -> str:
+    if r["mode"] != "concurrent":
+        return "-"
+    return str(r["prefill_chunk"]) if r.get("prefill_chunk") else "whole"
 
 
 def plots(serve: dict[str, object], folder: Path) -> list[Path]:
@@ -192,7 +237,8 @@ def plots(serve: dict[str, object], folder: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in serve["rows"] if r["mode"] == "concurrent"]
+    chunk = serve.get("prefill_chunks", [None])[-1]  # the batcher's default: the last one compared
+    rows = [r for r in serve["rows"] if r["mode"] == "concurrent" and r.get("prefill_chunk") == chunk]
     seq = next(r for r in serve["rows"] if r["mode"] != "concurrent")
     xs = [r["clients"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))

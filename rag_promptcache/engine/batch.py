@@ -11,6 +11,13 @@ first n rows (the scheduler keeps them packed), so the step uses views, never a 
 `decode_row` runs several tokens of one row alone through the single-sequence forward: the
 batcher's prompt lookup check for a request running alone.
 
+`mixed_step` is a decode step that also carries one chunk of a new request's prefill (engine/prefill.py
+`Chunk`, against that request's own assembled cache), Sarathi/vLLM style: the running rows' tokens and
+the chunk's go through every linear map as the rows of one matrix, and only attention is per sequence
+(the rows against the batch cache, the chunk against its cache). A decode step alone is bound by
+reading the weights; riding on a chunk that reads them anyway, it costs about its share of the
+arithmetic. Lean Llama forward only (`can_mix`); other models run the chunk and the step apart.
+
 Not here: who runs when (`scheduler.py`, `batcher.py`), sampling (`sampling.py`), which forward runs
 (`runner.py`).
 """
@@ -21,8 +28,13 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from rag_promptcache.engine import attention
 from rag_promptcache.engine.assemble import ReservedLayer
-from rag_promptcache.engine.runner import forward_batch, forward_logits
+from rag_promptcache.engine.prefill import Chunk
+from rag_promptcache.engine.runner import forward_batch, forward_logits, lean_forward
 from rag_promptcache.model.positions import KVGeometry
 
 
@@ -111,12 +123,9 @@ class BatchCache:
         self.lengths[dst] = n
 
 
-@torch.inference_mode()
-def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int], *,
-                lean: bool = True) -> torch.Tensor:
-    """One token for each of the first len(ids) rows → next-token logits [n, V] fp32. `lean`: the lean
-    forward's batched step where the model has one (engine/forward.py); False: transformers'."""
-    n = len(ids)
+def _begin_step(batch: BatchCache, n: int) -> torch.Tensor:
+    """Set the step state for the first n rows → the mask [n, 1, 1, span]: 0 where a row has KV (its
+    new token included), the dtype's min elsewhere."""
     device = batch.device
     lengths = batch.lengths[:n]
     batch.reserve(max(lengths) + 1)
@@ -124,10 +133,20 @@ def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], posit
     s.n, s.span = n, max(lengths) + 1
     s.rows = torch.arange(n, device=device)
     s.lengths = torch.tensor(lengths, device=device)
-    # mask: [n, 1, 1, span], 0 where a row has KV (its new token included), the dtype's min elsewhere
     slots = torch.arange(s.span, device=device)
     mask = torch.zeros(n, 1, 1, s.span, dtype=batch.dtype, device=device)
     mask.masked_fill_((slots[None, :] > s.lengths[:, None])[:, None, None, :], torch.finfo(batch.dtype).min)
+    return mask
+
+
+@torch.inference_mode()
+def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int], *,
+                lean: bool = True) -> torch.Tensor:
+    """One token for each of the first len(ids) rows → next-token logits [n, V] fp32. `lean`: the lean
+    forward's batched step where the model has one (engine/forward.py); False: transformers'."""
+    n = len(ids)
+    device = batch.device
+    mask = _begin_step(batch, n)
     input_ids = torch.tensor(ids, device=device)[:, None]  # [n, 1]
     position_ids = torch.tensor(positions, device=device)[:, None]  # [n, 1]
     logits = forward_batch(model, input_ids, position_ids, batch.cache, mask, lean=lean)
@@ -151,3 +170,66 @@ def decode_row(model: PreTrainedModel, batch: BatchCache, row: int, ids: list[in
     logits = forward_logits(model, x, positions, cache, keep=len(ids))
     batch.lengths[row] = n + len(ids)
     return logits
+
+
+def can_mix(model: PreTrainedModel) -> bool:
+    """Whether `mixed_step` runs for this model (it has the lean forward)."""
+    return lean_forward(model) is not None
+
+
+@torch.inference_mode()
+def mixed_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int],
+               cache: DynamicCache, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_step` of the first len(ids) rows and `chunk` of a prefill against `cache` (a reserved
+    cache: it takes the chunk's KV) in one forward → (the rows' next-token logits [n, V], the chunk's
+    last token's [V]), fp32."""
+    lean = lean_forward(model)
+    assert lean is not None, f"{type(model).__name__} has no lean forward: check can_mix"
+    lean.refresh()
+    n, m = len(ids), chunk.ids.shape[1]
+    g, d, hkv, hq = lean.group, lean.head_dim, lean.num_kv_heads, lean.num_heads
+    device, dtype = batch.device, batch.dtype
+    row_mask = _begin_step(batch, n)  # [n, 1, 1, span]
+    num_cached = cache.layers[0].length  # before the chunk
+    # the chunk's attention: the fused kernel where it reads the mask (engine/attention.py), else SDPA
+    # with the mask per folded query row [1, 1, g * m, cached + m]
+    fused = attention.available(dtype, device) and m > 1
+    visible = None
+    if fused and chunk.mask is not None:
+        visible = attention.visible_prefixes(chunk.mask, num_cached)
+        fused = visible is not None
+    mask = chunk.mask
+    if mask is None:
+        col = torch.arange(num_cached + m, device=device)[None, :]
+        mask = torch.zeros(m, num_cached + m, dtype=dtype, device=device)
+        mask.masked_fill_(col > num_cached + torch.arange(m, device=device)[:, None], torch.finfo(dtype).min)
+        mask = mask[None, None]
+    folded_mask = mask.to(dtype).repeat(1, 1, g, 1)
+    # the rows' tokens then the chunk's, as one sequence through the linear maps
+    tokens = torch.cat([torch.tensor(ids, device=device), chunk.ids[0]])[None]  # [1, n + m]
+    at = torch.cat([torch.tensor(positions, device=device), chunk.positions[0]])[None]  # [1, n + m]
+    x = lean.embed(tokens)  # [1, n + m, E]
+    cos, sin = lean.rotary(x, at)
+    for i, (layer, row_kv, chunk_kv) in enumerate(zip(lean.layers, batch.cache.layers, cache.layers)):
+        q, k, v = lean.qkv[i](layer.input_layernorm(x))
+        q = q.view(1, n + m, hq, d).transpose(1, 2)  # [1, Hq, n + m, D]
+        k = k.view(1, n + m, hkv, d).transpose(1, 2)  # [1, Hkv, n + m, D]
+        v = v.view(1, n + m, hkv, d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        # the rows: one token each, [n, H, 1, D], against their rows of the batch cache
+        keys, values = row_kv.update(k[0, :, :n, None].transpose(0, 1), v[0, :, :n, None].transpose(0, 1))
+        qr = q[0, :, :n].transpose(0, 1).reshape(n, hkv, g, d)  # q heads sharing a KV head folded into rows
+        rows = F.scaled_dot_product_attention(qr, keys, values, attn_mask=row_mask, scale=lean.scale)
+        # the chunk: [1, H, m, D] against its own cache
+        keys, values = chunk_kv.update(k[:, :, n:], v[:, :, n:])
+        qc = q[:, :, n:].reshape(1, hkv, g * m, d)
+        out = attention.prefill_attention(qc, keys, values, m, lean.scale, visible) if fused else None
+        if out is None:
+            out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=folded_mask, scale=lean.scale)
+        out = torch.cat([rows.reshape(n, hq * d), out.view(hq, m, d).transpose(0, 1).reshape(m, hq * d)])
+        x = x + lean.o[i](out[None])[0]
+        x = x + lean.mlp(i, layer, x)
+    logits = lean.head(lean.norm(x[:, [*range(n), n + m - 1]]))[0][0].float()  # [n + 1, V]
+    for r in range(n):
+        batch.lengths[r] += 1
+    return logits[:n], logits[n]

@@ -6,10 +6,16 @@
         h.result                                         # the engine's `Result`
 
 A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Between decode steps
-the thread admits waiting requests while rows are free: each is prefilled alone through the
-engine's public `prefill`, its KV copied into a free row of the `BatchCache`, and its first token
-chosen. Then one `decode_step` advances every running row by one token. A request running alone with
-nothing waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts
+the thread admits waiting requests while rows are free (an admitted request holds its row while it
+prefills). By default each admitted request's prefill runs whole before the next step. With
+`prefill_chunk=N` it is chunked (engine/prefill.py `start` → `Prefilling`, as vLLM and SGLang
+schedule it): while rows decode, each of their steps carries the next N new tokens of the oldest
+admitted request in the same forward (`batch.mixed_step`, Llama's lean forward), or, for other
+models, runs them in a forward of their own just before the step; with no row decoding, the oldest
+prefill runs whole (nobody waits on it). A running stream then waits one chunk per step instead of
+whole prefills. A finished prefill's KV is copied into its row of the `BatchCache` and its first
+token chosen; then one `decode_step` advances every running row by one token. A request running
+alone with nothing waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts
 (engine/lookup.py) in a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
 tokens) or is cancelled leaves before the next step. Each request keeps its own `DecodeState`
 (engine/state.py: sampling, seeded generator, text, finish, drafts), the one the engine's own loop
@@ -19,8 +25,8 @@ batched matmuls).
 The batcher knows the engine only through the `Engine` protocol below: engine.py imports this
 module, never the other way round.
 
-Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`). Chunked prefill
-(issue 24) would admit a request over several steps here, through engine/prefill.py.
+Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`); chunks of
+several prefills in one step (the oldest prefill's chunk only), a budget in seconds rather than tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from rag_promptcache.engine.assemble import release
-from rag_promptcache.engine.batch import BatchCache, decode_row, decode_step
+from rag_promptcache.engine.batch import BatchCache, can_mix, decode_row, decode_step, mixed_step
 from rag_promptcache.engine.result import Result
 from rag_promptcache.engine.sampling import Sampling
 from rag_promptcache.engine.scheduler import QueueFull, Rows
@@ -48,7 +54,7 @@ if TYPE_CHECKING:
 
     from rag_promptcache.engine.grammar import Grammar
     from rag_promptcache.engine.plan import Plan
-    from rag_promptcache.engine.prefill import Prefilled
+    from rag_promptcache.engine.prefill import Prefilled, Prefilling
     from rag_promptcache.engine.prefix_cache import PrefixUse
     from rag_promptcache.engine.recovery import Recovery
     from rag_promptcache.engine.state import DecodeState
@@ -68,7 +74,7 @@ class Engine(Protocol):
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = ..., recovery: str | Recovery | None = ...,
              max_new_tokens: int = ...) -> Plan: ...
 
-    def prefill(self, plan: Plan, room: int = ...) -> Prefilled: ...
+    def start_prefill(self, plan: Plan, room: int = ...) -> Prefilling: ...
 
     def keep_prefix(self, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
                     values: Sequence[torch.Tensor], length: int) -> int: ...
@@ -179,14 +185,31 @@ class _Running:
     prefix: PrefixUse | None  # what the prefill reused from the prefix cache; its row is kept there at the end
 
 
+# Whole prefills by default: on a CPU a prefill is compute-bound at any chunk size, so chunking moves its
+# time between the steps rather than hiding it. It bounds the longest stall of a running stream but costs
+# burst throughput and median time between tokens (docs/bench/serve-2026-11-25: run_serve.py).
+DEFAULT_PREFILL_CHUNK: int | None = None
+
+
 class Batcher:
-    def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64,
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
+        """`prefill_chunk`: new tokens of prefill run with each decode step (None: every admitted request's
+        prefill whole before the next step, as before chunked prefill)."""
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a number of tokens >= 1, or None for whole prefills; "
+                             f"got {prefill_chunk!r}")
         self.engine = engine
+        self.prefill_chunk = prefill_chunk
         self.rows = Rows(max_batch, max_queue)
         model = engine.model
         self.batch = BatchCache(model.config, engine.geometry, max_batch, 256, model.dtype, model.device)
         self._handles: dict[int, Handle] = {}
         self._running: dict[int, _Running] = {}
+        self._prefilling: deque[int] = deque()  # admitted (each holds a row), oldest first, not yet prefilled
+        self._partial: dict[int, Prefilling] = {}  # the ones whose prefill has started: KV assembled
+        # a chunk rides in the decode step's forward (batch.mixed_step) where the model allows it
+        self._mix = prefill_chunk is not None and can_mix(model)
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -247,16 +270,23 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self.rows.num_waiting and not self.rows.num_running:
+                while not (self._closed or self.rows.num_waiting or self.rows.num_running or self._prefilling):
                     self._cv.wait()
                 if self._closed:
                     break
             self._drop_cancelled()
             self._admit()
+            if self._mix and self.rows.num_running and self._prefilling:
+                self._step(carry=True)
+                continue
+            self._prefill()
             if self.rows.num_running:
                 self._step()
         with self._cv:
-            pending = [*self.rows.running, *[self.rows.next_waiting() for _ in range(self.rows.num_waiting)]]
+            pending = [*self.rows.running, *self._prefilling,
+                       *[self.rows.next_waiting() for _ in range(self.rows.num_waiting)]]
+        for rid in self._partial:
+            release(self._partial[rid].cache)
         for rid in pending:
             self._handles.pop(rid)._put(Cancelled("the scheduler was closed"))
 
@@ -267,29 +297,74 @@ class Batcher:
             self._finish(rid, Cancelled(f"request {rid} was cancelled"))
 
     def _admit(self) -> None:
-        while True:
-            with self._cv:
-                if not self.rows.has_room():
-                    return
-                rid = self.rows.next_waiting()
-            handle = self._handles[rid]
+        """Waiting requests take the free rows; their prefills queue, oldest first."""
+        with self._cv:
+            while self.rows.has_room():
+                self._prefilling.append(self.rows.next_waiting())
+
+    def _prefill(self) -> None:
+        """Run up to `prefill_chunk` new tokens of the queued prefills while rows decode (their streams
+        wait for this), else the oldest one whole; a request whose prefill ends joins the batch."""
+        budget = self.prefill_chunk if self.rows.num_running else None
+        while budget is None or budget > 0:
+            head = self._head_prefill()
+            if head is None:
+                return
+            rid, todo = head
             try:
-                first = self.engine.prefill(handle.plan)
+                tokens = None if budget is None else min(budget, todo.num_left)
+                with self.engine.model_lock:
+                    first = todo.run(self.engine.model, tokens)
             except Exception as e:  # noqa: BLE001 - this request fails; the others go on
                 self._finish(rid, e)
                 continue
-            with self._cv:
-                row = self.rows.join(rid)
-            self.batch.load(row, first.cache, handle.sampling.max_new_tokens)
-            release(first.cache)  # copied into the batch: its buffers go back to the pool now
-            # a row's KV is dropped by setting its length back: drafts can always be rolled back here
-            self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0),
-                                          first.prefix)
-            self._advance(rid, first.logits[None])
+            if first is None:
+                return  # the budget is spent mid-prefill
+            self._join(rid, first)
+            if budget is None:
+                if self.prefill_chunk is not None:
+                    return  # a row decodes now: the next prefill goes in chunks with its steps
+                continue  # whole prefills: every admitted one before the next step
+            budget -= tokens
 
-    def _step(self) -> None:
+    def _head_prefill(self) -> tuple[int, Prefilling] | None:
+        """The oldest admitted request's prefill, its KV assembled now if it was not yet (a request
+        whose assembly fails fails, and the next one is tried); None when no prefill waits."""
+        while self._prefilling:
+            rid = self._prefilling[0]
+            todo = self._partial.get(rid)
+            if todo is None:  # assembly copies module KV, runs no model: outside the lock
+                eng = self.engine
+                try:
+                    todo = self._partial[rid] = eng.start_prefill(self._handles[rid].plan)
+                except Exception as e:  # noqa: BLE001 - this request fails; the others go on
+                    self._finish(rid, e)
+                    continue
+            return rid, todo
+        return None
+
+    def _join(self, rid: int, first: Prefilled) -> None:
+        """The oldest prefill, `rid`, is done: into its row, and its first token."""
+        assert self._prefilling[0] == rid, f"{self._prefilling=} {rid=}"
+        self._prefilling.popleft()
+        del self._partial[rid]
+        handle = self._handles[rid]
+        with self._cv:
+            row = self.rows.join(rid)
+        self.batch.load(row, first.cache, handle.sampling.max_new_tokens)
+        release(first.cache)  # copied into the batch: its buffers go back to the pool now
+        # a row's KV is dropped by setting its length back: drafts can always be rolled back here
+        self._running[rid] = _Running(handle, self.engine.decode_state(handle.plan, handle.sampling, t0=handle.t0),
+                                      first.prefix)
+        self._advance(rid, first.logits[None])
+
+    def _step(self, carry: bool = False) -> None:
+        """One token for every running row; `carry`: with the next chunk of the oldest prefill in the
+        same forward (`mixed_step`), which joins the batch when that chunk was its last."""
+        head = self._head_prefill() if carry else None
         order = self.rows.running
-        alone = len(order) == 1 and not self.rows.num_waiting  # only then a prompt lookup draft is checked
+        # only a request decoding alone checks a prompt lookup draft
+        alone = len(order) == 1 and not self.rows.num_waiting and head is None
         fed = [self._running[rid].state.next_input(draft=alone) for rid in order]
         if alone and len(fed[0]) > 1:
             self._step_row(order[0], fed[0])
@@ -298,13 +373,19 @@ class Batcher:
         positions = [self._running[rid].state.position for rid in order]
         try:
             with self.engine.model_lock:
-                logits = decode_step(self.engine.model, self.batch, ids, positions)  # [n, V]
+                if head is None:
+                    logits = decode_step(self.engine.model, self.batch, ids, positions)  # [n, V]
+                else:
+                    chunk = head[1].take(self.prefill_chunk)
+                    logits, last = mixed_step(self.engine.model, self.batch, ids, positions, head[1].cache, chunk)
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the thread serves the next ones
-            for rid in order:
+            for rid in [*order, *([head[0]] if head is not None else [])]:
                 self._finish(rid, e)
             return
         for r, rid in enumerate(order):
             self._advance(rid, logits[r : r + 1])
+        if head is not None and chunk.last:
+            self._join(head[0], head[1].prefilled(last))
 
     def _step_row(self, rid: int, fed: list[int]) -> None:
         """The one running request with a prompt lookup draft: check it in a forward of its row alone
@@ -339,6 +420,11 @@ class Batcher:
             move = self.rows.leave(rid)
             handle = self._handles.pop(rid)
         self._running.pop(rid, None)
+        if rid in self._prefilling:
+            self._prefilling.remove(rid)
+        todo = self._partial.pop(rid, None)
+        if todo is not None:
+            release(todo.cache)
         if move is not None:
             self.batch.move(move.src, move.dst)
         handle._put(outcome)

@@ -25,14 +25,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine import attention
 from rag_promptcache.engine.assemble import release
-from rag_promptcache.engine.batcher import Batcher
+from rag_promptcache.engine.batcher import DEFAULT_PREFILL_CHUNK, Batcher
 from rag_promptcache.engine.compiler import LAYOUTS, Compiler, Layout
 from rag_promptcache.engine.decode import can_crop, decode
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode
 from rag_promptcache.engine.grammar import Grammar
 from rag_promptcache.engine.lookup import lookup_tokens
 from rag_promptcache.engine.plan import Plan, PlanConfig, Planner, uncached
-from rag_promptcache.engine.prefill import Prefilled, prefill
+from rag_promptcache.engine.prefill import Prefilled, Prefilling, start
 from rag_promptcache.engine.prefix_cache import PrefixUse, cache_layers, make_prefix_cache, token_labels
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
@@ -187,23 +187,34 @@ class PromptCache:
         Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window."""
         return self.planner.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=max_new_tokens)
 
-    def prefill(self, plan: Plan, room: int = 0) -> Prefilled:
-        """`plan`'s KV assembled with `room` tokens to spare and its new tokens run → the cache (the
-        caller `release`s it when done), the next-token logits and the answer's first position.
+    def start_prefill(self, plan: Plan, room: int = 0) -> Prefilling:
+        """`plan`'s KV assembled with `room` tokens to spare → its new tokens to run, whole or a chunk at a
+        time (`Prefilling.run`, under `model_lock`; the batcher's chunked prefill).
 
         The longest prefix of the plan that an earlier request computed the same way is copied from the
-        prefix cache instead (`Prefilled.prefix` says how much); hand the request's cache to
+        prefix cache instead (`Prefilling.prefix` says how much); hand the request's cache to
         `keep_prefix` when its answer is done, so later requests may reuse this one."""
         if plan.sources is None:  # a full-prefill reference: nothing reused
-            return prefill(self.model, plan, self.relocator, self.geometry, room, lock=self.model_lock)
+            return start(self.model, plan, self.relocator, self.geometry, room)
         use = self.prefix_cache.begin(self.prefix_namespace, token_labels(plan.pieces, plan.sources),
                                       plan.pieces, plan.kvs)
         try:
             spliced = dataclasses.replace(plan, pieces=use.pieces, kvs=dict(use.kvs))
-            first = prefill(self.model, spliced, self.relocator, self.geometry, room, lock=self.model_lock)
-        finally:  # the reused spans are copied into the request's cache (or the prefill failed)
+            todo = start(self.model, spliced, self.relocator, self.geometry, room)
+        finally:  # the reused spans are copied into the request's cache (or assembly failed)
             self.prefix_cache.unlock(use)
-        return dataclasses.replace(first, prefix=use)
+        todo.prefix = use
+        return todo
+
+    def prefill(self, plan: Plan, room: int = 0) -> Prefilled:
+        """`plan`'s KV assembled with `room` tokens to spare and its new tokens run in one forward → the
+        cache (the caller `release`s it when done), the next-token logits and the answer's first
+        position; `start_prefill` says what is reused from the prefix cache."""
+        todo = self.start_prefill(plan, room)
+        with self.model_lock:
+            first = todo.run(self.model)
+        assert first is not None, f"{todo.num_left=}"
+        return first
 
     def keep_prefix(self, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
                     values: Sequence[torch.Tensor], length: int) -> int:
@@ -276,9 +287,11 @@ class PromptCache:
         """`async for piece in pc.astream(...)`; `.result` once done. Errors surface on the first step."""
         return AsyncStream(lambda: self.stream(prompt, **kwargs))
 
-    def scheduler(self, *, max_batch: int = 8, max_queue: int = 64) -> Batcher:
-        """A continuous-batching scheduler over this engine (a thread; `close()` it, or use `with`)."""
-        return Batcher(self, max_batch=max_batch, max_queue=max_queue)
+    def scheduler(self, *, max_batch: int = 8, max_queue: int = 64,
+                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> Batcher:
+        """A continuous-batching scheduler over this engine (a thread; `close()` it, or use `with`).
+        `prefill_chunk`: new prefill tokens run with each decode step (None: each prefill whole)."""
+        return Batcher(self, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk)
 
     def generate_batch(self, prompts: Sequence[str | ast.Prompt], *, max_batch: int = 8, **kwargs) -> list[Result]:
         """Generate for several prompts decoded together (one forward per token for all of them);

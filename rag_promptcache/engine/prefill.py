@@ -1,14 +1,20 @@
 """Prefill: a `Plan` → its assembled, relocated KV cache with the new tokens run against it, and the
 logits of the answer's first token.
 
-One forward over every new token of the prompt (the question, glue text, what recovery recomputes),
-against the modules' KV assembled into a cache with room reserved for the answer (engine/assemble.py).
+The new tokens of the prompt (the question, glue text, what recovery recomputes) run against the
+modules' KV assembled into a cache with room reserved for the answer (engine/assemble.py). `prefill`
+runs them in one forward. `start` returns a `Prefilling` that runs them a chunk at a time
+(`run(model, tokens)`): the batcher interleaves those chunks with the decode steps of running
+requests, so that a long prefill does not stall their streams (chunked prefill, as vLLM and SGLang
+schedule it). A chunk attends to the cache so far (the assembled modules and the chunks before it)
+and causally to itself, through the same rows and columns of assembly's mask, so the chunks together
+compute what the one forward does (tests/test_chunked_prefill.py compares the logits).
+
 Callers own the cache afterwards: the engine's decode loop decodes into it, the batcher copies it
 into a row of its batch cache; both `release` it when done.
 
-Out of scope: planning (engine/plan.py), decoding (engine/decode.py, engine/batcher.py). Chunked
-prefill (issue 24: the batcher interleaving a long prefill with decode steps) would split
-`Prefilled`'s one forward into several here.
+Out of scope: planning (engine/plan.py), decoding (engine/decode.py, engine/batcher.py), when a chunk
+runs (engine/batcher.py), several requests' chunks in one forward.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.assemble import assemble
+from rag_promptcache.engine.assemble import Assembled, assemble
 from rag_promptcache.engine.plan import Plan
 from rag_promptcache.engine.prefix_cache import PrefixUse
 from rag_promptcache.engine.runner import forward_last
@@ -31,16 +37,80 @@ class Prefilled:
     cache: DynamicCache  # the prompt's KV, with room for `room` more tokens
     logits: torch.Tensor  # [V] fp32: the next-token logits after the prompt
     next_position: int  # of the answer's first token
-    # what the prefix cache gave and holds locked for this request: its owner ends it (engine.keep_prefix)
+    # what the prefix cache gave this request: its owner ends it (engine.keep_prefix)
     prefix: PrefixUse | None = None
 
 
-@torch.inference_mode()
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """The next new tokens of a `Prefilling`, as a forward over its cache takes them."""
+
+    ids: torch.Tensor  # [1, m]
+    positions: torch.Tensor  # [1, m]
+    mask: torch.Tensor | None  # [1, 1, m, cache length + m] additive; None: causal, the whole cache visible
+    last: bool  # the prefill's last chunk: its last token's logits are the answer's first
+
+
+class Prefilling:
+    """A prefill under way: the plan's KV assembled, `num_done` of its `num_new` new tokens run so far."""
+
+    def __init__(self, asm: Assembled, next_position: int, prefix: PrefixUse | None = None) -> None:
+        self.asm = asm
+        self.next_position = next_position
+        self.prefix = prefix  # what the prefix cache gave (already copied into the cache), or None
+        self.num_new = asm.new_ids.shape[1]
+        self.num_done = 0
+
+    @property
+    def cache(self) -> DynamicCache:
+        return self.asm.cache
+
+    @property
+    def num_left(self) -> int:
+        return self.num_new - self.num_done
+
+    def take(self, tokens: int | None = None) -> Chunk:
+        """The next `tokens` new tokens (None: all that are left), counted as done: the caller runs them
+        against `cache` (`run`, or the batcher's step that carries a chunk, engine/batch.py)."""
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"a prefill chunk needs at least 1 token, got {tokens}")
+        assert self.num_left > 0, f"{self.num_done=} {self.num_new=}: this prefill is done"
+        a = self.num_done
+        b = self.num_new if tokens is None else min(self.num_new, a + tokens)
+        asm = self.asm
+        # mask: [1, 1, N, C + N] over (new tokens) x (cached, then new tokens). The chunk's rows, and the
+        # columns of what the cache holds once the chunk is in: the C cached tokens and new tokens 0..b-1,
+        # which sit in the cache in that same order (earlier chunks wrote new tokens 0..a-1 after the C)
+        mask = None if asm.mask is None else asm.mask[:, :, a:b, : asm.num_cached + b]
+        self.num_done = b
+        return Chunk(asm.new_ids[:, a:b], asm.new_positions[:, a:b], mask, b == self.num_new)
+
+    def prefilled(self, logits: torch.Tensor) -> Prefilled:
+        """`logits` [V]: the last chunk's last token's → the finished prefill."""
+        assert self.num_left == 0, f"{self.num_left=}"
+        return Prefilled(self.asm.cache, logits, self.next_position, self.prefix)
+
+    @torch.inference_mode()
+    def run(self, model: PreTrainedModel, tokens: int | None = None) -> Prefilled | None:
+        """Run the next `tokens` new tokens (None: all that are left) in one forward → the `Prefilled`
+        once the last one has run, else None. The caller holds the model lock around it."""
+        chunk = self.take(tokens)
+        logits = forward_last(model, chunk.ids, chunk.positions, self.asm.cache, chunk.mask)
+        return self.prefilled(logits) if chunk.last else None
+
+
+def start(model: PreTrainedModel, plan: Plan, relocator: Relocator, geometry: KVGeometry, room: int = 0) -> Prefilling:
+    """Assemble `plan`'s KV with `room` tokens to spare (copies KV, runs no model) → its new tokens to run."""
+    asm = assemble(plan.pieces, plan.kvs, relocator, model.config, geometry, model.device, model.dtype, extra=room)
+    return Prefilling(asm, plan.next_position)
+
+
 def prefill(model: PreTrainedModel, plan: Plan, relocator: Relocator, geometry: KVGeometry, room: int = 0, *,
             lock: AbstractContextManager[object] | None = None) -> Prefilled:
-    """Assemble `plan`'s KV with `room` tokens to spare and run its new tokens. `lock` (the engine's
-    `model_lock`) is held around the forward only: assembly copies KV and runs no model."""
-    asm = assemble(plan.pieces, plan.kvs, relocator, model.config, geometry, model.device, model.dtype, extra=room)
+    """Assemble `plan`'s KV with `room` tokens to spare and run its new tokens in one forward. `lock`
+    (the engine's `model_lock`) is held around the forward only: assembly copies KV and runs no model."""
+    todo = start(model, plan, relocator, geometry, room)
     with lock if lock is not None else nullcontext():
-        logits = forward_last(model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
-    return Prefilled(asm.cache, logits, plan.next_position)
+        done = todo.run(model)
+    assert done is not None, f"{todo.num_left=}"
+    return done
