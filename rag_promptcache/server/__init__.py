@@ -28,8 +28,8 @@ INSTALL_HINT = "the server needs its extra: pip install 'rag-promptcache[server]
 
 
 def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_queue: int = 64,
-          redis_url: str | None = None, dtype: str | None = None,
-          api_key: str | None = None) -> tuple[FastAPI, Batcher, CorpusChat]:
+          redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
+          prefill_chunk: int | None = None) -> tuple[FastAPI, Batcher, CorpusChat]:
     """Open `corpus` (a path, or a corpus already opened), load its model, start its scheduler, and return
     (app, scheduler, chat). Close the scheduler and the corpus when done."""
     try:
@@ -47,7 +47,11 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
     except BaseException:
         c.close()
         raise
-    batcher = c.engine.scheduler(max_batch=max_batch, max_queue=max_queue)
+    try:
+        batcher = c.engine.scheduler(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk)
+    except BaseException:
+        c.close()
+        raise
     model_id = c.path.resolve().name
     try:
         return create_app(chat, batcher, model_id=model_id, k=k, api_key=api_key), batcher, chat
@@ -59,7 +63,7 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
 
 def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: int = 4, max_batch: int = 8,
           max_queue: int = 64, redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
-          shutdown_timeout: float = 30, log: Callable[[str], None] = print,
+          prefill_chunk: int | None = None, shutdown_timeout: float = 30, log: Callable[[str], None] = print,
           say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
     """Run until SIGTERM or Ctrl-C; `log` gets the start-up line, `say` (stderr) the shutdown steps."""
     try:
@@ -85,7 +89,8 @@ def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: i
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         errors.addHandler(handler)
     try:
-        app, batcher, chat = build(opened, k=k, max_batch=max_batch, max_queue=max_queue, api_key=api_key)
+        app, batcher, chat = build(opened, k=k, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
+                                   prefill_chunk=prefill_chunk)
     except BaseException:
         sock.close()
         raise

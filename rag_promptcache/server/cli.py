@@ -22,6 +22,10 @@ def register(app: typer.Typer) -> None:
         k: Annotated[int, typer.Option("--k", "-k", min=1, help="Chunks retrieved per question (a request's `k` overrides it).")] = 4,
         max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together.")] = 8,
         max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a row; past it, 429 with Retry-After.")] = 64,
+        prefill_chunk: Annotated[int | None, typer.Option(
+            "--prefill-chunk", min=1, envvar="RAG_PROMPTCACHE_PREFILL_CHUNK", show_envvar=True,
+            help="Run a new request's prefill N tokens at a time with the running requests' decode steps: bounds how "
+                 "long their streams stall, at some cost to throughput on a CPU [default: whole prefills].")] = None,
         redis_url: RedisOpt = None,
         dtype: DtypeOpt = None,
         api_key: Annotated[str | None, typer.Option(
@@ -36,4 +40,4 @@ def register(app: typer.Typer) -> None:
         if api_key is not None and not api_key.strip():
             raise ValueError("--api-key is empty; pass a key or leave it unset")
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
-            api_key=api_key, shutdown_timeout=shutdown_timeout, log=typer.echo)
+            api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, log=typer.echo)
