@@ -73,6 +73,12 @@ class BenchConfig:
     decode_tokens: int = 128  # new tokens per decode run (EOS ignored)
     decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # each system runs in each ("auto": the default)
     decode_compile: str = "default"  # compile mode of the decode scenario's compiled row; "off": no such row
+    llamacpp: bool = True  # llama.cpp rows (bench/llamacpp.py) where llama-cpp-python is installed
+    llamacpp_flash_attn: bool = False  # llama-cpp-python's default
+    chat_turns: int = 6  # the chat scenario: turns over the same documents
+    chat_context: int = 2048  # its retrieved-context tokens
+    chat_answer_tokens: int = 64  # at most this many greedy tokens per answer
+    chat_repeats: int = 2  # whole conversations, each turn's systems interleaved
 
     @classmethod
     def quick(cls) -> BenchConfig:
