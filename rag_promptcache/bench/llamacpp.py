@@ -267,7 +267,8 @@ def runners(bench: Bench, n_ctx: int) -> dict[str, Runner] | None:
     if isinstance(have, dict) and all(r.n_ctx >= n_ctx for r in have.values()):
         return have
     paths = default_ggufs()
-    made = {w: Runner(paths[w], n_ctx, flash_attn=bench.config.llamacpp_flash_attn) for w in WEIGHTS}
+    made = {w: Runner(paths[w], n_ctx, threads=bench.config.llamacpp_threads, flash_attn=bench.config.llamacpp_flash_attn)
+            for w in WEIGHTS}
     bench.extras["llamacpp"] = made
     if "llamacpp_check" not in bench.extras:
         bench.extras["llamacpp_check"] = _check(bench, paths)
