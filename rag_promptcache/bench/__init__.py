@@ -21,7 +21,7 @@ import torch
 
 from rag_promptcache.bench.common import Bench, BenchConfig
 
-SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve")
+SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve", "chat")
 # fidelity (answers on confusable documents), ingest (local vs Ray) and serve (concurrent HTTP clients) build
 # their own corpus and take minutes: only when asked for (--scenarios fidelity,ingest,serve).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
@@ -118,6 +118,10 @@ def run_loaded(
             from rag_promptcache.bench import serve
 
             out["serve"] = serve.run(bench)
+        elif name == "chat":  # chat turns over the same documents, against llama.cpp's prefix reuse where installed
+            from rag_promptcache.bench import chat
+
+            out["chat"] = chat.run(bench)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 … [default: cuda if present, else cpu]")] = None,
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
         recovery: Annotated[str | None, typer.Option("--recovery", help="Recovery for the TTFT and LangChain runs, e.g. none or first_k:2 [default: the engine's].")] = None,
-        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, decode, fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients); the last three only when named.")] = None,
+        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, decode, fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients), chat (6 turns over the same documents, against llama.cpp where llama-cpp-python is installed); the last four only when named.")] = None,
         contexts: Annotated[str | None, typer.Option("--contexts", help="Comma-separated retrieved-context sizes for TTFT, e.g. 2048,4096 [default: the run's].")] = None,
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,

@@ -72,6 +72,13 @@ class BenchConfig:
     decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt
     decode_tokens: int = 128  # new tokens per decode run (EOS ignored)
     decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # each system runs in each ("auto": the default)
+    llamacpp: bool = True  # llama.cpp rows (bench/llamacpp.py) where llama-cpp-python is installed
+    llamacpp_flash_attn: bool = False  # llama-cpp-python's default
+    llamacpp_threads: int | None = None  # None: torch's (torch.get_num_threads()), as every other system
+    chat_turns: int = 6  # the chat scenario: turns over the same documents
+    chat_context: int = 2048  # its retrieved-context tokens
+    chat_answer_tokens: int = 64  # at most this many greedy tokens per answer
+    chat_repeats: int = 2  # whole conversations, each turn's systems interleaved
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -103,7 +110,9 @@ class Bench:
 
     @property
     def engine_options(self) -> dict[str, object]:
-        return {} if self.config.recovery is None else {"recovery": self.config.recovery}
+        # the prefix cache is off: scenarios time the same prompt several times, and would otherwise time
+        # its reuse rather than module reuse (the chat scenario turns it on, as a chatbot runs)
+        return {"prefix_cache_bytes": 0, **({} if self.config.recovery is None else {"recovery": self.config.recovery})}
 
     @property
     def device(self) -> torch.device:

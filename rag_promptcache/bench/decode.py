@@ -37,6 +37,7 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from rag_promptcache.bench import llamacpp
 from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml
 from rag_promptcache.engine import PromptCache, Sampling
 from rag_promptcache.engine.sampling import penalize
@@ -137,6 +138,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
         bench.log(f"decode {r['system']:>15} {r['dtype']:>8} lookup {r['prompt_lookup']}: {r['tokens_per_s']:.1f} "
                   f"tokens/s ({r['x_transformers_fp32']:.2f}x transformers fp32, {r['x_transformers_same_dtype']:.2f}x "
                   f"in {r['dtype']}), end to end {r['end_to_end_s']:.2f} s" + (" [default]" if r["default"] else ""))
+    rows += llamacpp.decode_rows(bench, ids[0].tolist(), rows)  # [] where llama.cpp cannot run
     return rows
 
 

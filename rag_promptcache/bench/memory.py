@@ -30,7 +30,7 @@ def _engine(bench: Bench) -> PromptCache:
     pc = bench.extras.get("ttft_engine")
     if isinstance(pc, PromptCache):
         return pc
-    pc = PromptCache(bench.model, bench.tokenizer, store=MemoryStore(), name=bench.model_name)
+    pc = PromptCache(bench.model, bench.tokenizer, store=MemoryStore(), name=bench.model_name, prefix_cache_bytes=0)
     pc.add_schema(schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(module_texts(bench.tokenizer, 4, 256))}))
     pc.encode(SCHEMA)
     bench.extras["ttft_engine"] = pc
@@ -87,7 +87,7 @@ def _tier_loads(bench: Bench, engine: PromptCache, key: str, root: Path) -> dict
         tiers[f"disk_{codec}"] = lambda s=disk: s.get(key)  # the warm-up read warms the page cache
     schema = _names(engine)[0]
     module = next(n for n in engine.schema(schema).modules if engine.is_cached(schema, n))
-    recompute = PromptCache(bench.model, bench.tokenizer, store=NullStore(), name=bench.model_name)
+    recompute = PromptCache(bench.model, bench.tokenizer, store=NullStore(), name=bench.model_name, prefix_cache_bytes=0)
     recompute.add_schema(engine.schema(schema))
     tiers["recompute"] = lambda: recompute.encode(schema, [module])
     times = interleaved({name: (fn, bench.config.store_repeats, 1) for name, fn in tiers.items()}, bench.device)

@@ -90,7 +90,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
 
     stores: dict[str, MemoryStore] = {}  # native KV per mode, encoded once
     for mode in dict.fromkeys([m for m, _ in configs] + [default_mode]):
-        pc = PromptCache(model, tok, store=MemoryStore(), mode=mode, name=bench.model_name)
+        pc = PromptCache(model, tok, store=MemoryStore(), mode=mode, name=bench.model_name, prefix_cache_bytes=0)
         pc.add_schema(schema)
         report = pc.encode(SCHEMA)
         bench.extras.setdefault("quality_encode", {})[mode] = report
@@ -104,13 +104,13 @@ def run(bench: Bench) -> list[dict[str, object]]:
     rows = []
     refs: dict[tuple[int, int], _Reference] = {}
     for k in dict.fromkeys(k for _, _, _, k in runs):  # full prefill first: the cached timings follow no cold start
-        pc = PromptCache(model, tok, store=stores[default_mode], mode=default_mode, name=bench.model_name)
+        pc = PromptCache(model, tok, store=stores[default_mode], mode=default_mode, name=bench.model_name, prefix_cache_bytes=0)
         pc.add_schema(schema)
         for qi, (_, question, picked) in enumerate(qs):
             refs[(qi, k)] = _reference(pc, prompt_pml(SCHEMA, picked[:k], [("user", question)]), cfg.continuation, eos)
     for mode, rec, codec, k in runs:
         store = stores[mode] if codec == "native" else _recoded(stores[mode], codec)
-        pc = PromptCache(model, tok, store=store, mode=mode, name=bench.model_name)
+        pc = PromptCache(model, tok, store=store, mode=mode, name=bench.model_name, prefix_cache_bytes=0)
         pc.add_schema(schema)
         prompts = [prompt_pml(SCHEMA, picked[:k], [("user", question)]) for _, question, picked in qs]
         _cached(pc, prompts[0], rec, refs[(0, k)])  # warm-up

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 SYSTEMS = ("full", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
+LLAMACPP = ("llamacpp_bf16_full", "llamacpp_q4_1_full")  # bench/llamacpp.py's TTFT rows, where it ran
 
 
 def write_json(report: dict[str, object], path: str | Path) -> None:
@@ -32,10 +33,16 @@ def markdown(report: dict[str, object]) -> str:
            f"{' '.join(report.get('cpu_flags', [])) or 'n/a'}, native kernels "
            f"{'on' if report.get('native_kernels') else 'off'}, {report.get('date', '')}", ""]
     if report.get("ttft"):
+        llama = [s for s in LLAMACPP if f"{s}_s" in report["ttft"][0]]
+        ratios = [f"x_{s.removesuffix('_full')}" for s in llama]  # llama.cpp's full prefill over our cached
         out += ["## TTFT (seconds, median)", "", _table(
-            ["context", "modules", *SYSTEMS, "speed-up", "overhead vs lower bound", "miss/full", "disk/memory"],
-            [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), r["speedup"],
-              r["overhead_vs_lower_bound"], r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
+            ["context", "modules", *SYSTEMS, *llama, "speed-up", *(f"{s} / cached_memory" for s in llama),
+             "overhead vs lower bound", "miss/full", "disk/memory"],
+            [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), *(r[f"{s}_s"] for s in llama),
+              r["speedup"], *(r[x] for x in ratios), r["overhead_vs_lower_bound"], r["miss_over_full"],
+              r["disk_over_memory"]] for r in report["ttft"]]), ""]
+    if isinstance(report.get("chat"), dict):
+        out += _chat_markdown(report["chat"])
     if report.get("decode"):
         out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, EOS ignored, "
                 f"{report['decode'][0]['context_tokens']}-token context)", "",
@@ -107,6 +114,20 @@ def markdown(report: dict[str, object]) -> str:
     return "\n".join(out)
 
 
+def _chat_markdown(chat: dict[str, object]) -> list[str]:
+    """Per turn TTFT per system (engine, llama.cpp with prefix reuse), then the medians of turns 2..n."""
+    weights = [w for w in ("bf16", "q4_1") if f"x_llamacpp_{w}" in chat]
+    header = ["repeat", "turn", "prompt tokens", "engine s", "engine computed tokens",
+              *(f"llama.cpp {w} s" for w in weights), *(f"llama.cpp {w} reused tokens" for w in weights)]
+    rows = [[t["repeat"], t["turn"], t["prompt_tokens"], t["engine_s"], t["engine_computed_tokens"],
+             *(t[f"llamacpp_{w}_s"] for w in weights), *(t[f"llamacpp_{w}_reused_tokens"] for w in weights)]
+            for t in chat["rows"]]
+    summary = f"turns 2-{chat['turns']} median TTFT: engine {chat['engine_median_s']:.3f} s" + "".join(
+        f"; llama.cpp {w} {chat[f'llamacpp_{w}_median_s']:.3f} s ({chat[f'x_llamacpp_{w}']:.2f}x ours)" for w in weights)
+    return [f"## Chat turns ({chat['turns']} turns over the same {chat['context_tokens']}-token documents, "
+            f"{chat['repeats']} conversation(s))", "", _table(header, rows), "", summary, ""]
+
+
 def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
     pct = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     at = {(t["mode"], t["recovery"]): t for t in fid["ttft_at_context"]}
@@ -138,8 +159,8 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
     if ttft:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         xs = [r["context_tokens"] for r in ttft]
-        for s in SYSTEMS:
-            ax.plot(xs, [r[f"{s}_s"] for r in ttft], marker="o", label=s)
+        for s in (*SYSTEMS, *(s for s in LLAMACPP if f"{s}_s" in ttft[0])):
+            ax.plot(xs, [r[f"{s}_s"] for r in ttft], marker="o", label=s, linestyle="--" if s in LLAMACPP else "-")
         ax.set(xscale="log", yscale="log", xlabel="retrieved context (tokens)", ylabel="time to first token (s)",
                title=f"TTFT vs context — {report['model']} on {report['device']}")
         ax.set_xticks(xs, [str(x) for x in xs])

@@ -26,7 +26,7 @@ def _encode(bench: Bench) -> list[dict[str, object]]:
     reports = [(DEFAULT_MODE, "ttft modules", bench.extras["ttft_encode"])] if "ttft_encode" in bench.extras else []
     reports += [(mode, "demo modules", r) for mode, r in bench.extras.get("quality_encode", {}).items()]
     if not reports:
-        pc = PromptCache(bench.model, bench.tokenizer, store=NullStore(), name=bench.model_name)
+        pc = PromptCache(bench.model, bench.tokenizer, store=NullStore(), name=bench.model_name, prefix_cache_bytes=0)
         pc.add_schema(schema_pml(SCHEMA, {f"d{i}": t for i, t in enumerate(module_texts(bench.tokenizer, 4, 256))}))
         reports = [(pc.mode, "4 modules", pc.encode(SCHEMA))]
     rows = []

@@ -9,7 +9,11 @@ Systems (each timed from the call to the first sampled token):
   DiskStore (page cache warm: read once before timing);
 - `miss`: `PromptCache.generate` over a NullStore, so every module is encoded in the request;
 - `lower_bound`: only the forward over the new tokens against an already assembled cache (cropped
-  back between runs), i.e. what is left when fetching and assembly cost nothing.
+  back between runs), i.e. what is left when fetching and assembly cost nothing;
+- `llamacpp_bf16_full` / `llamacpp_q4_1_full` (where llama-cpp-python is installed, bench/llamacpp.py):
+  llama.cpp's full prefill of the same token ids from the bf16 GGUF of the same weights and from the
+  shipped Q4_1 GGUF. A shuffled document set gives llama.cpp's prefix reuse nothing past the system
+  line, so full prefill is what it does here; `x_llamacpp_bf16` is its TTFT over our cached one.
 
 The baselines get the token ids ready-made (no tokenizing), which only flatters them. Modules are
 imported in a shuffled order, so relocation is always exercised. Not here: quality (quality.py).
@@ -23,6 +27,7 @@ import tempfile
 import torch
 from transformers import DynamicCache
 
+from rag_promptcache.bench import llamacpp
 from rag_promptcache.bench.common import (
     QUESTION,
     Bench,
@@ -66,22 +71,25 @@ def run(bench: Bench) -> list[dict[str, object]]:
         miss = PromptCache(model, tok, store=NullStore(), name=bench.model_name, **bench.engine_options)
         for pc in (disk, miss):
             pc.add_schema(schema)
+        llama = llamacpp.runners(bench, max(cfg.contexts) + 256 + 4 * QUERY_TOKENS)
         for i, m in enumerate(num_modules):
             order = list(range(m))
             random.Random(m).shuffle(order)
             prompt = prompt_pml(SCHEMA, [f"d{j}" for j in order], [("user", question)])
-            rows.append(_one(bench, prompt, m, question, mem, disk, miss, first=i == 0))
+            rows.append(_one(bench, prompt, m, question, mem, disk, miss, first=i == 0, llama=llama))
             r = rows[-1]
             bench.log(f"ttft {r['context_tokens']:>5} tok: full {r['full_s']:.3f} s, prefix {r['prefix_s']:.3f}, "
                       f"memory {r['cached_memory_s']:.3f}, disk {r['cached_disk_s']:.3f}, miss {r['miss_s']:.3f}, "
-                      f"lower bound {r['lower_bound_s']:.3f}; speed-up {r['speedup']:.1f}x")
+                      f"lower bound {r['lower_bound_s']:.3f}; speed-up {r['speedup']:.1f}x"
+                      + "".join(f"; llama.cpp {w} full {r[f'llamacpp_{w}_full_s']:.3f} s "
+                                f"({r[f'x_llamacpp_{w}']:.1f}x our cached)" for w in (llama or ())))
         disk_store.close()
     return rows
 
 
 @torch.inference_mode()
 def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, disk: PromptCache,
-         miss: PromptCache, first: bool) -> dict[str, object]:
+         miss: PromptCache, first: bool, llama: dict[str, llamacpp.Runner] | None = None) -> dict[str, object]:
     cfg, model, device = bench.config, bench.model, bench.device
     plan = mem.plan(prompt)
     assert not plan.misses, f"{plan.misses=}"
@@ -127,6 +135,9 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
         return assemble(plan.pieces, plan.kvs, mem.relocator, model.config, mem.geometry, device, model.dtype)
 
     slow_warm = cfg.warmup if (first or cfg.warmup_each_context) else 0
+    id_list = ids[0].tolist()
+    llama_systems = {f"llamacpp_{w}_full": (lambda r=r: r.full(id_list)[1], cfg.repeats_slow, slow_warm)
+                     for w, r in (llama or {}).items()}
     times = interleaved({
         "full": (full, cfg.repeats_slow, slow_warm),
         "prefix": (prefix, cfg.repeats_slow, slow_warm),
@@ -136,9 +147,18 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
         "lower_bound": (lower_bound, cfg.repeats_fast, cfg.warmup),
         "plan": (plan_only, cfg.repeats_fast, cfg.warmup),
         "assemble": (assemble_only, cfg.repeats_fast, cfg.warmup),
+        **llama_systems,
     }, device)
     s = {k: median(v) for k, v in times.items()}
     top_full, top_cached = timed(full, device)[1], engine(mem, 0)()
+    llama_fields: dict[str, object] = {}
+    for w, r in (llama or {}).items():
+        llama_fields[f"llamacpp_{w}_full_s"] = s[f"llamacpp_{w}_full"]
+        llama_fields[f"x_llamacpp_{w}"] = s[f"llamacpp_{w}_full"] / s["cached_memory"]  # llama.cpp over our cached
+        llama_fields[f"llamacpp_{w}_top1_match"] = r.full(id_list)[1] == top_full
+    if llama:
+        llama_fields["llamacpp_tokens"] = llamacpp.token_check(next(iter(llama.values())), bench.tokenizer, id_list)
+        llama_fields["llamacpp"] = llamacpp.info(bench)
     return {
         # the retrieved modules' tokens, counted before recovery turns some of them into new tokens
         "context_tokens": sum(len(p.token_ids) for p in mem.plan(prompt, recovery="none").pieces
@@ -163,5 +183,6 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
         "plan_s": s["plan"],  # fetch from the memory tier, compile: part of cached_memory_s
         "assemble_s": s["assemble"],  # concatenate, relocate, build the cache: part of cached_memory_s
         "top1_match": top_full == top_cached,
+        **llama_fields,
         "runs": {k: [round(x, 5) for x in v] for k, v in times.items()},
     }
