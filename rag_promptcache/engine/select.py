@@ -11,8 +11,8 @@ tokens through a few layers, counted in TTFT by whoever times the plan.
 shapes:
 - `tokens`: the top-scored tokens, each with `window` neighbours on both sides (a fact's value is
   usually several tokens);
-- `sentences`: whole sentences of a module, best sentence (by mean score per token... by summed
-  score) first, until the budget is spent: sub-module granularity;
+- `sentences`: whole sentences, the one holding the most question attention first, until the
+  budget is spent: sub-module granularity;
 - either plus `sinks`: the first tokens of every stale module (EPIC's attention-sink tokens).
 The first module when it is exact already (shared_prefix, not moved) and the schema's own text are
 never chosen: recomputing them changes nothing.
@@ -43,7 +43,7 @@ SHAPES = ("tokens", "sentences")
 class Selection:
     """How many cached tokens to recompute and how to pick them."""
 
-    ratio: float  # share of the stale cached module tokens to recompute (the budget)
+    ratio: float  # share of the choosable tokens to recompute (the budget); with `near`, of the near modules'
     layers: tuple[int, ...] = (4, 8, 12)  # where the question's attention is read
     shape: str = "tokens"
     window: int = 1  # tokens: neighbours taken on each side of a chosen token
@@ -154,7 +154,7 @@ def choose(stale: Stale, mass: torch.Tensor, sel: Selection, sentence_end: froze
     if sel.near:
         keep = set(modules[-sel.near:])
         ok = [c and u in keep for c, u in zip(ok, stale.unit)]
-    budget = round(sel.ratio * sum(stale.choosable))
+    budget = round(sel.ratio * sum(ok))  # with `near`, a share of those modules' tokens
     picked: set[int] = set()  # cache indices
     if sel.sinks:
         first: dict[str, int] = {}
