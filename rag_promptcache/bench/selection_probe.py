@@ -49,10 +49,10 @@ def parse_selection(spec: str) -> Selection:
             kw[key] = tuple(int(x) for x in value.split("+"))
         elif key == "shape":
             kw[key] = value
-        elif key in ("window", "sinks", "near"):
+        elif key in ("window", "sinks", "near", "whole"):
             kw[key] = int(value)
         else:
-            raise ValueError(f"unknown selection option {key!r}; valid: layers, shape, window, sinks, near")
+            raise ValueError(f"unknown selection option {key!r}; valid: layers, shape, window, sinks, near, whole")
     return Selection(float(ratio), **kw)  # type: ignore[arg-type]
 
 

@@ -49,6 +49,7 @@ class Selection:
     window: int = 1  # tokens: neighbours taken on each side of a chosen token
     sinks: int = 0  # first tokens of every stale module, outside the budget
     near: int = 0  # > 0: choose only inside the `near` stale modules nearest the question
+    whole: int = 0  # the `whole` stale modules nearest the question in full, the budget spent elsewhere
 
     def __post_init__(self) -> None:
         if not 0 <= self.ratio <= 1:
@@ -57,8 +58,9 @@ class Selection:
             raise ValueError(f"unknown selection shape {self.shape!r}; valid: {', '.join(SHAPES)}")
         if not self.layers or min(self.layers) < 0:
             raise ValueError(f"selection layers must be non-empty and >= 0, got {self.layers}")
-        if self.window < 0 or self.sinks < 0 or self.near < 0:
-            raise ValueError(f"window, sinks and near must be >= 0, got {self.window}, {self.sinks}, {self.near}")
+        if min(self.window, self.sinks, self.near, self.whole) < 0:
+            raise ValueError(f"window, sinks, near and whole must be >= 0, got {self.window}, {self.sinks}, "
+                             f"{self.near}, {self.whole}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,10 @@ def choose(stale: Stale, mass: torch.Tensor, sel: Selection, sentence_end: froze
         ok = [c and u in keep for c, u in zip(ok, stale.unit)]
     budget = round(sel.ratio * sum(ok))  # with `near`, a share of those modules' tokens
     picked: set[int] = set()  # cache indices
+    if sel.whole:
+        full = set(modules[-sel.whole:])
+        picked.update(c for c, u in enumerate(stale.unit) if ok[c] and u in full)
+        ok = [c and u not in full for c, u in zip(ok, stale.unit)]
     if sel.sinks:
         first: dict[str, int] = {}
         for c, u in enumerate(stale.unit):
