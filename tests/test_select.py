@@ -62,3 +62,29 @@ def test_whole_takes_the_nearest_module_and_spends_the_budget_elsewhere():
     mass = torch.zeros(17)
     mass[8] = 1.0
     assert choose(STALE, mass, Selection(0.1, whole=1, window=0)) == {8, 12, 13, 14, 15, 16}
+
+
+def test_question_recovery_recomputes_the_nearest_module_and_its_budget(tokenizer):
+    """`question:R` (engine/recovery.py): the stale module nearest the question whole, then R of the stale
+    tokens from the other modules;
+    R = 1 is every stale token, so its logits match full prefill's."""
+    from rag_promptcache.engine.recovery import Recovery
+
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none")
+    pc.add_schema(SCHEMA)
+    base = pc.plan(PROMPT, recovery="none")
+    stale = stale_tokens(base.pieces, base.kvs)
+    per = {u: stale.unit.count(u) for u, ok in zip(stale.unit, stale.choosable) if ok}
+    nearest = list(per)[-1]
+    fresh = lambda plan: sum(len(p.token_ids) for p in plan.pieces if not p.cached)  # noqa: E731
+    assert fresh(pc.plan(PROMPT, recovery="question:0@1")) - fresh(base) == per[nearest]
+    others = sum(per.values()) - per[nearest]
+    half = pc.plan(PROMPT, recovery="question:0.5@1")  # R is a share of all stale tokens, spent outside the nearest
+    assert fresh(half) - fresh(base) == per[nearest] + min(others, round(0.5 * sum(per.values())))
+    assert pc.compare(PROMPT, recovery="question:1@1").max_abs_logit_diff <= 1e-3
+    assert pc.compare(PROMPT, recovery="question:1@1").max_abs_logit_diff < pc.compare(PROMPT, recovery="none").max_abs_logit_diff
+    assert str(Recovery.parse("question:0.05")) == "question:0.05" and Recovery.parse("question:0.05@4").layer == 4
+    with pytest.raises(ValueError, match="past the model's 2 layers"):
+        pc.plan(PROMPT, recovery="question:0.1")  # the default layer 8 on a 2-layer model
+    with pytest.raises(ValueError, match=r"question needs a fraction r in \[0, 1\]"):
+        Recovery.parse("question:2")

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 
 from rag_promptcache.engine.assemble import assemble, release
 from rag_promptcache.engine.compiler import ROOT, Piece
-from rag_promptcache.engine.decode import native_gqa
+from rag_promptcache.engine.runner import forward_base
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
@@ -74,7 +74,7 @@ class Stale:
 
 
 def stale_tokens(pieces: Sequence[Piece], kvs: dict[str, ModuleKV]) -> Stale:
-    exact = _exact_module(pieces, kvs)
+    exact = exact_module(pieces, kvs)
     seq, unit, ok, ids = [], [], [], []
     at = 0
     for p in pieces:
@@ -119,9 +119,7 @@ def question_mass(
 
     handles = [a.register_forward_pre_hook(grab(i), with_kwargs=True) for i, a in zip(layers, attns)]
     try:
-        with native_gqa(device):
-            model.base_model(input_ids=asm.new_ids, position_ids=asm.new_positions, past_key_values=asm.cache,
-                             attention_mask=asm.mask, use_cache=True)
+        forward_base(model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
     except _Stop:
         pass
     finally:
@@ -210,7 +208,9 @@ def _sentences(stale: Stale, ok: list[bool], ends: frozenset[int]) -> list[tuple
     return spans
 
 
-def _exact_module(pieces: Sequence[Piece], kvs: dict[str, ModuleKV]) -> str | None:
+def exact_module(pieces: Sequence[Piece], kvs: dict[str, ModuleKV]) -> str | None:
+    """The first module, when its KV is already what full prefill computes: encoded after the same
+    context it follows here (shared_prefix) and not moved. Recomputing it would change nothing."""
     first = next((p for p in pieces if p.cached and p.unit != ROOT), None)
     if first is None or kvs[first.unit].mode != "shared_prefix":
         return None
