@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "eos"]
+Path = Literal["cached", "full"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,9 @@ class Result:
     recomputed_modules: tuple[str, ...]  # stored but not reusable at this position (absolute positions)
     # forwards after the prefill: one per token after the first, fewer where prompt lookup drafts were accepted
     num_decode_forwards: int = 0
+    # "full": a plain prefill of every prompt token ran (use_cache=False, or the planner's fallback found it
+    # faster than the cached plan, engine/costmodel.py); cached_tokens is then 0
+    path: Path = "cached"
 
     @property
     def num_generated(self) -> int:
