@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SYSTEMS = ("full", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
+SYSTEMS = ("full", "full_engine", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
 
 
 def write_json(report: dict[str, object], path: str | Path) -> None:
@@ -33,8 +33,9 @@ def markdown(report: dict[str, object]) -> str:
            f"{'on' if report.get('native_kernels') else 'off'}, {report.get('date', '')}", ""]
     if report.get("ttft"):
         out += ["## TTFT (seconds, median)", "", _table(
-            ["context", "modules", *SYSTEMS, "speed-up", "overhead vs lower bound", "miss/full", "disk/memory"],
-            [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), r["speedup"],
+            ["context", "modules", *SYSTEMS, "speed-up vs transformers full", "speed-up vs engine full",
+             "overhead vs lower bound", "miss/full", "disk/memory"],
+            [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), r["speedup"], r["speedup_engine"],
               r["overhead_vs_lower_bound"], r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
     if report.get("decode"):
         out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, EOS ignored, "
