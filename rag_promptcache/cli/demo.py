@@ -61,8 +61,7 @@ def demo(
     c.prepare()
     info = c.info()
     typer.echo(f"corpus: {info['num_documents']} documents, {info['num_modules']} modules, {info['num_tokens']} tokens, "
-               f"store {info['store_bytes'] / 2**20:.0f} MiB, model {info['model']}, "
-               f"recovery {c.engine.recovery}, path policy {c.engine.fallback.policy}\n")
+               f"store {info['store_bytes'] / 2**20:.0f} MiB, model {info['model']}\n")
     c.ask(QUESTIONS[-1], k, max_new_tokens=1)  # untimed warm-up: kernels, buffer pools, the path's cost model
     slower = 0
     for question in QUESTIONS:
