@@ -33,7 +33,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
