@@ -58,7 +58,7 @@ def test_ttft_rows(report):
     for r in rows:
         assert isinstance(r["query_tokens"], int) and r["query_tokens"] > 0
         for key in ("full_s", "prefix_s", "cached_memory_s", "cached_disk_s", "miss_s", "lower_bound_s", "speedup",
-                    "overhead_vs_lower_bound"):
+                    "overhead_vs_lower_bound", "full_engine_s", "speedup_engine"):
             assert positive(r[key]), (key, r[key])
         assert r["top1_match"] is True  # a tiny llama is exact under relocation
 

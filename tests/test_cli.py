@@ -229,7 +229,7 @@ def test_parse_size() -> None:
 def test_demo_builds_then_reuses(tmp_path: Path, fakes, capsys) -> None:
     code, out, err = run(capsys, "demo", "--corpus", tmp_path / "demo", "--max-new-tokens", "4")
     assert code == 0, err
-    assert "building the demo corpus" in out and out.count("TTFT cached") == 3 and "pydoc_data.topics/" in out
+    assert "building the demo corpus" in out and out.count("vs the engine's full prefill") == 3 and "pydoc_data.topics/" in out
     code, out, _ = run(capsys, "demo", "--corpus", tmp_path / "demo")
     assert code == 0 and "reusing the demo corpus" in out and "ingested" not in out
 

@@ -1,49 +1,90 @@
 """Answer fidelity: does the cached prompt give the answers full prefill of the same tokens gives?
 
-The data is bench/fidelity_data.py's confusable documents (same templates, different entities)
-and long reports, built into a real corpus (real embedder, FAISS) on the loaded model, so
-retrieval is real. Per k and per (encoding mode, recovery) setting, over the same questions and
-prompts: full prefill's accuracy, cached accuracy, retained = cached / full, agreement of the
-answer texts, and the TTFT speed-up (medians over the questions, within this run). Then one timing
-point at ~`fidelity_ttft_context` tokens of context (a larger k, a few questions, TTFT only), where
-the default is held to its speed-up target; `choose_default` applies the rule of issue 11.
+Two splits, each built into a real corpus (real embedder, FAISS) on the loaded model, so retrieval
+is real:
+- `bench`: bench/fidelity_data.py's confusable documents (same templates, different entities) and
+  long reports, one module per document (`CHUNK_TOKENS`);
+- `heldout`: bench/fidelity_heldout.py (issue 26 §3: other templates, facts and seed, ~250-token
+  records and reports), chunked at the corpus's default chunk size.
+Per split, k and (encoding mode, recovery) setting, over the same questions and prompts: full
+prefill's accuracy (the engine's own, `use_cache=False`), cached accuracy, retained = cached / full,
+agreement of the answer texts, the share of context tokens recomputed, and the TTFT speed-up over
+the engine's full prefill (medians over the questions, within this run). The engines run with
+`fallback="never"`: this measures a recovery, not the planner's choice of path. Then, optionally, one
+timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies issue 11's rule,
+`choose_across_splits` issue 26's (retains >= 0.95 on every split at every measured k).
+
+    python -m rag_promptcache.bench.fidelity --split both --k 4 8 --settings none,last:1,last:2,question:0.05 \
+        --questions 24 --threads 2 --dtype bfloat16 --out docs/bench/fidelity-2026-11-25
 
 Not here: the evaluation logic (rag/fidelity.py, shared with `rag-promptcache eval`).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import math
 import tempfile
+import time
+from pathlib import Path
 
-from rag_promptcache.bench.common import Bench, median
-from rag_promptcache.bench.fidelity_data import generate
+from rag_promptcache.bench import fidelity_data, fidelity_heldout
+from rag_promptcache.bench.common import Bench, BenchConfig, median
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.rag.corpus import Corpus
-from rag_promptcache.rag.fidelity import EvalQuestion, cached, references, summarize
+from rag_promptcache.rag.fidelity import EvalQuestion, Reference, cached, references, summarize
 from rag_promptcache.store import MemoryStore
 
 CHUNK_TOKENS = 320  # every document is one module
 TARGET_RETAINED = 0.95
 TARGET_SPEEDUP, FALLBACK_SPEEDUP = 5.0, 3.0
 STOP = (".",)  # the answer is its first sentence; the rest only costs decode time
+SPLITS = ("bench", "heldout")
 
 
-def run(bench: Bench) -> dict[str, object]:
+def run(bench: Bench, splits: tuple[str, ...] = ("bench",), ttft_point: bool = True) -> dict[str, object]:
+    """Rows for every split, k and setting; with `ttft_point`, the first split's TTFT at ~2k context."""
+    if unknown := set(splits) - set(SPLITS):
+        raise ValueError(f"unknown fidelity split(s) {sorted(unknown)}; valid: {', '.join(SPLITS)}")
+    rows: list[dict[str, object]] = []
+    timing: list[dict[str, object]] = []
+    questions = 0
+    for i, split in enumerate(splits):
+        out = _run_split(bench, split, ttft_point and i == 0)
+        rows += out["rows"]
+        timing += out["timing"]
+        questions = max(questions, out["questions"])
+    cfg = bench.config
+    return {"rows": rows, "ttft_at_context": timing, "chosen": choose_default(rows, timing) if timing else None,
+            "across_splits": choose_across_splits(rows), "splits": list(splits),
+            "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": questions,
+            "new_tokens": cfg.fidelity_new_tokens}
+
+
+def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
     cfg, model, tok = bench.config, bench.model, bench.tokenizer
-    data = generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind)
+    if split == "bench":
+        data, chunk = fidelity_data.generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind), CHUNK_TOKENS
+    else:  # the corpus's default chunk size: what a user's corpus gets
+        data, chunk = fidelity_heldout.generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind), None
     questions = [EvalQuestion(q.question, q.answer) for q in data.questions[: cfg.fidelity_questions]]
     engines: dict[str, PromptCache] = {}
     rows: list[dict[str, object]] = []
+    timing: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="rpc-fidelity-") as tmp:
         modes = list(dict.fromkeys(m for m, _ in cfg.fidelity_settings))
-        engines[modes[0]] = PromptCache(model, tok, store=MemoryStore(), mode=modes[0], name=bench.model_name)
-        corpus = Corpus.build(data.documents, f"{tmp}/corpus", engine=engines[modes[0]], chunk_tokens=CHUNK_TOKENS,
+        engines[modes[0]] = PromptCache(model, tok, store=MemoryStore(), mode=modes[0], name=bench.model_name,
+                                        **NO_FALLBACK)
+        corpus = Corpus.build(data.documents, f"{tmp}/corpus", engine=engines[modes[0]], chunk_tokens=chunk,
                               progress=False)
-        bench.log(f"fidelity: corpus of {len(data.documents)} documents, {corpus.last_report.num_tokens} tokens")
+        bench.log(f"fidelity {split}: corpus of {len(data.documents)} documents, {len(corpus)} modules, "
+                  f"{corpus.last_report.num_tokens} tokens")
         for mode in modes[1:]:  # the same modules, encoded in another mode, before anything is timed
-            engines[mode] = PromptCache(model, tok, store=MemoryStore(), mode=mode, name=bench.model_name)
+            engines[mode] = PromptCache(model, tok, store=MemoryStore(), mode=mode, name=bench.model_name,
+                                        **NO_FALLBACK)
             engines[mode].add_schema(corpus.schema)
             engines[mode].encode(corpus.manifest.name)
         corpus.prepare()
@@ -52,16 +93,30 @@ def run(bench: Bench) -> dict[str, object]:
             for mode, rec in cfg.fidelity_settings:
                 report = summarize(str(Recovery.parse(rec)), k, refs,
                                    cached(engines[mode], refs, rec, cfg.fidelity_new_tokens, STOP))
-                rows.append({"mode": mode, **report.as_dict()})
+                share = recomputed_share(engines[mode], refs, rec)
+                rows.append({"split": split, "mode": mode, **report.as_dict(), "recomputed_share": share})
                 r = rows[-1]
-                bench.log(f"fidelity k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}, "
-                          f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, speed-up {r['speedup']:.1f}x")
-        timing = _ttft_point(bench, corpus, engines, questions)
+                bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}, "
+                          f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "
+                          f"speed-up {r['speedup']:.1f}x over the engine's full prefill")
+        if ttft_point:
+            timing = _ttft_point(bench, corpus, engines, questions)
         corpus.close()
-    default = choose_default(rows, timing)
-    return {"rows": rows, "ttft_at_context": timing, "chosen": default,
-            "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": len(questions),
-            "new_tokens": cfg.fidelity_new_tokens}
+    return {"rows": rows, "timing": timing, "questions": len(questions)}
+
+
+NO_FALLBACK = {"fallback": "never"}  # a recovery is measured, not the planner's choice of path
+
+
+def recomputed_share(engine: PromptCache, refs: list[Reference], recovery: str) -> float:
+    """The share of the retrieved modules' tokens that `recovery` computes again, over all the prompts:
+    the plan's computed tokens beyond `none`'s (the question and glue), over the context tokens."""
+    extra = 0
+    for r in refs:
+        fresh = [sum(len(p.token_ids) for p in engine.plan(r.prompt, recovery=rec).pieces if not p.cached)
+                 for rec in (recovery, "none")]
+        extra += fresh[0] - fresh[1]
+    return extra / max(1, sum(r.context_tokens for r in refs))
 
 
 def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
@@ -92,6 +147,67 @@ def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
     return out
 
 
+def choose_across_splits(rows: list[dict[str, object]]) -> dict[str, object] | None:
+    """Issue 26's rule: the fastest setting (its slowest speed-up at the largest k, over the splits) that
+    retains >= 0.95 on every split at every measured k; None when none does."""
+    largest = max((r["k"] for r in rows), default=0)
+    worst: dict[tuple[str, str], float] = {}
+    speed: dict[tuple[str, str], float] = {}
+    for r in rows:
+        key = (r["mode"], r["recovery"])
+        worst[key] = min(worst.get(key, math.inf), r["retained"] if r["retained"] is not None else 0.0)
+        if r["k"] == largest:
+            speed[key] = min(speed.get(key, math.inf), r["speedup"])
+    met = [s for s in worst if worst[s] >= TARGET_RETAINED]
+    if not met:
+        return None
+    best = max(met, key=lambda s: speed.get(s, 0.0))
+    return {"mode": best[0], "recovery": best[1], "worst_retained": worst[best], "speedup_at_largest_k": speed.get(best),
+            "rule": f"fastest with retained >= {TARGET_RETAINED} on every split at every k (speed-up at k={largest})"}
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """The fidelity scenario alone, with its split and sizes on the command line (module docstring)."""
+    import torch
+
+    from rag_promptcache.bench import report
+    from rag_promptcache.model.loading import load_model
+
+    ap = argparse.ArgumentParser(description="Answer fidelity of recovery settings against the engine's full prefill.")
+    ap.add_argument("--split", choices=(*SPLITS, "both"), default="both")
+    ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--settings", default="none,last:1,last:2,question:0.05",
+                    help="comma-separated RECOVERY or MODE/RECOVERY")
+    ap.add_argument("--questions", type=int, default=24, help="per split")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--ttft-point", action="store_true", help="also time the bench split at ~2k context")
+    ap.add_argument("--out", type=Path, required=True, help="folder for fidelity.json, fidelity.md, the front PNG")
+    args = ap.parse_args(argv)
+    from rag_promptcache.engine.encoder import check_mode
+
+    settings = tuple(dict.fromkeys(
+        (check_mode(mode or "shared_prefix"), str(Recovery.parse(rec)))
+        for mode, _, rec in (s.strip().rpartition("/") for s in args.settings.split(",") if s.strip())))
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, dtype=args.dtype)
+    cfg = dataclasses.replace(BenchConfig(), fidelity_questions=args.questions, fidelity_ks=tuple(args.k),
+                              fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype)
+    bench = Bench(model, tok, args.model, cfg, log=lambda m: print(m, flush=True))
+    splits = SPLITS if args.split == "both" else (args.split,)
+    out = run(bench, splits, ttft_point=args.ttft_point)
+    out.update({"dtype": args.dtype, "threads": args.threads, "seconds": round(time.perf_counter() - t0, 1)})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fidelity.json").write_text(json.dumps(out, indent=2) + "\n")
+    (args.out / "fidelity.md").write_text(report.fidelity_splits_markdown(out) + "\n")
+    report.fidelity_front(out, args.out / "fidelity_front.png")
+    print(report.fidelity_splits_markdown(out), flush=True)
+    return out
+
+
 def choose_default(rows: list[dict[str, object]], timing: list[dict[str, object]]) -> dict[str, object] | None:
     """Issue 11's rule: the fastest setting retaining >= 95% at the smallest and largest k with >= 5x
     at ~2k context; else the most faithful (worst-k retained) with >= 3x."""
@@ -115,3 +231,7 @@ def choose_default(rows: list[dict[str, object]], timing: list[dict[str, object]
         best = max(fallback, key=lambda s: (worst[s], speed[s]))
         rule = f"none reaches {TARGET_RETAINED}: most faithful with >= {FALLBACK_SPEEDUP}x"
     return {"mode": best[0], "recovery": best[1], "worst_retained": worst[best], "speedup": speed[best], "rule": rule}
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SYSTEMS = ("full", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
+SYSTEMS = ("full", "full_engine", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
 LLAMACPP = ("llamacpp_bf16_full", "llamacpp_q4_1_full")  # bench/llamacpp.py's TTFT rows, where it ran
 
 
@@ -36,11 +36,11 @@ def markdown(report: dict[str, object]) -> str:
         llama = [s for s in LLAMACPP if f"{s}_s" in report["ttft"][0]]
         ratios = [f"x_{s.removesuffix('_full')}" for s in llama]  # llama.cpp's full prefill over our cached
         out += ["## TTFT (seconds, median)", "", _table(
-            ["context", "modules", *SYSTEMS, *llama, "speed-up", *(f"{s} / cached_memory" for s in llama),
-             "overhead vs lower bound", "miss/full", "disk/memory"],
+            ["context", "modules", *SYSTEMS, *llama, "speed-up vs transformers full", "speed-up vs engine full",
+             *(f"{s} / cached_memory" for s in llama), "overhead vs lower bound", "miss/full", "disk/memory"],
             [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), *(r[f"{s}_s"] for s in llama),
-              r["speedup"], *(r[x] for x in ratios), r["overhead_vs_lower_bound"], r["miss_over_full"],
-              r["disk_over_memory"]] for r in report["ttft"]]), ""]
+              r["speedup"], r["speedup_engine"], *(r[x] for x in ratios), r["overhead_vs_lower_bound"],
+              r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
     if isinstance(report.get("chat"), dict):
         out += _chat_markdown(report["chat"])
     if report.get("decode"):
@@ -144,6 +144,63 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
                     f"speed-up at ~{ctx:.0f} tok"], rows), "",
             f"engine default: {fid['engine_default']}; the rule picks: "
             + (f"{chosen['mode']}/{chosen['recovery']} ({chosen['rule']})" if chosen else "nothing (no setting keeps 3x)"), ""]
+
+
+def fidelity_splits_markdown(fid: dict[str, object]) -> str:
+    """The fidelity rows per split: retained, share recomputed, speed-up over the engine's full prefill."""
+    pct = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    rows = [[r.get("split", "bench"), r["k"], f"{r['context_tokens']:.0f}", f"{r['mode']}/{r['recovery']}",
+             f"{r['full_correct']}/{r['with_answer']}", f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]),
+             f"{r.get('recomputed_share', 0.0):.3f}", f"{r['full_ttft_s']:.3f}", f"{r['cached_ttft_s']:.3f}",
+             f"{r['speedup']:.1f}x"] for r in fid["rows"]]
+    chosen = fid.get("across_splits")
+    return "\n".join([
+        _table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "recomputed",
+                "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
+        "the rule (retained >= 0.95 on every split at every k, then the fastest) picks: "
+        + (f"{chosen['mode']}/{chosen['recovery']} (worst retained {chosen['worst_retained']:.2f}, "
+           f"{chosen['speedup_at_largest_k']:.1f}x)" if chosen else "nothing"),
+    ])
+
+
+def fidelity_front(fid: dict[str, object], path: str | Path) -> Path:
+    """Retained against TTFT speed-up over the engine's full prefill, one panel per k, one colour per
+    split, each split's Pareto front drawn as a step line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in fid["rows"] if r["retained"] is not None]
+    ks = sorted({r["k"] for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(ks)), figsize=(5.5 * max(1, len(ks)), 4.5), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        for split, colour in (("bench", "tab:blue"), ("heldout", "tab:orange")):
+            pts = sorted(((r["speedup"], r["retained"], r["recovery"]) for r in rows
+                          if r["k"] == k and r.get("split", "bench") == split), reverse=True)
+            if not pts:
+                continue
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=colour, label=split)
+            for x, y, name in pts:
+                ax.annotate(name, (x, y), fontsize=7)
+            front, best = [], -1.0
+            for x, y, _ in pts:  # fastest first: a point is on the front when it retains more than every faster one
+                if y > best:
+                    front.append((x, y))
+                    best = y
+            ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=colour, alpha=0.5)
+        ax.axhline(0.95, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set(xlabel="TTFT speed-up over the engine's own full prefill", ylabel="retained (cached right / full right)",
+               title=f"k = {k}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("Answer fidelity against speed, per k and split")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plots(report: dict[str, object], folder: str | Path) -> list[Path]:

@@ -27,6 +27,7 @@ from rag_promptcache.engine import attention
 from rag_promptcache.engine.assemble import release
 from rag_promptcache.engine.batcher import DEFAULT_PREFILL_CHUNK, Batcher
 from rag_promptcache.engine.compiler import LAYOUTS, Compiler, Layout
+from rag_promptcache.engine.costmodel import Costs, Fallback, stored_costs
 from rag_promptcache.engine.decode import can_crop, decode
 from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode
 from rag_promptcache.engine.grammar import Grammar
@@ -63,6 +64,7 @@ class PromptCache:
         codec: str | None = None,
         prompt_lookup: int | None = None,
         prefix_cache_bytes: int | None = None,
+        fallback: str | Fallback | None = None,
     ) -> None:
         """`prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
         prompt and the answer so far (engine/lookup.py); 0 turns it off; None reads
@@ -70,8 +72,15 @@ class PromptCache:
 
         `prefix_cache_bytes`: the KV of recent requests kept for later ones that start the same way
         (a chat's follow-up turns; engine/prefix_cache.py), in bytes; 0 turns it off; None reads the
-        store config's `prefix_cache_bytes` ($RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES, default 256 MiB)."""
+        store config's `prefix_cache_bytes` ($RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES, default 256 MiB).
+
+        `fallback`: "auto" runs a plain full prefill where this machine's cost model (engine/costmodel.py,
+        measured on the first request and stored under the cache home) says it beats the cached plan,
+        "never" always runs the cached plan, "always" never does; None reads RAG_PROMPTCACHE_FALLBACK
+        (unset: auto); a `Fallback` is used as given (its own costs). `Result.path` says which ran."""
         prompt_lookup = lookup_tokens(prompt_lookup)
+        if not isinstance(fallback, Fallback):  # a bad policy fails here, before anything is built
+            fallback = Fallback(fallback, self._measure_costs)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is not None and codec is not None:
@@ -110,11 +119,17 @@ class PromptCache:
         # caller (the batch scheduler) may hold it around engine calls.
         self.model_lock = threading.RLock()
         self.schemas = Schemas(self.compiler, self.fingerprint, self.mode)
+        self.fallback = fallback
         self.planner = Planner(
             self.schemas, self.compiler, store, model, self.relocator, self.geometry,
-            PlanConfig(self.mode, layout, batch_size, self.recovery, self.context_window, self.fingerprint),
+            PlanConfig(self.mode, layout, batch_size, self.recovery, self.context_window, self.fingerprint,
+                       self.fallback),
             self.model_lock,
         )
+
+    def _measure_costs(self) -> Costs:
+        with self.model_lock:  # timed forwards: nobody else's may run meanwhile
+            return stored_costs(self.model, self.relocator, self.geometry, self.fingerprint)
 
     @classmethod
     def from_pretrained(
@@ -182,10 +197,12 @@ class PromptCache:
     # -- the request path: plan → prefill → decode -----------------------------------------------
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
-             max_new_tokens: int = 0) -> Plan:
+             max_new_tokens: int = 0, fallback: bool = True) -> Plan:
         """Compile the prompt and fetch (or encode and store) the KV of every module it uses.
-        Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window."""
-        return self.planner.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=max_new_tokens)
+        Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window.
+        `fallback=False`: the cached plan even where this engine's policy would run full prefill."""
+        return self.planner.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=max_new_tokens,
+                                 fallback=fallback)
 
     def start_prefill(self, plan: Plan, room: int = 0) -> Prefilling:
         """`plan`'s KV assembled with `room` tokens to spare → its new tokens to run, whole or a chunk at a
@@ -301,7 +318,8 @@ class PromptCache:
 
     def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""
-        plan = dataclasses.replace(self.plan(prompt, recovery=recovery), sources=None)  # this plan alone
+        # the cached assembly is what is compared, alone: nothing from the prefix cache
+        plan = dataclasses.replace(self.plan(prompt, recovery=recovery, fallback=False), sources=None)
         cached, full = self.prefill(plan), self.prefill(uncached(plan))
         release(cached.cache)
         release(full.cache)

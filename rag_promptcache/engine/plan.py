@@ -14,6 +14,7 @@ way (engine/prefix_cache.py), which `sources` lets it tell.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 from transformers import PreTrainedModel
 
 from rag_promptcache.engine.compiler import ROOT, Compiler, Layout, Piece, Unit
+from rag_promptcache.engine.costmodel import Fallback
 from rag_promptcache.engine.encoder import encode_units
 from rag_promptcache.engine.errors import ContextWindowExceeded
 from rag_promptcache.engine.recovery import Recovery, recover
@@ -46,6 +48,7 @@ class Plan:
     # the store key of each module it assembles: with the pieces, how each token's KV is produced, the
     # prefix cache's labels (engine/prefix_cache.py); None: a full-prefill reference, which reuses nothing
     sources: Mapping[str, str] | None = None
+    path: str = "cached"  # "full": every token computed (use_cache=False, or the fallback chose it)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +103,7 @@ class Plan:
             recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
             num_decode_forwards=state.stats.num_forwards,
             num_prefix_tokens=num_prefix_tokens,
+            path=self.path,  # type: ignore[arg-type]
         )
 
 
@@ -110,7 +114,7 @@ def uncached(plan: Plan) -> Plan:
         b.position == a.position + len(a.token_ids) for a, b in zip(plan.pieces, plan.pieces[1:])
     )
     pieces = (merged,) if contiguous else tuple(Piece(p.token_ids, p.position) for p in plan.pieces if p.token_ids)
-    return Plan(pieces, {}, (), (), (), 0)
+    return Plan(pieces, {}, (), (), (), 0, sources=None, path="full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,7 @@ class PlanConfig:
     recovery: Recovery  # the default; a request may name another
     context_window: int
     fingerprint: str
+    fallback: Fallback | None = None  # None: always the cached plan (engine/costmodel.py)
 
 
 class Planner:
@@ -133,9 +138,11 @@ class Planner:
         self.model_lock = model_lock  # held around every forward: encoding misses, recovery passes
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
-             max_new_tokens: int = 0) -> Plan:
+             max_new_tokens: int = 0, fallback: bool = True) -> Plan:
         """Compile the prompt and fetch (or encode and store) the KV of every module it uses. Raises
-        `ContextWindowExceeded` if the prompt plus `max_new_tokens` does not fit the model's context window."""
+        `ContextWindowExceeded` if the prompt plus `max_new_tokens` does not fit the model's context window.
+        `fallback`: let the engine's policy (engine/costmodel.py) swap the plan for a full prefill of the
+        same tokens where that is faster; missed modules are encoded and stored either way."""
         cfg = self.config
         parsed = self.schemas.parse(prompt)
         chat, default = self.schemas.chat_of(parsed.schema, parsed.children)
@@ -183,8 +190,13 @@ class Planner:
         with self.model_lock:
             pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
         missed = {u.name for u in misses}
-        return Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
+        plan = Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded, keys)
+        if fallback and cfg.fallback is not None and cfg.fallback.use_full(plan.num_tokens, plan.num_cached):
+            # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
+            # an earlier full-path request computed of the same tokens (the prefix cache's labels)
+            return dataclasses.replace(uncached(plan), misses=plan.misses, num_encoded_tokens=encoded, sources={})
+        return plan
 
     def encode(self, units: Sequence[Unit]) -> list[ModuleKV]:
         """The KV of `units`, computed now (not stored: the caller knows their keys)."""

@@ -11,6 +11,9 @@ strategy picks cached tokens to compute again, in place, against everything befo
 - `last:N`: the N retrieved modules nearest the question, whole. A corpus puts its best-ranked
   module there, so this recomputes the module the answer most likely comes from against the others.
   A first module that is exact already (shared_prefix, not moved) is never counted.
+- `question:R` (question-aware, issue 26): the stale module nearest the question whole, plus the
+  fraction R of the other modules' tokens the question attends to most (engine/select.py), read at
+  layers L/2, L, 3L/2 (`@L`, default 8).
 - `attend:N` (query-aware): the N modules the question's tokens attend to most at layer `@L`
   (default 8), found by running the question over the assembled cache up to that layer, recomputed
   whole. Needs attention with a `q_proj` (Llama, Mistral, Qwen, Gemma families).
@@ -32,11 +35,12 @@ from transformers import DynamicCache, PreTrainedModel
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import ROOT, Piece
 from rag_promptcache.engine.runner import forward_base
+from rag_promptcache.engine.select import Selection, choose, exact_module, question_mass, stale_tokens
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
-KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend")
-DEFAULT_LAYER = {"selective": 1, "attend": 8}
+KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question")
+DEFAULT_LAYER = {"selective": 1, "attend": 8, "question": 8}
 # Chosen on answers, not logits, by issue 11's rule (docs/FIDELITY.md, `rag-promptcache bench --scenarios
 # fidelity`): the fastest setting keeping >= 95% of full prefill's answers at k = 4 and 12 with >= 5x TTFT
 # at ~2k context. With the best-ranked modules next to the question, recomputing the two nearest whole
@@ -46,9 +50,12 @@ DEFAULT_RECOVERY = "last:2"
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
-    kind: Literal["none", "first_k", "selective", "last", "attend"] = "none"
-    budget: float = 0.0  # K tokens for first_k; a fraction R in [0, 1] for selective; N modules for last/attend
-    layer: int = 1  # selective: where deviation is measured; attend: where the question's attention is read
+    kind: Literal["none", "first_k", "selective", "last", "attend", "question"] = "none"
+    # K tokens for first_k; a fraction R in [0, 1] for selective and question; N modules for last/attend
+    budget: float = 0.0
+    # selective: where deviation is measured; attend: where the question's attention is read; question: L
+    # reads it at L/2, L and 3L/2 (the default 8: layers 4, 8, 12, as engine/select.py's probe measured)
+    layer: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -57,14 +64,14 @@ class Recovery:
             raise ValueError(f"first_k needs a whole number of tokens k >= 0, got {self.budget}")
         if self.kind in ("last", "attend") and (self.budget < 0 or self.budget != int(self.budget)):
             raise ValueError(f"{self.kind} needs a whole number of modules n >= 0, got {self.budget}")
-        if self.kind == "selective" and not 0 <= self.budget <= 1:
-            raise ValueError(f"selective needs a fraction r in [0, 1], got {self.budget}")
+        if self.kind in ("selective", "question") and not 0 <= self.budget <= 1:
+            raise ValueError(f"{self.kind} needs a fraction r in [0, 1], got {self.budget}")
         if self.layer < 0:
             raise ValueError(f"the deviation layer must be >= 0, got {self.layer}")
 
     @classmethod
     def parse(cls, spec: str | Recovery | None) -> Recovery:
-        """"none", "first_k:8", "selective:0.15[@2]", "last:1", "attend:1[@8]"."""
+        """"none", "first_k:8", "selective:0.15[@2]", "last:1", "attend:1[@8]", "question:0.05[@8]"."""
         if spec is None:
             return cls()
         if isinstance(spec, Recovery):
@@ -77,13 +84,13 @@ class Recovery:
         except ValueError as e:
             if "valid:" in str(e) or "needs" in str(e) or "layer" in str(e):
                 raise
-            raise ValueError(f"bad recovery {spec!r}: write none, first_k:K, selective:R[@layer], last:N "
-                             "or attend:N[@layer]") from e
+            raise ValueError(f"bad recovery {spec!r}: write none, first_k:K, selective:R[@layer], last:N, "
+                             "attend:N[@layer] or question:R[@layer]") from e
 
     def __str__(self) -> str:
         if self.kind == "none":
             return "none"
-        budget = self.budget if self.kind == "selective" else int(self.budget)
+        budget = self.budget if self.kind in ("selective", "question") else int(self.budget)
         layer = DEFAULT_LAYER.get(self.kind)
         return f"{self.kind}:{budget}" + (f"@{self.layer}" if layer is not None and self.layer != layer else "")
 
@@ -97,12 +104,15 @@ def recover(
     geometry: KVGeometry,
 ) -> list[Piece]:
     """The pieces with the chosen cached tokens turned into new ones."""
+    if recovery.kind == "question":  # budget 0 still recomputes the nearest module whole
+        chosen = _question(pieces, kvs, model, relocator, geometry, recovery)
+        return split(pieces, chosen)
     if recovery.kind == "none" or recovery.budget == 0:
         return list(pieces)
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
     elif recovery.kind == "last":
-        stale = [m for m in _module_order(pieces) if m != _exact_module(pieces, kvs)]
+        stale = [m for m in _module_order(pieces) if m != exact_module(pieces, kvs)]
         chosen = _modules(pieces, stale[-int(recovery.budget):])
     elif recovery.kind == "attend":
         chosen = _modules(pieces, _most_attended(pieces, kvs, model, relocator, geometry, int(recovery.budget),
@@ -110,6 +120,31 @@ def recover(
     else:
         chosen = _most_deviating(pieces, kvs, model, relocator, geometry, recovery.budget, recovery.layer)
     return split(pieces, chosen)
+
+
+def question_layers(layer: int) -> tuple[int, ...]:
+    """Where `question:R@L` reads the question's attention: L/2, L and 3L/2 (at least layer 0)."""
+    return tuple(sorted({layer // 2, layer, layer + layer // 2}))
+
+
+def _question(pieces: Sequence[Piece], kvs: dict[str, ModuleKV], model: PreTrainedModel, relocator: Relocator,
+              geometry: KVGeometry, recovery: Recovery) -> set[int]:
+    """The stale module nearest the question whole, plus the fraction R of the other stale tokens the
+    question attends to most (engine/select.py; the research behind it is docs/FIDELITY.md's issue 26
+    section). Nothing to score when no other stale module is left."""
+    stale = stale_tokens(pieces, kvs)
+    depth = len(_decoder_layers(model))
+    if recovery.layer >= depth:
+        raise ValueError(f"question recovery layer {recovery.layer} is past the model's {depth} layers")
+    # 3L/2 may pass a shallow model's last layer: read the deepest there is instead
+    layers = tuple(sorted({min(i, depth - 1) for i in question_layers(recovery.layer)}))
+    sel = Selection(recovery.budget, layers=layers, whole=1)
+    others = len({u for u, ok in zip(stale.unit, stale.choosable) if ok}) > 1
+    if not others or recovery.budget == 0:
+        mass = torch.zeros(len(stale.seq))
+    else:
+        mass = question_mass(pieces, kvs, model, relocator, geometry, sel.layers)
+    return choose(stale, mass, sel)
 
 
 def split(pieces: Sequence[Piece], chosen: set[int]) -> list[Piece]:
@@ -148,16 +183,6 @@ def _first_k(pieces: Sequence[Piece], kvs: dict[str, ModuleKV], k: int) -> set[i
 def _module_order(pieces: Sequence[Piece]) -> list[str]:
     """Cached modules in sequence order; the schema's own text (the root) is not a module."""
     return list(dict.fromkeys(p.unit for p in pieces if p.cached and p.unit != ROOT))
-
-
-def _exact_module(pieces: Sequence[Piece], kvs: dict[str, ModuleKV]) -> str | None:
-    """The first module, when its KV is already what full prefill computes: encoded after the same
-    context it follows here (shared_prefix) and not moved. Recomputing it would change nothing."""
-    first = next((p for p in pieces if p.cached and p.unit != ROOT), None)
-    if first is None or kvs[first.unit].mode != "shared_prefix":
-        return None
-    moved = any(p.unit == first.unit and p.position != kvs[p.unit].start + p.offset for p in pieces)
-    return None if moved else first.unit
 
 
 def _modules(pieces: Sequence[Piece], names: Sequence[str]) -> set[int]:

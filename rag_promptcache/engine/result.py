@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "eos"]
+Path = Literal["cached", "full"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class Result:
     num_decode_forwards: int = 0
     # of cached_tokens, those reused from an earlier request's KV (the prefix cache: engine/prefix_cache.py)
     num_prefix_tokens: int = 0
+    # "full": a plain prefill of every prompt token ran (use_cache=False, or the planner's fallback found it
+    # faster than the cached plan, engine/costmodel.py); cached_tokens is then 0
+    path: Path = "cached"
 
     @property
     def num_generated(self) -> int:

@@ -1,0 +1,182 @@
+"""Never slower than not caching (issue 26 §4): whether a cached plan or a plain full prefill of the same
+tokens reaches the first token sooner, on this machine.
+
+A cached plan pays for assembling its cached tokens (copy, relocate) and then a forward over its new
+tokens against them; a full prefill pays one forward over every token. `Costs` models both:
+
+    forward(n new, c context) = fixed + per_token * n + per_pair * n * (c + n / 2)
+    cached(C cached, n new)   = per_cached * C + forward(n, C)
+    full(N)                   = forward(N, 0)
+
+`calibrate` measures the coefficients with a few tiny timed forwards and assemblies (tenths of a second
+on SmolLM2-135M on an idle CPU), on the first request that needs them, and `stored_costs` keeps them
+under the cache home keyed by model fingerprint, device, dtype and threads, so a machine measures once.
+`Fallback.use_full` is the one place the decision is made: policy `auto` runs full prefill when its
+estimate beats the cached plan's by more than `MARGIN` (a noisy calibration must not send cached
+plans to the slow path; within the margin the cached plan is at most that much slower), `never`
+always runs the cached plan, `always` always runs full prefill; `RAG_PROMPTCACHE_FALLBACK` sets it
+where the caller does not. A calibration that cannot tell a token's cost from noise (no positive
+per-token cost) keeps the cached plan.
+
+Out of scope: what planning already spent before the decision (fetching KV from the store, encoding
+missed modules, which are written back for later requests, recovery's scoring pass) and decode speed,
+which is the same on both paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from rag_promptcache.engine.assemble import assemble, release
+from rag_promptcache.engine.compiler import Piece
+from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.model.loading import cache_home
+from rag_promptcache.model.positions import KVGeometry, Relocator
+from rag_promptcache.store.base import ModuleKV
+
+FALLBACKS = ("auto", "never", "always")
+ENV = "RAG_PROMPTCACHE_FALLBACK"
+# calibration sizes: small enough to stay well under half a second on a 135M model on two CPU threads
+SHORT, LONG, CONTEXT = 32, 256, 512
+MARGIN = 0.05
+VERSION = 1
+
+
+def fallback_policy(value: str | None) -> str:
+    """`value`, or $RAG_PROMPTCACHE_FALLBACK where None, or "auto"; anything else is a ValueError."""
+    policy = os.environ.get(ENV, "auto") if value is None else value
+    if policy not in FALLBACKS:
+        where = f"${ENV}" if value is None else "fallback"
+        raise ValueError(f"unknown {where} {policy!r}; valid: {', '.join(FALLBACKS)}")
+    return policy
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Seconds per part of a prefill on this machine (`calibrate`)."""
+
+    fixed_s: float  # per forward, whatever its size
+    token_s: float  # per new token: projections and MLP
+    pair_s: float  # per (new token, key it attends to): attention
+    cached_token_s: float  # per cached token assembled
+    cached_fixed_s: float = 0.0  # per assembly with cached tokens in it, beyond the plain one's
+
+    def forward(self, num_new: int, num_context: int) -> float:
+        # new tokens see the context and, causally, half of each other on average
+        return self.fixed_s + self.token_s * num_new + self.pair_s * num_new * (num_context + num_new / 2)
+
+    def cached(self, num_cached: int, num_new: int) -> float:
+        return self.cached_fixed_s + self.cached_token_s * num_cached + self.forward(num_new, num_cached)
+
+    def full(self, num_tokens: int) -> float:
+        return self.forward(num_tokens, 0)
+
+
+class Fallback:
+    """The engine's path policy; in `auto`, its costs are measured (or read) on the first decision."""
+
+    def __init__(self, policy: str | None, measure: Callable[[], Costs] | None = None) -> None:
+        """`measure`: called once, on the first `auto` decision (None: keep the cached plan, unmeasured)."""
+        self.policy = fallback_policy(policy)
+        self._measure = measure if self.policy == "auto" else None
+        self._costs: Costs | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def costs(self) -> Costs | None:
+        if self._costs is None and self._measure is not None:
+            with self._lock:
+                if self._costs is None:
+                    self._costs = self._measure()
+        return self._costs
+
+    def use_full(self, num_tokens: int, num_cached: int) -> bool:
+        """Whether a full prefill of `num_tokens` beats assembling `num_cached` of them and computing the rest."""
+        if self.policy != "auto" or num_cached == 0:
+            return self.policy == "always" or num_cached == 0
+        costs = self.costs
+        if costs is None or costs.token_s <= 0:
+            return False
+        return costs.cached(num_cached, num_tokens - num_cached) > (1 + MARGIN) * costs.full(num_tokens)
+
+
+def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry, fingerprint: str) -> Costs:
+    """This machine's `Costs` for the model: read from the cache home, or calibrated now and written there
+    (a cache home that cannot be written only costs a calibration per engine, with one warning)."""
+    what = f"{fingerprint}|{model.device}|{model.dtype}|{torch.get_num_threads()}"
+    path = cache_home() / "costs" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("version") == VERSION and saved.get("key") == what:
+            return Costs(**saved["costs"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError, KeyError) as e:  # unreadable or from another version: measure again
+        warnings.warn(f"ignoring the stored prefill costs at {path} ({e}); measuring again", RuntimeWarning, stacklevel=2)
+    costs = calibrate(model, relocator, geometry)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": VERSION, "key": what, "costs": asdict(costs)}))
+        tmp.replace(path)
+    except OSError as e:
+        warnings.warn(f"could not store the prefill costs at {path} ({e}); they are measured per engine",
+                      RuntimeWarning, stacklevel=2)
+    return costs
+
+
+@torch.inference_mode()
+def calibrate(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry, repeats: int = 2) -> Costs:
+    """Time full prefills of SHORT and LONG tokens, SHORT tokens against CONTEXT cached ones, and the
+    assembly of CONTEXT tokens (each the best of `repeats`, after one warm-up), and solve for `Costs`."""
+    device, dtype, config = model.device, model.dtype, model.config
+    vocab = int(getattr(config.get_text_config(), "vocab_size", 1000))
+    ids = torch.randint(3, max(4, vocab), (CONTEXT + SHORT,), generator=torch.Generator().manual_seed(0)).tolist()
+    shape = (geometry.num_layers, geometry.num_kv_heads, CONTEXT, geometry.head_dim)
+    kv = ModuleKV(torch.randn(shape, dtype=dtype, device=device) * 0.1, torch.randn(shape, dtype=dtype, device=device),
+                  0, tuple(ids[:CONTEXT]), "calibration", "isolated")
+    # the context moved by a few positions, as a retrieved module is: assembly rotates its keys
+    with_context = [Piece(tuple(ids[:CONTEXT]), SHORT, "m"), Piece(tuple(ids[CONTEXT:]), CONTEXT + SHORT)]
+
+    def best(fn) -> float:
+        fn()  # warm-up: buffer pool, packed weights, kernels
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def assembled(num: int) -> Callable[[], None]:
+        pieces = [Piece(tuple(ids[:num]), SHORT, "m"), Piece(tuple(ids[CONTEXT:]), num + SHORT)]
+        part = ModuleKV(kv.keys[:, :, :num], kv.values[:, :, :num], 0, tuple(ids[:num]), "calibration", "isolated")
+        return lambda: release(assemble(pieces, {"m": part}, relocator, config, geometry, device, dtype).cache)
+
+    def run(pieces: list[Piece], kvs: dict[str, ModuleKV]) -> None:
+        asm = assemble(pieces, kvs, relocator, config, geometry, device, dtype)
+        forward_last(model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
+        release(asm.cache)
+
+    t_short = best(lambda: run([Piece(tuple(ids[:SHORT]), 0)], {}))
+    t_long = best(lambda: run([Piece(tuple(ids[:LONG]), 0)], {}))
+    t_plain = best(lambda: release(assemble(with_context[1:], {}, relocator, config, geometry, device, dtype).cache))
+    t_asm_short, t_asm = best(assembled(SHORT)), best(assembled(CONTEXT))
+    t_ctx = best(lambda: run(with_context, {"m": kv})) - (t_asm - t_plain)
+    # t_ctx - t_short = pair * SHORT * CONTEXT; then two sizes without context give token_s and fixed_s
+    pair = max(0.0, (t_ctx - t_short) / (SHORT * CONTEXT))
+    token = max(0.0, (t_long - t_short - pair * (LONG * LONG - SHORT * SHORT) / 2) / (LONG - SHORT))
+    fixed = max(0.0, t_short - token * SHORT - pair * SHORT * SHORT / 2)
+    per_cached = max(0.0, (t_asm - t_asm_short) / (CONTEXT - SHORT))
+    return Costs(fixed, token, pair, per_cached, max(0.0, t_asm_short - t_plain - per_cached * SHORT))

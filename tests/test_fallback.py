@@ -1,0 +1,74 @@
+"""Never slower than not caching (engine/costmodel.py, issue 26 §4): with this machine's costs, a plan
+that recomputes almost everything runs as a plain full prefill (its answer is `use_cache=False`'s), a
+plan with most tokens cached stays cached, the policy can force either, and the costs are measured once
+and stored under the cache home."""
+
+from __future__ import annotations
+
+import pytest
+
+from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine import costmodel
+from rag_promptcache.engine.costmodel import Costs, Fallback, stored_costs
+from rag_promptcache.model.positions import kv_geometry, relocator_for
+from rag_promptcache.store import MemoryStore
+from tests.test_recovery import PROMPT, SCHEMA
+from tests.tiny import build
+
+# a forward costs 1 ms plus 0.1 ms a token; assembling costs 2 ms plus 1 us a cached token
+COSTS = Costs(fixed_s=1e-3, token_s=1e-4, pair_s=0.0, cached_token_s=1e-6, cached_fixed_s=2e-3)
+
+
+def engine(tokenizer, fallback) -> PromptCache:
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+                     fallback=fallback)
+    pc.add_schema(SCHEMA)
+    return pc
+
+
+def test_auto_runs_full_prefill_where_recovery_recomputes_almost_everything(tokenizer):
+    pc = engine(tokenizer, Fallback("auto", lambda: COSTS))
+    full = pc.generate(PROMPT, use_cache=False, max_new_tokens=6, ignore_eos=True)
+    assert full.path == "full" and full.cached_tokens == 0
+    pc.generate(PROMPT, max_new_tokens=1)  # every module stored
+    # first_k:1000 recomputes every cached token but the opening root text
+    most = pc.plan(PROMPT, recovery="first_k:1000", fallback=False)
+    assert most.path == "cached" and 0 < most.num_cached < most.num_tokens / 3
+    res = pc.generate(PROMPT, recovery="first_k:1000", max_new_tokens=6, ignore_eos=True)
+    assert res.path == "full" and res.cached_tokens == 0 and res.computed_tokens == res.prompt_tokens
+    assert res.token_ids == full.token_ids  # it is full prefill: the same answer
+    cached = pc.generate(PROMPT, max_new_tokens=6, ignore_eos=True)  # recovery none: nearly all from the store
+    assert cached.path == "cached" and cached.cached_tokens > cached.prompt_tokens / 2
+    assert pc.compare(PROMPT, recovery="first_k:1000").cached_tokens > 0  # compare always assembles
+
+
+def test_policies_force_either_path_and_bad_ones_are_refused(tokenizer, monkeypatch):
+    assert engine(tokenizer, "never").generate(PROMPT, recovery="first_k:1000", max_new_tokens=1).path == "cached"
+    assert engine(tokenizer, "always").generate(PROMPT, max_new_tokens=1).path == "full"
+    monkeypatch.setenv("RAG_PROMPTCACHE_FALLBACK", "always")
+    assert engine(tokenizer, None).fallback.policy == "always"
+    monkeypatch.setenv("RAG_PROMPTCACHE_FALLBACK", "sometimes")
+    with pytest.raises(ValueError, match=r"RAG_PROMPTCACHE_FALLBACK 'sometimes'; valid: auto, never, always"):
+        engine(tokenizer, None)
+    with pytest.raises(ValueError, match="unknown fallback 'fast'; valid: auto, never, always"):
+        engine(tokenizer, "fast")
+
+
+def test_a_calibration_that_sees_no_token_cost_keeps_the_cached_plan():
+    flat = Fallback("auto", lambda: Costs(1.0, 0.0, 0.0, 0.0, 0.0))
+    assert not flat.use_full(1000, 10)
+    assert Fallback("auto", lambda: COSTS).use_full(100, 0)  # nothing cached: nothing to assemble
+
+
+def test_costs_are_measured_once_and_stored(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    model = build("llama", vocab_size=len(tokenizer))
+    args = (model, relocator_for(model), kv_geometry(model), "fp-test")
+    first = stored_costs(*args)
+    assert first.token_s >= 0 and first.fixed_s >= 0 and len(list((tmp_path / "costs").glob("*.json"))) == 1
+
+    def refuse(*_a, **_k):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(costmodel, "calibrate", refuse)
+    assert stored_costs(*args) == first

@@ -1,0 +1,49 @@
+"""The fidelity scenario over both splits (bench/fidelity.py) on a tiny random model: rows per split,
+the recomputed share, issue 26's rule across splits, and the Pareto-front PNG. Its answers are noise;
+accuracy is not checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from rag_promptcache.bench import report
+from rag_promptcache.bench.common import Bench, BenchConfig
+from rag_promptcache.bench.fidelity import choose_across_splits, run
+from tests.tiny import build
+
+CONFIG = BenchConfig(fidelity_per_kind=1, fidelity_questions=2, fidelity_ks=(2,), fidelity_new_tokens=2,
+                     fidelity_settings=(("shared_prefix", "none"), ("shared_prefix", "question:0.1@1"),
+                                        ("shared_prefix", "last:9")))
+
+
+def test_both_splits_rows_share_and_front(tokenizer, tmp_path):
+    bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", CONFIG, log=lambda _: None)
+    out = run(bench, ("bench", "heldout"), ttft_point=False)
+    rows = out["rows"]
+    assert [(r["split"], r["recovery"]) for r in rows] == [
+        (s, r) for s in ("bench", "heldout") for r in ("none", "question:0.1@1", "last:9")]
+    share = {(r["split"], r["recovery"]): r["recomputed_share"] for r in rows}
+    for split in ("bench", "heldout"):
+        assert share[(split, "none")] == 0.0
+        # k = 2: the first module is exact already (shared_prefix, not moved), so the one stale module is all
+        # either recomputes, whole: about half the context
+        assert share[(split, "question:0.1@1")] == share[(split, "last:9")]
+        assert 0.2 < share[(split, "last:9")] < 0.8
+    png = report.fidelity_front(out, tmp_path / "front.png")
+    assert png.stat().st_size > 0
+    assert "question:0.1@1" in report.fidelity_splits_markdown(out)
+    with pytest.raises(ValueError, match="valid: bench, heldout"):
+        run(bench, ("other",))
+
+
+def test_rule_across_splits_needs_every_split_and_k():
+    def row(split, rec, k, retained, speedup):
+        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "retained": retained,
+                "speedup": speedup}
+
+    rows = [row("bench", "fast", 4, 1.0, 9.0), row("heldout", "fast", 8, 0.9, 8.0),
+            row("bench", "mid", 4, 0.96, 5.0), row("heldout", "mid", 8, 1.0, 4.0), row("bench", "mid", 8, 0.97, 4.5),
+            row("bench", "slow", 8, 1.0, 2.0), row("heldout", "slow", 8, 1.0, 1.5)]
+    chosen = choose_across_splits(rows)
+    assert chosen["recovery"] == "mid" and chosen["speedup_at_largest_k"] == 4.0  # its slowest split at k = 8
+    assert choose_across_splits([row("bench", "fast", 4, 0.5, 9.0)]) is None
