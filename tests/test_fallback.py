@@ -72,3 +72,21 @@ def test_costs_are_measured_once_and_stored(tokenizer, tmp_path, monkeypatch):
 
     monkeypatch.setattr(costmodel, "calibrate", refuse)
     assert stored_costs(*args) == first
+
+
+def test_a_full_path_follow_up_reuses_an_earlier_full_path_prefix_exactly(tokenizer):
+    """Full-path plans label every token as computed, so the prefix cache serves one from another (and
+    never from a cached-path plan, whose module tokens carry store keys)."""
+    pc = engine(tokenizer, "always")
+    pc.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    again = pc.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    assert again.path == "full" and again.num_prefix_tokens >= again.prompt_tokens - 1
+    off = PromptCache(pc.model, pc.tokenizer, store=MemoryStore(), recovery="none", fallback="always",
+                      prefix_cache_bytes=0)
+    off.add_schema(SCHEMA)
+    assert off.generate(PROMPT, max_new_tokens=4, ignore_eos=True).token_ids == again.token_ids
+    cached = PromptCache(pc.model, pc.tokenizer, store=pc.store, recovery="none", fallback="never")
+    cached.add_schema(SCHEMA)
+    cached.prefix_cache = pc.prefix_cache  # one tree, the same model: only the labels keep them apart
+    assert cached.prefix_namespace == pc.prefix_namespace
+    assert cached.generate(PROMPT, max_new_tokens=1).num_prefix_tokens < cached.plan(PROMPT).num_tokens / 2
