@@ -22,6 +22,7 @@ QUESTIONS = (
     "How do break and continue behave inside a for loop?",
     "What happens when an exception is raised inside a try statement with an except clause?",
 )
+WARM_UP = "What does the pass statement do?"  # the demo's untimed first request, not one of QUESTIONS
 
 
 @dataclass(frozen=True, slots=True)
