@@ -30,6 +30,7 @@ def register(app: typer.Typer) -> None:
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
         fidelity_settings: Annotated[str | None, typer.Option("--fidelity-settings", help="Comma-separated settings the fidelity scenario compares with full prefill, each RECOVERY or MODE/RECOVERY (mode: shared_prefix, the default, or isolated), e.g. none,last:2 [default: the sweep in bench/common.py].")] = None,
+        fidelity_split: Annotated[str | None, typer.Option("--fidelity-split", help="bench, heldout (other templates and facts, the default chunk size) or both: the fidelity scenario's documents [default: bench].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
@@ -63,6 +64,13 @@ def register(app: typer.Typer) -> None:
             config = dataclasses.replace(config, contexts=sizes)
         if recovery is not None:
             config = dataclasses.replace(config, recovery=str(Recovery.parse(recovery)))
+        if fidelity_split is not None:
+            from rag_promptcache.bench.fidelity import SPLITS
+
+            splits = SPLITS if fidelity_split == "both" else (fidelity_split,)
+            if not set(splits) <= set(SPLITS):
+                raise ValueError(f"unknown --fidelity-split {fidelity_split!r}; valid: {', '.join(SPLITS)}, both")
+            config = dataclasses.replace(config, fidelity_splits=splits)
         if fidelity_settings is not None:
             config = dataclasses.replace(config, fidelity_settings=_settings(fidelity_settings))
         chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else DEFAULT_SCENARIOS

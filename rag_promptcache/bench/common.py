@@ -66,6 +66,7 @@ class BenchConfig:
         ("shared_prefix", "last:2"), ("shared_prefix", "attend:1"), ("shared_prefix", "selective:0.8"),
     )
     fidelity_new_tokens: int = 20
+    fidelity_splits: tuple[str, ...] = ("bench",)  # bench/fidelity.py SPLITS: "bench", "heldout" (default-size chunks)
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3
     dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default

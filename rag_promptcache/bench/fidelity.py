@@ -35,11 +35,11 @@ from rag_promptcache.bench.common import Bench, BenchConfig, median
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.rag.corpus import Corpus
-from rag_promptcache.rag.fidelity import EvalQuestion, Reference, cached, references, summarize
+from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Reference, cached, fastest_retaining, references,
+                                          summarize)
 from rag_promptcache.store import MemoryStore
 
 CHUNK_TOKENS = 320  # every document is one module
-TARGET_RETAINED = 0.95
 TARGET_SPEEDUP, FALLBACK_SPEEDUP = 5.0, 3.0
 STOP = (".",)  # the answer is its first sentence; the rest only costs decode time
 SPLITS = ("bench", "heldout")
@@ -158,10 +158,9 @@ def choose_across_splits(rows: list[dict[str, object]]) -> dict[str, object] | N
         worst[key] = min(worst.get(key, math.inf), r["retained"] if r["retained"] is not None else 0.0)
         if r["k"] == largest:
             speed[key] = min(speed.get(key, math.inf), r["speedup"])
-    met = [s for s in worst if worst[s] >= TARGET_RETAINED]
-    if not met:
+    best = fastest_retaining(worst, {s: speed.get(s, 0.0) for s in worst}, target=TARGET_RETAINED)
+    if best is None:
         return None
-    best = max(met, key=lambda s: speed.get(s, 0.0))
     return {"mode": best[0], "recovery": best[1], "worst_retained": worst[best], "speedup_at_largest_k": speed.get(best),
             "rule": f"fastest with retained >= {TARGET_RETAINED} on every split at every k (speed-up at k={largest})"}
 
@@ -220,9 +219,8 @@ def choose_default(rows: list[dict[str, object]], timing: list[dict[str, object]
             key = (r["mode"], r["recovery"])
             value = r["retained"] if r["retained"] is not None else 0.0
             worst[key] = min(worst.get(key, math.inf), value)
-    met = [s for s in worst if worst[s] >= TARGET_RETAINED and speed.get(s, 0) >= TARGET_SPEEDUP]
-    if met:
-        best = max(met, key=lambda s: speed[s])
+    best = fastest_retaining(worst, speed, target=TARGET_RETAINED, min_speedup=TARGET_SPEEDUP)
+    if best is not None:
         rule = f"fastest with retained >= {TARGET_RETAINED} at k={sorted(ends)} and >= {TARGET_SPEEDUP}x"
     else:
         fallback = [s for s in worst if speed.get(s, 0) >= FALLBACK_SPEEDUP]

@@ -205,7 +205,8 @@ def ask(
 
 def _stats(answer) -> str:
     missed = f", {len(answer.missed_modules)} module(s) recomputed" if answer.missed_modules else ""
-    return f"ttft {answer.ttft_s:.2f}s, {answer.cached_tokens} cached / {answer.computed_tokens} computed tokens{missed}"
+    return (f"ttft {answer.ttft_s:.2f}s ({answer.path} path), {answer.cached_tokens} cached / {answer.computed_tokens} "
+            f"computed tokens{missed}")
 
 
 @app.command()

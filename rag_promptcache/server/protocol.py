@@ -188,7 +188,8 @@ def new_id(prefix: str) -> str:
 def usage(result: Result) -> dict[str, object]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.num_generated,
             "total_tokens": result.prompt_tokens + result.num_generated,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}, "ttft_s": round(result.ttft_s, 4)}
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}, "ttft_s": round(result.ttft_s, 4),
+            "path": result.path}
 
 
 def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[dict[str, object]]:
