@@ -40,8 +40,11 @@ def test_pml_passes_through_and_errors_are_clear():
 
 def test_generation_options():
     defaults = {"max_tokens": 256, "temperature": 0.0, "top_p": None, "stop": ["\n\n"]}
+    from rag_promptcache.rag.repetition import repeated_sentence
+
     assert generation_options(defaults, {"max_tokens": 8, "stop": None}) == {
-        "max_new_tokens": 8, "temperature": 0.0, "stop": ["\n\n"]}  # Sampling makes a tuple of it
+        "max_new_tokens": 8, "temperature": 0.0, "stop": ["\n\n"],  # Sampling makes a tuple of it
+        "stop_when": repeated_sentence}  # every entry point ends at a repeated sentence (stop_repeats=False: off)
     assert generation_options(defaults, {"stop": ["END"]})["stop"] == ["END"]
     assert generation_options(defaults, {"stop": "END"})["stop"] == "END"  # one stop string, never its characters
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):

@@ -57,3 +57,37 @@ def test_corpus_ask_takes_a_bare_stop_string(smollm, engine, tmp_path):
     assert set(plain.answer) & set(NEVER)
     stopped = corpus.ask("What color is the zorblat?", k=1, max_new_tokens=12, stop=NEVER)
     assert (stopped.answer, stopped.finish_reason) == (plain.answer, plain.finish_reason)
+
+
+class _Ids:
+    """A tokenizer of one character per id: decode(ids) is the characters, so the text is exact."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_repeated_sentence_ends_the_stream_before_the_repeat_is_shown():
+    from rag_promptcache.engine.text import TextStream
+    from rag_promptcache.rag.repetition import repeated_sentence
+
+    text = "The cat sat on the mat. The dog ran far away. The cat sat on the mat. More."
+    for stop_when, want in ((repeated_sentence, "The cat sat on the mat. The dog ran far away."), (None, text)):
+        stream = TextStream(_Ids(), (), stop_when)
+        shown = ""
+        for ch in text:
+            shown += stream.push(ord(ch))
+            if stream.stopped:
+                break
+        shown += stream.finish()
+        # a space after the last kept sentence may already be out when the repeat shows: never more
+        assert shown.rstrip() == want and stream.text == shown
+        assert stream.stopped == (stop_when is not None)
+
+
+def test_every_entry_points_options_end_at_a_repeated_sentence_unless_turned_off():
+    from rag_promptcache.rag.prompts import generation_options
+    from rag_promptcache.rag.repetition import repeated_sentence
+
+    assert generation_options({}, {})["stop_when"] is repeated_sentence
+    assert "stop_when" not in generation_options({}, {"stop_repeats": False})
+    assert Sampling(stop_when=repeated_sentence).stop_when is repeated_sentence

@@ -246,7 +246,7 @@ class PromptCache:
         lookup (`lookup=False`: none, for a cache that cannot be cropped)."""
         grammar = self.grammar(sampling)
         return DecodeState(sampling, start=plan.next_position, eos_ids=self.eos_ids,
-                           text=TextStream(self.tokenizer, sampling.stop),
+                           text=TextStream(self.tokenizer, sampling.stop, sampling.stop_when),
                            history=[t for p in plan.pieces for t in p.token_ids],
                            lookup=self.prompt_lookup if lookup else 0, t0=t0,
                            grammar=grammar.start() if grammar is not None else None)

@@ -7,13 +7,16 @@ Out of scope: the decode loop and what a request's answer so far is (engine/stat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine.grammar import ResponseFormat
+
+
+StopWhen = Callable[[str, bool], tuple[int | None, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,9 @@ class Sampling:
     # JSON output by constrained decoding: a ResponseFormat, or OpenAI's `response_format` dict
     # ({"type": "json_object"}, {"type": "json_schema", "json_schema": {...}}); None or {"type": "text"}: free text
     response_format: ResponseFormat | None = None
+    # a stop condition on the answer's text, as a stop string is: (text so far, final) -> (where to end the
+    # answer or None, how much may be streamed now); e.g. rag.repetition.repeated_sentence
+    stop_when: StopWhen | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -42,7 +42,7 @@ from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, check
 from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
-from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM
+from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
 from rag_promptcache.rag.retrieval import Hit, keep_order
 from rag_promptcache.rag.table import Dropped
 
@@ -376,6 +376,8 @@ class Corpus:
         `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
         stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM."""
         sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
+        if sampling.pop("stop_repeats", True):  # the answer ends before a whole sentence repeats an earlier one
+            sampling.setdefault("stop_when", repeated_sentence)
         if sampling.get("recovery") is None and self.manifest.recovery is not None:
             sampling["recovery"] = self.manifest.recovery  # the corpus's (eval --apply), also with a caller's engine
         hits = self.retrieve(question, k, history=history, max_new_tokens=max_new_tokens)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.pml.parser import escape, unescape
-from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM  # noqa: F401 - the adapters' default, re-exported
+from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence  # noqa: F401 - DEFAULT_NO_REPEAT_NGRAM: the adapters' default, re-exported
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import Result
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 ModuleRef = str | tuple[str, str]  # a module id, or (id, text to fall back on)
 REFERENCE = re.compile(r'<module id="([^"<>]+)"\s*(?:/>|>(.*?)</module>)', re.S)
 OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "no_repeat_ngram",
-           "response_format")  # response_format: OpenAI's shapes, constrained decoding (engine/grammar.py)
+           "response_format", "stop_repeats")  # stop_repeats (default True): end at a repeated sentence  # response_format: OpenAI's shapes, constrained decoding (engine/grammar.py)
 ALIASES = {"max_new_tokens": "max_tokens"}  # the CLI's and PromptCache.generate's name (README: LangChain)
 STATS = ("finish_reason", "ttft_s", "total_s", "prompt_tokens", "cached_tokens", "computed_tokens",
          "hit_modules", "missed_modules", "recomputed_modules", "path")
@@ -121,6 +121,8 @@ def generation_options(defaults: Mapping[str, Any], overrides: Mapping[str, Any]
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     out = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in merged.items() if v is not None}
     out["stop"] = merged.get("stop") or ()  # Sampling makes it a tuple: a bare string is one stop string
+    if out.pop("stop_repeats", True):  # the answer ends before a whole sentence that repeats an earlier one
+        out["stop_when"] = repeated_sentence
     return out
 
 
