@@ -19,7 +19,7 @@ def write_json(report: dict[str, object], path: str | Path) -> None:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def _table(header: list[str], rows: list[list[object]]) -> str:
+def table(header: list[str], rows: list[list[object]]) -> str:
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
@@ -35,7 +35,7 @@ def markdown(report: dict[str, object]) -> str:
     if report.get("ttft"):
         llama = [s for s in LLAMACPP if f"{s}_s" in report["ttft"][0]]
         ratios = [f"x_{s.removesuffix('_full')}" for s in llama]  # llama.cpp's full prefill over our cached
-        out += ["## TTFT (seconds, median)", "", _table(
+        out += ["## TTFT (seconds, median)", "", table(
             ["context", "modules", *SYSTEMS, *llama, "speed-up vs transformers full", "speed-up vs engine full",
              *(f"{s} / cached_memory" for s in llama), "overhead vs lower bound", "miss/full", "disk/memory"],
             [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), *(r[f"{s}_s"] for s in llama),
@@ -46,7 +46,7 @@ def markdown(report: dict[str, object]) -> str:
     if report.get("decode"):
         out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, EOS ignored, "
                 f"{report['decode'][0]['context_tokens']}-token context)", "",
-                _table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
+                table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
                         "x transformers same dtype", "end to end s", "default"],
                        [[r["system"], r["dtype"], r["prompt_lookup"], r["tokens_per_s"], r["tokens_per_forward"],
                          r["x_transformers_fp32"], r["x_transformers_same_dtype"], r["end_to_end_s"],
@@ -55,20 +55,20 @@ def markdown(report: dict[str, object]) -> str:
         a = report["decode_answers"]
         out += [f"## Decode on answers ({a['questions']} questions, ended by EOS; {a['answers_identical']} of them "
                 f"answered the same with and without prompt lookup)", "",
-                _table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
+                table(["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32",
                         "answer tokens", "default"],
                        [[r["system"], r["dtype"], r["prompt_lookup"], r["tokens_per_s"], r["tokens_per_forward"],
                          r["x_transformers_fp32"], " ".join(map(str, r["answer_tokens"])), "yes" if r["default"] else ""]
                         for r in a["rows"]]), ""]
     if report.get("quality"):
-        out += ["## Quality against full prefill", "", _table(
+        out += ["## Quality against full prefill", "", table(
             ["k", "mode", "recovery", "codec", "questions", "top-1", "mean KL", "greedy exact", "NLL full",
              "NLL cached", "NLL change", "TTFT s", "speed-up", "default"],
             [[r["k"], r["mode"], r["recovery"], r["codec"], r["questions"], r["top1_agreement"], r["mean_kl"],
               r["greedy_exact_match"], r["nll_full"], r["nll_cached"], f"{100 * r['nll_rel_change']:+.1f}%",
               r["ttft_s"], r["speedup"], "yes" if r["default"] else ""] for r in report["quality"]]), ""]
     if report.get("memory"):
-        out += ["## Memory per cached token", "", _table(
+        out += ["## Memory per cached token", "", table(
             ["codec", "bytes/token", "formula", "disk bytes/token"],
             [[r["codec"], r["bytes_per_token"], r["formula_bytes_per_token"], r.get("disk_bytes_per_token", "")]
              for r in report["memory"]]), ""]
@@ -76,7 +76,7 @@ def markdown(report: dict[str, object]) -> str:
     if isinstance(tiers, dict) and tiers:
         names = [k.removesuffix("_s") for k in tiers if k.endswith("_s") and k != "recompute_s"]
         out += [f"## One {tiers['module_tokens']}-token module: load vs recompute ({tiers['recompute_s']:.4g} s)", "",
-                _table(["tier", "seconds", "x faster than recompute"],
+                table(["tier", "seconds", "x faster than recompute"],
                        [[n, tiers[f"{n}_s"], tiers[f"{n}_vs_recompute"]] for n in names]), ""]
     thr = report.get("throughput")
     if isinstance(thr, dict):
@@ -87,10 +87,10 @@ def markdown(report: dict[str, object]) -> str:
                      else f"{emb['tokens_per_s']:.0f} tokens/s"])
         rows += [[f"FAISS flat, {f['vectors']} vectors", f"{f['search_ms_median']:.3f} ms median",
                   f"{f['search_ms_p95']:.3f} ms p95"] for f in thr.get("faiss", [])]
-        out += ["## Throughput", "", _table(["what", "rate", ""], rows), ""]
+        out += ["## Throughput", "", table(["what", "rate", ""], rows), ""]
     ing = report.get("ingest")
     if isinstance(ing, dict) and ing.get("runs"):
-        out += [f"## Ingest: local vs Ray ({ing['modules']} modules, {ing['tokens']} tokens; {ing['note']})", "", _table(
+        out += [f"## Ingest: local vs Ray ({ing['modules']} modules, {ing['tokens']} tokens; {ing['note']})", "", table(
             ["run", "seconds", "workers' start s", "tokens/s", "modules/s", "tokens/s after start", "vs local", "KV written by"],
             [[r["run"], r["seconds"], r["worker_start_s"], r["tokens_per_s"], r["modules_per_s"], r["tokens_per_s_after_start"],
               r["vs_local"], r["kv_written_by"]] for r in ing["runs"]]), ""]
@@ -103,7 +103,7 @@ def markdown(report: dict[str, object]) -> str:
         if "skipped" in lc:
             out += [f"skipped: {lc['skipped']}", ""]
         else:
-            out += [_table(["chain LLM", "first streamed token s"],
+            out += [table(["chain LLM", "first streamed token s"],
                            [["HuggingFacePipeline", lc["huggingface_pipeline_first_token_s"]],
                             ["PromptCacheLLM", lc["promptcache_first_token_s"]]]),
                     "", f"speed-up {lc['speedup']:.1f}x over {lc['questions']} questions, k={lc['k']}", ""]
@@ -125,7 +125,7 @@ def _chat_markdown(chat: dict[str, object]) -> list[str]:
     summary = f"turns 2-{chat['turns']} median TTFT: engine {chat['engine_median_s']:.3f} s" + "".join(
         f"; llama.cpp {w} {chat[f'llamacpp_{w}_median_s']:.3f} s ({chat[f'x_llamacpp_{w}']:.2f}x ours)" for w in weights)
     return [f"## Chat turns ({chat['turns']} turns over the same {chat['context_tokens']}-token documents, "
-            f"{chat['repeats']} conversation(s))", "", _table(header, rows), "", summary, ""]
+            f"{chat['repeats']} conversation(s))", "", table(header, rows), "", summary, ""]
 
 
 def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
@@ -140,7 +140,7 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
     return ["## Answer fidelity against full prefill", "",
             f"{fid['questions']} questions over confusable documents, greedy, {fid['new_tokens']} new tokens; "
             f"an answer is right when it contains the fact.", "",
-            _table(["k", "mode", "recovery", "full right", "cached right", "retained", "agreement", "speed-up",
+            table(["k", "mode", "recovery", "full right", "cached right", "retained", "agreement", "speed-up",
                     f"speed-up at ~{ctx:.0f} tok"], rows), "",
             f"engine default: {fid['engine_default']}; the rule picks: "
             + (f"{chosen['mode']}/{chosen['recovery']} ({chosen['rule']})" if chosen else "nothing (no setting keeps 3x)"), ""]
@@ -155,7 +155,7 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
              f"{r['speedup']:.1f}x"] for r in fid["rows"]]
     chosen = fid.get("across_splits")
     return "\n".join([
-        _table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "recomputed",
+        table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "recomputed",
                 "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
         "the rule (retained >= 0.95 on every split at every k, then the fastest) picks: "
         + (f"{chosen['mode']}/{chosen['recovery']} (worst retained {chosen['worst_retained']:.2f}, "

@@ -207,10 +207,10 @@ def _free_port() -> int:
 
 
 def markdown(serve: dict[str, object]) -> list[str]:
-    from rag_promptcache.bench.report import _table
+    from rag_promptcache.bench.report import table
 
     rows = serve["rows"]
-    return ["## Serving: concurrent clients (HTTP, batched decoding)", "", _table(
+    return ["## Serving: concurrent clients (HTTP, batched decoding)", "", table(
         ["clients", "mode", "prefill chunk", "tokens/s", "TTFT p50 s", "TTFT p95 s", "inter-token p50 ms",
          "inter-token p95 ms", "longest stall s", "latency p50 s", "latency p95 s"],
         [[r["clients"], r["mode"], _chunk_label(r), r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"],
