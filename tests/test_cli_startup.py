@@ -86,13 +86,14 @@ def test_the_cli_silences_transformers_deprecation_notices(capsys, monkeypatch) 
 def test_ingest_ray_quiets_ray_for_its_own_local_cluster(monkeypatch) -> None:
     from rag_promptcache.cli.commands import quiet_ray
 
-    for name in ("RAY_AUTH_MODE", "RAY_COLOR_PREFIX"):
-        monkeypatch.delenv(name, raising=False)
+    # a copy of the environment for this test: what quiet_ray sets must not reach later tests (an
+    # in-process ray.init with RAY_AUTH_MODE=token left over failed to start Ray in test_ray_ingest)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_COLOR_PREFIX")})
     quiet_ray(None)
     assert os.environ["RAY_AUTH_MODE"] == "token"  # Ray's default, said explicitly: no warning
     assert os.environ["RAY_COLOR_PREFIX"] == "0"  # pytest's stderr is not a terminal
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    del os.environ["RAY_AUTH_MODE"]
+    os.environ["RAY_COLOR_PREFIX"] = "1"
     quiet_ray("auto")  # someone else's cluster keeps its auth settings; the user's variables win
     assert "RAY_AUTH_MODE" not in os.environ and os.environ["RAY_COLOR_PREFIX"] == "1"
 
