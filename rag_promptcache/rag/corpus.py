@@ -374,7 +374,8 @@ class Corpus:
             max_new_tokens: int = 256, **sampling: object) -> Answer | AnswerStream:
         """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
         `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
-        stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM."""
+        stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM, and the
+        answer ends at a repeated sentence unless `stop_repeats=False`."""
         sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
         if sampling.pop("stop_repeats", True):  # the answer ends before a whole sentence repeats an earlier one
             sampling.setdefault("stop_when", repeated_sentence)
