@@ -13,7 +13,7 @@ import rag_promptcache.engine.batcher as batcher_module
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.batch import BatchCache, can_mix, decode_step, mixed_step
 from rag_promptcache.engine.batcher import Batcher
-from rag_promptcache.engine.prefill import Prefilling, prefill, start
+from rag_promptcache.engine.prefill import Prefilling, start
 from rag_promptcache.store import MemoryStore
 from tests.test_batch import PROMPTS, SCHEMA
 from tests.tiny import build
@@ -43,7 +43,7 @@ def _kv(cache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_chunks_give_the_logits_and_kv_of_one_forward(tokenizer, arch, recovery, masked):
     pc = _engine(arch, tokenizer, recovery)
     plan = pc.plan(PROMPTS[3])  # three modules and a question
-    whole = prefill(pc.model, plan, pc.relocator, pc.geometry)
+    whole = start(pc.model, plan, pc.relocator, pc.geometry).run(pc.model)  # one forward
     total = plan.num_tokens
     for chunk in (1, 3, 16):
         todo = start(pc.model, plan, pc.relocator, pc.geometry)

@@ -2,9 +2,9 @@
 logits of the answer's first token.
 
 The new tokens of the prompt (the question, glue text, what recovery recomputes) run against the
-modules' KV assembled into a cache with room reserved for the answer (engine/assemble.py). `prefill`
-runs them in one forward. `start` returns a `Prefilling` that runs them a chunk at a time
-(`run(model, tokens)`): the batcher interleaves those chunks with the decode steps of running
+modules' KV assembled into a cache with room reserved for the answer (engine/assemble.py). `start`
+returns a `Prefilling` that runs them in one forward (`run(model)`: `PromptCache.prefill`) or a chunk at
+a time (`run(model, tokens)`): the batcher interleaves those chunks with the decode steps of running
 requests, so that a long prefill does not stall their streams (chunked prefill, as vLLM and SGLang
 schedule it). A chunk attends to the cache so far (the assembled modules and the chunks before it)
 and causally to itself, through the same rows and columns of assembly's mask, so the chunks together
@@ -19,7 +19,6 @@ runs (engine/batcher.py), several requests' chunks in one forward.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -103,14 +102,3 @@ def start(model: PreTrainedModel, plan: Plan, relocator: Relocator, geometry: KV
     """Assemble `plan`'s KV with `room` tokens to spare (copies KV, runs no model) → its new tokens to run."""
     asm = assemble(plan.pieces, plan.kvs, relocator, model.config, geometry, model.device, model.dtype, extra=room)
     return Prefilling(asm, plan.next_position)
-
-
-def prefill(model: PreTrainedModel, plan: Plan, relocator: Relocator, geometry: KVGeometry, room: int = 0, *,
-            lock: AbstractContextManager[object] | None = None) -> Prefilled:
-    """Assemble `plan`'s KV with `room` tokens to spare and run its new tokens in one forward. `lock`
-    (the engine's `model_lock`) is held around the forward only: assembly copies KV and runs no model."""
-    todo = start(model, plan, relocator, geometry, room)
-    with lock if lock is not None else nullcontext():
-        done = todo.run(model)
-    assert done is not None, f"{todo.num_left=}"
-    return done
