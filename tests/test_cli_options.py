@@ -60,3 +60,8 @@ def test_info_lists_documents_in_the_table_style(built: Path, capsys) -> None:
     code, out, _ = run(capsys, "remove", "sub/volcano.txt", "--corpus", built)  # the name, as sources print it
     assert code == 0 and "removed sub/volcano.txt" in out
     assert_user_error(run(capsys, "remove", "nope.txt", "--corpus", built), "no document 'nope.txt'", "--documents")
+
+
+def test_a_bad_fidelity_split_is_a_user_error_before_the_model_loads(capsys) -> None:
+    assert_user_error(run(capsys, "bench", "--scenarios", "fidelity", "--fidelity-split", "nope"),
+                      "unknown --fidelity-split 'nope'; valid: bench, heldout, both")
