@@ -42,6 +42,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from rag_promptcache.engine import attention
 from rag_promptcache.engine.assemble import ReservedLayer
 from rag_promptcache.engine.attention import prefill_attention
+from rag_promptcache.engine.native_step import NativeStep
 from rag_promptcache.model.loading import onednn_bf16
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
@@ -102,6 +103,7 @@ class LeanLlama:
         self.group = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         inner = model.model
+        self.config = cfg
         self.embed, self.rotary, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = list(inner.layers[: cfg.num_hidden_layers])
         linears = [self.lm_head]
@@ -128,6 +130,7 @@ class LeanLlama:
             self.down.append(Projection((m.down_proj,), pack))
         self.head = Projection((self.lm_head,), pack)
         self.packed = pack
+        self.step = NativeStep(self.layers, self.norm, self.lm_head, self.config)
         self._signature = signature
 
     @classmethod
@@ -153,6 +156,10 @@ class LeanLlama:
         num_cached = layers[0].length
         x = self.embed(ids)  # [1, N, E]
         cos, sin = self.rotary(x, positions)
+        if mask is None:
+            logits = self.step(x, cos, sin, layers, keep)
+            if logits is not None:
+                return logits
         # the fused kernel reads the mask as how much of the cache each new token sees (None: all of it);
         # SDPA gets the additive mask, built only if the kernel cannot run or declines
         fused = n > 1 and attention.available(x.dtype, x.device)
