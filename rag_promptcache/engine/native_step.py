@@ -17,6 +17,8 @@ fp16, CUDA, biases, Llama variants `LeanLlama.for_model` refuses.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rag_promptcache.engine.assemble import ReservedLayer
@@ -48,6 +50,7 @@ class NativeStep:
         self._weights = weights
         self.table = torch.tensor([[w.data_ptr() for w in row] for row in weights], dtype=torch.int64)
         self.usable = self._usable(lm_head)
+        self._memo: tuple[list, list, tuple[torch.Tensor, torch.Tensor, int]] | None = None
 
     def _usable(self, lm_head: torch.nn.Linear) -> bool:
         tensors = [w for row in self._weights for w in row] + [self.norm_weight, self.head_weight]
@@ -67,16 +70,11 @@ class NativeStep:
         n = x.shape[1]
         if lib is None or not self.usable or n > MAX_NEW or x.shape[0] != 1 or x.dtype != torch.bfloat16:
             return None
-        first = layers[0]
-        length, stride = first.length, first._keys.stride(1)
-        for layer in layers:
-            if (type(layer) is not ReservedLayer or layer.length != length or layer._keys.shape[-2] < length + n
-                    or layer._keys.dtype != torch.bfloat16 or layer._keys.stride(1) != stride
-                    or layer._values.stride(1) != stride or layer._keys.stride(2) != self.head_dim
-                    or layer._values.stride(2) != self.head_dim):
-                return None
-        keys = torch.tensor([layer._keys.data_ptr() for layer in layers], dtype=torch.int64)
-        values = torch.tensor([layer._values.data_ptr() for layer in layers], dtype=torch.int64)
+        buffers = self._buffers(layers)
+        length = layers[0].length
+        if buffers is None or any(layer.length != length for layer in layers) or layers[0]._keys.shape[-2] < length + n:
+            return None  # not our cache, or out of room: the torch forward grows it
+        keys, values, stride = buffers
         x = x.contiguous()
         cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
         logits = torch.empty(keep, self.vocab, dtype=torch.float32)
@@ -90,3 +88,27 @@ class NativeStep:
         for layer in layers:
             layer._set_length(length + n)
         return logits
+
+    def _buffers(self, layers) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The addresses of the cache's key and value buffers, one per layer, and their KV-head stride;
+        None where the kernel cannot read them. Kept for the next step while the same buffers serve the
+        same layers (weakly: a cache that ends is not kept alive), ~200 us otherwise."""
+        memo = self._memo
+        if (memo is not None and len(memo[0]) == len(layers)
+                and all(ref() is layer and kref() is layer._keys for ref, kref, layer in zip(memo[0], memo[1], layers))):
+            return memo[2]
+        first = layers[0]
+        if type(first) is not ReservedLayer:
+            return None
+        stride, capacity = first._keys.stride(1), first._keys.shape[-2]
+        for layer in layers:
+            if (type(layer) is not ReservedLayer or layer._keys.dtype != torch.bfloat16
+                    or layer._keys.shape[-2] != capacity or layer._values.shape[-2] != capacity
+                    or layer._keys.stride(1) != stride or layer._values.stride(1) != stride
+                    or layer._keys.stride(2) != self.head_dim or layer._values.stride(2) != self.head_dim):
+                return None
+        keys = torch.tensor([layer._keys.data_ptr() for layer in layers], dtype=torch.int64)
+        values = torch.tensor([layer._values.data_ptr() for layer in layers], dtype=torch.int64)
+        self._memo = ([weakref.ref(layer) for layer in layers], [weakref.ref(layer._keys) for layer in layers],
+                      (keys, values, stride))
+        return keys, values, stride

@@ -35,15 +35,11 @@
 #define MAX_NEW 16  /* new tokens per call */
 #define MAX_DIM 256 /* head_dim */
 #define KEY_BLOCK 64
+#define MAX_GROUP 16 /* query heads per KV head */
 
 typedef uint16_t bf16;
 
 enum { IN_NORM, Q, K, V, O, POST_NORM, GATE, UP, DOWN, PER_LAYER };
-
-typedef struct {
-    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab;
-    float eps, scale;
-} Shape;
 
 static inline float f32(bf16 x) {
     uint32_t u = (uint32_t)x << 16;
@@ -180,19 +176,64 @@ static void add_into(bf16 *x, const bf16 *d, int64_t count) {
     }
 }
 
-/* one head's vector rotated in place: bf16(bf16(v * cos) + bf16(rotate_half(v) * sin)) */
-static void rope(bf16 *v, const bf16 *cos, const bf16 *sin, int64_t dim) {
+/* one head's vector rotated into dst: bf16(bf16(v * cos) + bf16(rotate_half(v) * sin)) */
+static void rope(const bf16 *v, bf16 *dst, const bf16 *cos, const bf16 *sin, int64_t dim) {
     const int64_t half = dim / 2;
-    float out[MAX_DIM];
     for (int64_t i = 0; i < dim; i++) {
         const float rot = i < half ? -f32(v[i + half]) : f32(v[i - half]);
-        out[i] = round_bf16(round_bf16(f32(v[i]) * f32(cos[i])) + round_bf16(round_bf16(rot) * f32(sin[i])));
+        dst[i] = to_bf16(round_bf16(f32(v[i]) * f32(cos[i])) + round_bf16(rot * f32(sin[i])));
     }
-    for (int64_t i = 0; i < dim; i++) v[i] = to_bf16(out[i]);
+}
+
+/* prefill_attention.c: one (head, 16 rows) block of many query rows against the cache */
+void prefill_attention_block(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out, int64_t heads, int64_t rows,
+                             int64_t dim, int64_t num_keys, int64_t num_new, int64_t k_stride, int64_t v_stride,
+                             float scale, int64_t head, int64_t row0);
+
+/* q . k for 16 consecutive keys of `dim` = 32 * chunks (a constant where inlined: the loops unroll) */
+static inline __m512 scores16(const bf16 *k, int64_t dim, const __m512bh *qv, int chunks) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; c++)
+        for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(k + i * dim + 32 * c), qv[c]);
+    return sum16(a);
+}
+
+/* the same for any even dim */
+static __m512 scores16_any(const bf16 *k, int64_t dim, const __m512bh *qv) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < (dim + 31) / 32; c++) {
+        const __mmask32 mk = mask32(dim - 32 * c);
+        for (int i = 0; i < 16; i++)
+            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_maskz_loadu_epi16(mk, k + i * dim + 32 * c), qv[c]);
+    }
+    return sum16(a);
+}
+
+/* o[r][0..64) += sum_j p[r][j] v[j][0..64) for `rows` rows (a constant where inlined), `left` dims
+ * from here to the row's end; p rows KEY_BLOCK apart, o rows and v rows `dim` apart. */
+static inline void pv_rows(float *o, const float *p, const bf16 *v, int64_t dim, int64_t left, int64_t nk, const int rows) {
+    __mmask16 mc[4];
+    __m512 acc[4][4];
+    for (int u = 0; u < 4; u++) mc[u] = 16 * u < left ? mask16(left - 16 * u) : 0;
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < 4; u++) acc[r][u] = _mm512_maskz_loadu_ps(mc[u], o + r * dim + 16 * u);
+    for (int64_t j = 0; j < nk; j++) {
+        __m512 vv[4];
+        for (int u = 0; u < 4; u++) vv[u] = load16(v + j * dim + 16 * u, mc[u]);
+        for (int r = 0; r < rows; r++) {
+            const __m512 pr = _mm512_set1_ps(p[r * KEY_BLOCK + j]);
+            for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(pr, vv[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < 4; u++) _mm512_mask_storeu_ps(o + r * dim + 16 * u, mc[u], acc[r][u]);
 }
 
 /* Attention of query rows `q` [group, dim] (one new token, the heads sharing one KV head) over keys
- * [lo, hi): the unnormalised fp32 output o [group, dim], and per row the running max m and sum l. */
+ * [lo, hi): the unnormalised fp32 output o [group, dim], and per row the running max m and sum l. A
+ * block of keys at a time: its scores for every row, then its values read once for all the rows. */
 static void attend(const bf16 *q, int64_t group, const bf16 *k, const bf16 *v, int64_t dim, int64_t lo, int64_t hi,
                    float scale, float *o, float *m, float *l) {
     const int64_t chunks = (dim + 31) / 32;
@@ -201,35 +242,40 @@ static void attend(const bf16 *q, int64_t group, const bf16 *k, const bf16 *v, i
         l[g] = 0.0f;
     }
     memset(o, 0, (size_t)(group * dim) * sizeof(float));
-    float s[KEY_BLOCK];
-    for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) { /* a block of keys, then every row on it (from L1) */
+    float s[MAX_GROUP][KEY_BLOCK]; /* scores, then the probabilities rounded to bf16 */
+    for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
         const int64_t nk = hi - j0 < KEY_BLOCK ? hi - j0 : KEY_BLOCK;
+        if (j0 + KEY_BLOCK < hi) { /* the next block's keys and values on their way while this one runs */
+            const int64_t next = (hi - j0 - KEY_BLOCK < KEY_BLOCK ? hi - j0 - KEY_BLOCK : KEY_BLOCK) * dim;
+            for (int64_t e = 0; e < next; e += 32) {
+                _mm_prefetch((const char *)(k + (j0 + KEY_BLOCK) * dim + e), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v + (j0 + KEY_BLOCK) * dim + e), _MM_HINT_T0);
+            }
+        }
         for (int64_t g = 0; g < group; g++) {
             const bf16 *qg = q + g * dim;
-            float *og = o + g * dim;
+            float *og = o + g * dim, *sg = s[g];
             __m512bh qv[MAX_DIM / 32];
             for (int64_t c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask32(dim - 32 * c), qg + 32 * c);
+            __m512 top = _mm512_set1_ps(-INFINITY);
             int64_t j = 0;
             for (; j + 16 <= nk; j += 16) { /* sixteen keys' scores at once */
-                __m512 a[16];
                 const bf16 *kj = k + (j0 + j) * dim;
-                for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-                for (int64_t c = 0; c < chunks; c++) {
-                    const __mmask32 mk = mask32(dim - 32 * c);
-                    for (int i = 0; i < 16; i++)
-                        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_maskz_loadu_epi16(mk, kj + i * dim + 32 * c), qv[c]);
-                }
-                _mm512_storeu_ps(s + j, _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+                const __m512 raw = dim == 64 ? scores16(kj, 64, qv, 2) : dim == 128 ? scores16(kj, 128, qv, 4)
+                                                                                    : scores16_any(kj, dim, qv);
+                const __m512 sc = _mm512_mul_ps(raw, _mm512_set1_ps(scale));
+                top = _mm512_max_ps(top, sc);
+                _mm512_storeu_ps(sg + j, sc);
             }
+            float block_max = _mm512_reduce_max_ps(top);
             for (; j < nk; j++) {
                 const bf16 *kj = k + (j0 + j) * dim;
                 __m512 a = _mm512_setzero_ps();
                 for (int64_t c = 0; c < chunks; c++)
                     a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mask32(dim - 32 * c), kj + 32 * c), qv[c]);
-                s[j] = _mm512_reduce_add_ps(a) * scale;
+                sg[j] = _mm512_reduce_add_ps(a) * scale;
+                block_max = sg[j] > block_max ? sg[j] : block_max;
             }
-            float block_max = -INFINITY;
-            for (j = 0; j < nk; j++) block_max = s[j] > block_max ? s[j] : block_max;
             if (block_max > m[g]) {
                 const float shrink = m[g] == -INFINITY ? 0.0f : expf(m[g] - block_max);
                 l[g] *= shrink;
@@ -240,73 +286,69 @@ static void attend(const bf16 *q, int64_t group, const bf16 *k, const bf16 *v, i
             __m512 sum = _mm512_setzero_ps();
             for (j = 0; j < nk; j += 16) {
                 const __mmask16 mk = mask16(nk - j);
-                const __m512 p = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), mg)));
+                const __m512 p = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + j), mg)));
                 sum = _mm512_add_ps(sum, p);
-                _mm512_mask_storeu_ps(s + j, mk, round16(p)); /* P.V with P in bf16 */
+                _mm512_mask_storeu_ps(sg + j, mk, round16(p)); /* P.V with P in bf16 */
             }
             l[g] += _mm512_reduce_add_ps(sum);
-            for (int64_t c = 0; c < dim; c += 64) { /* 64 output dims in registers, two chains of keys each */
-                __mmask16 mc[4];
-                __m512 even[4], odd[4];
-                for (int u = 0; u < 4; u++) {
-                    mc[u] = c + 16 * u < dim ? mask16(dim - c - 16 * u) : 0;
-                    even[u] = _mm512_maskz_loadu_ps(mc[u], og + c + 16 * u);
-                    odd[u] = _mm512_setzero_ps();
+        }
+        /* P.V: 64 output dims of up to 4 rows in registers; each value row converted once for them */
+        for (int64_t c = 0; c < dim; c += 64) {
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                float *og = o + g0 * dim + c;
+                const bf16 *vc = v + j0 * dim + c;
+                switch (group - g0 < 4 ? group - g0 : 4) { /* constant row counts: the accumulators stay in registers */
+                case 1: pv_rows(og, s[g0], vc, dim, dim - c, nk, 1); break;
+                case 2: pv_rows(og, s[g0], vc, dim, dim - c, nk, 2); break;
+                case 3: pv_rows(og, s[g0], vc, dim, dim - c, nk, 3); break;
+                default: pv_rows(og, s[g0], vc, dim, dim - c, nk, 4); break;
                 }
-                for (j = 0; j + 2 <= nk; j += 2) {
-                    const __m512 pe = _mm512_set1_ps(s[j]), po = _mm512_set1_ps(s[j + 1]);
-                    const bf16 *ve = v + (j0 + j) * dim + c, *vo = ve + dim;
-                    for (int u = 0; u < 4; u++) {
-                        even[u] = _mm512_fmadd_ps(pe, load16(ve + 16 * u, mc[u]), even[u]);
-                        odd[u] = _mm512_fmadd_ps(po, load16(vo + 16 * u, mc[u]), odd[u]);
-                    }
-                }
-                if (j < nk) {
-                    const __m512 pe = _mm512_set1_ps(s[j]);
-                    for (int u = 0; u < 4; u++)
-                        even[u] = _mm512_fmadd_ps(pe, load16(v + (j0 + j) * dim + c + 16 * u, mc[u]), even[u]);
-                }
-                for (int u = 0; u < 4; u++) _mm512_mask_storeu_ps(og + c + 16 * u, mc[u], _mm512_add_ps(even[u], odd[u]));
             }
         }
     }
 }
 
-/* Returns 0, or -1 for arguments out of scope (nothing written). */
+/* Returns 0, -1 for arguments out of scope, -2 out of memory (nothing written but the cache's new rows). */
 int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16 *head, const int64_t *k_cache,
                       const int64_t *v_cache, int64_t kv_head_stride, int64_t num_cached, int64_t layers,
                       int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, int64_t vocab,
                       float eps, const bf16 *x_in, int64_t n, const bf16 *cos, const bf16 *sin, int64_t keep,
                       float *logits, int threads) {
     if (n < 1 || n > MAX_NEW || keep < 1 || keep > n || head_dim > MAX_DIM || head_dim % 2 || hidden % 2 ||
-        inter % 2 || kv_heads < 1 || heads % kv_heads || num_cached < 0)
+        inter % 2 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP || num_cached < 0)
         return -1;
     const int64_t group = heads / kv_heads, qd = heads * head_dim, kvd = kv_heads * head_dim;
-    const int64_t qkv_rows = qd + 2 * kvd, num_keys = num_cached + n;
-    /* the attention's work items: (KV head, token, key split); splits keep every thread busy */
-    int64_t splits = (2 * threads + kv_heads * n - 1) / (kv_heads * n);
+    const int64_t qkv_rows = qd + 2 * kvd, num_keys = num_cached + n, rows = group * n;
+    /* One token: the attention's work items are (KV head, key split), the splits keeping every thread
+     * busy, each with its own partial softmax. More (a prompt lookup draft): prefill_attention.c's
+     * blocks of 16 query rows, which read each key once for all of them. */
+    const int blocked = n > 1;
+    int64_t splits = (2 * threads + kv_heads - 1) / kv_heads;
     if (splits > num_keys / 256) splits = num_keys / 256;
-    if (splits < 1) splits = 1;
-    const int64_t items = kv_heads * n * splits, part = group * (head_dim + 2);
-    /* shared between threads: the products' outputs, the attention's partial results */
+    if (splits < 1 || blocked) splits = 1;
+    const int64_t row_blocks = (rows + 15) / 16;
+    const int64_t items = blocked ? kv_heads * row_blocks : kv_heads * splits, part = group * (head_dim + 2);
+    /* shared between threads: the products' outputs, the rotated queries, the attention's results.
+     * Each product writes its own buffer, so a thread may start the next one while another still
+     * reads the last one's output. */
     bf16 *qkv = malloc((size_t)(n * qkv_rows) * sizeof(bf16));
-    bf16 *attn = malloc((size_t)(n * qd) * sizeof(bf16));
-    bf16 *proj = malloc((size_t)(n * (hidden > 2 * inter ? hidden : 2 * inter)) * sizeof(bf16));
-    float *partial = malloc((size_t)(items * part) * sizeof(float));
-    bf16 *head_in = malloc((size_t)(keep * hidden) * sizeof(bf16));
+    bf16 *qrows = malloc((size_t)(n * qd) * sizeof(bf16));  /* [kv_heads, group * n, dim]: row g * n + t */
+    bf16 *arows = malloc((size_t)(n * qd) * sizeof(bf16));  /* the same layout, attention's output */
+    bf16 *o_out = malloc((size_t)(n * hidden) * sizeof(bf16));
+    bf16 *gate_up = malloc((size_t)(n * 2 * inter) * sizeof(bf16));
+    bf16 *down = malloc((size_t)(n * hidden) * sizeof(bf16));
+    float *partial = malloc((size_t)(kv_heads * splits * part) * sizeof(float));
     bf16 *head_out = malloc((size_t)(keep * vocab) * sizeof(bf16));
-    if (!qkv || !attn || !proj || !partial || !head_in || !head_out) {
-        free(qkv), free(attn), free(proj), free(partial), free(head_in), free(head_out);
-        return -2;
-    }
+    int failed = !qkv || !qrows || !arows || !o_out || !gate_up || !down || !partial || !head_out;
     const float scale = 1.0f / sqrtf((float)head_dim);
-    int failed = 0;
-#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads) if (!failed)
     {
         const int id = omp_get_thread_num(), count = omp_get_num_threads();
-        bf16 *x = malloc((size_t)(n * hidden) * sizeof(bf16)); /* each thread's own residual stream */
+        /* each thread's own: the residual stream, a normed input or activation, the attention output */
+        bf16 *x = malloc((size_t)(n * hidden) * sizeof(bf16));
         bf16 *h = malloc((size_t)(n * (hidden > inter ? hidden : inter)) * sizeof(bf16));
-        if (!x || !h) {
+        bf16 *attn = malloc((size_t)(n * qd) * sizeof(bf16));
+        if (!x || !h || !attn) {
 #pragma omp atomic write
             failed = 1;
         } else {
@@ -328,68 +370,77 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
                            qkv_rows);
             }
 #pragma omp barrier
-            /* RoPE on q and k; k and v into the cache after the cached rows */
+            /* RoPE: queries into qrows, keys into the cache after the cached rows; values copied there */
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < n * (heads + 2 * kv_heads); w++) {
                 const int64_t t = w / (heads + 2 * kv_heads), hd = w % (heads + 2 * kv_heads);
-                bf16 *vec = qkv + t * qkv_rows + hd * head_dim;
-                if (hd < heads + kv_heads) rope(vec, cos + t * head_dim, sin + t * head_dim, head_dim);
-                if (hd >= heads) {
-                    const int64_t kvh = (hd - heads) % kv_heads;
-                    bf16 *dst = (hd < heads + kv_heads ? kc : vc) + kvh * kv_head_stride + (num_cached + t) * head_dim;
-                    memcpy(dst, vec, (size_t)head_dim * sizeof(bf16));
+                const bf16 *vec = qkv + t * qkv_rows + hd * head_dim;
+                const bf16 *c = cos + t * head_dim, *sn = sin + t * head_dim;
+                if (hd < heads) {
+                    rope(vec, qrows + ((hd / group) * rows + (hd % group) * n + t) * head_dim, c, sn, head_dim);
+                } else if (hd < heads + kv_heads) {
+                    rope(vec, kc + (hd - heads) * kv_head_stride + (num_cached + t) * head_dim, c, sn, head_dim);
+                } else {
+                    memcpy(vc + (hd - heads - kv_heads) * kv_head_stride + (num_cached + t) * head_dim, vec,
+                           (size_t)head_dim * sizeof(bf16));
                 }
             }
-            /* attention: partial results per (KV head, token, key split) */
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < items; w++) {
-                const int64_t kvh = w / (n * splits), t = (w / splits) % n, sp = w % splits;
-                const int64_t seen = num_cached + t + 1, lo_k = seen * sp / splits, hi_k = seen * (sp + 1) / splits;
-                float *out = partial + w * part;
-                attend(qkv + t * qkv_rows + kvh * group * head_dim, group, kc + kvh * kv_head_stride,
-                       vc + kvh * kv_head_stride, head_dim, lo_k, hi_k, scale, out, out + group * head_dim,
-                       out + group * head_dim + group);
+                if (blocked) {
+                    prefill_attention_block(qrows, kc, vc, arows, kv_heads, rows, head_dim, num_keys, n, kv_head_stride,
+                                            kv_head_stride, scale, w / row_blocks, (w % row_blocks) * 16);
+                } else {
+                    const int64_t kvh = w / splits, sp = w % splits;
+                    float *out = partial + w * part;
+                    attend(qrows + kvh * rows * head_dim, group, kc + kvh * kv_head_stride, vc + kvh * kv_head_stride,
+                           head_dim, num_keys * sp / splits, num_keys * (sp + 1) / splits, scale, out,
+                           out + group * head_dim, out + group * head_dim + group);
+                }
             }
-            /* combine the splits → attn [n, heads * dim] (implicit barrier above) */
-#pragma omp for schedule(static)
-            for (int64_t w = 0; w < kv_heads * n * group; w++) {
-                const int64_t kvh = w / (n * group), t = (w / group) % n, g = w % group;
-                float mx = -INFINITY, sum = 0.0f, o[MAX_DIM];
-                for (int64_t sp = 0; sp < splits; sp++) {
-                    const float *p = partial + ((kvh * n + t) * splits + sp) * part;
-                    const float pm = p[group * head_dim + g];
-                    mx = pm > mx ? pm : mx;
+            /* every thread gathers the whole attention output into its own [n, heads * dim] */
+            for (int64_t hd = 0; hd < heads; hd++) {
+                const int64_t kvh = hd / group, g = hd % group;
+                for (int64_t t = 0; t < n; t++) {
+                    bf16 *dst = attn + t * qd + hd * head_dim;
+                    if (blocked) {
+                        memcpy(dst, arows + (kvh * rows + g * n + t) * head_dim, (size_t)head_dim * sizeof(bf16));
+                        continue;
+                    }
+                    float mx = -INFINITY, sum = 0.0f, o[MAX_DIM];
+                    for (int64_t sp = 0; sp < splits; sp++) {
+                        const float pm = partial[(kvh * splits + sp) * part + group * head_dim + g];
+                        mx = pm > mx ? pm : mx;
+                    }
+                    for (int64_t c = 0; c < head_dim; c++) o[c] = 0.0f;
+                    for (int64_t sp = 0; sp < splits; sp++) {
+                        const float *p = partial + (kvh * splits + sp) * part;
+                        const float pm = p[group * head_dim + g], pl = p[group * head_dim + group + g];
+                        if (pm == -INFINITY) continue;
+                        const float f = expf(pm - mx);
+                        sum += pl * f;
+                        for (int64_t c = 0; c < head_dim; c++) o[c] += p[g * head_dim + c] * f;
+                    }
+                    for (int64_t c = 0; c < head_dim; c++) dst[c] = to_bf16(o[c] / sum);
                 }
-                for (int64_t c = 0; c < head_dim; c++) o[c] = 0.0f;
-                for (int64_t sp = 0; sp < splits; sp++) {
-                    const float *p = partial + ((kvh * n + t) * splits + sp) * part;
-                    const float pm = p[group * head_dim + g], pl = p[group * head_dim + group + g];
-                    if (pm == -INFINITY) continue;
-                    const float f = expf(pm - mx);
-                    sum += pl * f;
-                    for (int64_t c = 0; c < head_dim; c++) o[c] += p[g * head_dim + c] * f;
-                }
-                bf16 *dst = attn + t * qd + (kvh * group + g) * head_dim;
-                for (int64_t c = 0; c < head_dim; c++) dst[c] = to_bf16(o[c] / sum);
             }
             /* o_proj, then every thread adds it to its residual stream */
             share(hidden, id, count, &lo, &hi);
-            matvec((const bf16 *)(intptr_t)lw[O], qd, lo, hi, attn, n, proj, hidden);
+            matvec((const bf16 *)(intptr_t)lw[O], qd, lo, hi, attn, n, o_out, hidden);
 #pragma omp barrier
-            add_into(x, proj, n * hidden);
+            add_into(x, o_out, n * hidden);
             /* gate and up */
             rms_norm(x, (const bf16 *)(intptr_t)lw[POST_NORM], n, hidden, eps, h);
-#pragma omp barrier /* every thread has read proj */
             share(2 * inter, id, count, &lo, &hi);
             if (lo < inter)
-                matvec((const bf16 *)(intptr_t)lw[GATE], hidden, lo, hi < inter ? hi : inter, h, n, proj, 2 * inter);
+                matvec((const bf16 *)(intptr_t)lw[GATE], hidden, lo, hi < inter ? hi : inter, h, n, gate_up, 2 * inter);
             if (hi > inter)
                 matvec((const bf16 *)(intptr_t)lw[UP], hidden, (lo > inter ? lo : inter) - inter, hi - inter, h, n,
-                       proj + inter, 2 * inter);
+                       gate_up + inter, 2 * inter);
 #pragma omp barrier
             /* the activation (every thread, all of it), then down */
             for (int64_t t = 0; t < n; t++) {
-                const bf16 *gate = proj + t * 2 * inter, *up = gate + inter;
+                const bf16 *gate = gate_up + t * 2 * inter, *up = gate + inter;
                 for (int64_t c = 0; c < inter; c += 16) {
                     const __mmask16 m = mask16(inter - c);
                     const __m512 g = load16(gate + c, m);
@@ -398,29 +449,21 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
                     store16(h + t * inter + c, _mm512_mul_ps(act, load16(up + c, m)), m);
                 }
             }
-#pragma omp barrier /* every thread has read proj */
             share(hidden, id, count, &lo, &hi);
-            matvec((const bf16 *)(intptr_t)lw[DOWN], inter, lo, hi, h, n, proj, hidden);
+            matvec((const bf16 *)(intptr_t)lw[DOWN], inter, lo, hi, h, n, down, hidden);
 #pragma omp barrier
-            add_into(x, proj, n * hidden);
-#pragma omp barrier /* every thread has read proj before the next layer writes it */
+            add_into(x, down, n * hidden);
         }
-        if (!failed) {
-            /* the head over the last `keep` tokens */
-            rms_norm(x + (n - keep) * hidden, final_norm, keep, hidden, eps, h);
-            if (id == 0) memcpy(head_in, h, (size_t)(keep * hidden) * sizeof(bf16));
-        }
-#pragma omp barrier
-        if (!failed) {
+        if (!failed) { /* the head over the last `keep` tokens */
             int64_t lo, hi;
+            rms_norm(x + (n - keep) * hidden, final_norm, keep, hidden, eps, h);
             share(vocab, id, count, &lo, &hi);
-            matvec(head, hidden, lo, hi, head_in, keep, head_out, vocab);
+            matvec(head, hidden, lo, hi, h, keep, head_out, vocab);
             for (int64_t t = 0; t < keep; t++)
                 for (int64_t r = lo; r < hi; r++) logits[t * vocab + r] = f32(head_out[t * vocab + r]);
         }
-        free(x);
-        free(h);
+        free(x), free(h), free(attn);
     }
-    free(qkv), free(attn), free(proj), free(partial), free(head_in), free(head_out);
+    free(qkv), free(qrows), free(arows), free(o_out), free(gate_up), free(down), free(partial), free(head_out);
     return failed ? -2 : 0;
 }

@@ -185,6 +185,15 @@ static void block(const Job *job, int64_t head, int64_t row0) {
     }
 }
 
+/* One (head, block of 16 rows) of a call without `visible`, for a caller with its own threads
+ * (decode_step.c's check of a prompt lookup draft); its arguments already checked. */
+void prefill_attention_block(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out, int64_t heads, int64_t rows,
+                             int64_t dim, int64_t num_keys, int64_t num_new, int64_t k_stride, int64_t v_stride,
+                             float scale, int64_t head, int64_t row0) {
+    const Job job = {q, k, v, out, NULL, heads, rows, dim, num_keys, num_new, k_stride, v_stride, scale};
+    block(&job, head, row0);
+}
+
 /* Returns 0, or -1 for arguments out of scope (nothing written). */
 int prefill_attention(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out, const int32_t *visible,
                       int64_t heads, int64_t rows, int64_t dim, int64_t num_keys, int64_t num_new, int64_t k_stride,
