@@ -61,6 +61,9 @@ def test_ttft_rows(report):
                     "overhead_vs_lower_bound", "full_engine_s", "speedup_engine"):
             assert positive(r[key]), (key, r[key])
         assert r["top1_match"] is True  # a tiny llama is exact under relocation
+        assert r["cached_path"] in ("cached", "full")
+    worst = min(r["speedup_engine"] for r in rows)
+    assert f"**{worst:.2f}x**" in (report[1] / "bench.md").read_text()  # the worst ratio is reported
 
 
 def test_quality_rows(report):

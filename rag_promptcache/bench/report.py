@@ -41,6 +41,11 @@ def markdown(report: dict[str, object]) -> str:
             [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), *(r[f"{s}_s"] for s in llama),
               r["speedup"], r["speedup_engine"], *(r[x] for x in ratios), r["overhead_vs_lower_bound"],
               r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
+        worst = min(report["ttft"], key=lambda r: r["speedup_engine"])
+        out += [f"Worst cached/full ratio over these {len(report['ttft'])} prompts (the engine's own full prefill "
+                f"over the default's cached TTFT; never slower than not caching means at least 0.95x): "
+                f"**{worst['speedup_engine']:.2f}x** at {worst['context_tokens']} context tokens, "
+                f"{worst.get('cached_path', 'cached')} path.", ""]
     if isinstance(report.get("chat"), dict):
         out += _chat_markdown(report["chat"])
     if report.get("decode"):

@@ -245,13 +245,6 @@ static void attend(const bf16 *q, int64_t group, const bf16 *k, const bf16 *v, i
     float s[MAX_GROUP][KEY_BLOCK]; /* scores, then the probabilities rounded to bf16 */
     for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
         const int64_t nk = hi - j0 < KEY_BLOCK ? hi - j0 : KEY_BLOCK;
-        if (j0 + KEY_BLOCK < hi) { /* the next block's keys and values on their way while this one runs */
-            const int64_t next = (hi - j0 - KEY_BLOCK < KEY_BLOCK ? hi - j0 - KEY_BLOCK : KEY_BLOCK) * dim;
-            for (int64_t e = 0; e < next; e += 32) {
-                _mm_prefetch((const char *)(k + (j0 + KEY_BLOCK) * dim + e), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v + (j0 + KEY_BLOCK) * dim + e), _MM_HINT_T0);
-            }
-        }
         for (int64_t g = 0; g < group; g++) {
             const bf16 *qg = q + g * dim;
             float *og = o + g * dim, *sg = s[g];
