@@ -12,7 +12,7 @@ from rag_promptcache.engine.assemble import reserved_cache
 from rag_promptcache.engine.decode import decode
 from rag_promptcache.engine.runner import forward_last
 from rag_promptcache.engine.state import DecodeState, DecodeStats
-from rag_promptcache.engine.lookup import DEFAULT_LOOKUP, ENV, NgramDrafter
+from rag_promptcache.engine.lookup import DEFAULT_LOOKUP, ENV, DraftBudget, NgramDrafter
 from rag_promptcache.model.positions import kv_geometry
 from rag_promptcache.store import MemoryStore
 from tests.test_batch import DOCS
@@ -60,6 +60,27 @@ def test_bad_ngram_bounds_are_a_clear_error():
         NgramDrafter([], min_ngram=0)
     with pytest.raises(ValueError, match="max_ngram"):
         NgramDrafter([], min_ngram=3, max_ngram=2)
+
+
+def test_draft_budget_drafts_what_pays():
+    kept = DraftBudget(8)
+    assert 0 < kept.size() < 8  # the priors alone: a few tokens
+    for _ in range(20):  # every drafted token kept, a 9-row forward costing 1.9 one-row forwards
+        kept.update(0, 0, 1, 0.010)
+        kept.update(8, 8, 9, 0.019)
+    assert kept.size() == 8 and abs(kept.kappa - 0.1125) < 1e-3
+    useless = DraftBudget(8)
+    for _ in range(30):  # nothing kept: no drafts, but every PROBE-th forward tries one token
+        d = useless.size()
+        useless.update(d, 0, 1 + d, 0.010 + 0.0012 * d)
+    sizes = [useless.size() for _ in range(2 * DraftBudget.PROBE)]
+    assert sizes.count(1) == 2 and sizes.count(0) == 2 * DraftBudget.PROBE - 2
+    costly = DraftBudget(8)
+    for _ in range(20):  # half the first tokens kept, but a further row costs a whole forward
+        costly.update(0, 0, 1, 0.010)
+        costly.update(2, 1, 3, 0.030)
+    assert costly.kappa > 0.9 and costly.size() in (0, 1)
+    assert DraftBudget(0).size() == 0
 
 
 # -- the engine -----------------------------------------------------------------------------------

@@ -49,15 +49,16 @@ def calls(monkeypatch):
 
 
 def _steps(model, ids: torch.Tensor, capacity: int = 64):
-    """24 cached tokens, then a 1-token step, a 5-token step (a prompt lookup check) keeping all 5,
-    and one more token → (the three logits, the cache's KV after them)."""
+    """24 cached tokens, then a 1-token step, prompt lookup checks of 2 and 5 tokens (attention per
+    token, and in row blocks) keeping every row, and one more token → (the logits, the cache's KV)."""
     cache, keys, values = reserved_cache(model.config, kv_geometry(model), capacity, model.dtype, model.device)
     forward_logits(model, ids[:, :24], torch.arange(24)[None], cache)
     out = [forward_logits(model, ids[:, 24:25], torch.tensor([[24]]), cache),
-           forward_logits(model, ids[:, 25:30], torch.arange(25, 30)[None], cache, keep=5),
-           forward_logits(model, ids[:, 30:31], torch.tensor([[30]]), cache)]
-    assert all(layer.length == 31 for layer in cache.layers)
-    return out, keys[:, :, :31].clone(), values[:, :, :31].clone()
+           forward_logits(model, ids[:, 25:27], torch.arange(25, 27)[None], cache, keep=2),
+           forward_logits(model, ids[:, 27:32], torch.arange(27, 32)[None], cache, keep=5),
+           forward_logits(model, ids[:, 32:33], torch.tensor([[32]]), cache)]
+    assert all(layer.length == 33 for layer in cache.layers)
+    return out, keys[:, :, :33].clone(), values[:, :, :33].clone()
 
 
 @needs_kernel
@@ -66,7 +67,7 @@ def test_native_step_equals_the_torch_forward_to_rounding(shape, calls, monkeypa
     model = _tiny(**SHAPES[shape])
     ids = torch.randint(0, model.config.vocab_size, (1, 40))
     fast, fast_k, fast_v = _steps(model, ids)
-    assert calls == [0, 0, 0], "the kernel ran each step once, and only the steps"
+    assert calls == [0, 0, 0, 0], "the kernel ran each step once, and only the steps"
     monkeypatch.setenv(native.KERNELS_ENV, "0")
     ref, ref_k, ref_v = _steps(model, ids)
     for a, b in zip(fast, ref):

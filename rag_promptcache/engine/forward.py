@@ -22,6 +22,10 @@ weight changes (`refresh`); `RAG_PROMPTCACHE_PACK=0` turns it off.
 Exactness: the same modules' weights, the same RMSNorm, rotary embedding and SDPA math as
 transformers' Llama; outputs match it to float rounding (tests/test_forward.py compares logits).
 
+Where the native kernels run (bf16, AVX512-BF16), an unmasked step of up to 16 tokens (a decode step,
+a prompt lookup check) skips all of the above: engine/native_step.py runs every layer and the head
+in one call, and these layers run only where it declines.
+
 Also the server's batched decode step (`decode_batch`, over engine/batch.py's cache: one token per row).
 
 Out of scope: other architectures (they keep transformers' forward: `LeanLlama.for_model` returns

@@ -8,6 +8,11 @@ rows: on CPU a decode step is bound by reading the weights, so that forward cost
 one token's, and every accepted token is a step saved. Greedy only: the answer is the one plain
 greedy decoding gives (up to float rounding, since k + 1 rows are summed in another order than one).
 
+A check is not free: each drafted row adds its share of a forward's arithmetic (on this project's
+2-core CPU with the native decode step, 9 rows cost about 2 one-row forwards at a 2k context). So how
+many tokens to draft is chosen per forward (`DraftBudget`) from what the request's drafts have been
+accepted at and what its forwards have cost: where drafts are rarely kept, few or none are made.
+
 This module is the bookkeeping: pure Python over token ids, no torch. The checks and the rollback
 are the request's `DecodeState` (engine/state.py), whichever loop drives it: the engine's own
 (engine/decode.py) or, for a request running alone in the server, the batcher's.
@@ -78,3 +83,65 @@ class NgramDrafter:
             if start is not None:
                 return self.tokens[start : start + k]
         return []
+
+
+class DraftBudget:
+    """How many tokens to draft next: the number that makes the most tokens per second of forwards.
+
+    A check of d drafted tokens is one forward of d + 1 rows and yields 1 + a tokens, a being the
+    drafted tokens kept before the first rejected one. If each is kept with probability p (given the
+    ones before it were), E[1 + a] = (1 - p^(d+1)) / (1 - p), and the forward costs 1 + kappa d
+    one-row forwards; `size()` picks the d in 0..max_tokens with the best ratio (0: draft nothing).
+    p is estimated from this request's recent checks (counts decayed by DECAY per check, a Beta(1/2, 1/2)
+    prior), kappa from its forwards' timings (`PRIOR_KAPPA` until it has seen both kinds). While the
+    best d is 0, every PROBE-th forward still drafts one token, so a request that starts copying its
+    documents again is noticed; that costs at most kappa / PROBE of a forward where nothing is kept.
+    """
+
+    PRIOR_KAPPA = 0.15  # a further row's share of a one-row forward (measured 0.10-0.14 at 2k, native step)
+    DECAY = 0.9  # the last ~10 checks count
+    PROBE = 4
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.kept = 0.0  # drafted tokens kept (decayed)
+        self.trials = 0.0  # drafted tokens judged: the kept ones and the first rejected one (decayed)
+        self.one_row_s: float | None = None  # a forward of one row, smoothed
+        self.row_s: float | None = None  # each further row, smoothed
+        self._skipped = 0
+
+    @property
+    def kappa(self) -> float:
+        if self.one_row_s is None or self.row_s is None or self.one_row_s <= 0:
+            return self.PRIOR_KAPPA
+        return self.row_s / self.one_row_s
+
+    @property
+    def p(self) -> float:
+        return (self.kept + 0.5) / (self.trials + 1.0)
+
+    def size(self) -> int:
+        """Tokens to draft for the next forward (it may find fewer to draft)."""
+        p, kappa = self.p, self.kappa
+        best, best_rate = 0, 1.0
+        for d in range(1, self.max_tokens + 1):
+            rate = (1.0 - p ** (d + 1)) / (1.0 - p) / (1.0 + kappa * d)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        if best == 0 and self.max_tokens:
+            self._skipped += 1
+            if self._skipped >= self.PROBE:
+                self._skipped = 0
+                return 1
+        return best
+
+    def update(self, drafted: int, kept: int, rows: int, seconds: float) -> None:
+        """After a forward of `rows` rows that took `seconds` and checked `drafted` tokens, `kept` of them."""
+        if drafted:
+            self.kept = self.DECAY * self.kept + kept
+            self.trials = self.DECAY * self.trials + kept + (kept < drafted)
+        if rows == 1:
+            self.one_row_s = seconds if self.one_row_s is None else 0.7 * self.one_row_s + 0.3 * seconds
+        elif self.one_row_s is not None:
+            per_row = max(0.0, seconds - self.one_row_s) / (rows - 1)
+            self.row_s = per_row if self.row_s is None else 0.7 * self.row_s + 0.3 * per_row

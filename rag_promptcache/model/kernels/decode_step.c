@@ -36,6 +36,9 @@
 #define MAX_DIM 256 /* head_dim */
 #define KEY_BLOCK 64
 #define MAX_GROUP 16 /* query heads per KV head */
+#ifndef BLOCKED_FROM
+#define BLOCKED_FROM 4 /* new tokens from which the attention runs in prefill_attention.c's row blocks */
+#endif
 
 typedef uint16_t bf16;
 
@@ -234,7 +237,7 @@ static inline void pv_rows(float *o, const float *p, const bf16 *v, int64_t dim,
 /* Attention of query rows `q` [group, dim] (one new token, the heads sharing one KV head) over keys
  * [lo, hi): the unnormalised fp32 output o [group, dim], and per row the running max m and sum l. A
  * block of keys at a time: its scores for every row, then its values read once for all the rows. */
-static void attend(const bf16 *q, int64_t group, const bf16 *k, const bf16 *v, int64_t dim, int64_t lo, int64_t hi,
+static void attend(const bf16 *q, int64_t q_stride, int64_t group, const bf16 *k, const bf16 *v, int64_t dim, int64_t lo, int64_t hi,
                    float scale, float *o, float *m, float *l) {
     const int64_t chunks = (dim + 31) / 32;
     for (int64_t g = 0; g < group; g++) {
@@ -246,7 +249,7 @@ static void attend(const bf16 *q, int64_t group, const bf16 *k, const bf16 *v, i
     for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
         const int64_t nk = hi - j0 < KEY_BLOCK ? hi - j0 : KEY_BLOCK;
         for (int64_t g = 0; g < group; g++) {
-            const bf16 *qg = q + g * dim;
+            const bf16 *qg = q + g * q_stride;
             float *og = o + g * dim, *sg = s[g];
             __m512bh qv[MAX_DIM / 32];
             for (int64_t c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask32(dim - 32 * c), qg + 32 * c);
@@ -312,15 +315,15 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
         return -1;
     const int64_t group = heads / kv_heads, qd = heads * head_dim, kvd = kv_heads * head_dim;
     const int64_t qkv_rows = qd + 2 * kvd, num_keys = num_cached + n, rows = group * n;
-    /* One token: the attention's work items are (KV head, key split), the splits keeping every thread
-     * busy, each with its own partial softmax. More (a prompt lookup draft): prefill_attention.c's
+    /* A few tokens: the attention's work items are (KV head, token, key split), the splits keeping every
+     * thread busy, each with its own partial softmax. More (a long prompt lookup draft): prefill_attention.c's
      * blocks of 16 query rows, which read each key once for all of them. */
-    const int blocked = n > 1;
-    int64_t splits = (2 * threads + kv_heads - 1) / kv_heads;
+    const int blocked = n > BLOCKED_FROM - 1;
+    int64_t splits = (2 * threads + kv_heads * n - 1) / (kv_heads * n);
     if (splits > num_keys / 256) splits = num_keys / 256;
     if (splits < 1 || blocked) splits = 1;
     const int64_t row_blocks = (rows + 15) / 16;
-    const int64_t items = blocked ? kv_heads * row_blocks : kv_heads * splits, part = group * (head_dim + 2);
+    const int64_t items = blocked ? kv_heads * row_blocks : kv_heads * n * splits, part = group * (head_dim + 2);
     /* shared between threads: the products' outputs, the rotated queries, the attention's results.
      * Each product writes its own buffer, so a thread may start the next one while another still
      * reads the last one's output. */
@@ -330,7 +333,7 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
     bf16 *o_out = malloc((size_t)(n * hidden) * sizeof(bf16));
     bf16 *gate_up = malloc((size_t)(n * 2 * inter) * sizeof(bf16));
     bf16 *down = malloc((size_t)(n * hidden) * sizeof(bf16));
-    float *partial = malloc((size_t)(kv_heads * splits * part) * sizeof(float));
+    float *partial = malloc((size_t)(kv_heads * n * splits * part) * sizeof(float));
     bf16 *head_out = malloc((size_t)(keep * vocab) * sizeof(bf16));
     int failed = !qkv || !qrows || !arows || !o_out || !gate_up || !down || !partial || !head_out;
     const float scale = 1.0f / sqrtf((float)head_dim);
@@ -384,10 +387,11 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
                     prefill_attention_block(qrows, kc, vc, arows, kv_heads, rows, head_dim, num_keys, n, kv_head_stride,
                                             kv_head_stride, scale, w / row_blocks, (w % row_blocks) * 16);
                 } else {
-                    const int64_t kvh = w / splits, sp = w % splits;
+                    const int64_t kvh = w / (n * splits), t = (w / splits) % n, sp = w % splits;
+                    const int64_t seen = num_cached + t + 1; /* the cache and the new tokens up to this one */
                     float *out = partial + w * part;
-                    attend(qrows + kvh * rows * head_dim, group, kc + kvh * kv_head_stride, vc + kvh * kv_head_stride,
-                           head_dim, num_keys * sp / splits, num_keys * (sp + 1) / splits, scale, out,
+                    attend(qrows + (kvh * rows + t) * head_dim, n * head_dim, group, kc + kvh * kv_head_stride,
+                           vc + kvh * kv_head_stride, head_dim, seen * sp / splits, seen * (sp + 1) / splits, scale, out,
                            out + group * head_dim, out + group * head_dim + group);
                 }
             }
@@ -402,12 +406,12 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
                     }
                     float mx = -INFINITY, sum = 0.0f, o[MAX_DIM];
                     for (int64_t sp = 0; sp < splits; sp++) {
-                        const float pm = partial[(kvh * splits + sp) * part + group * head_dim + g];
+                        const float pm = partial[((kvh * n + t) * splits + sp) * part + group * head_dim + g];
                         mx = pm > mx ? pm : mx;
                     }
                     for (int64_t c = 0; c < head_dim; c++) o[c] = 0.0f;
                     for (int64_t sp = 0; sp < splits; sp++) {
-                        const float *p = partial + (kvh * splits + sp) * part;
+                        const float *p = partial + ((kvh * n + t) * splits + sp) * part;
                         const float pm = p[group * head_dim + g], pl = p[group * head_dim + group + g];
                         if (pm == -INFINITY) continue;
                         const float f = expf(pm - mx);
