@@ -56,14 +56,15 @@ def test_the_sdist_carries_the_sources_and_no_library(dist):
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
-    assert {"setup.py", KERNELS + "prefill_attention.c", KERNELS + "rope_shift.c"} <= set(names)
+    assert {"setup.py", KERNELS + "prefill_attention.c", KERNELS + "rope_shift.c", KERNELS + "decode_step.c",
+            KERNELS + "simd.h"} <= set(names)
     assert not [n for n in names if n.endswith((".so", ".so.json"))], names
 
 
 def test_the_wheel_carries_the_sources_and_the_library(dist, tmp_path):
     (wheel,) = dist.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {KERNELS + "prefill_attention.c", KERNELS + "rope_shift.c"} <= names
+    assert {KERNELS + "prefill_attention.c", KERNELS + "rope_shift.c", KERNELS + "decode_step.c", KERNELS + "simd.h"} <= names
     if native.build(tmp_path / "probe.so") is None:
         # where the compiler knows AVX512-BF16 the wheel has the library, whatever the CPU: it is checked on load
         assert {KERNELS + native.LIBRARY_NAME, KERNELS + native.LIBRARY_NAME + ".json"} <= names

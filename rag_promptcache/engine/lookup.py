@@ -11,7 +11,7 @@ greedy decoding gives (up to float rounding, since k + 1 rows are summed in anot
 A check is not free: each drafted row adds its share of a forward's arithmetic (on this project's
 2-core CPU with the native decode step, 9 rows cost about 2 one-row forwards at a 2k context). So how
 many tokens to draft is chosen per forward (`DraftBudget`) from what the request's drafts have been
-accepted at and what its forwards have cost: where drafts are rarely kept, few or none are made.
+accepted at and a fixed cost per drafted row: where drafts are rarely kept, few or none are made.
 
 This module is the bookkeeping: pure Python over token ids, no torch. The checks and the rollback
 are the request's `DecodeState` (engine/state.py), whichever loop drives it: the engine's own
@@ -86,35 +86,29 @@ class NgramDrafter:
 
 
 class DraftBudget:
-    """How many tokens to draft next: the number that makes the most tokens per second of forwards.
+    """How many tokens to draft next: the number that makes the most tokens per unit of forward time.
 
     A check of d drafted tokens is one forward of d + 1 rows and yields 1 + a tokens, a being the
     drafted tokens kept before the first rejected one. If each is kept with probability p (given the
     ones before it were), E[1 + a] = (1 - p^(d+1)) / (1 - p), and the forward costs 1 + kappa d
     one-row forwards; `size()` picks the d in 0..max_tokens with the best ratio (0: draft nothing).
     p is estimated from this request's recent checks (counts decayed by DECAY per check, a Beta(1/2, 1/2)
-    prior), kappa from its forwards' timings (`PRIOR_KAPPA` until it has seen both kinds). While the
-    best d is 0, every PROBE-th forward still drafts one token, so a request that starts copying its
-    documents again is noticed; that costs at most kappa / PROBE of a forward where nothing is kept.
+    prior). kappa is a constant, not timed: the drafts, and so the answer's bf16 rounding, depend on
+    the tokens alone, and the same request gets the same answer every time. While the best d is 0,
+    every PROBE-th forward still drafts one token, so a request that starts copying its documents
+    again is noticed; that costs at most kappa / PROBE of a forward where nothing is kept.
     """
 
-    PRIOR_KAPPA = 0.15  # a further row's share of a one-row forward (measured 0.10-0.14 at 2k, native step)
+    KAPPA = 0.15  # a further row's share of a one-row forward: 0.10-0.14 measured at 2k with the native step
     DECAY = 0.9  # the last ~10 checks count
     PROBE = 4
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, kappa: float = KAPPA) -> None:
         self.max_tokens = max_tokens
+        self.kappa = kappa
         self.kept = 0.0  # drafted tokens kept (decayed)
         self.trials = 0.0  # drafted tokens judged: the kept ones and the first rejected one (decayed)
-        self.one_row_s: float | None = None  # a forward of one row, smoothed
-        self.row_s: float | None = None  # each further row, smoothed
         self._skipped = 0
-
-    @property
-    def kappa(self) -> float:
-        if self.one_row_s is None or self.row_s is None or self.one_row_s <= 0:
-            return self.PRIOR_KAPPA
-        return self.row_s / self.one_row_s
 
     @property
     def p(self) -> float:
@@ -135,13 +129,8 @@ class DraftBudget:
                 return 1
         return best
 
-    def update(self, drafted: int, kept: int, rows: int, seconds: float) -> None:
-        """After a forward of `rows` rows that took `seconds` and checked `drafted` tokens, `kept` of them."""
+    def update(self, drafted: int, kept: int) -> None:
+        """After a check of `drafted` tokens that kept `kept` of them."""
         if drafted:
             self.kept = self.DECAY * self.kept + kept
             self.trials = self.DECAY * self.trials + kept + (kept < drafted)
-        if rows == 1:
-            self.one_row_s = seconds if self.one_row_s is None else 0.7 * self.one_row_s + 0.3 * seconds
-        elif self.one_row_s is not None:
-            per_row = max(0.0, seconds - self.one_row_s) / (rows - 1)
-            self.row_s = per_row if self.row_s is None else 0.7 * self.row_s + 0.3 * per_row

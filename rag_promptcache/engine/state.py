@@ -84,7 +84,6 @@ class DecodeState:
         self._drafter: NgramDrafter | None = None  # built at the first draft, not before the first token
         self._budget = DraftBudget(self.lookup)  # how many tokens to draft, from what drafting has paid
         self._draft: list[int] = []  # fed with the last token, awaiting its check
-        self._sent: float | None = None  # when the last input that could carry a draft was handed out
 
     @property
     def finished(self) -> bool:
@@ -100,12 +99,10 @@ class DecodeState:
         is on and `draft`, up to `lookup` tokens guessed to follow it. Counts the forward."""
         assert self.tokens and not self.finished, f"{len(self.tokens)=} {self.finish=}"
         self._draft = []
-        self._sent = None
         if draft and self.lookup:
             self._drafter = self._drafter or NgramDrafter(self.history)
             budget = min(self._budget.size(), self.sampling.max_new_tokens - len(self.tokens) - 1)
             self._draft = self._drafter.draft_after(self.tokens, budget) if budget > 0 else []
-            self._sent = time.perf_counter()
         self.stats.num_forwards += 1
         self.stats.num_drafted += len(self._draft)
         return [self.tokens[-1], *self._draft]
@@ -114,8 +111,6 @@ class DecodeState:
         """rows: [1 + len(draft), V] fp32, row j the logits after the input's first j + 1 tokens (the
         prefill's: one row) → the tokens chosen, each emitted while it is the draft's own next token."""
         draft, self._draft = self._draft, []
-        seconds = None if self._sent is None else time.perf_counter() - self._sent  # the forward's time
-        self._sent = None
         out = Advance()
         for j in range(rows.shape[0]):
             token = self._choose(rows[j])
@@ -130,8 +125,7 @@ class DecodeState:
                     out.pieces.append(tail)
                 return out  # the cache is done with: nothing to roll back
             if not kept:
-                if seconds is not None:
-                    self._budget.update(len(draft), j, 1 + len(draft), seconds)
+                self._budget.update(len(draft), j)
                 return Advance(out.pieces, len(draft) - j)
         return out
 

@@ -49,6 +49,7 @@ from pathlib import Path
 KERNELS_ENV = "RAG_PROMPTCACHE_KERNELS"  # "0": the torch code everywhere
 KERNELS_DIR = Path(__file__).with_name("kernels")  # the sources, and the library an install builds
 SOURCES = tuple(sorted(KERNELS_DIR.glob("*.c")))
+HEADERS = tuple(sorted(KERNELS_DIR.glob("*.h")))  # included by the sources (simd.h): part of what a build is from
 LIBRARY_NAME = "librag-promptcache-kernels.so"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-ffp-contract=off",
          "-fopenmp", "-shared", "-fPIC")
@@ -72,8 +73,8 @@ def cpu_supports() -> bool:
 
 
 def sources_digest() -> str:
-    """What a library is built from: the sources and the flags, hashed."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
+    """What a library is built from: the sources, the headers they include and the flags, hashed."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()
 
 
 def user_dir() -> Path:

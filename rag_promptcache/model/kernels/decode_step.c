@@ -25,22 +25,18 @@
  * Out of scope: biases, other norms or activations, sliding windows, masks other than causal over the
  * cache, more than MAX_NEW tokens, odd sizes (the caller runs the torch forward instead).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "simd.h"
 
 #define MAX_NEW 16  /* new tokens per call */
 #define MAX_DIM 256 /* head_dim */
 #define KEY_BLOCK 64
 #define MAX_GROUP 16 /* query heads per KV head */
-#ifndef BLOCKED_FROM
 #define BLOCKED_FROM 4 /* new tokens from which the attention runs in prefill_attention.c's row blocks */
-#endif
-
-typedef uint16_t bf16;
 
 enum { IN_NORM, Q, K, V, O, POST_NORM, GATE, UP, DOWN, PER_LAYER };
 
@@ -59,38 +55,6 @@ static inline bf16 to_bf16(float f) { /* round to nearest even, as torch */
 }
 
 static inline float round_bf16(float f) { return f32(to_bf16(f)); }
-
-static inline __mmask32 mask32(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << left) - 1); }
-static inline __mmask16 mask16(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
-
-static inline __m512 load16(const bf16 *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline void store16(bf16 *p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x)); }
-
-static inline __m512 round16(__m512 x) { /* each lane rounded to bf16, kept as fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
-/* e^x in fp32 (~2 ulp); 0 below -87, clamped above 88 */
-static inline __m512 exp16(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504089f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
 
 /* 16 vectors → one whose lane i is the sum of a[i]'s lanes (a transposing tree of adds, not 16 reductions) */
 static inline __m512 sum16(const __m512 *a) {
@@ -318,7 +282,7 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
     /* A few tokens: the attention's work items are (KV head, token, key split), the splits keeping every
      * thread busy, each with its own partial softmax. More (a long prompt lookup draft): prefill_attention.c's
      * blocks of 16 query rows, which read each key once for all of them. */
-    const int blocked = n > BLOCKED_FROM - 1;
+    const int blocked = n >= BLOCKED_FROM;
     int64_t splits = (2 * threads + kv_heads * n - 1) / (kv_heads * n);
     if (splits > num_keys / 256) splits = num_keys / 256;
     if (splits < 1 || blocked) splits = 1;

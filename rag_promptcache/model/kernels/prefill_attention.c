@@ -21,15 +21,13 @@
  * Out of scope: other masks (a cached key hidden from a token that sees a later one), fp32 and fp16
  * inputs, dim > 256 or odd.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 #define LANES 16
 #define TILE 16 /* keys per tile: 16 score vectors live in registers */
 #define MAX_DIM 256
-
-typedef uint16_t bf16;
 
 typedef struct {
     const bf16 *q, *k, *v;
@@ -38,25 +36,6 @@ typedef struct {
     int64_t heads, rows, dim, num_keys, num_new, k_stride, v_stride;
     float scale;
 } Job;
-
-/* e^x for x <= 0 (fp32, ~2 ulp); 0 below -87, where e^x is subnormal or the key was masked. */
-static inline __m512 exp_neg(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504089f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
 
 /* Two fp32 vectors → one vector of bf16 pairs per lane: (a[i] low half, b[i] high half). */
 static inline __m512i pair_bf16(__m512 a, __m512 b) {
@@ -142,14 +121,14 @@ static void block(const Job *job, int64_t head, int64_t row0) {
         }
         const __m512 m_new = _mm512_max_ps(m, tile_max);
         if (_mm512_cmp_ps_mask(m_new, m, _CMP_GT_OQ)) {
-            const __m512 shrink = exp_neg(_mm512_sub_ps(m, m_new));
+            const __m512 shrink = exp16(_mm512_sub_ps(m, m_new));
             l = _mm512_mul_ps(l, shrink);
             for (int64_t c = 0; c < dim; c++) o[c] = _mm512_mul_ps(o[c], shrink);
             m = m_new;
         }
         __m512i pp[TILE / 2];
         for (int t = 0; t < TILE; t += 2) {
-            const __m512 a = exp_neg(_mm512_sub_ps(s[t], m)), b = exp_neg(_mm512_sub_ps(s[t + 1], m));
+            const __m512 a = exp16(_mm512_sub_ps(s[t], m)), b = exp16(_mm512_sub_ps(s[t + 1], m));
             l = _mm512_add_ps(l, _mm512_add_ps(a, b));
             pp[t / 2] = pair_bf16(a, b);
         }

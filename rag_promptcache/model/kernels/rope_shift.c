@@ -11,19 +11,9 @@
  *
  * Out of scope: the interleaved (GPT-J) layout, fp32 and fp16 keys, per-token shifts.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-
-static inline __m512 load_bf16(const bf16 *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline void store_bf16(bf16 *p, __m512 x, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
-}
+#include "simd.h"
 
 /* Returns 0, or -1 for arguments out of scope (nothing written). */
 int rope_shift_bf16(const bf16 *src, bf16 *dst, int64_t layers, int64_t heads, int64_t rows, int64_t dim,
@@ -39,10 +29,10 @@ int rope_shift_bf16(const bf16 *src, bf16 *dst, int64_t layers, int64_t heads, i
             bf16 *y = dst + l * dst_layer + h * dst_head + r * dim;
             for (int64_t i = 0; i < half; i += 16) {
                 const __mmask16 m = half - i < 16 ? (__mmask16)((1u << (half - i)) - 1) : 0xFFFF;
-                const __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
+                const __m512 x1 = load16(x + i, m), x2 = load16(x + half + i, m);
                 const __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, s + i);
-                store_bf16(y + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)), m);
-                store_bf16(y + half + i, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)), m);
+                store16(y + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)), m);
+                store16(y + half + i, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)), m);
             }
             if (2 * half < dim) memcpy(y + 2 * half, x + 2 * half, (size_t)(dim - 2 * half) * sizeof(bf16));
         }
