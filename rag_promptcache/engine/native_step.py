@@ -24,7 +24,7 @@ import torch
 from rag_promptcache.engine.assemble import ReservedLayer
 from rag_promptcache.model import native
 
-MAX_NEW = 16  # MAX_NEW in the C source
+MAX_NEW, MAX_DIM, MAX_GROUP = 16, 256, 16  # the C source's limits: new tokens, head_dim, query heads per KV head
 
 
 class NativeStep:
@@ -60,7 +60,9 @@ class NativeStep:
                                            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                                                        layer.self_attn.v_proj, layer.self_attn.o_proj)):
             return False
-        return self.head_dim % 2 == 0 and self.head_dim <= 256 and self.hidden % 2 == 0 and self.inter % 2 == 0
+        if self.heads % self.kv_heads or self.heads // self.kv_heads > MAX_GROUP:
+            return False
+        return self.head_dim % 2 == 0 and self.head_dim <= MAX_DIM and self.hidden % 2 == 0 and self.inter % 2 == 0
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers, keep: int) -> torch.Tensor | None:
         """x: the new tokens' embeddings [1, N, E] bf16; cos, sin [1, N, D] bf16; `layers` the reserved
