@@ -23,6 +23,7 @@ needs_kernel = pytest.mark.skipif(not attention.available(), reason="no avx512_b
 SHAPES = {
     "blocks": {},  # hidden 64: every product runs in 16-row blocks
     "tails": {"hidden_size": 48, "intermediate_size": 72, "vocab_size": 100},  # rows and columns left over
+    "dim32": {"hidden_size": 128, "intermediate_size": 256},  # head_dim 32: scores 16 keys at a time
 }
 
 

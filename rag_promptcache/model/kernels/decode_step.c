@@ -157,24 +157,12 @@ void prefill_attention_block(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *
                              int64_t dim, int64_t num_keys, int64_t num_new, int64_t k_stride, int64_t v_stride,
                              float scale, int64_t head, int64_t row0);
 
-/* q . k for 16 consecutive keys of `dim` = 32 * chunks (a constant where inlined: the loops unroll) */
+/* q . k for 16 consecutive keys of `dim` = 32 * chunks, q in registers (a constant chunks unrolls the loops) */
 static inline __m512 scores16(const bf16 *k, int64_t dim, const __m512bh *qv, int chunks) {
     __m512 a[16];
     for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
     for (int c = 0; c < chunks; c++)
         for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(k + i * dim + 32 * c), qv[c]);
-    return sum16(a);
-}
-
-/* the same for any even dim */
-static __m512 scores16_any(const bf16 *k, int64_t dim, const __m512bh *qv) {
-    __m512 a[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < (dim + 31) / 32; c++) {
-        const __mmask32 mk = mask32(dim - 32 * c);
-        for (int i = 0; i < 16; i++)
-            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_maskz_loadu_epi16(mk, k + i * dim + 32 * c), qv[c]);
-    }
     return sum16(a);
 }
 
@@ -219,16 +207,16 @@ static void attend(const bf16 *q, int64_t q_stride, int64_t group, const bf16 *k
             for (int64_t c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask32(dim - 32 * c), qg + 32 * c);
             __m512 top = _mm512_set1_ps(-INFINITY);
             int64_t j = 0;
-            for (; j + 16 <= nk; j += 16) { /* sixteen keys' scores at once */
+            for (; dim % 32 == 0 && j + 16 <= nk; j += 16) { /* sixteen keys' scores at once */
                 const bf16 *kj = k + (j0 + j) * dim;
                 const __m512 raw = dim == 64 ? scores16(kj, 64, qv, 2) : dim == 128 ? scores16(kj, 128, qv, 4)
-                                                                                    : scores16_any(kj, dim, qv);
+                                                                                    : scores16(kj, dim, qv, (int)chunks);
                 const __m512 sc = _mm512_mul_ps(raw, _mm512_set1_ps(scale));
                 top = _mm512_max_ps(top, sc);
                 _mm512_storeu_ps(sg + j, sc);
             }
             float block_max = _mm512_reduce_max_ps(top);
-            for (; j < nk; j++) {
+            for (; j < nk; j++) { /* the block's last keys; every key where dim is not a multiple of 32 */
                 const bf16 *kj = k + (j0 + j) * dim;
                 __m512 a = _mm512_setzero_ps();
                 for (int64_t c = 0; c < chunks; c++)
