@@ -164,8 +164,9 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
         **llama_systems,
     }, device)
     s = {k: median(v) for k, v in times.items()}
-    top_full, top_cached = timed(full, device)[1], engine(mem, 0)()
-    path = mem.generate(prompt, max_new_tokens=1).path  # which path the default planner runs for this prompt
+    top_full, cached = timed(full, device)[1], mem.generate(prompt, max_new_tokens=1)
+    assert not cached.missed_modules, f"{cached.missed_modules=}"
+    top_cached, path = cached.token_ids[0], cached.path  # path: which one the default planner runs for this prompt
     llama_fields: dict[str, object] = {}
     for w, r in (llama or {}).items():
         llama_fields[f"llamacpp_{w}_full_s"] = s[f"llamacpp_{w}_full"]
