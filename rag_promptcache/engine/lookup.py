@@ -94,7 +94,8 @@ class DraftBudget:
     one-row forwards; `size()` picks the d in 0..max_tokens with the best ratio (0: draft nothing).
     p is estimated from this request's recent checks (counts decayed by DECAY per check, a Beta(1/2, 1/2)
     prior). kappa is a constant, not timed: the drafts, and so the answer's bf16 rounding, depend on
-    the tokens alone, and the same request gets the same answer every time. While the best d is 0,
+    the tokens alone, never on how busy the machine is (a timed kappa made answers vary between runs
+    of the same computation). While the best d is 0,
     every PROBE-th forward still drafts one token, so a request that starts copying its documents
     again is noticed; that costs at most kappa / PROBE of a forward where nothing is kept.
     """
