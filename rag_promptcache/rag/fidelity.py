@@ -186,12 +186,15 @@ def cached(engine: PromptCache, refs: Sequence[Reference], recovery: str, max_ne
            stop: tuple[str, ...] = ()) -> list[Outcome]:
     """Each reference's prompt answered from the cache with `recovery`."""
     engine.generate(refs[0].prompt, recovery=recovery, max_new_tokens=1)  # warm-up: no cold first timing
-    out = []
-    for r in refs:
-        res = engine.generate(r.prompt, recovery=recovery, max_new_tokens=max_new_tokens, stop=stop)
-        right = None if r.question.answer is None else answer_contains(res.text, r.question.answer)
-        out.append(Outcome(recovery, res.text, right, res.text.strip() == r.text.strip(), res.ttft_s))
-    return out
+    return [answer(engine, r, recovery, max_new_tokens, stop) for r in refs]
+
+
+def answer(engine: PromptCache, ref: Reference, recovery: str, max_new_tokens: int = DEFAULT_NEW_TOKENS,
+           stop: tuple[str, ...] = ()) -> Outcome:
+    """One reference's prompt answered from the cache with `recovery`, judged against full prefill's answer."""
+    res = engine.generate(ref.prompt, recovery=recovery, max_new_tokens=max_new_tokens, stop=stop)
+    right = None if ref.question.answer is None else answer_contains(res.text, ref.question.answer)
+    return Outcome(recovery, res.text, right, res.text.strip() == ref.text.strip(), res.ttft_s)
 
 
 def summarize(recovery: str, k: int, refs: Sequence[Reference], outcomes: Sequence[Outcome]) -> SettingReport:
