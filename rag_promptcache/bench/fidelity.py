@@ -96,7 +96,8 @@ def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
             for mode, rec in cfg.fidelity_settings:
                 report = summarize(str(Recovery.parse(rec)), k, refs, outcomes[(mode, rec)])
                 share = recomputed_share(engines[mode], refs, rec)
-                rows.append({"split": split, "mode": mode, **report.as_dict(), "recomputed_share": share})
+                rows.append({"split": split, "mode": mode, **report.as_dict(), "recomputed_share": share,
+                             "answers": [r.as_dict() for r in report.results]})
                 r = rows[-1]
                 bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}, "
                           f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--settings", default="none,last:1,last:2,question:0.05",
                     help="comma-separated RECOVERY or MODE/RECOVERY")
     ap.add_argument("--questions", type=int, default=24, help="per split")
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=BenchConfig.fidelity_new_tokens)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")

@@ -156,11 +156,11 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
     pct = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     rows = [[r.get("split", "bench"), r["k"], f"{r['context_tokens']:.0f}", f"{r['mode']}/{r['recovery']}",
              f"{r['full_correct']}/{r['with_answer']}", f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]),
-             f"{r.get('recomputed_share', 0.0):.3f}", f"{r['full_ttft_s']:.3f}", f"{r['cached_ttft_s']:.3f}",
+             pct(r.get("kept")), f"{r.get('recomputed_share', 0.0):.3f}", f"{r['full_ttft_s']:.3f}", f"{r['cached_ttft_s']:.3f}",
              f"{r['speedup']:.1f}x"] for r in fid["rows"]]
     chosen = fid.get("across_splits")
     return "\n".join([
-        table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "recomputed",
+        table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "kept (paired)", "recomputed",
                 "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
         "the rule (retained >= 0.95 on every split at every k, then the fastest) picks: "
         + (f"{chosen['mode']}/{chosen['recovery']} (worst retained {chosen['worst_retained']:.2f}, "

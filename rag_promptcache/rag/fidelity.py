@@ -127,6 +127,13 @@ class SettingReport:
         return self.cached_correct / self.full_correct if self.full_correct else None
 
     @property
+    def kept(self) -> float | None:
+        """Paired: of the questions full prefill answers right, the share the cached setting answers right
+        too (never above 1, unlike `retained`, which also counts answers only the cache gets right)."""
+        both = sum(bool(r.full_right and r.cached_right) for r in self.results)
+        return both / self.full_correct if self.results and self.full_correct else None
+
+    @property
     def speedup(self) -> float:
         return self.full_ttft_s / self.cached_ttft_s
 
@@ -134,7 +141,7 @@ class SettingReport:
         return {"recovery": self.recovery, "k": self.k, "questions": self.num_questions,
                 "with_answer": self.num_with_answer, "full_correct": self.full_correct,
                 "cached_correct": self.cached_correct, "full_accuracy": self.full_accuracy,
-                "cached_accuracy": self.cached_accuracy, "retained": self.retained, "agreement": self.agreement,
+                "cached_accuracy": self.cached_accuracy, "retained": self.retained, "kept": self.kept, "agreement": self.agreement,
                 "full_ttft_s": self.full_ttft_s, "cached_ttft_s": self.cached_ttft_s, "speedup": self.speedup,
                 "context_tokens": self.context_tokens}
 
