@@ -118,8 +118,9 @@ def test_fidelity_rows_and_files(fidelity_report):
     result, out = fidelity_report
     fid = result["fidelity"]
     rows = fid["rows"]
-    assert [(r["k"], r["mode"], r["recovery"]) for r in rows] == [
-        (k, m, r) for k in (2, 3) for m, r in FIDELITY.fidelity_settings]
+    assert FIDELITY.fidelity_splits == ("bench", "heldout")  # both by default: chosen on one, confirmed on the other
+    assert [(r["split"], r["k"], r["mode"], r["recovery"]) for r in rows] == [
+        (s, k, m, r) for s in FIDELITY.fidelity_splits for k in (2, 3) for m, r in FIDELITY.fidelity_settings]
     for r in rows:
         assert r["questions"] == r["with_answer"] == 3
         assert 0 <= r["cached_correct"] <= 3 and 0 <= r["full_correct"] <= 3 and 0.0 <= r["agreement"] <= 1.0
@@ -128,8 +129,9 @@ def test_fidelity_rows_and_files(fidelity_report):
     assert all(r["agreement"] == 1.0 for r in rows if r["recovery"] == "last:9")
     assert {t["recovery"] for t in fid["ttft_at_context"]} == {"none", "last:1", "last:9"}
     assert all(t["k"] >= 2 and positive(t["speedup"]) for t in fid["ttft_at_context"])
-    assert "## Answer fidelity" in (out / "bench.md").read_text()
-    assert (out / "fidelity.png").stat().st_size > 0
+    md = (out / "bench.md").read_text()
+    assert "## Answer fidelity" in md and "| heldout | 3 |" in md and "on every split at every k" in md
+    assert (out / "fidelity.png").stat().st_size > 0 and (out / "fidelity_front.png").stat().st_size > 0
     assert json.loads((out / "bench.json").read_text())["fidelity"]["rows"] == json.loads(json.dumps(rows))
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from rag_promptcache.bench import report
 from rag_promptcache.bench.common import Bench, BenchConfig
-from rag_promptcache.bench.fidelity import choose_across_splits, run
+from rag_promptcache.bench.fidelity import choose_across_splits, choose_then_confirm, run
 from tests.tiny import build
 
 CONFIG = BenchConfig(fidelity_per_kind=1, fidelity_questions=2, fidelity_ks=(2,), fidelity_new_tokens=2,
@@ -47,3 +47,19 @@ def test_rule_across_splits_needs_every_split_and_k():
     chosen = choose_across_splits(rows)
     assert chosen["recovery"] == "mid" and chosen["speedup_at_largest_k"] == 4.0  # its slowest split at k = 8
     assert choose_across_splits([row("bench", "fast", 4, 0.5, 9.0)]) is None
+
+
+def test_chosen_on_one_split_then_confirmed_or_not_on_the_other():
+    def row(split, rec, k, retained, speedup):
+        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "retained": retained,
+                "speedup": speedup}
+
+    rows = [row("bench", "fast", 4, 0.5, 9.0), row("bench", "mid", 4, 1.0, 5.0), row("bench", "mid", 8, 0.96, 4.0),
+            row("heldout", "mid", 4, 0.97, 5.0), row("heldout", "mid", 8, 0.9, 4.5), row("bench", "slow", 8, 1.0, 2.0)]
+    picked = choose_then_confirm(rows)
+    assert (picked["recovery"], picked["chosen_on"]) == ("mid", "bench")
+    assert picked["worst_retained_elsewhere"] == {"heldout": 0.9} and picked["confirmed"] is False
+    rows[4]["retained"] = 0.95
+    assert choose_then_confirm(rows)["confirmed"] is True
+    assert choose_then_confirm(rows, on="heldout")["worst_retained_elsewhere"] == {"bench": 0.96}
+    assert choose_then_confirm([row("bench", "fast", 4, 0.5, 9.0)]) is None

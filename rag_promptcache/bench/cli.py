@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
         fidelity_settings: Annotated[str | None, typer.Option("--fidelity-settings", help="Comma-separated settings the fidelity scenario compares with full prefill, each RECOVERY or MODE/RECOVERY (mode: shared_prefix, the default, or isolated), e.g. none,last:2 [default: the sweep in bench/common.py].")] = None,
-        fidelity_split: Annotated[str | None, typer.Option("--fidelity-split", help="bench, heldout (other templates and facts, the default chunk size) or both: the fidelity scenario's documents [default: bench].")] = None,
+        fidelity_split: Annotated[str | None, typer.Option("--fidelity-split", help="bench, heldout (other templates and facts, the default chunk size) or both: the fidelity scenario's documents [default: both].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""

@@ -13,7 +13,8 @@ the engine's full prefill (medians over the questions; per question, full prefil
 run back to back, so a change of load shows in both). The engines run with
 `fallback="never"`: this measures a recovery, not the planner's choice of path. Then, optionally, one
 timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies issue 11's rule,
-`choose_across_splits` issue 26's (retains >= 0.95 on every split at every measured k).
+`choose_across_splits` issue 26's (retains >= 0.95 on every split at every measured k), and
+`choose_then_confirm` its §3 (chosen on the bench split, then confirmed, or not, on the held-out one).
 
     python -m rag_promptcache.bench.fidelity --split both --k 4 8 --settings none,last:1,last:2,question:0.05 \
         --questions 24 --threads 2 --dtype bfloat16 --out docs/bench/fidelity-2026-11-25
@@ -60,7 +61,8 @@ def run(bench: Bench, splits: tuple[str, ...] = ("bench",), ttft_point: bool = T
         questions = max(questions, out["questions"])
     cfg = bench.config
     return {"rows": rows, "ttft_at_context": timing, "chosen": choose_default(rows, timing) if timing else None,
-            "across_splits": choose_across_splits(rows), "splits": list(splits),
+            "across_splits": choose_across_splits(rows), "chosen_then_confirmed": choose_then_confirm(rows),
+            "splits": list(splits),
             "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": questions,
             "new_tokens": cfg.fidelity_new_tokens}
 
@@ -192,6 +194,23 @@ def choose_across_splits(rows: list[dict[str, object]]) -> dict[str, object] | N
             "rule": f"fastest with retained >= {TARGET_RETAINED} on every split at every k (speed-up at k={largest})"}
 
 
+def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dict[str, object] | None:
+    """Issue 26 §3: choose on one split, confirm on the others. The fastest setting (speed-up at the
+    largest k) retaining >= 0.95 at every measured k of split `on`; then, per other split, its worst
+    retained there and whether that too is >= 0.95. None when nothing qualifies on `on`."""
+    picked = choose_across_splits([r for r in rows if r.get("split", "bench") == on])
+    if picked is None:
+        return None
+    mine = [r for r in rows if (r["mode"], r["recovery"]) == (picked["mode"], picked["recovery"])]
+    elsewhere = {}
+    for r in mine:
+        if (split := r.get("split", "bench")) != on:
+            value = r["retained"] if r["retained"] is not None else 0.0
+            elsewhere[split] = min(elsewhere.get(split, math.inf), value)
+    return {**picked, "chosen_on": on, "worst_retained_elsewhere": elsewhere,
+            "confirmed": all(v >= TARGET_RETAINED for v in elsewhere.values())}
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """The fidelity scenario alone, with its split and sizes on the command line (module docstring)."""
     import torch
@@ -205,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--settings", default="none,last:1,last:2,question:0.05",
                     help="comma-separated RECOVERY or MODE/RECOVERY")
     ap.add_argument("--questions", type=int, default=24, help="per split")
-    ap.add_argument("--new-tokens", type=int, default=BenchConfig.fidelity_new_tokens)
+    ap.add_argument("--new-tokens", type=int, default=BenchConfig().fidelity_new_tokens)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")

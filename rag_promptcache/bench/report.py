@@ -142,13 +142,15 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
              f"{at[(r['mode'], r['recovery'])]['speedup']:.1f}x" if (r["mode"], r["recovery"]) in at else ""]
             for r in fid["rows"]]
     chosen = fid.get("chosen")
-    return ["## Answer fidelity against full prefill", "",
-            f"{fid['questions']} questions over confusable documents, greedy, {fid['new_tokens']} new tokens; "
-            f"an answer is right when it contains the fact.", "",
-            table(["k", "mode", "recovery", "full right", "cached right", "retained", "agreement", "speed-up",
-                    f"speed-up at ~{ctx:.0f} tok"], rows), "",
-            f"engine default: {fid['engine_default']}; the rule picks: "
-            + (f"{chosen['mode']}/{chosen['recovery']} ({chosen['rule']})" if chosen else "nothing (no setting keeps 3x)"), ""]
+    head = ["## Answer fidelity against full prefill", "",
+            f"{fid['questions']} questions per split over confusable documents, greedy, {fid['new_tokens']} new tokens; "
+            f"an answer is right when it contains the fact. Speed-ups divide the engine's own full prefill.", ""]
+    rule = (f"engine default: {fid['engine_default']}; the rule at ~{ctx:.0f} tokens picks: "
+            + (f"{chosen['mode']}/{chosen['recovery']} ({chosen['rule']})" if chosen else "nothing (no setting keeps 3x)"))
+    if len(fid.get("splits", ())) > 1:  # per split, with the rule across splits and the choose-then-confirm line
+        return [*head, fidelity_splits_markdown(fid), "", rule, ""]
+    return [*head, table(["k", "mode", "recovery", "full right", "cached right", "retained", "agreement", "speed-up",
+                          f"speed-up at ~{ctx:.0f} tok"], rows), "", rule, ""]
 
 
 def fidelity_splits_markdown(fid: dict[str, object]) -> str:
@@ -158,14 +160,20 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
              f"{r['full_correct']}/{r['with_answer']}", f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]),
              pct(r.get("kept")), f"{r.get('recomputed_share', 0.0):.3f}", f"{r['full_ttft_s']:.3f}", f"{r['cached_ttft_s']:.3f}",
              f"{r['speedup']:.1f}x"] for r in fid["rows"]]
-    chosen = fid.get("across_splits")
-    return "\n".join([
+    chosen, confirm = fid.get("across_splits"), fid.get("chosen_then_confirmed")
+    lines = [
         table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "kept (paired)", "recomputed",
                 "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
         "the rule (retained >= 0.95 on every split at every k, then the fastest) picks: "
         + (f"{chosen['mode']}/{chosen['recovery']} (worst retained {chosen['worst_retained']:.2f}, "
            f"{chosen['speedup_at_largest_k']:.1f}x)" if chosen else "nothing"),
-    ])
+    ]
+    if confirm:
+        others = ", ".join(f"{s} {v:.2f}" for s, v in confirm["worst_retained_elsewhere"].items()) or "no other split"
+        lines.append(f"chosen on the {confirm['chosen_on']} split: {confirm['mode']}/{confirm['recovery']} (worst retained "
+                     f"{confirm['worst_retained']:.2f}, {confirm['speedup_at_largest_k']:.1f}x); worst retained elsewhere: "
+                     f"{others}: {'confirmed' if confirm['confirmed'] else 'not confirmed'}")
+    return "\n".join(lines)
 
 
 def fidelity_front(fid: dict[str, object], path: str | Path) -> Path:
@@ -175,6 +183,8 @@ def fidelity_front(fid: dict[str, object], path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from matplotlib.ticker import FuncFormatter
 
     rows = [r for r in fid["rows"] if r["retained"] is not None]
     ks = sorted({r["k"] for r in rows})
@@ -196,6 +206,8 @@ def fidelity_front(fid: dict[str, object], path: str | Path) -> Path:
             ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=colour, alpha=0.5)
         ax.axhline(0.95, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if f"{v:g}"[0] in "235" else ""))
         ax.set(xlabel="TTFT speed-up over the engine's own full prefill", ylabel="retained (cached right / full right)",
                title=f"k = {k}")
         ax.grid(True, which="both", alpha=0.3)
@@ -256,6 +268,8 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
 
         written += serve.plots(report["serve"], folder)
     fid = report.get("fidelity")
+    if isinstance(fid, dict) and fid.get("rows") and len(fid.get("splits", ())) > 1:
+        written.append(fidelity_front(fid, folder / "fidelity_front.png"))
     if isinstance(fid, dict) and fid.get("rows"):
         at = {(t["mode"], t["recovery"]): t["speedup"] for t in fid["ttft_at_context"]}
         fig, ax = plt.subplots(figsize=(7, 4.5))
