@@ -67,6 +67,7 @@ class BenchConfig:
     )
     fidelity_new_tokens: int = 32  # room for the first sentence: at 20, a quarter of the answers were cut before it ended
     fidelity_splits: tuple[str, ...] = ("bench", "heldout")  # bench/fidelity.py SPLITS; heldout: default-size chunks
+    fidelity_seed_offset: int = 0  # added to each split's data seed: the same templates, other entities and facts
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3
     dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default

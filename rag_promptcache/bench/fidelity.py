@@ -69,10 +69,9 @@ def run(bench: Bench, splits: tuple[str, ...] = ("bench",), ttft_point: bool = T
 
 def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
     cfg, model, tok = bench.config, bench.model, bench.tokenizer
-    if split == "bench":
-        data, chunk = fidelity_data.generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind), CHUNK_TOKENS
-    else:  # the corpus's default chunk size: what a user's corpus gets
-        data, chunk = fidelity_heldout.generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind), None
+    source = fidelity_data if split == "bench" else fidelity_heldout
+    data = source.generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind, seed=source.SEED + cfg.fidelity_seed_offset)
+    chunk = CHUNK_TOKENS if split == "bench" else None  # held-out: the corpus's default chunk size, as a user's
     questions = [EvalQuestion(q.question, q.answer) for q in data.questions[: cfg.fidelity_questions]]
     engines: dict[str, PromptCache] = {}
     rows: list[dict[str, object]] = []
@@ -225,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     help="comma-separated RECOVERY or MODE/RECOVERY")
     ap.add_argument("--questions", type=int, default=24, help="per split")
     ap.add_argument("--new-tokens", type=int, default=BenchConfig().fidelity_new_tokens)
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="added to each split's seed: other entities and facts in the same templates")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -240,11 +241,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype)
     cfg = dataclasses.replace(BenchConfig(), fidelity_questions=args.questions, fidelity_ks=tuple(args.k),
-                              fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype)
+                              fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
+                              fidelity_seed_offset=args.seed_offset)
     bench = Bench(model, tok, args.model, cfg, log=lambda m: print(m, flush=True))
     splits = SPLITS if args.split == "both" else (args.split,)
     out = run(bench, splits, ttft_point=args.ttft_point)
-    out.update({"dtype": args.dtype, "threads": args.threads, "seconds": round(time.perf_counter() - t0, 1)})
+    out.update({"dtype": args.dtype, "threads": args.threads, "seed_offset": args.seed_offset,
+                "seconds": round(time.perf_counter() - t0, 1)})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fidelity.json").write_text(json.dumps(out, indent=2) + "\n")
     (args.out / "fidelity.md").write_text(report.fidelity_splits_markdown(out) + "\n")
