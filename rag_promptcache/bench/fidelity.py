@@ -16,8 +16,9 @@ timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies issue 
 `choose_across_splits` issue 26's (retains >= 0.95 on every split at every measured k), and
 `choose_then_confirm` its §3 (chosen on the bench split, then confirmed, or not, on the held-out one).
 
-    python -m rag_promptcache.bench.fidelity --split both --k 4 8 --settings none,last:1,last:2,question:0.05 \
-        --questions 24 --threads 2 --dtype bfloat16 --out docs/bench/fidelity-2026-11-25
+    python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 \
+        --settings none,last:1,last:2,last:3,question:0.05 --questions 42 --new-tokens 32 \
+        --threads 2 --dtype bfloat16 --out docs/bench/fidelity-quiet-2026-11-25/tokens32
 
 Not here: the evaluation logic (rag/fidelity.py, shared with `rag-promptcache eval`).
 """
@@ -201,7 +202,7 @@ def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dic
     if picked is None:
         return None
     mine = [r for r in rows if (r["mode"], r["recovery"]) == (picked["mode"], picked["recovery"])]
-    elsewhere = {}
+    elsewhere: dict[str, float] = {}
     for r in mine:
         if (split := r.get("split", "bench")) != on:
             value = r["retained"] if r["retained"] is not None else 0.0
@@ -219,10 +220,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     ap = argparse.ArgumentParser(description="Answer fidelity of recovery settings against the engine's full prefill.")
     ap.add_argument("--split", choices=(*SPLITS, "both"), default="both")
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--settings", default="none,last:1,last:2,question:0.05",
+    ap.add_argument("--k", type=int, nargs="+", default=list(BenchConfig().fidelity_ks))
+    ap.add_argument("--settings", default="none,last:1,last:2,last:3,question:0.05",
                     help="comma-separated RECOVERY or MODE/RECOVERY")
-    ap.add_argument("--questions", type=int, default=24, help="per split")
+    ap.add_argument("--questions", type=int, default=BenchConfig().fidelity_questions, help="per split (42: all)")
     ap.add_argument("--new-tokens", type=int, default=BenchConfig().fidelity_new_tokens)
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to each split's seed: other entities and facts in the same templates")
