@@ -27,7 +27,7 @@ PADDING = " ".join(["Looking at the documents"] * 8)  # 32 words before the fact
 QUESTIONS = [("Which way does the Nile flow?", "north"), ("What do cats do when content?", "purr"),
              ("What cools into rock?", "lava")]
 # (answer to the Nile question, TTFT) per setting; every other question is answered right everywhere
-BEHAVIOUR = {"full": ("north", 0.5), "none": ("south", 0.01), "last:1": ("north", 0.05), "last:2": ("north", 0.1)}
+BEHAVIOUR = {"full": ("north", 0.5), "none": ("south", 0.01), "last:1": ("north", 0.05), DEFAULT_RECOVERY: ("north", 0.1)}
 
 
 class FidelityEngine(FakeEngine):
@@ -83,7 +83,7 @@ def test_eval_recommends_shows_failures_and_judges_the_whole_answer(setup, capsy
     assert table[0] == "3 questions, k=1, 3 with an expected answer" and table[1].startswith("recovery")
     rows = {line.split()[0]: line.split() for line in table[2:5]}
     assert table[5] == ""
-    assert list(rows) == ["none", "last:1", "last:2"] and rows["none"][1:4] == ["1.00", "0.67", "0.67"]
+    assert list(rows) == ["none", "last:1", DEFAULT_RECOVERY] and rows["none"][1:4] == ["1.00", "0.67", "0.67"]
     # the fact comes 35 words in: judged on the whole answer (64 tokens), full prefill is right on all 3
     assert rows["last:1"][1:4] == ["1.00", "1.00", "1.00"]
     assert re.search(r"recommended: last:1 \(the fastest setting that keeps >= 95% of full prefill's right answers", out)

@@ -8,7 +8,7 @@ import pytest
 
 from rag_promptcache.bench import report
 from rag_promptcache.bench.common import Bench, BenchConfig
-from rag_promptcache.bench.fidelity import choose_across_splits, choose_then_confirm, run
+from rag_promptcache.bench.fidelity import choose_across_splits, choose_then_confirm, pool, run
 from tests.tiny import build
 
 CONFIG = BenchConfig(fidelity_per_kind=1, fidelity_questions=2, fidelity_ks=(2,), fidelity_new_tokens=2,
@@ -63,3 +63,21 @@ def test_chosen_on_one_split_then_confirmed_or_not_on_the_other():
     assert choose_then_confirm(rows)["confirmed"] is True
     assert choose_then_confirm(rows, on="heldout")["worst_retained_elsewhere"] == {"bench": 0.96}
     assert choose_then_confirm([row("bench", "fast", 4, 0.5, 9.0)]) is None
+
+
+def test_runs_pool_into_one_report_on_every_question():
+    def row(rec, full, right, speedup, answers):
+        return {"split": "heldout", "k": 8, "mode": "shared_prefix", "recovery": rec, "questions": 2, "with_answer": 2,
+                "full_correct": full, "cached_correct": right, "agreement": 0.5, "recomputed_share": 0.25,
+                "context_tokens": 100.0, "full_ttft_s": 1.0, "cached_ttft_s": 1.0 / speedup,
+                "answers": [{"full_right": f, "cached_right": c} for f, c in answers]}
+
+    a = {"rows": [row("last:2", 2, 1, 4.0, [(1, 1), (1, 0)]), row("last:3", 2, 2, 2.0, [(1, 1), (1, 1)])], "seed_offset": 0}
+    b = {"rows": [row("last:2", 2, 2, 2.0, [(1, 1), (1, 1)]), row("last:3", 2, 2, 2.0, [(1, 1), (1, 1)])], "seed_offset": 1}
+    pooled = pool([a, b])
+    got = {r["recovery"]: r for r in pooled["rows"]}
+    assert (got["last:2"]["full_correct"], got["last:2"]["cached_correct"], got["last:2"]["retained"]) == (4, 3, 0.75)
+    assert got["last:2"]["kept"] == 0.75 and got["last:2"]["runs"] == 2
+    assert abs(got["last:2"]["speedup"] - 1.0 / ((0.25 + 0.5) / 2)) < 1e-9  # mean full over mean cached TTFT
+    # alone, run a lets last:2 miss and run b lets it pass; pooled it misses, and last:3 is what the rule picks
+    assert pooled["across_splits"]["recovery"] == "last:3" and pooled["seed_offsets"] == [0, 1]

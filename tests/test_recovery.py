@@ -97,6 +97,6 @@ def test_recovery_round_trips_and_bad_layer(tokenizer):
         PromptCache(pc.model, tokenizer, mode="shared")
 
 
-def test_the_default_is_shared_prefix_with_last_1(tokenizer):
+def test_the_default_is_shared_prefix_with_last_3(tokenizer):
     pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore())
-    assert (pc.mode, str(pc.recovery)) == ("shared_prefix", "last:2")
+    assert (pc.mode, str(pc.recovery)) == ("shared_prefix", "last:3")

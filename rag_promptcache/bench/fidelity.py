@@ -211,13 +211,34 @@ def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dic
             "confirmed": all(v >= TARGET_RETAINED for v in elsewhere.values())}
 
 
+def pool(runs: list[dict[str, object]]) -> dict[str, object]:
+    """Several runs of this scenario (other seeds: `--seed-offset`) as one: per split, k and setting,
+    right answers summed, so retained and kept rest on every question asked; times, shares and
+    agreement averaged over the runs. The rules are applied to the pooled rows."""
+    groups: dict[tuple, list[dict[str, object]]] = {}
+    for run_ in runs:
+        for r in run_["rows"]:
+            groups.setdefault((r.get("split", "bench"), r["k"], r["mode"], r["recovery"]), []).append(r)
+    rows = []
+    for (split, k, mode, rec), rs in groups.items():
+        mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+        full, right = sum(r["full_correct"] for r in rs), sum(r["cached_correct"] for r in rs)
+        both = sum(bool(a["full_right"] and a["cached_right"]) for r in rs for a in r.get("answers", ()))
+        full_s, cached_s = mean("full_ttft_s"), mean("cached_ttft_s")
+        rows.append({"split": split, "k": k, "mode": mode, "recovery": rec, "runs": len(rs),
+                     "questions": sum(r["questions"] for r in rs), "with_answer": sum(r["with_answer"] for r in rs),
+                     "full_correct": full, "cached_correct": right, "retained": right / full if full else None,
+                     "kept": both / full if full and all("answers" in r for r in rs) else None,
+                     "agreement": mean("agreement"), "recomputed_share": mean("recomputed_share"),
+                     "context_tokens": mean("context_tokens"), "full_ttft_s": full_s, "cached_ttft_s": cached_s,
+                     "speedup": full_s / cached_s})
+    return {"rows": rows, "ttft_at_context": [], "chosen": None, "across_splits": choose_across_splits(rows),
+            "chosen_then_confirmed": choose_then_confirm(rows), "splits": list(dict.fromkeys(r["split"] for r in rows)),
+            "runs": len(runs), "seed_offsets": [run_.get("seed_offset", 0) for run_ in runs]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """The fidelity scenario alone, with its split and sizes on the command line (module docstring)."""
-    import torch
-
-    from rag_promptcache.bench import report
-    from rag_promptcache.model.loading import load_model
-
     ap = argparse.ArgumentParser(description="Answer fidelity of recovery settings against the engine's full prefill.")
     ap.add_argument("--split", choices=(*SPLITS, "both"), default="both")
     ap.add_argument("--k", type=int, nargs="+", default=list(BenchConfig().fidelity_ks))
@@ -231,9 +252,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--ttft-point", action="store_true", help="also time the bench split at ~2k context")
+    ap.add_argument("--pool", type=Path, nargs="+", metavar="FIDELITY_JSON",
+                    help="no model run: pool these runs' fidelity.json (other seeds) into one report")
     ap.add_argument("--out", type=Path, required=True, help="folder for fidelity.json, fidelity.md, the front PNG")
     args = ap.parse_args(argv)
+    if args.pool:
+        return _write(pool([json.loads(f.read_text()) for f in args.pool]), args.out)
+    import torch
+
     from rag_promptcache.engine.encoder import check_mode
+    from rag_promptcache.model.loading import load_model
 
     settings = tuple(dict.fromkeys(
         (check_mode(mode or "shared_prefix"), str(Recovery.parse(rec)))
@@ -249,10 +277,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     out = run(bench, splits, ttft_point=args.ttft_point)
     out.update({"dtype": args.dtype, "threads": args.threads, "seed_offset": args.seed_offset,
                 "seconds": round(time.perf_counter() - t0, 1)})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fidelity.json").write_text(json.dumps(out, indent=2) + "\n")
-    (args.out / "fidelity.md").write_text(report.fidelity_splits_markdown(out) + "\n")
-    report.fidelity_front(out, args.out / "fidelity_front.png")
+    return _write(out, args.out)
+
+
+def _write(out: dict[str, object], folder: Path) -> dict[str, object]:
+    from rag_promptcache.bench import report
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fidelity.json").write_text(json.dumps(out, indent=2) + "\n")
+    (folder / "fidelity.md").write_text(report.fidelity_splits_markdown(out) + "\n")
+    report.fidelity_front(out, folder / "fidelity_front.png")
     print(report.fidelity_splits_markdown(out), flush=True)
     return out
 

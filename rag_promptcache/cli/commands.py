@@ -148,7 +148,7 @@ TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
 NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off; the "
                                                       f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
-RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the engine's, last:2; docs/FIDELITY.md).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the engine's, last:3; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
 
 

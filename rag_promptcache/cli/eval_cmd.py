@@ -73,7 +73,7 @@ def eval_(
             typer.echo(f"applied: corpus {corpus} now answers with recovery {applied} unless told otherwise")
     if apply and best is None:
         raise fail(f"nothing applied: no setting keeps >= {TARGET_RETAINED:.0%} of full prefill's right answers; "
-                   "try more settings (e.g. --recovery last:2,last:4,selective:1.0) or set one with ask/serve --recovery")
+                   "try more settings (e.g. --recovery last:4,last:6,selective:1.0) or set one with ask/serve --recovery")
 
 
 def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) -> None:
