@@ -45,8 +45,8 @@ DEFAULT_LAYER = {"selective": 1, "attend": 8, "question": 8}
 # fastest setting keeping >= 95% of full prefill's right answers at k = 4, 8 and 12 on both the bench
 # split and the held-out one (look-alike ~250-token records at the default chunk size), pooled over two
 # draws of each. With the best-ranked modules next to the question, recomputing the three nearest whole
-# kept 0.97-1.18; last:2 kept 0.90 and 0.92 of the held-out answers at k = 8 and 12, last:1 0.76-0.79,
-# question:0.05 0.87-0.90; none loses most answers.
+# kept 0.97-1.18; last:2 kept 0.90 and 0.92 of the held-out answers at k = 8 and 12, last:1 0.84 and 0.79,
+# question:0.05 0.89 and 0.92; none loses most answers.
 DEFAULT_RECOVERY = "last:3"
 
 
