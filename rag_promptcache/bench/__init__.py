@@ -109,7 +109,7 @@ def run_loaded(
         elif name == "throughput":
             out["throughput"] = throughput.run(bench)
         elif name == "fidelity":
-            out["fidelity"] = fidelity.run(bench, bench.config.fidelity_splits)
+            out["fidelity"] = fidelity.run(bench)
         elif name == "ingest":
             from rag_promptcache.bench import ingest
 

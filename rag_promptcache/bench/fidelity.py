@@ -48,8 +48,10 @@ STOP = (".",)  # the answer is its first sentence; the rest only costs decode ti
 SPLITS = ("bench", "heldout")
 
 
-def run(bench: Bench, splits: tuple[str, ...] = ("bench",), ttft_point: bool = True) -> dict[str, object]:
-    """Rows for every split, k and setting; with `ttft_point`, the first split's TTFT at ~2k context."""
+def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = True) -> dict[str, object]:
+    """Rows for every split (default: the config's), k and setting; with `ttft_point`, the first
+    split's TTFT at ~2k context."""
+    splits = bench.config.fidelity_splits if splits is None else splits
     if unknown := set(splits) - set(SPLITS):
         raise ValueError(f"unknown fidelity split(s) {sorted(unknown)}; valid: {', '.join(SPLITS)}")
     rows: list[dict[str, object]] = []
@@ -91,7 +93,7 @@ def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
             engines[mode].add_schema(corpus.schema)
             engines[mode].encode(corpus.manifest.name)
         corpus.prepare()
-        _warm_up(corpus, engines, cfg.fidelity_settings, questions[0], cfg.fidelity_ks[0])
+        _warm_up(engines, cfg.fidelity_settings, references(corpus, questions[:1], cfg.fidelity_ks[0], 1)[0].prompt)
         for k in cfg.fidelity_ks:
             refs, outcomes = _answer_interleaved(corpus, engines, cfg.fidelity_settings, questions, k,
                                                  cfg.fidelity_new_tokens)
@@ -115,12 +117,11 @@ def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
 NO_FALLBACK = {"fallback": "never", "prefix_cache_bytes": 0}
 
 
-def _warm_up(corpus: Corpus, engines: dict[str, PromptCache], settings: tuple[tuple[str, str], ...],
-             question: EvalQuestion, k: int) -> None:
-    """Every path once before anything is timed, so no first timing is a cold one."""
-    ref = references(corpus, [question], k, max_new_tokens=1)[0]
+def _warm_up(engines: dict[str, PromptCache], settings: tuple[tuple[str, str], ...], prompt: str) -> None:
+    """Every setting's path once on `prompt` before anything is timed, so no first timing is a cold one
+    (the caller's `references` has run full prefill's)."""
     for mode, rec in settings:
-        engines[mode].generate(ref.prompt, recovery=rec, max_new_tokens=1)
+        engines[mode].generate(prompt, recovery=rec, max_new_tokens=1)
 
 
 def _answer_interleaved(corpus: Corpus, engines: dict[str, PromptCache], settings: tuple[tuple[str, str], ...],
@@ -158,8 +159,7 @@ def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
     full: list[float] = []
     per: dict[tuple[str, str], list[float]] = {s: [] for s in cfg.fidelity_settings}
     engine = corpus.engine
-    for mode, rec in cfg.fidelity_settings:  # warm-up each path once
-        engines[mode].generate(refs[0].prompt, recovery=rec, max_new_tokens=1)
+    _warm_up(engines, cfg.fidelity_settings, refs[0].prompt)
     for r in refs:
         for _ in range(cfg.repeats_slow):
             full.append(engine.generate(r.prompt, use_cache=False, max_new_tokens=1).ttft_s)
