@@ -46,7 +46,7 @@ class BenchConfig:
         ("isolated", "first_k:2"), ("isolated", "first_k:8"), ("shared_prefix", "first_k:2"),
         ("shared_prefix", "first_k:8"),
         ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"), ("shared_prefix", "last:1"),
-        ("shared_prefix", "last:2"), ("shared_prefix", "attend:1"),
+        ("shared_prefix", "last:2"), ("shared_prefix", "last:3"), ("shared_prefix", "attend:1"),
     )
     codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4")
     codec_k: int = 4  # the k of the per-codec quality rows
@@ -87,11 +87,11 @@ class BenchConfig:
         return cls(
             contexts=(512, 2048), repeats_slow=2, repeats_fast=5, warmup_each_context=False, questions=20, ks=(4,),
             quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8"),
-                             ("shared_prefix", "last:2")),
+                             ("shared_prefix", "last:3")),
             faiss_queries=100, store_repeats=3, ingest_topics=8, fidelity_questions=12, fidelity_ks=(4, 12),
             fidelity_ttft_questions=1,
             fidelity_settings=(("shared_prefix", "none"), ("shared_prefix", "last:1"), ("shared_prefix", "last:2"),
-                               ("shared_prefix", "question:0.05")),
+                               ("shared_prefix", "last:3"), ("shared_prefix", "question:0.05")),
         )
 
     @classmethod
