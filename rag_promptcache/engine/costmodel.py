@@ -16,7 +16,9 @@ estimate beats the cached plan's by more than `MARGIN` (a noisy calibration must
 plans to the slow path; within the margin the cached plan is at most that much slower), `never`
 always runs the cached plan, `always` always runs full prefill; `RAG_PROMPTCACHE_FALLBACK` sets it
 where the caller does not. A calibration that cannot tell a token's cost from noise (no positive
-per-token cost) keeps the cached plan.
+per-token cost) keeps the cached plan. Calibration runs only what the model can: its cached context
+is relocated where keys can be (RoPE, ALiBi) and stays where it was encoded where they cannot (learned
+absolute positions).
 
 Out of scope: what planning already spent before the decision (fetching KV from the store, encoding
 missed modules, which are written back for later requests, recovery's scoring pass) and decode speed,
@@ -145,8 +147,10 @@ def calibrate(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry
     shape = (geometry.num_layers, geometry.num_kv_heads, CONTEXT, geometry.head_dim)
     kv = ModuleKV(torch.randn(shape, dtype=dtype, device=device) * 0.1, torch.randn(shape, dtype=dtype, device=device),
                   0, tuple(ids[:CONTEXT]), "calibration", "isolated")
-    # the context moved by a few positions, as a retrieved module is: assembly rotates its keys
-    with_context = [Piece(tuple(ids[:CONTEXT]), SHORT, "m"), Piece(tuple(ids[CONTEXT:]), CONTEXT + SHORT)]
+    # the context moved by a few positions, as a retrieved module is: assembly rotates its keys. Keys of
+    # learned absolute positions (GPT-2, OPT) are reused only where they were encoded, so there it stays.
+    shift = SHORT if relocator.relocatable else 0
+    with_context = [Piece(tuple(ids[:CONTEXT]), shift, "m"), Piece(tuple(ids[CONTEXT:]), CONTEXT + shift)]
 
     def best(fn) -> float:
         fn()  # warm-up: buffer pool, packed weights, kernels
@@ -160,7 +164,7 @@ def calibrate(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry
         return min(times)
 
     def assembled(num: int) -> Callable[[], None]:
-        pieces = [Piece(tuple(ids[:num]), SHORT, "m"), Piece(tuple(ids[CONTEXT:]), num + SHORT)]
+        pieces = [Piece(tuple(ids[:num]), shift, "m"), Piece(tuple(ids[CONTEXT:]), num + shift)]
         part = ModuleKV(kv.keys[:, :, :num], kv.values[:, :, :num], 0, tuple(ids[:num]), "calibration", "isolated")
         return lambda: release(assemble(pieces, {"m": part}, relocator, config, geometry, device, dtype).cache)
 
