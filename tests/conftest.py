@@ -5,17 +5,14 @@ wheel tests `slow`; `make test-fast` runs the rest (`-m "not smollm and not slow
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tests.store_helpers import REDIS_BIN, RedisServer, free_port
 
 torch.set_num_threads(2)
-# Tests hold the cached path to its answers; the planner's fallback to full prefill (engine/costmodel.py)
-# would choose by timings, which differ per machine. tests/test_fallback.py sets the policy it tests.
-os.environ.setdefault("RAG_PROMPTCACHE_FALLBACK", "never")
+# The suite runs the default path (fallback "auto", engine/costmodel.py). A test that holds the cached
+# path to its answers asks for it: PromptCache(..., fallback="never").
 
 
 @pytest.fixture(scope="session")

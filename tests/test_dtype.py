@@ -32,9 +32,11 @@ def test_the_store_key_separates_dtypes(tokenizer):
     store = MemoryStore()
     schema = '<schema name="s"><module name="a">alpha beta gamma delta epsilon</module></schema>'
     prompt = '<prompt schema="s"><a/> zeta</prompt>'
-    fp32 = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=store, recovery="none")
+    # the cached path asked for: a full prefill would not show which KV each model takes from the store
+    fp32 = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=store, recovery="none",
+                       fallback="never")
     bf16 = PromptCache(build("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, store=store,
-                       recovery="none")
+                       recovery="none", fallback="never")
     for pc in (fp32, bf16):
         pc.add_schema(schema)
     assert fp32.fingerprint != bf16.fingerprint

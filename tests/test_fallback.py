@@ -90,3 +90,16 @@ def test_a_full_path_follow_up_reuses_an_earlier_full_path_prefix_exactly(tokeni
     cached.prefix_cache = pc.prefix_cache  # one tree, the same model: only the labels keep them apart
     assert cached.prefix_namespace == pc.prefix_namespace
     assert cached.generate(PROMPT, max_new_tokens=1).num_prefix_tokens < cached.plan(PROMPT).num_tokens / 2
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_learned_absolute_positions_calibrate_and_answer_on_the_defaults(arch, tokenizer, tmp_path, monkeypatch):
+    """A new user's first cached request on a GPT-2 or OPT model, every setting left at its default: the
+    calibration (here from scratch) must not relocate keys such a model cannot move."""
+    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("RAG_PROMPTCACHE_FALLBACK", raising=False)
+    pc = PromptCache(build(arch, vocab_size=len(tokenizer)), tokenizer)
+    pc.add_schema('<schema name="facts"><module name="a">The sky is blue and the grass is green.</module></schema>')
+    res = pc.generate('<prompt schema="facts"><a/> go</prompt>', max_new_tokens=3, ignore_eos=True)
+    assert pc.fallback.policy == "auto" and pc.fallback.costs is not None and len(res.token_ids) == 3
+    assert res.path in ("cached", "full")
