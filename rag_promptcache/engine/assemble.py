@@ -155,10 +155,10 @@ def assemble(
     dtype: torch.dtype,
     extra: int = 0,
 ) -> Assembled:
-    """`extra`: tokens to reserve beyond the prompt (the answer)."""
+    """`extra`: tokens to reserve beyond the prompt (the answer). No new piece only for an exact repeat
+    from the prefix cache, whose last token's logits are kept (engine/prefix_cache.py)."""
     cached = [p for p in pieces if p.cached]
     new = [p for p in pieces if not p.cached]
-    assert new, "the last token must be computed: the planner guarantees a new piece"
     new_ids = torch.tensor([[t for p in new for t in p.token_ids]], device=device)
     new_pos = torch.tensor([[p.position + i for p in new for i in range(len(p.token_ids))]], device=device)
     num_cached = sum(len(p.token_ids) for p in cached)
@@ -203,7 +203,7 @@ def _concatenated(
 def _mask(pieces: Sequence[Piece], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """None when every new token follows every cached one; else the additive mask for the new tokens."""
     last_cached = max((i for i, p in enumerate(pieces) if p.cached), default=-1)
-    first_new = min(i for i, p in enumerate(pieces) if not p.cached)
+    first_new = min((i for i, p in enumerate(pieces) if not p.cached), default=len(pieces))
     if first_new > last_cached:
         return None
     cached_seq: list[int] = []  # sequence index of each cached token, in cache order

@@ -329,7 +329,8 @@ class Batcher:
 
     def _head_prefill(self) -> tuple[int, Prefilling] | None:
         """The oldest admitted request's prefill, its KV assembled now if it was not yet (a request
-        whose assembly fails fails, and the next one is tried); None when no prefill waits."""
+        whose assembly fails fails, and the next one is tried; a repeat joins the batch at once); None
+        when no prefill waits."""
         while self._prefilling:
             rid = self._prefilling[0]
             todo = self._partial.get(rid)
@@ -340,6 +341,9 @@ class Batcher:
                 except Exception as e:  # noqa: BLE001 - this request fails; the others go on
                     self._finish(rid, e)
                     continue
+            if todo.repeat:  # an exact repeat: its first token's logits are known, no forward to run
+                self._join(rid, todo.prefilled())
+                continue
             return rid, todo
         return None
 

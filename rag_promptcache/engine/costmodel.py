@@ -20,6 +20,10 @@ per-token cost) keeps the cached plan. Calibration runs only what the model can:
 is relocated where keys can be (RoPE, ALiBi) and stays where it was encoded where they cannot (learned
 absolute positions).
 
+What the prefix cache holds of either path counts as assembled, not computed: a chat's long history,
+computed on the full path in an earlier turn, is not sent down the cached path only because its modules
+are stored (`use_full`'s `num_new`, `num_reused_full`).
+
 Out of scope: what planning already spent before the decision (fetching KV from the store, encoding
 missed modules, which are written back for later requests, recovery's scoring pass) and decode speed,
 which is the same on both paths.
@@ -102,14 +106,21 @@ class Fallback:
                     self._costs = self._measure()
         return self._costs
 
-    def use_full(self, num_tokens: int, num_cached: int) -> bool:
-        """Whether a full prefill of `num_tokens` beats assembling `num_cached` of them and computing the rest."""
+    def use_full(self, num_tokens: int, num_cached: int, *, num_new: int | None = None,
+                 num_reused_full: int = 0) -> bool:
+        """Whether a full prefill of `num_tokens` beats assembling `num_cached` of them and computing the rest.
+        The prefix cache (engine/prefix_cache.py) may hold some of either path's tokens: `num_new` is what
+        the cached plan computes after taking them (None: `num_tokens - num_cached`), `num_reused_full` how
+        many of the full prefill's it holds (those are assembled, not computed)."""
         if self.policy != "auto" or num_cached == 0:
             return self.policy == "always" or num_cached == 0
         costs = self.costs
         if costs is None or costs.token_s <= 0:
             return False
-        return costs.cached(num_cached, num_tokens - num_cached) > (1 + MARGIN) * costs.full(num_tokens)
+        new = num_tokens - num_cached if num_new is None else num_new
+        full = (costs.cached(num_reused_full, num_tokens - num_reused_full) if num_reused_full
+                else costs.full(num_tokens))
+        return costs.cached(num_tokens - new, new) > (1 + MARGIN) * full
 
 
 def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry, fingerprint: str) -> Costs:

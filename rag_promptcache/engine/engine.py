@@ -125,6 +125,7 @@ class PromptCache:
             PlanConfig(self.mode, layout, batch_size, self.recovery, self.context_window, self.fingerprint,
                        self.fallback),
             self.model_lock,
+            lambda labels: self.prefix_cache.num_reusable(self.prefix_namespace, labels),
         )
 
     def _measure_costs(self) -> Costs:
@@ -221,6 +222,7 @@ class PromptCache:
         finally:  # the reused spans are copied into the request's cache (or assembly failed)
             self.prefix_cache.unlock(use)
         todo.prefix = use
+        todo.on_logits = lambda logits: self.prefix_cache.keep_logits(self.prefix_namespace, use, logits)
         return todo
 
     def prefill(self, plan: Plan, room: int = 0) -> Prefilled:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from rag_promptcache.engine.compiler import ROOT, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.costmodel import Fallback
 from rag_promptcache.engine.encoder import encode_units
 from rag_promptcache.engine.errors import ContextWindowExceeded
+from rag_promptcache.engine.prefix_cache import Label, token_labels
 from rag_promptcache.engine.recovery import Recovery, recover
 from rag_promptcache.engine.result import Result
 from rag_promptcache.engine.schemas import Schemas
@@ -132,10 +133,14 @@ class PlanConfig:
 
 class Planner:
     def __init__(self, schemas: Schemas, compiler: Compiler, store: Store, model: PreTrainedModel,
-                 relocator: Relocator, geometry: KVGeometry, config: PlanConfig, model_lock: threading.RLock) -> None:
+                 relocator: Relocator, geometry: KVGeometry, config: PlanConfig, model_lock: threading.RLock,
+                 reusable: Callable[[Sequence[Label]], int] | None = None) -> None:
+        """`reusable`: how many tokens of a prompt with these labels the prefix cache would give its
+        prefill now (None: none), for the cost model."""
         self.schemas, self.compiler, self.store, self.model = schemas, compiler, store, model
         self.relocator, self.geometry, self.config = relocator, geometry, config
         self.model_lock = model_lock  # held around every forward: encoding misses, recovery passes
+        self.reusable = reusable
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
              max_new_tokens: int = 0, fallback: bool = True) -> Plan:
@@ -192,11 +197,26 @@ class Planner:
         missed = {u.name for u in misses}
         plan = Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded, keys)
-        if fallback and cfg.fallback is not None and cfg.fallback.use_full(plan.num_tokens, plan.num_cached):
+        if fallback and cfg.fallback is not None and self._full_pays(plan, cfg.fallback):
             # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
             # an earlier full-path request computed of the same tokens (the prefix cache's labels)
             return dataclasses.replace(uncached(plan), misses=plan.misses, num_encoded_tokens=encoded, sources={})
         return plan
+
+    def _full_pays(self, plan: Plan, fallback: Fallback) -> bool:
+        """The cost model's choice for `plan`, counting what the prefix cache holds of either path."""
+        if self.reusable is None or fallback.policy != "auto":
+            return fallback.use_full(plan.num_tokens, plan.num_cached)
+        reused = self.reusable(token_labels(plan.pieces, plan.sources or {}))
+        seq = num_new = 0
+        for p in plan.pieces:  # new tokens past the reused prefix: what the cached plan still computes
+            n = len(p.token_ids)
+            if not p.cached:
+                num_new += n - min(max(reused - seq, 0), n)
+            seq += n
+        full = uncached(plan)
+        return fallback.use_full(plan.num_tokens, plan.num_cached, num_new=num_new,
+                                 num_reused_full=self.reusable(token_labels(full.pieces, {})))
 
     def encode(self, units: Sequence[Unit]) -> list[ModuleKV]:
         """The KV of `units`, computed now (not stored: the caller knows their keys)."""

@@ -19,6 +19,7 @@ runs (engine/batcher.py), several requests' chunks in one forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,12 +54,21 @@ class Chunk:
 class Prefilling:
     """A prefill under way: the plan's KV assembled, `num_done` of its `num_new` new tokens run so far."""
 
-    def __init__(self, asm: Assembled, next_position: int, prefix: PrefixUse | None = None) -> None:
+    def __init__(self, asm: Assembled, next_position: int, prefix: PrefixUse | None = None,
+                 on_logits: Callable[[torch.Tensor], None] | None = None) -> None:
+        """`on_logits`: called with the answer's first logits [V] when the last chunk has run (the
+        prefix cache keeps them for a repeat)."""
         self.asm = asm
         self.next_position = next_position
         self.prefix = prefix  # what the prefix cache gave (already copied into the cache), or None
+        self.on_logits = on_logits
         self.num_new = asm.new_ids.shape[1]
         self.num_done = 0
+
+    @property
+    def repeat(self) -> bool:
+        """The prefix cache gave every token and the logits after them: `prefilled()` needs no forward."""
+        return self.prefix is not None and self.prefix.repeat
 
     @property
     def cache(self) -> DynamicCache:
@@ -84,15 +94,23 @@ class Prefilling:
         self.num_done = b
         return Chunk(asm.new_ids[:, a:b], asm.new_positions[:, a:b], mask, b == self.num_new)
 
-    def prefilled(self, logits: torch.Tensor) -> Prefilled:
-        """`logits` [V]: the last chunk's last token's → the finished prefill."""
+    def prefilled(self, logits: torch.Tensor | None = None) -> Prefilled:
+        """`logits` [V]: the last chunk's last token's (None: a repeat's, kept) → the finished prefill."""
         assert self.num_left == 0, f"{self.num_left=}"
+        if logits is None:
+            assert self.repeat, "only a repeat's prefill finishes without logits"
+            logits = self.prefix.reuse.logits
+        elif self.on_logits is not None:
+            self.on_logits(logits)
         return Prefilled(self.asm.cache, logits, self.next_position, self.prefix)
 
     @torch.inference_mode()
     def run(self, model: PreTrainedModel, tokens: int | None = None) -> Prefilled | None:
         """Run the next `tokens` new tokens (None: all that are left) in one forward → the `Prefilled`
-        once the last one has run, else None. The caller holds the model lock around it."""
+        once the last one has run, else None; a repeat's at once, with no forward. The caller holds the
+        model lock around it."""
+        if self.repeat:
+            return self.prefilled()
         chunk = self.take(tokens)
         logits = forward_last(model, chunk.ids, chunk.positions, self.asm.cache, chunk.mask)
         return self.prefilled(logits) if chunk.last else None

@@ -25,6 +25,12 @@ perhaps, but it would not be the answer of the plan). The namespace (model finge
 encoding mode) keeps models apart. Answers are stored too, as computed tokens, up to the last one fed
 to the model (the last sampled token, often EOS, has no KV).
 
+A request whose labels the cache holds whole, from an earlier request's prompt, is a repeat: the
+prompt's last token's logits are kept with its KV (`keep_logits`, when a prefill finishes), so a repeat
+runs no forward at all and starts decoding from the same numbers the first request did (bf16 too).
+The logits sit beside the tree, in a small LRU of their own (`MAX_LOGITS` prompts), and count only
+where the tree still holds the whole prompt.
+
 Equal here is equal in exact arithmetic: the reused KV was computed in another forward (another
 number of new tokens, one decode step per answer token), so it may differ from a fresh prefill of the
 same tokens by float rounding, as llama.cpp's and SGLang's reuse does. Greedy answers agree in the
@@ -42,6 +48,8 @@ sharing across processes.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +64,7 @@ from rag_promptcache.store.base import ModuleKV
 Label = tuple  # (token id, position) computed here; (token id, position, store key, offset) from a module
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [L, H, tokens, D], keys post-RoPE at their positions
 PREFIX = "\x00prefix:"  # unit names of reused spans in a spliced plan; a PML module name cannot contain \x00
+MAX_LOGITS = 64  # prompts whose last token's logits are kept for exact repeats
 
 
 def token_labels(pieces: Sequence[Piece], sources: Mapping[str, str]) -> tuple[Label, ...]:
@@ -85,6 +94,7 @@ class Reuse:
     num_tokens: int = 0
     spans: tuple[tuple[KV, int], ...] = ()
     handle: Node[KV] | None = None
+    logits: torch.Tensor | None = None  # [V] fp32: a repeat's (every token reused), so no forward runs
 
 
 def splice(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], reuse: Reuse) -> tuple[list[Piece], dict[str, ModuleKV]]:
@@ -187,6 +197,11 @@ class PrefixUse:
     def num_tokens(self) -> int:
         return self.reuse.num_tokens
 
+    @property
+    def repeat(self) -> bool:
+        """Every prompt token reused, with the logits after them: no forward to run."""
+        return self.reuse.logits is not None
+
 
 class PrefixCache:
     """The KV of recent requests by token labels, at most `max_bytes` of it (least recently used
@@ -198,21 +213,62 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.tree: PrefixTree[KV] = PrefixTree(max_bytes, split=_split)
+        self._logits: OrderedDict[tuple[Hashable, tuple[Label, ...]], torch.Tensor] = OrderedDict()
+        self._logits_lock = threading.Lock()
+        self.num_repeats = 0
 
     def begin(self, namespace: Hashable, labels: Sequence[Label], pieces: Sequence[Piece],
               kvs: Mapping[str, ModuleKV]) -> PrefixUse:
         """A request's prefill is about to assemble `pieces` (labelled `labels`): the longest stored
-        prefix, short of the last token (whose logits the prefill computes), locked, spliced into them.
-        The caller owes an `unlock` once it has assembled them."""
+        prefix, short of the last token (whose logits the prefill computes), locked, spliced into them;
+        all of them, with their logits, for a repeat. The caller owes an `unlock` once it has assembled them."""
         labels = tuple(labels)
-        m = self.tree.match(namespace, labels[:-1], lock=True)
-        reuse = Reuse(labels, m.num_tokens, m.spans, m.handle)
+        reuse = self._repeat(namespace, labels)
+        if reuse is None:
+            m = self.tree.match(namespace, labels[:-1], lock=True)
+            reuse = Reuse(labels, m.num_tokens, m.spans, m.handle)
         if reuse.num_tokens:
             pieces, kvs = splice(pieces, kvs, reuse)
         return PrefixUse(reuse, tuple(pieces), kvs, tuple(cache_slots(pieces)))
 
+    def _repeat(self, namespace: Hashable, labels: tuple[Label, ...]) -> Reuse | None:
+        with self._logits_lock:
+            logits = self._logits.get((namespace, labels))
+            if logits is not None:
+                self._logits.move_to_end((namespace, labels))
+        if logits is None:
+            return None
+        m = self.tree.match(namespace, labels, lock=True)
+        if m.num_tokens < len(labels):  # part of the prompt's KV was evicted: a prefill after all
+            self.tree.release(m.handle)
+            return None
+        with self._logits_lock:
+            self.num_repeats += 1
+        return Reuse(labels, m.num_tokens, m.spans, m.handle, logits.clone())
+
+    def keep_logits(self, namespace: Hashable, use: PrefixUse, logits: torch.Tensor) -> None:
+        """A prefill of `use`'s prompt finished with `logits` [V] (fp32) after its last token: keep a copy
+        for a repeat of it (which also needs the prompt's KV, stored by `end`)."""
+        if use.repeat or not use.reuse.labels:
+            return
+        key = (namespace, use.reuse.labels)
+        with self._logits_lock:
+            self._logits[key] = logits.detach().clone()
+            self._logits.move_to_end(key)
+            while len(self._logits) > MAX_LOGITS:
+                self._logits.popitem(last=False)
+
     def unlock(self, use: PrefixUse) -> None:
         self.tree.release(use.reuse.handle)
+
+    def num_reusable(self, namespace: Hashable, labels: Sequence[Label]) -> int:
+        """How many tokens of a prompt labelled `labels` a prefill would take from here now (the cost
+        model's count; records no use)."""
+        labels = tuple(labels)
+        with self._logits_lock:
+            repeat = (namespace, labels) in self._logits
+        held = self.tree.num_held(namespace, labels)
+        return held if repeat and held == len(labels) else min(held, len(labels) - 1)
 
     def end(self, namespace: Hashable, use: PrefixUse, keys: Sequence[torch.Tensor],
             values: Sequence[torch.Tensor], length: int, answer: Sequence[int], answer_start: int) -> int:
@@ -244,6 +300,12 @@ class NullPrefixCache:
 
     def unlock(self, use: PrefixUse) -> None:
         pass
+
+    def keep_logits(self, namespace: Hashable, use: PrefixUse, logits: torch.Tensor) -> None:
+        pass
+
+    def num_reusable(self, namespace: Hashable, labels: Sequence[Label]) -> int:
+        return 0
 
     def end(self, namespace: Hashable, use: PrefixUse, keys: Sequence[torch.Tensor],
             values: Sequence[torch.Tensor], length: int, answer: Sequence[int], answer_start: int) -> int:
