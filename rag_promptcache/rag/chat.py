@@ -1,7 +1,7 @@
 """Chat turns over a corpus → the prompt to generate from, with its sources: what a server needs per request.
 
-The last turn is the question; earlier turns are history. Retrieval is `Corpus.retrieve` (search
-fitted to the context window), as in `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
+The last turn is the question; earlier turns are history. Retrieval is `Corpus.retrieve_turns` (each
+user turn's search fitted to the context window, once per conversation turn), as in `Corpus.ask`; the prompt is `rag.prompts.build_prompt`, so modules are
 imported (their stored KV reused) exactly as the framework adapters import them. `module_ids`
 skips retrieval. A follow-up that retrieves the same modules as the turn before imports them in that
 turn's order (`keep_order`), so the engine's prefix cache reuses the earlier turn. `completion_prompt`
@@ -13,20 +13,18 @@ Not here: generation (the engine's scheduler) and any HTTP types (server/).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rag_promptcache.pml import ast
 from rag_promptcache.rag.prompts import build_prompt
-from rag_promptcache.rag.retrieval import Hit, keep_order
+from rag_promptcache.rag.retrieval import Hit
 
 if TYPE_CHECKING:
     from rag_promptcache.rag.corpus import Corpus
 
 ROLES = ("system", "user", "assistant")
-RETRIEVALS_KEPT = 256  # questions whose retrieval CorpusChat remembers (for the order of follow-ups)
 
 
 Source = Hit  # a response's source: (module_id, label, score rounded to 4 places, or None when named by the caller)
@@ -45,7 +43,6 @@ class CorpusChat:
     def __init__(self, corpus: Corpus) -> None:
         self.corpus = corpus
         self._lock = threading.Lock()
-        self._retrieved: OrderedDict[tuple[object, ...], list[Hit]] = OrderedDict()
         with self._lock:
             corpus.prepare()
 
@@ -67,11 +64,9 @@ class CorpusChat:
         c = self.corpus
         with self._lock:
             if module_ids is None:
-                users = [i for i, (role, _) in enumerate(turns) if role == "user"]
-                # earlier turns' retrievals only order this one's modules, so remembered ones will do
-                rankings = [self._retrieve(turns[: i + 1], k, max_new_tokens, fresh=i == users[-1]) for i in users]
-                hits = [Hit(h.module_id, h.label, round(float(h.score), 4)) for h in rankings[-1]]
-                order = keep_order([[h.module_id for h in r] for r in rankings])
+                found = c.retrieve_turns(turns, k, max_new_tokens=max_new_tokens)
+                hits = [Hit(h.module_id, h.label, round(float(h.score), 4)) for h in found.hits]
+                order = list(found.order)
             else:
                 unknown = [m for m in module_ids if not c.has_module(m)]
                 if unknown:
@@ -81,22 +76,6 @@ class CorpusChat:
                 order = [h.module_id for h in hits]
             prompt = build_prompt(turns, corpus=c, module_ids=order)
         return ChatPrompt(prompt, tuple(hits))
-
-    def _retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, fresh: bool) -> list[Hit]:
-        """The modules retrieved for the last of `turns` (a user turn), fit to the window; remembered,
-        since every later turn of the conversation asks again for its order (`keep_order`). `fresh`:
-        search even if remembered (the corpus may have changed since)."""
-        key = (tuple(turns), k, max_new_tokens)
-        if key in self._retrieved and not fresh:
-            self._retrieved.move_to_end(key)
-            return self._retrieved[key]
-        history = [(text, "") for _, text in turns[:-1]]  # counted for the window, as `ask` does
-        hits = self.corpus.retrieve(turns[-1][1], k, history=history, max_new_tokens=max_new_tokens)
-        self._retrieved[key] = hits
-        self._retrieved.move_to_end(key)
-        if len(self._retrieved) > RETRIEVALS_KEPT:
-            self._retrieved.popitem(last=False)
-        return hits
 
     def completion_prompt(self, text: str) -> ChatPrompt:
         """A raw prompt: PML (which may import the corpus's modules by name) or plain text, as is."""

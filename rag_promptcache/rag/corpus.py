@@ -43,7 +43,7 @@ from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
 from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
 from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
-from rag_promptcache.rag.retrieval import Hit, keep_order
+from rag_promptcache.rag.retrieval import Conversations, Hit, Retrieved
 from rag_promptcache.rag.table import Dropped
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class Corpus:
         self._compiled = False  # whether the engine has compiled that schema
         self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
         self._ingest_lock = threading.RLock()  # one add or remove at a time
+        self._conversations = Conversations()  # each user turn's retrieval, for the turns after it (under _lock)
         self.last_report: IngestReport | None = None
         self._index_generation = self.table.generation
         self.index, damaged = layout.load_index(path, manifest, self.table)
@@ -336,6 +337,17 @@ class Corpus:
             window=getattr(engine, "context_window", 0) or 1 << 30)
         return [Hit(m, self.label(m), s) for m, s in hits]
 
+    def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *, max_new_tokens: int = 256) -> Retrieved:
+        """A conversation's retrieval: `turns` (role, text), the last one the user's question → its hits
+        (`retrieve`, every earlier turn's text counted against the window) and the order to import them
+        in, which follows earlier user turns' retrievals (`keep_order`: a follow-up's prompt then starts
+        with the previous one's). Earlier turns' retrievals are remembered, so each turn searches once;
+        what `ask` with history and `CorpusChat` both use."""
+        with self._lock:
+            return self._conversations.retrieve(
+                turns, k, max_new_tokens,
+                lambda q, history: self.retrieve(q, k, history=history, max_new_tokens=max_new_tokens))
+
     def label(self, module_id: str) -> str:
         """The name of the document a module came from, as `documents()` and answers' sources show it."""
         source = self.source(module_id)
@@ -381,12 +393,12 @@ class Corpus:
             sampling.setdefault("stop_when", repeated_sentence)
         if sampling.get("recovery") is None and self.manifest.recovery is not None:
             sampling["recovery"] = self.manifest.recovery  # the corpus's (eval --apply), also with a caller's engine
-        hits = self.retrieve(question, k, history=history, max_new_tokens=max_new_tokens)
         # a follow-up over the same modules keeps the earlier turns' import order: its prompt then
         # starts with the previous turn's, which the engine's prefix cache reuses (retrieval.keep_order)
-        earlier = [self.retrieve(u, k, history=history[:i], max_new_tokens=max_new_tokens) for i, (u, _) in enumerate(history)]
-        ranked = keep_order([[h.module_id for h in r] for r in [*earlier, hits]])
-        prompt = self.prompt(question, self.order(ranked), history)
+        turns = [t for u, a in history for t in (("user", u), ("assistant", a))]
+        found = self.retrieve_turns([*turns, ("user", question)], k, max_new_tokens=max_new_tokens)
+        hits = found.hits
+        prompt = self.prompt(question, self.order(found.order), history)
         engine = self.prepare()
         out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling),
                            [(h.module_id, h.score) for h in hits], [h.label for h in hits], prompt)

@@ -1,5 +1,10 @@
 """Retrieval: a question → the nearest modules (FAISS over the table's vectors, ids → module ids) →
-those that fit the model's context window with the rest of the prompt and the answer, as `Hit`s.
+those that fit the model's context window with the rest of the prompt and the answer, as `Hit`s; and
+for a conversation (`Conversations`), each user turn's retrieval once, remembered for the turns after it.
+
+The one rule for how history counts against the window: every earlier turn's text (system, user,
+assistant) counts once, with the chat template's markup around them counted once for the whole prompt
+(`TEMPLATE_TOKENS`).
 
 Not here: the prompt built from them (`Corpus.prompt`, `prompts.build_prompt`) or generation.
 """
@@ -7,6 +12,7 @@ Not here: the prompt built from them (`Corpus.prompt`, `prompts.build_prompt`) o
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +22,7 @@ from rag_promptcache.rag.index import VectorIndex
 from rag_promptcache.rag.table import ChunkTable
 
 TEMPLATE_TOKENS = 32  # room for the chat template's role markup around the turns
+RETRIEVALS_KEPT = 256  # conversation turns whose retrieval `Conversations` remembers (for the order of follow-ups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +84,54 @@ def keep_order(rankings: Sequence[Sequence[str]]) -> list[str]:
         if not order or set(order) != set(ranked):
             order = list(ranked)
     return order
+
+
+@dataclass(frozen=True, slots=True)
+class Retrieved:
+    """A conversation's last user turn's retrieval: its `hits` (best first, fitted to the window) and the
+    module ids in `keep_order`'s order over every user turn's retrieval (best first)."""
+
+    hits: tuple[Hit, ...]
+    order: tuple[str, ...]
+
+
+# (question, history for the window) → the question's hits fitted to the window: `Corpus.retrieve`
+Retrieve = Callable[[str, Sequence[tuple[str, str]]], list[Hit]]
+
+
+def window_history(turns: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Earlier turns (role, text) as `fit`'s history: each turn's text once, whatever its role."""
+    return [(text, "") for _, text in turns]
+
+
+class Conversations:
+    """Each user turn's retrieval by the conversation up to it, remembered (at most `max_kept`, least
+    recently used first out), since every later turn of the conversation asks again for its order. The
+    last turn is always searched afresh (the corpus may have changed since it was remembered) and then
+    remembered. Not thread-safe: the corpus calls it under its lock."""
+
+    def __init__(self, max_kept: int = RETRIEVALS_KEPT) -> None:
+        self.max_kept = max_kept
+        self._kept: OrderedDict[tuple[object, ...], list[Hit]] = OrderedDict()
+        self.num_searches = 0
+
+    def retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve) -> Retrieved:
+        """`turns` (role, text), the last one the user's question → its retrieval and the import order."""
+        assert turns and turns[-1][0] == "user", f"{turns[-1:]=}"
+        users = [i for i, (role, _) in enumerate(turns) if role == "user"]
+        rankings = [self._one(turns[: i + 1], k, max_new_tokens, search, fresh=i == users[-1]) for i in users]
+        return Retrieved(tuple(rankings[-1]), tuple(keep_order([[h.module_id for h in r] for r in rankings])))
+
+    def _one(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve,
+             fresh: bool) -> list[Hit]:
+        key = (tuple(turns), k, max_new_tokens)
+        if key in self._kept and not fresh:
+            self._kept.move_to_end(key)
+            return self._kept[key]
+        self.num_searches += 1
+        hits = search(turns[-1][1], window_history(turns[:-1]))
+        self._kept[key] = hits
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.max_kept:
+            self._kept.popitem(last=False)
+        return hits
