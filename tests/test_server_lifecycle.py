@@ -1,4 +1,4 @@
-"""The server's API key, its start on a port in use, and its shutdown on SIGTERM, each against a real
+"""The server's API key, its start on a port in use, its /metrics, and its shutdown on SIGTERM, each against a real
 `serve` process (the key set through RAG_PROMPTCACHE_API_KEY here; the page test passes --api-key).
 
 The SIGTERM test runs last: it ends the module's server."""
@@ -80,6 +80,55 @@ def test_a_port_in_use_fails_in_one_line_before_announcing(served):
     assert done.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: the port is in use; stop the other " \
                                   "server or pick another --port", done.stderr
     assert "serving" not in done.stdout
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics with the key, parsed by prometheus-client's own parser: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_need_the_key_and_count_requests_tokens_caches_and_repeats(served):
+    import openai
+
+    _, url, _, _ = served
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    before = _scrape(url)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[3]}], temperature=0, max_tokens=8)
+    first = client.chat.completions.create(**ask)
+    again = client.chat.completions.create(**ask)  # the same request: an exact repeat, no prefill
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
+                       if c.choices)
+    assert streamed == first.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**ask, "messages": []})
+    after = _scrape(url)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    p = "rag_promptcache:"
+    assert grew(f"{p}requests_total", endpoint="/v1/chat/completions", status="200") == 3
+    assert grew(f"{p}requests_total", endpoint="/v1/chat/completions", status="400") == 1
+    assert grew(f"{p}time_to_first_token_seconds_count") == 3 and grew(f"{p}e2e_request_latency_seconds_count") == 3
+    assert grew(f"{p}inter_token_latency_seconds_count") > 0
+    assert grew(f"{p}prompt_tokens_total") == 3 * first.usage.prompt_tokens
+    assert grew(f"{p}generation_tokens_total") == 3 * first.usage.completion_tokens
+    assert grew(f"{p}prompt_tokens_cached_total") + grew(f"{p}prompt_tokens_computed_total") == 3 * first.usage.prompt_tokens
+    assert grew(f"{p}prefix_cache_repeats_total") == 2 and grew(f"{p}prefix_cache_hits_total") >= 2
+    assert grew(f"{p}prefix_cache_queries_total") >= 3
+    assert grew(f"{p}store_hits_total", tier="all") + grew(f"{p}store_misses_total", tier="all") > 0
+    assert {("memory",), ("disk",)} <= {tuple(v for _, v in labels) for name, labels in after if name == f"{p}store_hits_total"}
+    assert after[(f"{p}num_requests_running", ())] == 0 and after[(f"{p}num_requests_waiting", ())] == 0
 
 
 def test_sigterm_finishes_open_requests_then_cancels_the_rest_and_exits_0(served):

@@ -294,6 +294,8 @@ class PrefixCache:
 class NullPrefixCache:
     """The prefix cache off: nothing is reused, nothing kept."""
 
+    num_repeats = 0
+
     def begin(self, namespace: Hashable, labels: Sequence[Label], pieces: Sequence[Piece],
               kvs: Mapping[str, ModuleKV]) -> PrefixUse:
         return PrefixUse(Reuse(()), tuple(pieces), kvs, ())

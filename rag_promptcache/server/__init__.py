@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over one corpus: `rag-promptcache serve --corpus C`.
 
-Needs the `server` extra (fastapi, uvicorn, sse-starlette). `serve` binds the port first (a port in
+Needs the `server` extra (fastapi, uvicorn, sse-starlette, prometheus-client). `serve` binds the port first (a port in
 use fails in a second, before the model loads), opens the corpus, starts the engine's
 continuous-batching scheduler and runs uvicorn on that socket; `create_app` builds the ASGI app alone.
 

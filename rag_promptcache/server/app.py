@@ -6,6 +6,7 @@
     POST /v1/chat/completions   retrieve k modules, answer from their cached KV (SSE when stream)
     POST /v1/completions        a raw prompt: PML or plain text
     POST /v1/embeddings         the corpus's embedder (server/embeddings.py)
+    GET  /metrics               Prometheus' text format (server/metrics.py); needs the API key like /v1
     GET  /health                for load balancers; never needs the API key (server/auth.py)
 
 This layer only translates types: retrieval and prompts are `rag.chat.CorpusChat`, generation is the
@@ -27,7 +28,7 @@ from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,6 +41,7 @@ from rag_promptcache.rag.chat import ChatPrompt, CorpusChat
 from rag_promptcache.server import protocol as p
 from rag_promptcache.server.auth import RequireKey
 from rag_promptcache.server.embeddings import Embeddings
+from rag_promptcache.server.metrics import CountStatuses, Metrics
 
 RETRY_AFTER_S = 1
 log = logging.getLogger("rag_promptcache.server")
@@ -67,6 +69,8 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
     app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
     if api_key is not None:
         app.add_middleware(RequireKey, key=api_key)
+    metrics = Metrics(batcher, chat.corpus.engine)
+    app.add_middleware(CountStatuses, metrics=metrics)  # outside the key check: 401s are counted too
     schema = chat.corpus.manifest.name
     aliases = {model_id, schema, chat.corpus.engine.model_name}
     window = chat.corpus.engine.context_window
@@ -104,6 +108,11 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
     async def health() -> dict[str, object]:
         return {"status": "ok", "model": model_id, "running": batcher.num_running, "waiting": batcher.num_waiting,
                 "max_batch": batcher.rows.max_batch, "max_queue": batcher.rows.max_queue}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
@@ -146,13 +155,13 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
             max_new_tokens=max_tokens or p.DEFAULT_MAX_TOKENS), body, max_tokens)
         rid = p.new_id("chatcmpl")
         if not body.stream:
-            result = await _drain(handle, request)
+            result = await _drain(metrics.pieces(handle), handle, request)
             return p.chat_response(rid, model_id, result, found)
 
         async def events() -> AsyncIterator[str]:
             yield json.dumps(p.chat_chunk(rid, model_id, {"role": "assistant", "content": ""},
                                           sources=found))
-            async for piece in handle:
+            async for piece in metrics.pieces(handle):
                 yield json.dumps(p.chat_chunk(rid, model_id, {"content": piece}))
             assert handle.result is not None
             yield json.dumps(p.chat_chunk(rid, model_id, {}, p.FINISH[handle.result.finish_reason]))
@@ -171,10 +180,10 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
         handle, _, _ = await submit(lambda: chat.completion_prompt(text), body, body.max_tokens)
         rid = p.new_id("cmpl")
         if not body.stream:
-            return p.completion_response(rid, model_id, await _drain(handle, request))
+            return p.completion_response(rid, model_id, await _drain(metrics.pieces(handle), handle, request))
 
         async def events() -> AsyncIterator[str]:
-            async for piece in handle:
+            async for piece in metrics.pieces(handle):
                 yield json.dumps(p.completion_chunk(rid, model_id, piece))
             assert handle.result is not None
             yield json.dumps(p.completion_chunk(rid, model_id, "", p.FINISH[handle.result.finish_reason]))
@@ -216,9 +225,9 @@ def _sse(events: AsyncIterator[str], handle: Handle) -> EventSourceResponse:
     return EventSourceResponse(framed(), ping=15)
 
 
-async def _drain(handle: Handle, request: Request) -> Result:
-    """Wait for the whole answer; a client that hangs up meanwhile cancels it."""
-    done = asyncio.ensure_future(_consume(handle))
+async def _drain(pieces: AsyncIterator[str], handle: Handle, request: Request) -> Result:
+    """Wait for the whole answer (`pieces`: the handle's); a client that hangs up meanwhile cancels it."""
+    done = asyncio.ensure_future(_consume(pieces, handle))
     try:
         while True:
             finished, _ = await asyncio.wait({done}, timeout=0.5)
@@ -232,8 +241,8 @@ async def _drain(handle: Handle, request: Request) -> Result:
             handle.cancel()
 
 
-async def _consume(handle: Handle) -> Result:
-    async for _ in handle:
+async def _consume(pieces: AsyncIterator[str], handle: Handle) -> Result:
+    async for _ in pieces:
         pass
     assert handle.result is not None
     return handle.result
