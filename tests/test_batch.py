@@ -161,6 +161,29 @@ def test_cancel_frees_the_row_and_bad_input_raises_at_submit(tiny):
             s.submit(PROMPTS[0], max_new_tokens=0)
 
 
+def test_a_request_that_fails_inside_the_batch_fails_alone(tiny):
+    """A request whose own code fails in the batcher's thread (its `stop_when` raises on the third
+    token): it fails with that error, while the rows decoding beside it finish their answers."""
+    pc = tiny
+    alone = [pc.generate(PROMPTS[i], max_new_tokens=12, ignore_eos=True) for i in (0, 2)]
+
+    def fails(text: str, final: bool) -> tuple[int | None, int]:
+        if len(text) > 8:
+            raise RuntimeError("stop_when failed")
+        return None, 0
+
+    with pc.scheduler(max_batch=4) as s:
+        running = s.submit(PROMPTS[0], max_new_tokens=12, ignore_eos=True)
+        next(iter(running))  # decoding when the failing one arrives
+        broken = s.submit(PROMPTS[1], max_new_tokens=12, ignore_eos=True, stop_when=fails)
+        after = s.submit(PROMPTS[2], max_new_tokens=12, ignore_eos=True)
+        with pytest.raises(RuntimeError, match="stop_when failed"):
+            broken.consume()
+        assert [running.consume().token_ids, after.consume().token_ids] == [a.token_ids for a in alone]
+        assert s.num_running == 0 and s.num_waiting == 0
+        assert s.submit(PROMPTS[2], max_new_tokens=12, ignore_eos=True).consume().token_ids == alone[1].token_ids
+
+
 def test_async_iteration_and_threads(tiny):
     pc = tiny
     alone = pc.generate(PROMPTS[0], max_new_tokens=6)

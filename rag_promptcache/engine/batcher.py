@@ -408,7 +408,11 @@ class Batcher:
         """Hand `rid`'s state the logits of its forward; emit its text, finish it when it ends → the
         draft tokens it rejected."""
         run = self._running[rid]
-        step = run.state.advance(rows)
+        try:  # sampling, the grammar, stop conditions: the request's own code, in this thread
+            step = run.state.advance(rows)
+        except Exception as e:  # noqa: BLE001 - this request fails; the others go on
+            self._finish(rid, e)
+            return 0
         for piece in step.pieces:
             run.handle._put(piece)
         if run.state.finished:
