@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from rag_promptcache.engine import attention
 from rag_promptcache.engine.assemble import reserved_cache
+from rag_promptcache.engine.batch import BatchCache, decode_step
 from rag_promptcache.engine.native_step import MAX_NEW
 from rag_promptcache.engine.runner import forward_logits
 from rag_promptcache.model import native
@@ -129,3 +130,56 @@ def test_smollm2_bf16_native_step_is_as_close_to_fp32_as_torch(smollm, monkeypat
     agree_fast = (fast.argmax(-1) == fp32.argmax(-1)).sum().item()
     agree_ref = (ref.argmax(-1) == fp32.argmax(-1)).sum().item()
     assert agree_fast >= agree_ref - 1, f"{agree_fast=} {agree_ref=} of 32"
+
+
+@pytest.fixture
+def batch_calls(monkeypatch):
+    """How many times the batch kernel ran."""
+    lib = native.library()
+    count = []
+    if lib is not None:
+        inner = lib.llama_decode_batch_bf16
+
+        def spy(*args):
+            rc = inner(*args)
+            count.append(rc)
+            return rc
+
+        monkeypatch.setattr(lib, "llama_decode_batch_bf16", spy)
+    return count
+
+
+def _batched(model, prompts: list[torch.Tensor], steps: int = 3):
+    """Rows of different lengths loaded into a batch cache, then `steps` batched decode steps (each
+    row's next input its own argmax) → the logits of every step [steps, B, V], the rows' KV."""
+    batch = BatchCache(model.config, kv_geometry(model), len(prompts), 64, model.dtype, model.device)
+    last = []
+    for row, ids in enumerate(prompts):
+        cache, _, _ = reserved_cache(model.config, kv_geometry(model), 64, model.dtype, model.device)
+        last.append(forward_logits(model, ids, torch.arange(ids.shape[1])[None], cache)[-1])
+        batch.load(row, cache)
+    out = []
+    for _ in range(steps):
+        ids = [int(x.argmax()) for x in last]
+        positions = batch.lengths[: len(prompts)]
+        logits = decode_step(model, batch, ids, list(positions))
+        out.append(logits)
+        last = list(logits)
+    n = max(batch.lengths)
+    return torch.stack(out), batch.keys[:, :, :, :n].clone(), batch.values[:, :, :, :n].clone(), list(batch.lengths)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_batched_native_step_equals_the_torch_batch_to_rounding(shape, batch_calls, monkeypatch):
+    model = _tiny(**SHAPES[shape])
+    prompts = [torch.randint(0, model.config.vocab_size, (1, n)) for n in (5, 23, 1, 40)]  # one length each
+    fast, fast_k, fast_v, lengths = _batched(model, prompts)
+    assert batch_calls == [0, 0, 0], "one kernel call per batched step"
+    monkeypatch.setenv(native.KERNELS_ENV, "0")
+    ref, ref_k, ref_v, ref_lengths = _batched(model, prompts)
+    assert lengths == ref_lengths == [8, 26, 4, 43]
+    assert fast.shape == ref.shape and torch.allclose(fast, ref, atol=2e-2, rtol=0), f"{(fast - ref).abs().max()=}"
+    for row, n in enumerate(lengths):  # each row's KV up to its length (the slots past it are not read)
+        assert torch.allclose(fast_k[:, row, :, :n].float(), ref_k[:, row, :, :n].float(), atol=2e-2, rtol=0)
+        assert torch.allclose(fast_v[:, row, :, :n].float(), ref_v[:, row, :, :n].float(), atol=2e-2, rtol=0)

@@ -26,7 +26,8 @@ Where the native kernels run (bf16, AVX512-BF16), an unmasked step of up to 16 t
 a prompt lookup check) skips all of the above: engine/native_step.py runs every layer and the head
 in one call, and these layers run only where it declines.
 
-Also the server's batched decode step (`decode_batch`, over engine/batch.py's cache: one token per row).
+Also the server's batched decode step (`decode_batch`, over engine/batch.py's cache: one token per row):
+the native kernel's batch call where it runs, these layers where it declines.
 
 Out of scope: other architectures (they keep transformers' forward: `LeanLlama.for_model` returns
 None), caches that are not `ReservedLayer` buffers (sliding windows), batched prefill, training.
@@ -183,6 +184,10 @@ class LeanLlama:
         self.refresh()
         x = self.embed(ids)  # [B, 1, E]
         cos, sin = self.rotary(x, positions)
+        step = layers[0].step  # the batch's rows and their lengths before this token (engine/batch.py)
+        logits = self.step.batch(x, cos, sin, layers, step.lengths.tolist())
+        if logits is not None:
+            return logits
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
             x = self._layer(i, layer, x, cos, sin, kv, mask)  # the mask broadcasts over each row's folded heads
         return self.head(self.norm(x))[0][:, -1].float()

@@ -11,8 +11,12 @@ mask against its reserved cache: the plain decode step and a prompt lookup draft
 What it computes is the lean forward's, with transformers' bf16 roundings at the same places; sums
 run in another order, so logits agree to rounding (tests/test_native_step.py).
 
-Out of scope: masks (an assembly's prefill), batches of sequences (the server's batched step), fp32,
-fp16, CUDA, biases, Llama variants `LeanLlama.for_model` refuses.
+`batch` runs the server's batched decode step the same way: one token for each of up to `MAX_NEW`
+sequences, each against its own row of the batch cache at its own length, the weights read once for
+all of them; what it writes and returns per row is what the single-sequence step does for that row.
+
+Out of scope: masks (an assembly's prefill), a batch's prompt lookup checks or prefill chunks (the torch
+forward runs those), fp32, fp16, CUDA, biases, Llama variants `LeanLlama.for_model` refuses.
 """
 
 from __future__ import annotations
@@ -90,6 +94,39 @@ class NativeStep:
         for layer in layers:
             layer._set_length(length + n)
         return logits
+
+    def batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers, lengths: list[int]) -> torch.Tensor | None:
+        """One token for each of B sequences of the server's batch cache (engine/batch.py), one kernel call
+        for all: x [B, 1, E] bf16; cos, sin [B, 1, D]; `layers` the batch cache's (`_keys`, `_values`
+        [rows, H, capacity, D] per layer), row b holding lengths[b] tokens: the new KV is written after
+        them (the caller counts it). → logits [B, V] fp32, or None where the kernel does not apply."""
+        lib = native.library()
+        b = x.shape[0]
+        if (lib is None or not self.usable or b > MAX_NEW or x.shape[1] != 1 or x.dtype != torch.bfloat16
+                or len(lengths) != b):
+            return None
+        first = layers[0]._keys
+        stride, capacity = first.stride(1), first.shape[-2]
+        if max(lengths) + 1 > capacity:
+            return None
+        for layer in layers:
+            for t in (layer._keys, layer._values):
+                if (t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.shape[-2] != capacity
+                        or t.stride(1) != stride or t.stride(2) != self.head_dim or t.stride(3) != 1):
+                    return None
+        # [layers, B] addresses: row r of each layer's buffers
+        keys = torch.tensor([[layer._keys[r].data_ptr() for r in range(b)] for layer in layers], dtype=torch.int64)
+        values = torch.tensor([[layer._values[r].data_ptr() for r in range(b)] for layer in layers], dtype=torch.int64)
+        rows = torch.tensor(lengths, dtype=torch.int64)
+        x = x.contiguous()
+        cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
+        logits = torch.empty(b, self.vocab, dtype=torch.float32)
+        rc = lib.llama_decode_batch_bf16(self.table.data_ptr(), self.norm_weight.data_ptr(), self.head_weight.data_ptr(),
+                                         keys.data_ptr(), values.data_ptr(), stride, rows.data_ptr(), len(layers),
+                                         self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.vocab,
+                                         self.eps, x.data_ptr(), b, cos.data_ptr(), sin.data_ptr(), logits.data_ptr(),
+                                         torch.get_num_threads())
+        return logits if rc == 0 else None
 
     def _buffers(self, layers) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The addresses of the cache's key and value buffers, one per layer, and their KV-head stride;

@@ -196,7 +196,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.prefill_attention.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
     lib.rope_shift_bf16.argtypes = [ptr] * 2 + [i64] * 9 + [ptr] * 2 + [ctypes.c_int]
     lib.llama_decode_bf16.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-    for fn in (lib.prefill_attention, lib.rope_shift_bf16, lib.llama_decode_bf16):
+    lib.llama_decode_batch_bf16.argtypes = ([ptr] * 5 + [i64, ptr] + [i64] * 7
+                                            + [ctypes.c_float, ptr, i64, ptr, ptr, ptr, ctypes.c_int])
+    for fn in (lib.prefill_attention, lib.rope_shift_bf16, lib.llama_decode_bf16, lib.llama_decode_batch_bf16):
         fn.restype = ctypes.c_int
     return lib
 

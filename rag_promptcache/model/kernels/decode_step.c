@@ -22,6 +22,10 @@
  * new tokens' keys and values are written after them. x [n, hidden] bf16 in (embeddings), the logits
  * of the last `keep` tokens [keep, vocab] fp32 out (the bf16 head's values, as torch's .float()).
  *
+ * A batch (`llama_decode_batch_bf16`) is n sequences of one new token each, each with its own cache and
+ * length: the products treat them as n tokens (each block of weight rows read from memory once for all),
+ * the attention reads each token's own cache.
+ *
  * Out of scope: biases, other norms or activations, sliding windows, masks other than causal over the
  * cache, more than MAX_NEW tokens, odd sizes (the caller runs the torch forward instead).
  */
@@ -256,21 +260,30 @@ static void attend(const bf16 *q, int64_t q_stride, int64_t group, const bf16 *k
     }
 }
 
-/* Returns 0, -1 for arguments out of scope, -2 out of memory (nothing written but the cache's new rows). */
-int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16 *head, const int64_t *k_cache,
-                      const int64_t *v_cache, int64_t kv_head_stride, int64_t num_cached, int64_t layers,
-                      int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, int64_t vocab,
-                      float eps, const bf16 *x_in, int64_t n, const bf16 *cos, const bf16 *sin, int64_t keep,
-                      float *logits, int threads) {
+/* The step of n tokens of `seqs` sequences: one sequence (seqs 1) whose tokens follow its cached[0] rows,
+ * or n sequences (seqs n) of one token each, token t after the cached[t] rows of its own cache. Caches
+ * per layer and sequence: k_cache[layer * seqs + s]. Returns 0, -1 for arguments out of scope, -2 out of
+ * memory (nothing written but the caches' new rows). */
+static int decode(const int64_t *weights, const bf16 *final_norm, const bf16 *head, const int64_t *k_cache,
+                  const int64_t *v_cache, int64_t kv_head_stride, const int64_t *cached, int64_t seqs, int64_t layers,
+                  int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, int64_t vocab,
+                  float eps, const bf16 *x_in, int64_t n, const bf16 *cos, const bf16 *sin, int64_t keep,
+                  float *logits, int threads) {
     if (n < 1 || n > MAX_NEW || keep < 1 || keep > n || head_dim > MAX_DIM || head_dim % 2 || hidden % 2 ||
-        inter % 2 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP || num_cached < 0)
+        inter % 2 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_GROUP || (seqs != 1 && seqs != n))
         return -1;
+    int64_t most = 0; /* the longest sequence's keys after this step */
+    for (int64_t s = 0; s < seqs; s++) {
+        if (cached[s] < 0) return -1;
+        const int64_t keys_s = cached[s] + (seqs == 1 ? n : 1);
+        most = keys_s > most ? keys_s : most;
+    }
     const int64_t group = heads / kv_heads, qd = heads * head_dim, kvd = kv_heads * head_dim;
-    const int64_t qkv_rows = qd + 2 * kvd, num_keys = num_cached + n, rows = group * n;
+    const int64_t qkv_rows = qd + 2 * kvd, num_keys = most, rows = group * n;
     /* A few tokens: the attention's work items are (KV head, token, key split), the splits keeping every
-     * thread busy, each with its own partial softmax. More (a long prompt lookup draft): prefill_attention.c's
-     * blocks of 16 query rows, which read each key once for all of them. */
-    const int blocked = n >= BLOCKED_FROM;
+     * thread busy, each with its own partial softmax. More tokens of one sequence (a long prompt lookup
+     * draft): prefill_attention.c's blocks of 16 query rows, which read each key once for all of them. */
+    const int blocked = seqs == 1 && n >= BLOCKED_FROM;
     int64_t splits = (2 * threads + kv_heads * n - 1) / (kv_heads * n);
     if (splits > num_keys / 256) splits = num_keys / 256;
     if (splits < 1 || blocked) splits = 1;
@@ -305,7 +318,8 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
 #pragma omp barrier
         for (int64_t layer = 0; layer < layers && !failed; layer++) {
             const int64_t *lw = weights + layer * PER_LAYER;
-            bf16 *kc = (bf16 *)(intptr_t)k_cache[layer], *vc = (bf16 *)(intptr_t)v_cache[layer];
+            /* sequence 0's cache; token t's is (k|v)_cache[layer * seqs + t] when each token is its own sequence */
+            bf16 *kc = (bf16 *)(intptr_t)k_cache[layer * seqs], *vc = (bf16 *)(intptr_t)v_cache[layer * seqs];
             int64_t lo, hi;
             /* q, k, v: each thread its share of the fused rows */
             rms_norm(x, (const bf16 *)(intptr_t)lw[IN_NORM], n, hidden, eps, h);
@@ -324,12 +338,14 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
                 const int64_t t = w / (heads + 2 * kv_heads), hd = w % (heads + 2 * kv_heads);
                 const bf16 *vec = qkv + t * qkv_rows + hd * head_dim;
                 const bf16 *c = cos + t * head_dim, *sn = sin + t * head_dim;
+                const int64_t seq = seqs == 1 ? 0 : t, slot = seqs == 1 ? cached[0] + t : cached[t];
+                bf16 *kt = (bf16 *)(intptr_t)k_cache[layer * seqs + seq], *vt = (bf16 *)(intptr_t)v_cache[layer * seqs + seq];
                 if (hd < heads) {
                     rope(vec, qrows + ((hd / group) * rows + (hd % group) * n + t) * head_dim, c, sn, head_dim);
                 } else if (hd < heads + kv_heads) {
-                    rope(vec, kc + (hd - heads) * kv_head_stride + (num_cached + t) * head_dim, c, sn, head_dim);
+                    rope(vec, kt + (hd - heads) * kv_head_stride + slot * head_dim, c, sn, head_dim);
                 } else {
-                    memcpy(vc + (hd - heads - kv_heads) * kv_head_stride + (num_cached + t) * head_dim, vec,
+                    memcpy(vt + (hd - heads - kv_heads) * kv_head_stride + slot * head_dim, vec,
                            (size_t)head_dim * sizeof(bf16));
                 }
             }
@@ -340,10 +356,13 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
                                             kv_head_stride, scale, w / row_blocks, (w % row_blocks) * 16);
                 } else {
                     const int64_t kvh = w / (n * splits), t = (w / splits) % n, sp = w % splits;
-                    const int64_t seen = num_cached + t + 1; /* the cache and the new tokens up to this one */
+                    /* its sequence's cache and new tokens up to this one */
+                    const int64_t seq = seqs == 1 ? 0 : t, seen = seqs == 1 ? cached[0] + t + 1 : cached[t] + 1;
+                    const bf16 *kt = (const bf16 *)(intptr_t)k_cache[layer * seqs + seq];
+                    const bf16 *vt = (const bf16 *)(intptr_t)v_cache[layer * seqs + seq];
                     float *out = partial + w * part;
-                    attend(qrows + (kvh * rows + t) * head_dim, n * head_dim, group, kc + kvh * kv_head_stride,
-                           vc + kvh * kv_head_stride, head_dim, seen * sp / splits, seen * (sp + 1) / splits, scale, out,
+                    attend(qrows + (kvh * rows + t) * head_dim, n * head_dim, group, kt + kvh * kv_head_stride,
+                           vt + kvh * kv_head_stride, head_dim, seen * sp / splits, seen * (sp + 1) / splits, scale, out,
                            out + group * head_dim, out + group * head_dim + group);
                 }
             }
@@ -415,4 +434,25 @@ int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16
     }
     free(qkv), free(qrows), free(arows), free(o_out), free(gate_up), free(down), free(partial), free(head_out);
     return failed ? -2 : 0;
+}
+
+/* One sequence: n new tokens after its num_cached rows (a decode step, a prompt lookup check). */
+int llama_decode_bf16(const int64_t *weights, const bf16 *final_norm, const bf16 *head, const int64_t *k_cache,
+                      const int64_t *v_cache, int64_t kv_head_stride, int64_t num_cached, int64_t layers,
+                      int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, int64_t vocab,
+                      float eps, const bf16 *x_in, int64_t n, const bf16 *cos, const bf16 *sin, int64_t keep,
+                      float *logits, int threads) {
+    return decode(weights, final_norm, head, k_cache, v_cache, kv_head_stride, &num_cached, 1, layers, hidden, heads,
+                  kv_heads, head_dim, inter, vocab, eps, x_in, n, cos, sin, keep, logits, threads);
+}
+
+/* A batch: one new token for each of n sequences, token t after the lengths[t] rows of its own cache
+ * (k_cache, v_cache: [layers, n] pointers); the weights are read once for all of them. */
+int llama_decode_batch_bf16(const int64_t *weights, const bf16 *final_norm, const bf16 *head, const int64_t *k_cache,
+                            const int64_t *v_cache, int64_t kv_head_stride, const int64_t *lengths, int64_t layers,
+                            int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+                            int64_t vocab, float eps, const bf16 *x_in, int64_t n, const bf16 *cos, const bf16 *sin,
+                            float *logits, int threads) {
+    return decode(weights, final_norm, head, k_cache, v_cache, kv_head_stride, lengths, n, layers, hidden, heads,
+                  kv_heads, head_dim, inter, vocab, eps, x_in, n, cos, sin, n, logits, threads);
 }
