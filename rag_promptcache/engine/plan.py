@@ -144,10 +144,8 @@ class Planner:
         `fallback`: let the engine's policy (engine/costmodel.py) swap the plan for a full prefill of the
         same tokens where that is faster; missed modules are encoded and stored either way."""
         cfg = self.config
-        parsed = self.schemas.parse(prompt)
-        chat, default = self.schemas.chat_of(parsed.schema, parsed.children)
-        compiled = self.schemas.compile(parsed.schema, chat, default)
-        pieces = self.compiler.compile_prompt(compiled, parsed, cfg.layout)
+        out = self.schemas.compile_prompt(prompt, cfg.layout)
+        compiled, pieces, chat, default = out.schema, list(out.pieces), out.chat, out.default_system
         if not pieces or not any(p.token_ids for p in pieces):
             raise ValueError("empty prompt: it compiles to no tokens")
         self.check_window(pieces, max_new_tokens)
