@@ -97,20 +97,21 @@ def block_mask(laid: Laid, device: torch.device | str = "cpu") -> torch.Tensor:
     return causal & sees
 
 
-def batch_masks(samples: Sequence[Laid], full: Sequence[bool], dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (ids [B, S], positions [B, S], additive mask [B, 1, S, S]); `full[b]`: sample b
-    gets the plain causal mask (full prefill) instead of the block mask."""
-    width = max(len(s) for s in samples)
+def batch_masks(samples: Sequence[Laid], full: Sequence[bool], device: torch.device | str = "cpu",
+                lengths: Sequence[int] | None = None, left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded (ids [B, S], positions [B, S], mask [B, 1, S, S] bool, True: may attend) for a batch;
+    `full[b]`: sample b gets the plain causal mask (full prefill) instead of the block mask;
+    `lengths[b]`: take only its first tokens (a prompt without its answer); `left`: pad on the left
+    (for generation, so every row's last token is at the end)."""
+    lengths = [len(s) for s in samples] if lengths is None else list(lengths)
+    width = max(lengths)
     ids = torch.zeros(len(samples), width, dtype=torch.long, device=device)
     pos = torch.zeros(len(samples), width, dtype=torch.long, device=device)
-    allowed = torch.zeros(len(samples), 1, width, width, dtype=torch.bool, device=device)
-    eye = torch.eye(width, dtype=torch.bool, device=device)
-    for b, s in enumerate(samples):
-        n = len(s)
-        ids[b, :n] = torch.tensor(s.ids, device=device)
-        pos[b, :n] = torch.arange(n, device=device)
-        allowed[b, 0, :n, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril() if full[b] else block_mask(s, device)
-        allowed[b, 0, n:] = eye[n:]  # padding rows see themselves only, so no row is all -inf
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.eye(width, dtype=torch.bool, device=device).repeat(len(samples), 1, 1, 1)  # padding sees itself
+    for b, (s, n) in enumerate(zip(samples, lengths)):
+        at = slice(width - n, width) if left else slice(0, n)
+        ids[b, at] = torch.tensor(s.ids[:n], device=device)
+        pos[b, at] = torch.arange(n, device=device)
+        mask[b, 0, at, at] = (torch.ones(n, n, dtype=torch.bool, device=device).tril() if full[b]
+                              else block_mask(s, device)[:n, :n])
     return ids, pos, mask
