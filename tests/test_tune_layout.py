@@ -38,7 +38,7 @@ def test_masked_forward_equals_the_engines_cached_plan(tiny, mode):
     assert [t for p in plan.pieces for t in p.token_ids] == laid.ids[:laid.answer_from]
     assert plan.num_cached > 0 and plan.num_cached == sum(u >= 0 for u in laid.unit)
     got = engine.prefill(plan).logits
-    ids, pos, mask = batch_masks([laid], [False], torch.float32)
+    ids, pos, mask = batch_masks([laid], [False])
     n = laid.answer_from
     with torch.no_grad():
         want = model(ids[:, :n], position_ids=pos[:, :n], attention_mask=mask[:, :, :n, :n]).logits[0, -1]

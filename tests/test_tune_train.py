@@ -108,3 +108,15 @@ def test_greedy_batched_equals_alone(tiny, maker):
     got = greedy(model, [p], full=True, max_new_tokens=5, eos_ids=[-1])[0]
     assert got == ref
     assert len(set(map(tuple, together))) > 1, "the tiny model answers differently per prompt"
+
+
+@pytest.mark.slow
+def test_recipe_end_to_end_with_workers(tiny, tmp_path):
+    """The one command, with the sample workers a GPU run uses: trains, writes the adapter and its record."""
+    from rag_promptcache.tune.recipe import main
+
+    meta = main(["--out", str(tmp_path / "a"), "--model", str(tiny), "--device", "cpu", "--steps", "2",
+                 "--workers", "2", "--tokens-per-batch", "1500", "--k-max", "3"])
+    assert meta["recovery"] == "none" and meta["mode"] == "shared_prefix" and meta["metrics"]["steps"] == 2
+    assert json.loads((tmp_path / "a" / "tune.json").read_text())["base_fingerprint"] == meta["base_fingerprint"]
+    assert (tmp_path / "a" / "adapter_config.json").exists()

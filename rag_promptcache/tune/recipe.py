@@ -27,7 +27,7 @@ import torch
 from rag_promptcache.tune.layout import Laid, Layouter
 from rag_promptcache.tune.samples import SampleMaker
 from rag_promptcache.tune.texts import Passage, gather, held_out
-from rag_promptcache.tune.train import TuneConfig, train
+from rag_promptcache.tune.train import TuneConfig, bf16_autocast, train
 
 FORMAT = 1
 _worker: tuple[SampleMaker, Layouter] | None = None
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--mode", default="shared_prefix")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k-max", type=int, default=14, help="most modules in a training prompt")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--passages", type=Path)
     ap.add_argument("--write-passages", type=Path)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     prompts = probe_prompts(rows, layouter)
     answers: dict[str, list[str]] = {}
     metrics: dict[str, object] = {}
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast(device))
     t = time.perf_counter()
     with amp:
         if prompts:
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     metrics["probe_seconds_before"] = time.perf_counter() - t
     print(f"base probed in {metrics['probe_seconds_before']:.0f}s, text loss {metrics['base_text_loss']:.4f}",
           file=sys.stderr, flush=True)
-    maker = SampleMaker(train_passages, instructions, seed=args.seed)
+    maker = SampleMaker(train_passages, instructions, k=(1, args.k_max), seed=args.seed)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
                      tokens_per_batch=args.tokens_per_batch, seed=args.seed)
     pool = None
@@ -158,7 +159,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode))
 
         def stream(start: int):
-            return pool.imap(_lay, itertools.count(start), chunksize=8)
+            # windows of 256, the next one laid out while this one trains; never `imap` over an endless
+            # iterator, whose feeder thread queues tasks without bound and starves the training loop
+            ahead = pool.map_async(_lay, range(start, start + 256), chunksize=8)
+            while True:
+                start += 256
+                window, ahead = ahead.get(), pool.map_async(_lay, range(start, start + 256), chunksize=8)
+                yield from window
     else:
         _init(maker, tokenizer, args.mode)
 

@@ -92,6 +92,13 @@ def loss_terms(student: torch.Tensor, teacher: torch.Tensor, samples: Sequence[L
     return kl, ce
 
 
+def bf16_autocast(device: torch.device) -> bool:
+    """Whether bf16 autocast pays here: a GPU, or a CPU with bf16 units (model/loading.py)."""
+    from rag_promptcache.model.loading import cpu_has_bf16
+
+    return device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+
+
 def attach(model, cfg: TuneConfig):
     """The model with a fresh LoRA adapter (peft), only the adapter trainable."""
     from peft import LoraConfig, get_peft_model
@@ -119,7 +126,7 @@ def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str |
     ckpt = out / CHECKPOINT
     if (ckpt / "state.json").exists():
         state = _resume(peft_model, opt, ckpt)
-    use_autocast = cfg.autocast and device.type == "cuda"
+    use_autocast = cfg.autocast and bf16_autocast(device)
     gen = torch.Generator().manual_seed(cfg.seed + state.step)
     t0 = time.perf_counter() - state.seconds
     peft_model.train()
