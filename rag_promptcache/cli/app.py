@@ -174,7 +174,7 @@ QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = ((r".*`past_key_values` 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 1, like every other user error."""
-    from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds  # noqa: F401 - registers the commands
+    from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds, tune_cmd  # noqa: F401 - registers the commands
 
     _register_optional(app)
     try:

@@ -47,8 +47,9 @@ def _lay(index: int) -> tuple[int, Laid]:
 
 
 def module_text(p: Passage) -> str:
-    """A passage as a corpus module holds it: its source label, then its text (rag/chunker.py)."""
-    return f"[{p.label}]\n{p.text.strip()}\n\n"
+    """A passage as a corpus module holds it: its source label, then its text (rag/chunker.py); a
+    passage without a label is a corpus's module text already."""
+    return f"[{p.label}]\n{p.text.strip()}\n\n" if p.label else p.text
 
 
 def write_passages(path: Path, instructions: str) -> None:

@@ -42,13 +42,16 @@ class SampleMaker:
     """Draws samples from `passages`; `instructions` is the corpus's (a variant is drawn a third of the time)."""
 
     def __init__(self, passages: Sequence[Passage], instructions: str, *, k: tuple[int, int] = (1, 14),
-                 seed: int = 0) -> None:
+                 seed: int = 0, neighbors: dict[int, list[int]] | None = None) -> None:
+        """`neighbors[i]`: the passages a retriever ranks nearest to passage i (a corpus's own look-alikes),
+        taken before others of its source and family."""
         if not passages:
             raise ValueError("no passages to make samples from")
         self.passages = list(passages)
         self.instructions = instructions
         self.k = k
         self.seed = seed
+        self.neighbors = neighbors or {}
         self.by_source: dict[tuple[str, str], list[int]] = defaultdict(list)
         self.by_family: dict[str, list[int]] = defaultdict(list)
         for i, p in enumerate(self.passages):
@@ -73,10 +76,11 @@ class SampleMaker:
 
     def _look_alikes(self, target: int, n: int, rng: random.Random) -> list[int]:
         p = self.passages[target]
-        same = [i for i in self.by_source[(p.family, p.source)] if i != target]
+        near = [i for i in self.neighbors.get(target, ()) if i != target][:n]
+        same = [i for i in self.by_source[(p.family, p.source)] if i != target and i not in near]
         rng.shuffle(same)
         family = self.by_family[p.family]
-        picked = same[: max(0, min(len(same), rng.randint(n // 2, n)))]
+        picked = near + same[: max(0, min(len(same), rng.randint(n // 2, n) - len(near)))]
         seen = {target, *picked}
         while len(picked) < n and len(seen) < len(self.passages):
             i = rng.choice(family if rng.random() < 0.8 else range(len(self.passages)))
