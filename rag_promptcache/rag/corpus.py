@@ -66,7 +66,7 @@ BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 class Corpus:
     def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
                  embedder: EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
-                 disk_tier: bool = True, adapter: str = "none") -> None:
+                 disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default") -> None:
         self.path = path
         self.manifest = manifest
         self.table = layout.open_table(path)
@@ -76,7 +76,8 @@ class Corpus:
         self._engine = engine
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
         self._embedder = embedder
-        self._adapter = adapter  # what `_loaded_engine` loads: "none" or an adapter directory (models.adapter_to_load)
+        self._adapter_asked = adapter
+        self._adapter_path: tuple[str | None] | None = None  # resolved on first use (`adapter_path`)
         self._registered = -1  # table generation of the schema the engine holds
         self._compiled = False  # whether the engine has compiled that schema
         self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
@@ -111,9 +112,10 @@ class Corpus:
         manifest = layout.read_manifest(path)
         layout.check_files(path)
         emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder)
-        load = adapter_to_load(manifest, path, adapter) if engine is None else "none"
         corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
-                     disk_tier=disk_tier, adapter=load)
+                     disk_tier=disk_tier, adapter=adapter)
+        if engine is None and str(adapter).lower() != "default":
+            corpus.adapter_path  # noqa: B018 - an adapter named by the caller is checked now, not at the first question
         if engine is None and (notice := untuned_notice(manifest, path, [d.source for d in corpus.table.documents()])):
             warnings.warn(notice, CorpusWarning, stacklevel=2)
         return corpus
@@ -195,12 +197,22 @@ class Corpus:
         with self._lock:
             if self._engine is None:
                 engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype,
-                                      self._adapter)
+                                      self.adapter_path or "none")
                 check_engine(engine, self.manifest, self.path)
                 if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
                     engine.recovery = self.manifest.recovery
                 self._engine, self._owns_engine = engine, True
             return self._engine
+
+    @property
+    def adapter_path(self) -> str | None:
+        """The adapter directory the engine loads: the one the modules were encoded with (None: the
+        base model). `AdapterError` where that adapter is not available here (`models.adapter_to_load`)."""
+        with self._lock:
+            if self._adapter_path is None:
+                load = adapter_to_load(self.manifest, self.path, self._adapter_asked)
+                self._adapter_path = (None if load == "none" else load,)
+            return self._adapter_path[0]
 
     def _register(self, compile_schema: bool) -> PromptCache:
         engine = self._loaded_engine()

@@ -81,6 +81,14 @@ def adapter_to_load(manifest: Manifest, path: Path, asked: str | os.PathLike[str
                        "that adapter directory (--adapter PATH, or adapter= in Python), or ingest into a new corpus")
 
 
+def tuned_recovery(adapter_path: str | None) -> str | None:
+    """The recovery the adapter at `adapter_path` was tuned for (the engine's default where a request
+    names none); None for the base model (None) or an adapter that names none."""
+    from rag_promptcache.model.adapter import read
+
+    return None if adapter_path is None else read(Path(adapter_path)).recovery
+
+
 def untuned_notice(manifest: Manifest, path: Path, sources: list[str]) -> str | None:
     """What to tell the user of a corpus encoded before adapters shipped (no adapter recorded) whose model
     now has one: it opens with the base model, and the command that re-encodes it with the adapter.
