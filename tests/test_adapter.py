@@ -134,9 +134,14 @@ def test_a_corpus_reopens_with_its_adapter_and_refuses_another(tiny, lora, tmp_p
     assert c.engine.recovery == Recovery.parse("last:1")
     c.set_recovery(None)
     assert c.engine.recovery == Recovery.parse("none")
+    with pytest.raises(ValueError, match="applies to the model the corpus loads, not to a caller's engine"):
+        Corpus.open(path, engine=c.engine, adapter="none")
     c.close()
     with pytest.raises(AdapterError, match="encoded with adapter 'tuned'.*the base model would not read"):
         Corpus.open(path, adapter="none")
+    base = PromptCache(*load_model(tiny, device="cpu", dtype="float32", adapter="none"), name=tiny)
+    with pytest.raises(ValueError, match="encoded with adapter 'tuned' .*this engine runs the base model"):
+        Corpus.open(path, engine=base)
     other = save_random_lora(tiny, tmp_path / "other", seed=1)
     with pytest.raises(AdapterError, match="is not the one corpus .* was encoded with: adapter 'tuned'"):
         Corpus.open(path, adapter=str(other))

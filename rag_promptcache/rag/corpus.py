@@ -37,8 +37,9 @@ from rag_promptcache.rag.ingest import check_budget, collect
 from rag_promptcache.rag.ingestor import CorpusParts, Ingestor, OnBatch
 from rag_promptcache.rag.layout import CorpusWarning, is_corpus
 from rag_promptcache.rag.loaders import Document, LoadReport
-from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, adapter_fields, adapter_to_load, check_engine,
-                                         check_open, check_settings, dtype_of, untuned_notice)
+from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, adapter_fields, adapter_to_load,
+                                         check_caller_engine, check_engine, check_open, check_settings, dtype_of,
+                                         untuned_notice)
 # The facade's loaders are module globals so that tests swap in a fake engine or embedder here.
 from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
@@ -111,7 +112,7 @@ class Corpus:
             raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
         manifest = layout.read_manifest(path)
         layout.check_files(path)
-        emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder)
+        emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder, adapter=adapter)
         corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
                      disk_tier=disk_tier, adapter=adapter)
         if engine is None and str(adapter).lower() != "default":
@@ -137,6 +138,7 @@ class Corpus:
         path = Path(path)
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
+        check_caller_engine(engine, adapter)
         if is_corpus(path):
             corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,

@@ -160,9 +160,11 @@ def check_engine(engine: PromptCache, manifest: Manifest, path: Path) -> None:
 
 
 def check_open(manifest: Manifest, path: Path, *, model: str | None, dtype: str | None, engine: PromptCache | None,
-               embedder: str | EmbedderLike | None) -> EmbedderLike | None:
+               embedder: str | EmbedderLike | None, adapter: str | os.PathLike[str] | None = DEFAULT_ADAPTER
+               ) -> EmbedderLike | None:
     """Check what a caller asks for when opening a corpus against its manifest (`ValueError` naming
     both); returns the caller's embedder object, if one was given, to use as is."""
+    check_caller_engine(engine, adapter)
     if model is not None and model != manifest.model:
         raise ValueError(f"corpus {path} was built with model {manifest.model!r}, not {model!r}")
     check_dtype(dtype, manifest, path)
@@ -174,6 +176,13 @@ def check_open(manifest: Manifest, path: Path, *, model: str | None, dtype: str 
     if name != manifest.embedder:
         raise ValueError(f"corpus {path} was built with embedder {manifest.embedder!r}, not {name!r}")
     return None if isinstance(embedder, str) else embedder
+
+
+def check_caller_engine(engine: PromptCache | None, adapter: str | os.PathLike[str] | None) -> None:
+    """An adapter is merged when a model loads: a caller's engine runs its own model's, whatever `adapter` says."""
+    if engine is not None and str(adapter).strip().lower() != DEFAULT_ADAPTER:
+        raise ValueError(f"adapter={str(adapter)!r} applies to the model the corpus loads, not to a caller's engine; "
+                         "load the engine with it instead (PromptCache.from_pretrained(..., adapter=...))")
 
 
 def check_settings(manifest: Manifest, path: Path, asked: dict[str, object]) -> None:
