@@ -241,3 +241,9 @@ def test_the_adapter_shipped_for_the_default_model_fits_its_weights():
     base, _ = load_model(DEFAULT_MODEL, device="cpu", dtype="float32", adapter="none")
     assert shipped.base_fingerprint == model_fingerprint(base) and shipped.mode == DEFAULT_MODE
     Recovery.parse(shipped.recovery)  # a recovery the engine knows
+
+
+@pytest.mark.parametrize("command", ["ingest", "ask", "chat", "serve", "eval", "bench"])
+def test_every_command_that_loads_the_model_takes_adapter(command, capsys):
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0 and "--adapter" in out and "none (the base model)" in " ".join(out.split())
