@@ -116,7 +116,11 @@ class Corpus:
         corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
                      disk_tier=disk_tier, adapter=adapter)
         if engine is None and str(adapter).lower() != "default":
-            corpus.adapter_path  # noqa: B018 - an adapter named by the caller is checked now, not at the first question
+            try:
+                corpus.adapter_path  # noqa: B018 - an adapter named by the caller is checked now, not at the first question
+            except BaseException:
+                corpus.close()
+                raise
         if engine is None and (notice := untuned_notice(manifest, path, [d.source for d in corpus.table.documents()])):
             warnings.warn(notice, CorpusWarning, stacklevel=2)
         return corpus
