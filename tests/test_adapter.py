@@ -62,6 +62,11 @@ def test_merged_weights_compute_what_peft_computes_unmerged(tiny, lora):
     assert adapters.applied(base) is None and type(tuned) is type(base)  # peft's wrapper is gone after the merge
     assert model_fingerprint(tuned) != model_fingerprint(base)
     assert record.base_fingerprint == model_fingerprint(base)
+    again, _ = load_model(tiny, device="cpu", dtype="float32", adapter=str(lora))
+    with torch.no_grad():  # a merge elsewhere may round a weight differently: the corpus must still reopen
+        w = again.model.layers[0].self_attn.q_proj.weight
+        w[0, 0] = torch.nextafter(w[0, 0], w[0, 0] + 1)
+    assert model_fingerprint(again) == model_fingerprint(tuned)
     bf16, _ = load_model(tiny, device="cpu", dtype="bfloat16", adapter=str(lora))  # merged in fp32, then cast
     assert bf16.dtype == torch.bfloat16 and adapters.applied(bf16).digest == record.digest
     assert model_fingerprint(bf16) not in (model_fingerprint(tuned), model_fingerprint(base))

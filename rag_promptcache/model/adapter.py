@@ -11,8 +11,8 @@ engine's default where a request names none). An adapter that ships for a model 
 `adapters/<model name>/` beside this file (package data); `spec` "default" picks it up.
 
 The adapter is merged into the weights at load (`merge`), so inference runs the plain model and
-costs nothing extra; the model then carries an `Adapter` record (`applied`), which the weight
-fingerprint covers.
+costs nothing extra; the model then carries an `Adapter` record (`applied`), from which the weight
+fingerprint is made (model/loading.py).
 
 Out of scope: training (the tune command), other adapter kinds than peft's, unmerged serving.
 """
@@ -131,11 +131,13 @@ def check_base(adapter: Adapter, model_name: str, fingerprint: str) -> None:
         )
 
 
-def merge(model: torch.nn.Module, adapter: Adapter) -> torch.nn.Module:
+def merge(model: torch.nn.Module, adapter: Adapter, fingerprint: str, model_name: str) -> torch.nn.Module:
     """The model with the adapter's LoRA merged into its weights (peft's `merge_and_unload`), carrying
-    the `Adapter` record that `applied` returns."""
+    the `Adapter` record that `applied` returns. `fingerprint`: the model's, in fp32, before the merge;
+    it must be the one the adapter was tuned on (`check_base`)."""
     from peft import PeftModel
 
+    check_base(adapter, model_name, fingerprint)
     try:
         with warnings.catch_warnings():
             # peft asks transformers a question transformers 5 renamed: its notice, not the user's to act on

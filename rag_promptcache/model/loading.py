@@ -178,8 +178,7 @@ def load_model(
     if found is None:
         return _from_pretrained(directory, dev, dt)
     model, tokenizer = _from_pretrained(directory, dev, torch.float32)
-    adapters.check_base(found, name_or_path, model_fingerprint(model))
-    model = adapters.merge(model, found).to(dt)
+    model = adapters.merge(model, found, model_fingerprint(model), name_or_path).to(dt)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
@@ -408,8 +407,11 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     the KV of fp32, so a store must not hand one to the other. The result is cached on the model
     (keyed by dtype and adapter); mutating weights in place afterwards is not detected.
 
-    A merged adapter (`adapter.applied`) changes the weights, and its digest is hashed too: modules
-    encoded with and without it never share a key, even where the sample misses what it changed.
+    A model with a merged adapter (`adapter.applied`) is fingerprinted by what made it: the base
+    weights' fingerprint (checked at the merge), the adapter's digest and the dtype. Not by its merged
+    weights: a merge on another device or with other matmul kernels may round them differently in the
+    last bit, and a corpus must reopen wherever the same base and adapter load. Modules encoded with
+    and without an adapter (or with two adapters) never share a key.
     """
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     dtype = str(param.dtype) if param is not None else "none"
@@ -418,13 +420,16 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     cached = getattr(model, _FINGERPRINT_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]
+    if merged is not None:
+        made_of = {"base": merged.base_fingerprint, "adapter": merged.digest, "dtype": dtype}
+        digest = hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
+        setattr(model, _FINGERPRINT_ATTR, (key, digest))
+        return digest
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if config is not None else {}
     stable = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
     header = {"class": type(model).__name__, "model_type": config_dict.get("model_type"), "dtype": dtype, "config": stable}
-    if merged is not None:  # absent for a base model, so base fingerprints stay what they were
-        header["adapter"] = merged.digest
     h.update(json.dumps(header, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
