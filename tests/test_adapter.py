@@ -196,6 +196,8 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_cli_adapter_flag_and_info(tiny, lora, tmp_path, capsys, fake_embedder):
     docs, path = write_docs(tmp_path / "docs"), tmp_path / "c"
+    code, _, err = run(capsys, "ingest", docs, "--corpus", path, "--model", tiny, "--adapter", tmp_path / "nope")
+    assert code == 1 and "does not exist; pass an adapter directory" in err and not path.exists()  # nothing half-made
     code, _, err = run(capsys, "ingest", docs, "--corpus", path, "--model", tiny, "--adapter", lora, "--chunk-tokens", 64)
     assert code == 0, err
     code, out, err = run(capsys, "info", "--corpus", path)
