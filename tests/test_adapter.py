@@ -104,6 +104,10 @@ def test_bad_adapters_are_refused_naming_what_is_wrong(tiny, lora, tmp_path):
     (other / "tune.json").write_text(json.dumps({**tune, "base_model": "another-model", "base_fingerprint": "0" * 16}))
     with pytest.raises(AdapterError, match="tuned for base model 'another-model'"):
         load_model(tiny, device="cpu", adapter=str(other))
+    odd = shutil.copytree(lora, tmp_path / "odd")
+    (odd / "tune.json").write_text(json.dumps({**tune, "recovery": "sometimes"}))
+    with pytest.raises(ValueError, match="odd'?: tune.json's recovery: .*valid: none"):
+        PromptCache(*load_model(tiny, device="cpu", adapter=str(odd)), store=MemoryStore())
 
 
 def test_store_keys_and_default_recovery_follow_the_adapter(tiny, lora):

@@ -141,8 +141,12 @@ class PromptCache:
     def _default_recovery(self, spec: str | Recovery | None) -> Recovery:
         if spec is not None:
             return Recovery.parse(spec)
-        tuned = self.adapter.recovery if self.adapter is not None else None
-        return Recovery.parse(tuned if tuned is not None else DEFAULT_RECOVERY)
+        if self.adapter is None or self.adapter.recovery is None:
+            return Recovery.parse(DEFAULT_RECOVERY)
+        try:
+            return Recovery.parse(self.adapter.recovery)
+        except ValueError as e:
+            raise ValueError(f"adapter {self.adapter.path!r}: tune.json's recovery: {e}") from e
 
     @property
     def recovery(self) -> Recovery:
