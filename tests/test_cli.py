@@ -20,7 +20,7 @@ from rag_promptcache.rag.ingestor import Ingestor
 @pytest.fixture
 def fakes(monkeypatch):
     engine = FakeEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None: engine)
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
     return engine
 

@@ -50,7 +50,7 @@ class FidelityEngine(FakeEngine):
 @pytest.fixture
 def engine(monkeypatch) -> FidelityEngine:
     engine = FidelityEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None: engine)
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
     return engine
 

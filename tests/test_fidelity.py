@@ -88,7 +88,7 @@ def test_eval_command_end_to_end(real_parts, tmp_path: Path, capsys, monkeypatch
 
     (model, tokenizer), embedder = real_parts
     monkeypatch.setattr(corpus_mod, "_load_engine",
-                        lambda name, store, mode, dtype=None: PromptCache(model, tokenizer, store=store, name=name,
+                        lambda name, store, mode, dtype=None, adapter=None: PromptCache(model, tokenizer, store=store, name=name,
                                                               **({} if mode is None else {"mode": mode})))
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: embedder)
     data = generate(per_kind=1, prose=0)

@@ -80,6 +80,11 @@ F = TypeVar("F", bound=Callable[..., object])
 DtypeOpt = Annotated[str | None, typer.Option(
     "--dtype", help="auto, float32, bfloat16 or float16 [default: auto: a corpus's own dtype, else the device's "
                     "default (bfloat16 on a CPU with bf16 units and on CUDA, else float32)].")]
+# The one --adapter option of every command that loads a model (model/adapter.py).
+AdapterOpt = Annotated[str, typer.Option(
+    "--adapter", help="The tuned adapter merged into the model: default (the one shipped for the model, if one ships; "
+                      "for an existing corpus, the one it was encoded with), none (the base model) or an adapter "
+                      "directory.")]
 # The one --redis-url option of every command that opens a corpus.
 RedisOpt = Annotated[str | None, typer.Option(
     "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]

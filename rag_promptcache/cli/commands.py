@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
 
 # Help shows the corpus default (rag_promptcache.rag.repetition.DEFAULT_NO_REPEAT_NGRAM; a test holds
 # them equal) without importing rag, whose package imports torch: `--help` stays fast.
@@ -25,10 +25,10 @@ SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 
 
-def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None):
+def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None, adapter: str = "default"):
     from rag_promptcache.rag import Corpus
 
-    return Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    return Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
 
 
 def _check_k(k: int) -> None:
@@ -61,6 +61,7 @@ def ingest(
     cpus_per_worker: Annotated[float, typer.Option(help="With --ray: CPUs (and torch threads) per worker.")] = 1.0,
     ray_kv: Annotated[str, typer.Option(help="With --ray: who writes module KV: auto, workers (shared Redis or disk) or driver.")] = "auto",
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray)."""
@@ -84,7 +85,7 @@ def ingest(
     existed = is_corpus(corpus)
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
-                            max_ingest_tokens, redis_url, ray_opts, dtype)
+                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
         raise typer.Exit(130) from None
@@ -110,14 +111,14 @@ def quiet_ray(address: str | None) -> None:
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts, dtype):
+            redis_url, ray_opts, dtype, adapter):
     from rag_promptcache.rag import Corpus, LoaderWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", LoaderWarning)
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
         if existed:
-            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype)
+            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
@@ -125,7 +126,7 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
-                             redis_url=redis_url, ray=ray_opts, dtype=dtype)
+                             redis_url=redis_url, ray=ray_opts, dtype=dtype, adapter=adapter)
             report = c.last_report
     return c, report
 
@@ -148,7 +149,7 @@ TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
 NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off; the "
                                                       f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
-RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the engine's, last:3; docs/FIDELITY.md).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the one its tuned adapter was tuned for, else the engine's, last:3; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
 
 
@@ -176,13 +177,14 @@ def ask(
     recovery: RecoveryOpt = None,
     stop: StopOpt = None,
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
     sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
-    c = _open(corpus, redis_url, dtype)
+    c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
     if stream:
         s = c.ask_stream(question, k, max_new_tokens=max_new_tokens, **sampling)
@@ -223,11 +225,12 @@ def chat(
     stop: StopOpt = None,
     redis_url: RedisOpt = None,
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
 ) -> None:
     """Chat with the corpus: streaming answers, history, /sources, /quit. Ctrl-C stops an answer."""
     _check_k(k)
     sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
-    c = _open(corpus, redis_url, dtype)
+    c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
     typer.echo(f"loading the model and the embedder for {corpus} ...", err=True)
     c.prepare()  # now, so that no loading output lands inside the first answer
@@ -295,11 +298,16 @@ def info(
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
     from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
+    from rag_promptcache.rag.models import tuned_recovery
 
     c = _open(corpus)
     # the schema's name is what a hand-written PML prompt imports the corpus's modules under
     # (`<prompt schema="…">`, e.g. in /v1/completions)
     facts = {**c.info(), "schema": c.manifest.name, "documents": c.documents()}
+    try:
+        tuned = tuned_recovery(c.adapter_path)
+    except ValueError as e:  # the adapter it was encoded with is not here: info still shows the rest
+        tuned, facts["adapter_missing"] = None, str(e)
     c.close()
     incomplete = f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""
     echo_facts(facts, [
@@ -309,7 +317,9 @@ def info(
         ("store", mib(facts["store_bytes"])),
         ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),
         ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),
+        ("adapter", _adapter_line(facts)),
         ("recovery", f"{facts['recovery']} (set by eval --apply)" if facts["recovery"]
+         else f"{tuned} (the adapter's; `eval --apply` sets one for this corpus)" if tuned
          else f"{DEFAULT_RECOVERY} (the engine default; `eval --apply` sets one for this corpus)"),
         ("embedder", f"{facts['embedder']} (dim {facts['dim']}), index {facts['index']}"),
         ("chunking", f"{facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}"),
@@ -323,6 +333,15 @@ def info(
                [(d["name"], d["num_chunks"], d["num_bytes"], "ok" if d["complete"] else "incomplete") for d in shown])
     if len(shown) < len(docs):
         typer.echo(f"... and {len(docs) - len(shown)} more (--documents lists all)")
+
+
+def _adapter_line(facts: dict) -> str:
+    if facts["adapter_digest"]:
+        where = "NOT AVAILABLE here" if "adapter_missing" in facts else "merged into the model's weights"
+        return f"{facts['adapter']} (digest {facts['adapter_digest']}, {where})"
+    if facts["adapter"] is None:
+        return "none (the base model; encoded before tuned adapters shipped)"
+    return "none (the base model)"
 
 
 @app.command()

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
 
 # Shown in --help without importing rag (whose package imports torch); a test holds it equal to
 # rag.fidelity.DEFAULT_NEW_TOKENS.
@@ -32,6 +32,7 @@ def eval_(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (every setting's per-question results).")] = False,
     redis_url: RedisOpt = None,
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
 ) -> None:
     """Check, per recovery setting, that cached answers match full prefill's: accuracy against the
     expected answers (retained = cached / full), or agreement with full prefill where none is given,
@@ -40,6 +41,7 @@ def eval_(
     from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.fidelity import TARGET_RETAINED, evaluate, read_questions, recommend
+    from rag_promptcache.rag.models import tuned_recovery
 
     if k < 1:
         raise fail(f"-k must be at least 1, got {k}")
@@ -51,10 +53,11 @@ def eval_(
     if recovery is not None and not specs:
         raise fail("--recovery names no setting")
     qs = read_questions(questions)
-    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
         if recovery is None:
-            specs = [*SHOWN_SETTINGS, DEFAULT_RECOVERY, *([c.manifest.recovery] if c.manifest.recovery else [])]
+            default = tuned_recovery(c.adapter_path) or DEFAULT_RECOVERY  # the engine's default with this corpus's adapter
+            specs = [*SHOWN_SETTINGS, default, *([c.manifest.recovery] if c.manifest.recovery else [])]
         specs = list(dict.fromkeys(str(Recovery.parse(s)) for s in specs))  # bad specs fail before any model work
         reports = evaluate(c, qs, specs, k=k, max_new_tokens=max_new_tokens)
         best = recommend(reports)

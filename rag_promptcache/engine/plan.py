@@ -82,9 +82,9 @@ class Plan:
             seq += n
         return out
 
-    def result(self, state: DecodeState, total_s: float, num_prefix_tokens: int = 0) -> Result:
+    def result(self, state: DecodeState, total_s: float, num_prefix_tokens: int = 0, adapter: str | None = None) -> Result:
         """The `Result` of a finished decode of this plan (the engine's loop and the batcher's), whose
-        first `num_prefix_tokens` tokens' KV came from the prefix cache."""
+        first `num_prefix_tokens` tokens' KV came from the prefix cache, by a model with `adapter` merged."""
         assert state.finish is not None, f"{state.finish=}"
         cached = num_prefix_tokens + self.num_from_store_after(num_prefix_tokens)
         return Result(
@@ -104,6 +104,7 @@ class Plan:
             num_decode_forwards=state.stats.num_forwards,
             num_prefix_tokens=num_prefix_tokens,
             path=self.path,  # type: ignore[arg-type]
+            adapter=adapter,
         )
 
 

@@ -31,6 +31,8 @@ class Result:
     # "full": a plain prefill of every prompt token ran (use_cache=False, or the planner's fallback found it
     # faster than the cached plan, engine/costmodel.py); cached_tokens is then 0
     path: Path = "cached"
+    # the tuned adapter merged into the model's weights (its name, model/adapter.py); None: the base model
+    adapter: str | None = None
 
     @property
     def num_generated(self) -> int:

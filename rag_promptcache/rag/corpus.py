@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +37,9 @@ from rag_promptcache.rag.ingest import check_budget, collect
 from rag_promptcache.rag.ingestor import CorpusParts, Ingestor, OnBatch
 from rag_promptcache.rag.layout import CorpusWarning, is_corpus
 from rag_promptcache.rag.loaders import Document, LoadReport
-from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, check_engine, check_open, check_settings,
-                                         dtype_of)
+from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, adapter_fields, adapter_to_load,
+                                         check_caller_engine, check_engine, check_open, check_settings, dtype_of,
+                                         untuned_notice)
 # The facade's loaders are module globals so that tests swap in a fake engine or embedder here.
 from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
@@ -65,7 +67,7 @@ BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 class Corpus:
     def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
                  embedder: EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
-                 disk_tier: bool = True) -> None:
+                 disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default") -> None:
         self.path = path
         self.manifest = manifest
         self.table = layout.open_table(path)
@@ -75,6 +77,8 @@ class Corpus:
         self._engine = engine
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
         self._embedder = embedder
+        self._adapter_asked = adapter
+        self._adapter_path: tuple[str | None] | None = None  # resolved on first use (`adapter_path`)
         self._registered = -1  # table generation of the schema the engine holds
         self._compiled = False  # whether the engine has compiled that schema
         self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
@@ -93,10 +97,12 @@ class Corpus:
     @classmethod
     def open(cls, path: str | os.PathLike[str], engine: PromptCache | None = None, *, model: str | None = None,
              embedder: str | EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
-             disk_tier: bool = True, dtype: str | None = None) -> Corpus:
+             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default") -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
         with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
-        loads in the corpus's recorded dtype). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
+        loads in the corpus's recorded dtype), and an adapter other than the recorded one ("default": the
+        one it was encoded with; a corpus encoded before adapters shipped opens with the base model, and
+        a `CorpusWarning` says how to re-encode it). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
         the engine the corpus loads, not to a caller's `engine`."""
         path = Path(path)
@@ -106,8 +112,18 @@ class Corpus:
             raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
         manifest = layout.read_manifest(path)
         layout.check_files(path)
-        emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder)
-        return cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url, disk_tier=disk_tier)
+        emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder, adapter=adapter)
+        corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
+                     disk_tier=disk_tier, adapter=adapter)
+        if engine is None and str(adapter).lower() != "default":
+            try:
+                corpus.adapter_path  # noqa: B018 - an adapter named by the caller is checked now, not at the first question
+            except BaseException:
+                corpus.close()
+                raise
+        if engine is None and (notice := untuned_notice(manifest, path, [d.source for d in corpus.table.documents()])):
+            warnings.warn(notice, CorpusWarning, stacklevel=2)
+        return corpus
 
     @classmethod
     def build(cls, inputs: Iterable[str | os.PathLike[str] | object], path: str | os.PathLike[str], *,
@@ -116,15 +132,19 @@ class Corpus:
               index: str | None = None, instructions: str | None = None, mode: str | None = None,
               dtype: str | None = None, field: str = "text", id_field: str = "id",
               token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
-              redis_url: str | None = None, ray: RayOptions | None = None) -> Corpus:
+              redis_url: str | None = None, ray: RayOptions | None = None,
+              adapter: str | os.PathLike[str] | None = "default") -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
         `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`). `dtype` ("auto"/None:
-        the device's default) is recorded in the manifest; later opens use it."""
+        the device's default) and the tuned adapter merged into the model (`adapter`: "default", the one
+        shipped for the model if one ships; "none"/None, the base model; or an adapter directory) are
+        recorded in the manifest; later opens use them."""
         path = Path(path)
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
+        check_caller_engine(engine, adapter)
         if is_corpus(path):
-            corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype)
+            corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,
                                                    "max_tokens": max_tokens, "index": index})
             corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
@@ -143,7 +163,7 @@ class Corpus:
         try:
             if engine is None:
                 store = corpus_store.open_store(path / layout.STORE, 1 << 30, redis_url, name)
-                engine = _load_engine(model or DEFAULT_MODEL, store, mode, dtype)
+                engine = _load_engine(model or DEFAULT_MODEL, store, mode, dtype, adapter)
             emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
         except BaseException:
             # Nothing is a corpus yet (no manifest): leave no half-made directory for the next run to trip over.
@@ -155,11 +175,12 @@ class Corpus:
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=layout.package_version(), created=now,
-            updated=now, dtype=dtype_of(engine),
+            updated=now, dtype=dtype_of(engine), **adapter_fields(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
         layout.write_manifest(path, manifest)
-        corpus = cls(path, manifest, engine=engine, embedder=emb, redis_url=redis_url)
+        corpus = cls(path, manifest, engine=engine, embedder=emb, redis_url=redis_url,
+                     adapter=manifest.adapter_path or "none")
         corpus._owns_engine = owns
         corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
         return corpus
@@ -181,14 +202,23 @@ class Corpus:
         """The engine without registering the schema: what ingest uses, whose batches change the table."""
         with self._lock:
             if self._engine is None:
-                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype)
+                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype,
+                                      self.adapter_path or "none")
                 check_engine(engine, self.manifest, self.path)
                 if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
-                    from rag_promptcache.engine.recovery import Recovery
-
-                    engine.recovery = Recovery.parse(self.manifest.recovery)
+                    engine.recovery = self.manifest.recovery
                 self._engine, self._owns_engine = engine, True
             return self._engine
+
+    @property
+    def adapter_path(self) -> str | None:
+        """The adapter directory the engine loads: the one the modules were encoded with (None: the
+        base model). `AdapterError` where that adapter is not available here (`models.adapter_to_load`)."""
+        with self._lock:
+            if self._adapter_path is None:
+                load = adapter_to_load(self.manifest, self.path, self._adapter_asked)
+                self._adapter_path = (None if load == "none" else load,)
+            return self._adapter_path[0]
 
     def _register(self, compile_schema: bool) -> PromptCache:
         engine = self._loaded_engine()
@@ -257,7 +287,7 @@ class Corpus:
         """Record `spec` ("last:1"; None: the engine's default) as this corpus's recovery, which `ask`,
         `chat`, `serve` and the adapters use where none is given (a caller's engine keeps its own
         default). A bad spec is `Recovery.parse`'s `ValueError`. Returns the canonical form."""
-        from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+        from rag_promptcache.engine.recovery import Recovery
 
         chosen = None if spec is None else Recovery.parse(spec)
         with self._lock:
@@ -265,7 +295,7 @@ class Corpus:
                                                 updated=time.time())
             layout.write_manifest(self.path, self.manifest)
             if self._owns_engine and self._engine is not None:
-                self._engine.recovery = chosen or Recovery.parse(DEFAULT_RECOVERY)
+                self._engine.recovery = chosen  # None: the engine's own default (its adapter's, else DEFAULT_RECOVERY)
         return self.manifest.recovery
 
     def _ingest(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
@@ -405,7 +435,7 @@ class Corpus:
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
             "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "recovery": m.recovery, "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
+            "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,
         }

@@ -29,7 +29,7 @@ INSTALL_HINT = "the server needs its extra: pip install 'rag-promptcache[server]
 
 def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_queue: int = 64,
           redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
-          prefill_chunk: int | None = None) -> tuple[FastAPI, Batcher, CorpusChat]:
+          prefill_chunk: int | None = None, adapter: str | None = "default") -> tuple[FastAPI, Batcher, CorpusChat]:
     """Open `corpus` (a path, or a corpus already opened), load its model, start its scheduler, and return
     (app, scheduler, chat). Close the scheduler and the corpus when done."""
     try:
@@ -41,7 +41,7 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
 
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    c = corpus if isinstance(corpus, Corpus) else Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    c = corpus if isinstance(corpus, Corpus) else Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
         chat = CorpusChat(c)  # loads the model and compiles the corpus schema before the first request
     except BaseException:
@@ -63,7 +63,8 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
 
 def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: int = 4, max_batch: int = 8,
           max_queue: int = 64, redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
-          prefill_chunk: int | None = None, shutdown_timeout: float = 30, log: Callable[[str], None] = print,
+          prefill_chunk: int | None = None, shutdown_timeout: float = 30, adapter: str | None = "default",
+          log: Callable[[str], None] = print,
           say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
     """Run until SIGTERM or Ctrl-C; `log` gets the start-up line, `say` (stderr) the shutdown steps."""
     try:
@@ -77,7 +78,7 @@ def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: i
     from rag_promptcache.rag import Corpus
 
     # the quick checks first, each one line: the corpus (no model loaded yet), then the port
-    opened = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    opened = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
         sock = bind(host, port)
     except BaseException:
@@ -96,7 +97,9 @@ def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: i
         raise
     model_id = chat.corpus.path.resolve().name
     bound = sock.getsockname()[1]
-    log(f"serving corpus {chat.corpus.path} as model {model_id!r} ({chat.corpus.engine.model_name}, "
+    tuned = chat.corpus.engine.adapter_name
+    log(f"serving corpus {chat.corpus.path} as model {model_id!r} ({chat.corpus.engine.model_name}"
+        f"{f' with adapter {tuned}' if tuned else ''}, "
         f"k={k}, max batch {max_batch}, queue {max_queue}{', API key required' if api_key else ''}) "
         f"on http://{host}:{bound}/ (chat page) and http://{host}:{bound}/v1")
     # sse-starlette would end every open stream at the first signal; let them finish within the timeout instead

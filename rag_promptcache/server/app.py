@@ -2,7 +2,8 @@
 
     GET  /                      the chat page (static/index.html: one file, no build step)
     GET  /v1/models             the one model; its id is the corpus directory's name, its `schema` the
-                                PML schema name that /v1/completions prompts import modules from
+                                PML schema name that /v1/completions prompts import modules from, its
+                                `adapter` the tuned adapter merged into the model (null: the base model)
     POST /v1/chat/completions   retrieve k modules, answer from their cached KV (SSE when stream)
     POST /v1/completions        a raw prompt: PML or plain text
     POST /v1/embeddings         the corpus's embedder (server/embeddings.py)
@@ -71,6 +72,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
     aliases = {model_id, schema, chat.corpus.engine.model_name}
     window = chat.corpus.engine.context_window
     embeddings = Embeddings(chat.corpus.embedder)
+    adapter = chat.corpus.engine.adapter_name  # the tuned adapter merged into the weights; None: the base model
     html = page()  # read once: a missing file fails at start-up, not on the first visit
 
     @app.exception_handler(ApiError)
@@ -110,7 +112,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
                                             "owned_by": "rag-promptcache", "root": chat.corpus.engine.model_name,
                                             "max_model_len": window, "schema": schema,
-                                            "embedder": embeddings.name}]}
+                                            "embedder": embeddings.name, "adapter": adapter}]}
 
     def check(body: p._Generation | p.EmbeddingRequest, *extra: str) -> None:
         if body.model not in aliases | set(extra):

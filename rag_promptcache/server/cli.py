@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, RedisOpt
+from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt
 
 
 def register(app: typer.Typer) -> None:
@@ -28,6 +28,7 @@ def register(app: typer.Typer) -> None:
                  "long their streams stall, at some cost to throughput on a CPU [default: whole prefills].")] = None,
         redis_url: RedisOpt = None,
         dtype: DtypeOpt = None,
+        adapter: AdapterOpt = "default",
         api_key: Annotated[str | None, typer.Option(
             "--api-key", envvar="RAG_PROMPTCACHE_API_KEY", show_envvar=True,
             help="Require 'Authorization: Bearer KEY' on every route but /health (the chat page asks for it).")] = None,
@@ -40,4 +41,4 @@ def register(app: typer.Typer) -> None:
         if api_key is not None and not api_key.strip():
             raise ValueError("--api-key is empty; pass a key or leave it unset")
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
-            api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, log=typer.echo)
+            api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, adapter=adapter, log=typer.echo)

@@ -189,7 +189,7 @@ def usage(result: Result) -> dict[str, object]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.num_generated,
             "total_tokens": result.prompt_tokens + result.num_generated,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}, "ttft_s": round(result.ttft_s, 4),
-            "path": result.path}
+            "path": result.path, "adapter": result.adapter}
 
 
 def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[dict[str, object]]:
