@@ -36,6 +36,7 @@ def tune(
     from tqdm import tqdm
 
     from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.models import reencode_command
     from rag_promptcache.tune.corpus import tune_corpus
     from rag_promptcache.tune.train import CHECKPOINT, TuneConfig
 
@@ -61,11 +62,12 @@ def tune(
 
     try:
         report = tune_corpus(c, target, cfg, general=general, check=check, progress=progress)
+        command = reencode_command(c.manifest, corpus, [d.source for d in c.table.documents()], str(report.adapter))
     finally:
         bar.close()
         c.close()
     if as_json:
-        typer.echo(json.dumps(report.as_dict()))
+        typer.echo(json.dumps({**report.as_dict(), "apply_with": command if report.applied else None}))
         return
     typer.echo(f"trained {report.steps} steps on {report.samples} samples in {time.perf_counter() - started:.0f} s; "
                f"adapter in {report.adapter}")
@@ -76,7 +78,7 @@ def tune(
             typer.echo(f"  {s:<11} {ch.right[s]:>3}/{ch.questions} right"
                        + ("" if kept is None else f", kept {kept:.2f}"))
     if report.applied:
-        typer.echo(f"use it: {report.reason}. Re-encode the corpus with it: "
-                   f"rag-promptcache ingest -c {corpus} --adapter {report.adapter} (then ask, chat and serve load it)")
+        typer.echo(f"use it: {report.reason}. Encode the documents with it into a new corpus (ask, chat and serve "
+                   f"then load it from there): {command}")
     else:
         typer.echo(f"not applied: {report.reason}. The corpus keeps its model; the adapter stays in {report.adapter}")

@@ -97,6 +97,14 @@ def untuned_notice(manifest: Manifest, path: Path, sources: list[str]) -> str | 
 
     if manifest.adapter is not None or shipped_dir(manifest.model) is None:
         return None
+    return (f"corpus {path} was encoded without the tuned adapter that now ships for {manifest.model!r}, so it "
+            "opens with the base model (as encoded); to answer with the tuned model, re-encode it into a new "
+            f"corpus: {reencode_command(manifest, path, sources)}")
+
+
+def reencode_command(manifest: Manifest, path: Path, sources: list[str], adapter: str | None = None) -> str:
+    """The `ingest` that encodes a corpus's documents again into a new corpus beside it (`<path>-tuned`),
+    with the same settings and `adapter` (None: the default one)."""
     files = sorted({s.partition("#")[0] for s in sources if Path(s.partition("#")[0]).is_file()})
     if len(files) > 8:
         files = [os.path.commonpath(files)]
@@ -104,9 +112,9 @@ def untuned_notice(manifest: Manifest, path: Path, sources: list[str]) -> str | 
     options = [f"--corpus {shlex.quote(str(path) + '-tuned')}", f"--model {shlex.quote(manifest.model)}",
                f"--embedder {shlex.quote(manifest.embedder)}", f"--chunk-tokens {manifest.chunk_tokens}",
                f"--overlap {manifest.overlap}", f"--index {manifest.index}", f"--dtype {manifest.dtype}"]
-    return (f"corpus {path} was encoded without the tuned adapter that now ships for {manifest.model!r}, so it "
-            "opens with the base model (as encoded); to answer with the tuned model, re-encode it into a new "
-            f"corpus: rag-promptcache ingest {inputs} {' '.join(options)}")
+    if adapter is not None:
+        options.append(f"--adapter {shlex.quote(adapter)}")
+    return f"rag-promptcache ingest {inputs} {' '.join(options)}"
 
 
 def load_embedder(name: str | None) -> EmbedderLike:

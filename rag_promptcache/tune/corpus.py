@@ -151,7 +151,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
         pool += [p for p in gather() if not held_out(p.source)]
     if not pool:
         raise ValueError("the corpus has no modules to train on")
-    model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32")
+    model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
     layouter = Layouter(tokenizer, corpus.manifest.mode)
     right = run_check(model, tokenizer, rows, layouter, "base") if rows else {}

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         instructions, passages = DEFAULT_INSTRUCTIONS, gather()
     train_passages = [p for p in passages if not held_out(p.source)]
     check_passages = [p for p in passages if held_out(p.source) and p.family != "changelog"][:60]
-    model, tokenizer = load_model(args.model, device=args.device, dtype="float32")
+    model, tokenizer = load_model(args.model, device=args.device, dtype="float32", adapter="none")
     device = next(model.parameters()).device
     base_fingerprint = model_fingerprint(model)
     layouter = Layouter(tokenizer, args.mode)
