@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             answers["base/none"] = answer_all(model, tokenizer, prompts, False, args.probe_batch)
         metrics["base_text_loss"] = text_loss(model, tokenizer, check_passages, device)
     metrics["probe_seconds_before"] = time.perf_counter() - t
+    args.out.mkdir(parents=True, exist_ok=True)
+    if answers:  # written now too, so a run that fails later keeps the base model's answers
+        (args.out / "probe_answers.json").write_text(json.dumps(answers))
     print(f"base probed in {metrics['probe_seconds_before']:.0f}s, text loss {metrics['base_text_loss']:.4f}",
           file=sys.stderr, flush=True)
     maker = SampleMaker(train_passages, instructions, k=(1, args.k_max), seed=args.seed)
