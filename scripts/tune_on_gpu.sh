@@ -36,10 +36,14 @@ PY
     [ -f /tmp/m/part_a ] || { echo "no part_a: the machine is not the one the check ran on"; exit 3; }
     cat /tmp/m/part_a .gpu2/part_b > /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
     echo "$(cat .gpu2/gguf.sha256)  /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
-    python3 -m rag_promptcache.tune.recipe --out /tmp/adapter --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --device cuda --seconds "${2:-300}" --tokens-per-batch "${TOKENS:-16384}" --workers 12 \
-      --passages .gpu2/passages.json.gz --probe .gpu2/probe.json.gz --probe-batch 64 2>&1 | tee "$OUT/log.txt" | grep -v Warning
-    cp /tmp/adapter/adapter_config.json /tmp/adapter/adapter_model.safetensors /tmp/adapter/tune.json \
-       /tmp/adapter/train.json /tmp/adapter/probe_answers.json "$OUT/"
+    # bounded, so whatever happens the files below are copied before the call's own limit
+    timeout "$(( ${2:-300} + 180 ))" python3 -m rag_promptcache.tune.recipe --out /tmp/adapter \
+      --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --seconds "${2:-300}" \
+      --tokens-per-batch "${TOKENS:-16384}" --workers 12 --passages .gpu2/passages.json.gz \
+      --probe .gpu2/probe.json.gz --probe-batch 64 > "$OUT/log.txt" 2>&1 || echo "recipe exited $?"
+    grep -v -i warn "$OUT/log.txt" | tail -n 20
+    for f in adapter_config.json adapter_model.safetensors tune.json train.json probe_answers.json; do
+      cp "/tmp/adapter/$f" "$OUT/" 2>/dev/null || echo "no $f"
+    done
     ;;
 esac
