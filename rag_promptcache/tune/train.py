@@ -130,34 +130,38 @@ def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str |
     gen = torch.Generator().manual_seed(cfg.seed + state.step)
     t0 = time.perf_counter() - state.seconds
     peft_model.train()
-    for group, next_index in batches(stream(state.samples), cfg):
-        if state.step >= cfg.max_steps or time.perf_counter() - t0 >= cfg.max_seconds:
-            break
-        done = min(1.0, max(state.step / cfg.max_steps, (time.perf_counter() - t0) / cfg.max_seconds))
-        lr = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * done))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        full = (torch.rand(len(group), generator=gen) < cfg.full_share).tolist()
-        ids, pos, block = batch_masks(group, full, device)
-        _, _, causal = batch_masks(group, [True] * len(group), device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            with torch.no_grad(), peft_model.disable_adapter():
-                teacher = peft_model(input_ids=ids, position_ids=pos, attention_mask=causal).logits
-            student = peft_model(input_ids=ids, position_ids=pos, attention_mask=block).logits
-        kl, ce = loss_terms(student, teacher, group)
-        loss = kl + cfg.ce_weight * ce
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        state.step += 1
-        state.samples = next_index
-        state.seconds = time.perf_counter() - t0
-        state.losses.append(float(loss))
-        if progress is not None:
-            progress(state, {"kl": float(kl), "ce": float(ce), "lr": lr, "tokens": int(ids.numel())})
-        if state.step % cfg.save_every == 0:
-            _save(peft_model, opt, state, ckpt)
+    try:
+        for group, next_index in batches(stream(state.samples), cfg):
+            if state.step >= cfg.max_steps or time.perf_counter() - t0 >= cfg.max_seconds:
+                break
+            done = min(1.0, max(state.step / cfg.max_steps, (time.perf_counter() - t0) / cfg.max_seconds))
+            lr = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * done))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            full = (torch.rand(len(group), generator=gen) < cfg.full_share).tolist()
+            ids, pos, block = batch_masks(group, full, device)
+            _, _, causal = batch_masks(group, [True] * len(group), device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                with torch.no_grad(), peft_model.disable_adapter():
+                    teacher = peft_model(input_ids=ids, position_ids=pos, attention_mask=causal).logits
+                student = peft_model(input_ids=ids, position_ids=pos, attention_mask=block).logits
+            kl, ce = loss_terms(student, teacher, group)
+            loss = kl + cfg.ce_weight * ce
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            state.step += 1
+            state.samples = next_index
+            state.seconds = time.perf_counter() - t0
+            state.losses.append(loss.item())
+            if progress is not None:
+                progress(state, {"kl": float(kl), "ce": float(ce), "lr": lr, "tokens": int(ids.numel())})
+            if state.step % cfg.save_every == 0:
+                _save(peft_model, opt, state, ckpt)
+    except KeyboardInterrupt:
+        _save(peft_model, opt, state, ckpt)  # an interrupted run resumes from the last finished step
+        raise
     _save(peft_model, opt, state, ckpt)
     peft_model.save_pretrained(str(out))
     (out / "train.json").write_text(json.dumps({"config": asdict(cfg), "step": state.step, "samples": state.samples,
