@@ -41,7 +41,7 @@ def test_read_questions(tmp_path: Path):
     good = tmp_path / "q.jsonl"
     good.write_text('{"question": "When?", "answer": 1737}\n\n{"question": "Who?"}\n')
     qs = read_questions(good)
-    assert [(q.question, q.answer) for q in qs] == [("When?", "1737"), ("Who?", None)]
+    assert [(q.question, q.expected) for q in qs] == [("When?", ("1737",)), ("Who?", None)]
     for text, match in [("not json\n", "q.jsonl:1: not JSON"), ('{"answer": "x"}\n', "each line is"),
                         ('{"question": "a", "answer": ""}\n', "answer must be"), ("\n", "holds no questions")]:
         good.write_text(text)
