@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import sys
 import traceback
@@ -99,8 +100,17 @@ def quiet_stdout() -> None:
     os.close(devnull)
 
 
+ERROR_TYPES = {1: "invalid_request_error", 2: "internal_error", 130: "interrupted"}
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+    """One line on stderr; for a command run with --json, one JSON object on stdout instead,
+    {"error": {"message", "type"}}, so a reader of the JSON gets the failure in the same shape."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.params.get("as_json"):
+        typer.echo(json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(code, "error")}}))
+    else:
+        typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
 
 
@@ -117,8 +127,7 @@ def handle_errors(fn: F) -> F:
             quiet_stdout()
             raise typer.Exit(SIGPIPE_EXIT) from None
         except KeyboardInterrupt:
-            typer.echo("\ninterrupted", err=True)
-            raise typer.Exit(130) from None
+            raise fail("interrupted", 130) from None
         except USER_ERRORS as e:
             raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
         except Exception as e:  # noqa: BLE001 - the last line of defence: report, exit 2
