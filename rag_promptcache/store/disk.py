@@ -48,6 +48,7 @@ SUFFIX = ".safetensors"
 _STALE_TMP_S = 600.0
 STATS_VERSION = 1
 STATS_FLUSH_S = 5.0
+MAX_CORRUPT_KEPT = 100  # corrupt entries stats.json names (the count covers all)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -80,6 +81,8 @@ class DiskStore:
         self._flushed_at = clock()
         self._num_errors = 0
         self._num_write_errors = 0
+        self._corrupt: list[dict[str, object]] = []  # entries found corrupt, not yet added into stats.json
+        self._num_corrupt_saved = 0  # of this process's, added into stats.json (and in _num_errors already)
         self._warn = WarnOnce(log)
         self._write_errors: set[int] = set()
         with self._locked():
@@ -107,11 +110,16 @@ class DiskStore:
             self._maybe_flush_counts()
             return None
         except CorruptEntry as e:
-            self._warn(key, "disk store %s: dropping bad entry %s: %s", self.root, key, e)
+            self._warn(key, "disk store %s: dropping bad entry %s (corrupt; recomputed from its text): %s", self.root, key, e)
             self._drop(key, path, inode)
             with self._lock:
                 self._num_misses += 1
-                self._num_errors += 1
+                self._note_corrupt(key, e)
+            try:
+                with self._locked():
+                    self._flush_counts()  # now: `store info` and `store verify` in another process show it
+            except OSError as err:
+                self._write_failed(None, err)
             return None
         with self._lock:
             self._num_hits += 1
@@ -161,16 +169,22 @@ class DiskStore:
     def stats(self) -> StoreStats:
         with self._locked():
             self._sync()
-            hits, misses = self._saved_counts()
+            hits, misses, corrupt, _ = self._saved_counts()
             return StoreStats(
                 len(self._index),
                 self._index.num_bytes,
                 hits + self._num_hits,
                 misses + self._num_misses,
                 self._index.num_tokens,
-                self._num_errors,
+                self._num_errors + corrupt - self._num_corrupt_saved,
                 self._num_write_errors,
             )
+
+    def corrupt_entries(self) -> list[dict[str, object]]:
+        """The entries found corrupt and removed when read or re-indexed (by any process), oldest first,
+        the last `MAX_CORRUPT_KEPT`: {"key", "why", "at" (unix time)}."""
+        with self._locked():
+            return [*self._saved_counts()[3], *self._corrupt]
 
     def close(self) -> None:
         with self._locked():
@@ -191,7 +205,9 @@ class DiskStore:
         return [v.key for v in victims]
 
     def verify(self) -> VerifyReport:
-        """Check every file's header and checksum; remove the bad ones. Also re-syncs the index."""
+        """Check every file's header and checksum; remove the bad ones. Also re-syncs the index. The
+        report names the entries found corrupt earlier, when read, too (`corrupt_entries`)."""
+        earlier = tuple(self.corrupt_entries())
         bad = []
         files = list(self._files())
         for key, path in files:
@@ -206,7 +222,7 @@ class DiskStore:
         with self._locked():
             self._rebuild()
             self._save_index()
-        return VerifyReport(len(files), tuple(bad))
+        return VerifyReport(len(files), tuple(bad), earlier)
 
     def keys(self) -> list[str]:
         return [key for key, _ in self._files()]
@@ -298,6 +314,7 @@ class DiskStore:
                 continue
             except (CorruptEntry, ValueError, KeyError) as e:
                 log.warning("disk store %s: removing unreadable entry %s: %s", self.root, key, e)
+                self._note_corrupt(key, e)
                 try:
                     path.unlink(missing_ok=True)
                 except OSError as err:
@@ -315,26 +332,34 @@ class DiskStore:
             return
         self._index_stamp = self._stamp()
 
-    def _saved_counts(self) -> tuple[int, int]:
-        """Under the lock: (hits, misses) in stats.json; zeros if it is missing or unreadable."""
+    def _note_corrupt(self, key: str, why: Exception) -> None:
+        """Under the lock: one corrupt entry found (and removed), for stats.json."""
+        self._num_errors += 1
+        self._corrupt.append({"key": key, "why": str(why), "at": round(time.time(), 3)})
+
+    def _saved_counts(self) -> tuple[int, int, int, list[dict[str, object]]]:
+        """Under the lock: (hits, misses, corrupt entries found, the last of them) in stats.json; zeros
+        if it is missing or unreadable."""
         try:
             raw = json.loads(self._stats_path.read_bytes())
             if raw.get("version") != STATS_VERSION:
                 raise ValueError(f"stats version {raw.get('version')!r}, expected {STATS_VERSION}")
-            return int(raw["num_hits"]), int(raw["num_misses"])
+            return (int(raw["num_hits"]), int(raw["num_misses"]), int(raw.get("num_corrupt", 0)),
+                    list(raw.get("corrupt", [])))
         except FileNotFoundError:
-            return 0, 0
+            return 0, 0, 0, []
         except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
             self._warn("stats.json", "disk store %s: unreadable stats.json (%s); counting hits from zero", self.root, e)
-            return 0, 0
+            return 0, 0, 0, []
 
     def _flush_counts(self) -> None:
         """Under the lock: add this process's counts into stats.json (kept here if that fails)."""
         self._flushed_at = self._clock()
-        if not (self._num_hits or self._num_misses):
+        if not (self._num_hits or self._num_misses or self._corrupt):
             return
-        hits, misses = self._saved_counts()
-        data = {"version": STATS_VERSION, "num_hits": hits + self._num_hits, "num_misses": misses + self._num_misses}
+        hits, misses, corrupt, last = self._saved_counts()
+        data = {"version": STATS_VERSION, "num_hits": hits + self._num_hits, "num_misses": misses + self._num_misses,
+                "num_corrupt": corrupt + len(self._corrupt), "corrupt": [*last, *self._corrupt][-MAX_CORRUPT_KEPT:]}
         tmp = self.root / f".stats.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             tmp.write_text(json.dumps(data))
@@ -343,6 +368,8 @@ class DiskStore:
             self._write_failed(tmp, e)
             return
         self._num_hits = self._num_misses = 0
+        self._num_corrupt_saved += len(self._corrupt)
+        self._corrupt = []
 
     def _maybe_flush_counts(self) -> None:
         if self._clock() - self._flushed_at < STATS_FLUSH_S:
