@@ -22,6 +22,7 @@ from pathlib import Path
 
 from rag_promptcache.rag.records_loader import record_documents
 
+MAX_CHAOS = 0.05  # charset-normalizer's mess ratio past which a guessed encoding is rejected
 BLOCK_CHARS = 1 << 20  # how much text a streaming reader hands on at a time
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 SUFFIXES = (*TEXT_SUFFIXES, ".html", ".htm", ".pdf", ".json", ".jsonl")
@@ -181,11 +182,12 @@ def _sniff_text(path: Path) -> str:
 
 
 def _detect_encoding(path: Path) -> str | None:
-    """The text encoding `charset-normalizer` finds most plausible for a file, or None."""
+    """The text encoding `charset-normalizer` finds most plausible for a file, or None when none reads
+    as text without noise (its `chaos` above MAX_CHAOS: stray bytes, not another encoding)."""
     from charset_normalizer import from_path
 
     best = from_path(path).best()
-    return None if best is None else best.encoding
+    return None if best is None or best.chaos > MAX_CHAOS else best.encoding
 
 
 @contextlib.contextmanager
