@@ -14,6 +14,7 @@ its module is imported only when the command runs.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import json
@@ -101,13 +102,13 @@ def quiet_stdout() -> None:
 
 
 ERROR_TYPES = {1: "invalid_request_error", 2: "internal_error", 130: "interrupted"}
+JSON_ERRORS: contextvars.ContextVar[bool] = contextvars.ContextVar("json_errors", default=False)  # the command's --json
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """One line on stderr; for a command run with --json, one JSON object on stdout instead,
     {"error": {"message", "type"}}, so a reader of the JSON gets the failure in the same shape."""
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None and ctx.params.get("as_json"):
+    if JSON_ERRORS.get():
         typer.echo(json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(code, "error")}}))
     else:
         typer.echo(f"error: {message}", err=True)
@@ -119,6 +120,7 @@ def handle_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: object, **kwargs: object) -> object:
+        token = JSON_ERRORS.set(bool(kwargs.get("as_json")))
         try:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
@@ -135,6 +137,8 @@ def handle_errors(fn: F) -> F:
                 traceback.print_exc()
             hint = "" if os.environ.get("RAG_PROMPTCACHE_DEBUG") else " (set RAG_PROMPTCACHE_DEBUG=1 for the traceback)"
             raise fail(f"internal error: {type(e).__name__}: {e}{hint}", code=2) from None
+        finally:
+            JSON_ERRORS.reset(token)
 
     return wrapper  # type: ignore[return-value]
 
