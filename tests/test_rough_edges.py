@@ -91,3 +91,40 @@ def test_forward_passes_the_cache_keyword_transformers_asks_for(tmp_path: Path) 
         warnings.simplefilter("error", FutureWarning)
         result = engine.generate("Hello there", max_new_tokens=3)  # a plain prompt: the model's own forward
     assert result.path == "full" and result.cached_tokens == 0  # no module imported: a plain full prefill
+
+
+EXAMPLES = ("langchain_rag.py", "llamaindex_query_engine.py", "chatbot.py")
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_an_example_refuses_a_corpus_it_did_not_build(script: str, corpus: Path, capsys, monkeypatch) -> None:
+    import runpy
+    import sys
+
+    pytest.importorskip("langchain_rag_promptcache", reason="pip install -e integrations/langchain")
+    pytest.importorskip("llama_index.llms.rag_promptcache", reason="pip install -e integrations/llamaindex")
+    root = Path(__file__).resolve().parents[1]
+    before = json.loads(run(capsys, "info", "--corpus", corpus, "--json")[1])["num_documents"]
+    module = runpy.run_path(str(root / "examples" / script), run_name="example")
+    monkeypatch.setattr(sys, "argv", [script, "--corpus", str(corpus), "--topics", "1"])
+    with pytest.raises(SystemExit) as exc:
+        module["main"]()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "is a corpus with documents of its own (cats.txt" in err, err
+    assert json.loads(run(capsys, "info", "--corpus", corpus, "--json")[1])["num_documents"] == before
+
+    parsers = []  # every option has help text
+
+    def capture(self, *a, **k):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("argparse.ArgumentParser.parse_args", capture)
+    with pytest.raises(SystemExit):
+        module["main"]()
+    assert [a.dest for a in parsers[0]._actions if not a.help] == []
+
+
+def test_the_demo_refuses_a_corpus_of_the_users(corpus: Path, capsys) -> None:
+    code, _, err = run(capsys, "demo", "--corpus", corpus)
+    assert code == 1 and "is a corpus with documents of its own" in err
