@@ -179,12 +179,6 @@ def _register_optional(target: typer.Typer) -> None:
         _register(module, target)
 
 
-# Library notices a user of the command cannot act on, silenced for the command only (an application
-# using the library keeps them): transformers' deprecation of the `past_key_values=` keyword the
-# engine's forward passes (the engine's to change, not the user's).
-QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = ((r".*`past_key_values` is deprecated", FutureWarning),)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 1, like every other user error."""
     from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds  # noqa: F401 - registers the commands
@@ -194,8 +188,6 @@ def main(argv: list[str] | None = None) -> None:
         with warnings.catch_warnings():
             # one line per warning, like the errors, not Python's "file:line: Category" with source
             warnings.showwarning = lambda message, category, *a, **k: typer.echo(f"warning: {message}", err=True)
-            for message, category in QUIET_WARNINGS:
-                warnings.filterwarnings("ignore", message=message, category=category)
             code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
         sys.stdout.flush()  # inside the try: a pipe closed early fails here, not at interpreter exit
     except typer.TyperException as e:  # usage errors (typer vendors click; this is its base class)
