@@ -205,3 +205,6 @@ def test_every_miss_shows_the_expected_and_the_given_strings(tmp_path: Path, mon
     # full prefill's own miss is listed with the expected answer and the answer it gave
     assert 'full prefill: 1 question(s) wrong' in out
     assert 'Q: What cools into rock?\n    expected: "lava"\n    full:     the answer is ice.' in out
+    code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "last:1", "--json")
+    assert json.loads(out)["full_prefill_wrong"] == [
+        {"question": "What cools into rock?", "expected": ["lava"], "full": "the answer is ice."}]

@@ -67,7 +67,9 @@ def eval_(
         typer.echo(json.dumps({
             "corpus": str(corpus), "k": k, "max_new_tokens": max_new_tokens, "rule": rule,
             "recommended": None if best is None else best.recovery, "applied": applied,
-            "settings": [{**r.as_dict(), "failures": [f.as_dict() for f in r.failures]} for r in reports]}))
+            "settings": [{**r.as_dict(), "failures": [f.as_dict() for f in r.failures]} for r in reports],
+            "full_prefill_wrong": [{"question": f.question, "expected": list(f.expected or ()), "full": f.full}
+                                   for f in reports[0].results if f.full_right is False]}))
     else:
         _print(reports, best, rule, len(qs), k, verbose)
         if applied is not None:
