@@ -103,7 +103,8 @@ class Plan:
             recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
             num_decode_forwards=state.stats.num_forwards,
             num_prefix_tokens=num_prefix_tokens,
-            path=self.path,  # type: ignore[arg-type]
+            # a prompt that imports no module and reuses no earlier request's tokens is a plain full prefill
+            path="full" if not cached and not any(p.cached for p in self.pieces) else self.path,  # type: ignore[arg-type]
             adapter=adapter,
         )
 
@@ -215,5 +216,6 @@ class Planner:
             raise ContextWindowExceeded(
                 f"prompt of {num_tokens} tokens{where} plus max_new_tokens={max_new_tokens} is "
                 f"{end + max_new_tokens}, past the model's {window}-token context window; "
-                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens"
+                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens",
+                max_new_fits=window - end if window > end else None,
             )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rag_promptcache.pml import ast
+from rag_promptcache.rag import retrieval
 from rag_promptcache.rag.prompts import build_prompt
 from rag_promptcache.rag.retrieval import Hit, keep_order
 
@@ -34,8 +35,13 @@ Source = Hit  # a response's source: (module_id, label, score rounded to 4 place
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    prompt: str | ast.Prompt  # what `PromptCache.generate` / `Batcher.submit` take
+    prompt: str | ast.Prompt | None  # what `PromptCache.generate` / `Batcher.submit` take; None: nothing found
     sources: tuple[Source, ...]
+
+    @property
+    def not_found(self) -> bool:
+        """No chunk scored the request's `min_score`: answer `retrieval.NOT_FOUND` without generating."""
+        return self.prompt is None
 
 
 class CorpusChat:
@@ -56,7 +62,10 @@ class CorpusChat:
         k: int = 4,
         module_ids: Sequence[str] | None = None,
         max_new_tokens: int = 256,
+        min_score: float | None = None,
     ) -> ChatPrompt:
+        """The prompt for the last user turn with its sources. With `min_score` and no chunk scoring it
+        (cosine), `ChatPrompt.not_found`; `module_ids` skip retrieval and `min_score`."""
         if not turns:
             raise ValueError("no messages: send at least one user message")
         for role, _ in turns:
@@ -70,6 +79,10 @@ class CorpusChat:
                 users = [i for i, (role, _) in enumerate(turns) if role == "user"]
                 # earlier turns' retrievals only order this one's modules, so remembered ones will do
                 rankings = [self._retrieve(turns[: i + 1], k, max_new_tokens, fresh=i == users[-1]) for i in users]
+                scored = dict(retrieval.above([(h.module_id, h.score) for h in rankings[-1]], min_score))
+                rankings[-1] = [h for h in rankings[-1] if h.module_id in scored]
+                if not rankings[-1]:
+                    return ChatPrompt(None, ())
                 hits = [Hit(h.module_id, h.label, round(float(h.score), 4)) for h in rankings[-1]]
                 order = keep_order([[h.module_id for h in r] for r in rankings])
             else:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rag_promptcache.engine.result import fixed_stream
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag import corpus_store, documents, layout, retrieval
@@ -354,11 +355,14 @@ class Corpus:
         return retrieval.search(self.index, self._lock, self.embedder, self.table, question, k)
 
     def retrieve(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (),
-                 max_new_tokens: int = 256) -> list[Hit]:
-        """`search`, then the lowest-scoring hits dropped until the prompt (instructions, modules,
-        `history`, question) and `max_new_tokens` fit the model's context window: what `ask` imports.
-        `ContextWindowExceeded` when not even the best hit fits."""
-        found = self.search(question, k)
+                 max_new_tokens: int = 256, min_score: float | None = None) -> list[Hit]:
+        """`search`, less the hits scoring below `min_score`, then the lowest-scoring hits dropped until
+        the prompt (instructions, modules, `history`, question) and `max_new_tokens` fit the model's
+        context window: what `ask` imports. `ContextWindowExceeded` when not even the best hit fits;
+        empty when none scores `min_score`."""
+        found = retrieval.above(self.search(question, k), min_score)
+        if not found:
+            return []
         engine = self._loaded_engine()
         hits = retrieval.fit(
             found, [self.table.module(m)[1] for m, _ in found], lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False)),
@@ -401,9 +405,11 @@ class Corpus:
         return list(module_ids)[::-1]
 
     def ask(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (), stream: bool = False,
-            max_new_tokens: int = 256, **sampling: object) -> Answer | AnswerStream:
+            max_new_tokens: int = 256, min_score: float | None = None, **sampling: object) -> Answer | AnswerStream:
         """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
-        `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
+        `AnswerStream` (iterate for text; `.answer` when done). With `min_score`, a question no chunk
+        scores at least that for (cosine) is answered `retrieval.NOT_FOUND` without generating
+        (`Answer.path` "none"). `sampling`: the engine's (temperature,
         stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM, and the
         answer ends at a repeated sentence unless `stop_repeats=False`."""
         sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
@@ -411,7 +417,10 @@ class Corpus:
             sampling.setdefault("stop_when", repeated_sentence)
         if sampling.get("recovery") is None and self.manifest.recovery is not None:
             sampling["recovery"] = self.manifest.recovery  # the corpus's (eval --apply), also with a caller's engine
-        hits = self.retrieve(question, k, history=history, max_new_tokens=max_new_tokens)
+        hits = self.retrieve(question, k, history=history, max_new_tokens=max_new_tokens, min_score=min_score)
+        if not hits:
+            out = AnswerStream(fixed_stream(retrieval.NOT_FOUND), [], [], "")
+            return out if stream else out.consume()
         # a follow-up over the same modules keeps the earlier turns' import order: its prompt then
         # starts with the previous turn's, which the engine's prefix cache reuses (retrieval.keep_order)
         earlier = [self.retrieve(u, k, history=history[:i], max_new_tokens=max_new_tokens) for i, (u, _) in enumerate(history)]
@@ -435,7 +444,8 @@ class Corpus:
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
             "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
+            "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
+            "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,
         }

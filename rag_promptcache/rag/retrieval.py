@@ -16,6 +16,8 @@ from rag_promptcache.rag.index import VectorIndex
 from rag_promptcache.rag.table import ChunkTable
 
 TEMPLATE_TOKENS = 32  # room for the chat template's role markup around the turns
+# The answer, given without generating, when no chunk scores at least a caller's `min_score`.
+NOT_FOUND = "Not found in the documents."
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +63,17 @@ def fit(
         raise ContextWindowExceeded(
             f"the prompt needs {fixed + best} tokens ({named}) plus max_new_tokens {max_new}: "
             f"{fixed + best + max_new}, more than the model's {window}-token window; "
-            + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question")
+            + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question"),
+            max_new_fits=window - fixed - best if window > fixed + best else None,
         )
     return hits
+
+
+def above(hits: list[tuple[str, float]], min_score: float | None) -> list[tuple[str, float]]:
+    """The hits scoring at least `min_score` (None: all of them)."""
+    if min_score is not None and not -1.0 <= min_score <= 1.0:
+        raise ValueError(f"min_score is a cosine similarity between -1 and 1, got {min_score}")
+    return hits if min_score is None else [(m, s) for m, s in hits if s >= min_score]
 
 
 def keep_order(rankings: Sequence[Sequence[str]]) -> list[str]:
