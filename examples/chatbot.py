@@ -17,8 +17,7 @@ from langchain_rag_promptcache import (
     format_modules,
 )
 
-from rag_promptcache.rag import Corpus
-from rag_promptcache.rag.sample import demo_home, sample_documents
+from rag_promptcache.rag.sample import demo_home, sample_corpus
 
 
 def questions(asked: list[str]):
@@ -32,14 +31,19 @@ def questions(asked: list[str]):
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),  # the whole first paragraph
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--corpus", default=str(demo_home()))
+    ap.add_argument("--corpus", default=str(demo_home()),
+                    help="the sample corpus's directory: built there, or reused if this example built it "
+                         "(a corpus with other documents is refused, never written to)")
     ap.add_argument("--topics", type=int, default=None, help="ingest only the first N topics")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="longest answer, in tokens")
     ap.add_argument("--turns", type=int, default=2, help="earlier exchanges kept in the prompt")
     ap.add_argument("--ask", nargs="*", default=[], help="questions to ask instead of reading the terminal")
     args = ap.parse_args()
 
-    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus, progress=True)  # creates, or adds what is new
+    try:
+        corpus = sample_corpus(args.corpus, args.topics, progress=True)
+    except ValueError as e:  # a corpus of the user's own: refused, not written to
+        ap.error(str(e))
     retriever = PromptCacheRetriever(corpus=corpus, k=3)
     chat = ChatPromptCache(corpus=corpus, max_tokens=args.max_tokens)
     history: list[HumanMessage | AIMessage] = []

@@ -11,27 +11,31 @@ import argparse
 
 from llama_index.llms.rag_promptcache import PromptCacheQueryEngine
 
-from rag_promptcache.rag import Corpus
-from rag_promptcache.rag.sample import QUESTIONS, demo_home, sample_documents
+from rag_promptcache.rag.sample import QUESTIONS, demo_home, sample_corpus
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),  # the whole first paragraph
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--corpus", default=str(demo_home()))
+    ap.add_argument("--corpus", default=str(demo_home()),
+                    help="the sample corpus's directory: built there, or reused if this example built it "
+                         "(a corpus with other documents is refused, never written to)")
     ap.add_argument("--topics", type=int, default=None, help="ingest only the first N topics")
-    ap.add_argument("--questions", type=int, default=len(QUESTIONS))
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--questions", type=int, default=len(QUESTIONS), help="how many of the sample questions to ask")
+    ap.add_argument("--max-tokens", type=int, default=96, help="longest answer, in tokens")
     args = ap.parse_args()
 
-    corpus = Corpus.build(sample_documents()[: args.topics], args.corpus, progress=True)  # creates, or adds what is new
+    try:
+        corpus = sample_corpus(args.corpus, args.topics, progress=True)
+    except ValueError as e:  # a corpus of the user's own: refused, not written to
+        ap.error(str(e))
     engine = PromptCacheQueryEngine(corpus=corpus, similarity_top_k=3, streaming=True, max_tokens=args.max_tokens)
     for question in QUESTIONS[: args.questions]:
         print(f"Q: {question}\nA: ", end="", flush=True)
         response = engine.query(question)
         for piece in response.response_gen:
             print(piece, end="", flush=True)
-        sources = dict.fromkeys(corpus.source(n.node.node_id) for n in response.source_nodes)
+        sources = dict.fromkeys(n.node.metadata["source"] for n in response.source_nodes)
         print(f"\n   sources: {', '.join(sources)}\n")
     corpus.close()
 

@@ -138,8 +138,8 @@ def test_fidelity_rows_and_files(fidelity_report):
 def test_choose_default_follows_the_rule():
     from rag_promptcache.bench.fidelity import choose_default
 
-    def row(rec, k, retained):
-        return {"mode": "shared_prefix", "recovery": rec, "k": k, "retained": retained}
+    def row(rec, k, kept):  # the rule reads the paired share: a row's "retained" alone does not count
+        return {"mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": 1.0}
 
     def at(rec, speedup):
         return {"mode": "shared_prefix", "recovery": rec, "speedup": speedup}

@@ -61,7 +61,7 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_chat(smollm, tmp_path: Path, monke
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag import Embedder
 
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None: PromptCache(*smollm, store=store, name=model))
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: PromptCache(*smollm, store=store, name=model))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "cats.txt").write_text("Cats sleep for most of the day. A cat purrs when it is content.")
     Corpus.build([tmp_path / "d"], tmp_path / "c", embedder=Embedder(), progress=False).close()

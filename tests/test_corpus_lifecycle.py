@@ -33,7 +33,7 @@ def own_store(smollm, embedder, monkeypatch):
     """Corpora load the session's SmolLM2 over their own on-disk store, as the CLI does."""
     from rag_promptcache.engine import PromptCache
 
-    def load_engine(model: str, store, mode: str | None, dtype: str | None = None) -> PromptCache:
+    def load_engine(model: str, store, mode: str | None, dtype: str | None = None, adapter: str | None = None) -> PromptCache:
         return PromptCache(*smollm, store=store, name=model, **({} if mode is None else {"mode": mode}))
 
     monkeypatch.setattr(corpus_mod, "_load_engine", load_engine)

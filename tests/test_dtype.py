@@ -71,7 +71,7 @@ def test_cli_dtype_option(tmp_path: Path, capsys, monkeypatch):
     from rag_promptcache.rag import corpus as corpus_mod
     from tests.test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
 
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None: FakeEngine())
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: FakeEngine())
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
     docs = write_docs(tmp_path / "docs")
     assert_user_error(run(capsys, "ingest", docs, "--corpus", tmp_path / "x", "--dtype", "int8"), "unknown dtype 'int8'")

@@ -50,7 +50,7 @@ class FidelityEngine(FakeEngine):
 @pytest.fixture
 def engine(monkeypatch) -> FidelityEngine:
     engine = FidelityEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None: engine)
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
     return engine
 
@@ -82,14 +82,14 @@ def test_eval_recommends_shows_failures_and_judges_the_whole_answer(setup, capsy
     table = out.splitlines()
     assert table[0] == "3 questions, k=1, 3 with an expected answer" and table[1].startswith("recovery")
     rows = {line.split()[0]: line.split() for line in table[2:5]}
-    assert table[5] == ""
-    assert list(rows) == ["none", "last:1", DEFAULT_RECOVERY] and rows["none"][1:4] == ["1.00", "0.67", "0.67"]
+    assert table[5].startswith("kept: of full prefill's right answers") and table[6] == ""
+    assert list(rows) == ["none", "last:1", DEFAULT_RECOVERY] and rows["none"][1:5] == ["1.00", "0.67", "0.67", "0.67"]
     # the fact comes 35 words in: judged on the whole answer (64 tokens), full prefill is right on all 3
-    assert rows["last:1"][1:4] == ["1.00", "1.00", "1.00"]
+    assert rows["last:1"][1:5] == ["1.00", "1.00", "1.00", "1.00"]
     assert re.search(r"recommended: last:1 \(the fastest setting that keeps >= 95% of full prefill's right answers", out)
     assert "last:1: every question as full prefill answers it" in out and "none: 1 question(s) fail" not in out
     code, out, _ = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--verbose")
-    assert "none: 1 question(s) fail" in out and "Q: Which way does the Nile flow? (expected: north)" in out
+    assert "none: 1 question(s) fail" in out and 'Q: Which way does the Nile flow? [wrong]\n    expected: "north"' in out
     assert re.search(r"cached: .*the answer is south\.\n\s+full: .*the answer is north\.", out)
     code, out, _ = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--max-new-tokens", "20")
     assert "no recommendation" in out  # cut at 20 tokens no answer states the fact: nothing is measurable
@@ -104,7 +104,7 @@ def test_eval_json_has_every_settings_failures(setup, capsys) -> None:
     by = {s["recovery"]: s for s in report["settings"]}
     assert [f["question"] for f in by["none"]["failures"]] == ["Which way does the Nile flow?"]
     failure = by["none"]["failures"][0]
-    assert failure["expected"] == "north" and failure["cached"].endswith("south.") and failure["full"].endswith("north.")
+    assert failure["expected"] == ["north"] and failure["cached"].endswith("south.") and failure["full"].endswith("north.")
     assert (failure["full_right"], failure["cached_right"]) == (True, False) and by["last:1"]["failures"] == []
 
 
@@ -137,3 +137,74 @@ def test_manifests_without_recovery_still_read(tmp_path: Path) -> None:
             "package_version": "0", "created": 0.0, "updated": 0.0, "format": 1, "dtype": "float32"}
     assert Manifest.from_json(json.dumps(data), "m.json").recovery is None
     assert Manifest.from_json(json.dumps({**data, "recovery": "last:1"}), "m.json").recovery == "last:1"
+
+
+# full prefill gets the Nile right and the rock wrong; "swap" gets the Nile wrong and the rock right:
+# cached right = full right (retained 1.00), yet one of full prefill's right answers is lost (kept 0.67)
+SWAP = {"full": {"Nile": "north", "rock": "ice"}, "swap": {"Nile": "south", "rock": "lava"}}
+
+
+class SwapEngine(FidelityEngine):
+    def generate(self, prompt: str, *, use_cache: bool = True, recovery: str | None = None, max_new_tokens: int = 20,
+                 stop: tuple[str, ...] = (), **sampling) -> Result:
+        setting = "full" if not use_cache else str(Recovery.parse(recovery) if recovery else self.recovery)
+        facts = {"cats": "purr", **SWAP["swap" if setting == "none" else "full"]}
+        fact = next(v for key, v in facts.items() if key in prompt.rsplit("<user>", 1)[-1])
+        ttft = {"full": 0.5, "none": 0.01}.get(setting, 0.1)
+        words = f"the answer is {fact}.".split()[:max_new_tokens]
+        return Result(" ".join(words), tuple(range(len(words))), "eos", ttft, ttft + 0.1, 100, 90, 10, (), (), ())
+
+
+def test_the_rule_uses_the_paired_share_not_the_totals(tmp_path: Path, monkeypatch, capsys) -> None:
+    engine = SwapEngine()
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
+    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    docs = write_docs(tmp_path / "docs")
+    assert run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32", "--overlap", "8")[0] == 0
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))
+    code, out, err = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--json")
+    assert code == 0, err
+    by = {s["recovery"]: s for s in json.loads(out)["settings"]}
+    assert (by["none"]["retained"], round(by["none"]["kept"], 2)) == (1.0, 0.5)  # 2 of full's 2 rights, 1 of them kept
+    assert json.loads(out)["recommended"] == "last:1"  # none is fastest and "retains" 1.0, but loses the Nile
+    code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "none", "--apply")
+    assert code == 1 and "no recommendation" in out and "keeps 0.50" in out
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["recovery"] is None
+
+
+def test_grading_normalises_and_takes_several_answers(tmp_path: Path) -> None:
+    from rag_promptcache.rag.fidelity import EvalQuestion, answer_contains, read_questions
+
+    assert answer_contains("The employer pays 7% of salary.", "7 percent")
+    assert answer_contains("It is 7 per cent.", "7%") and answer_contains("Seven days a week", "7")
+    assert answer_contains("about 1,234 staff", "1234") and answer_contains("ANA LOPEZ is the CFO", "Ana Lopez.")
+    assert not answer_contains("17 percent", "7%") and not answer_contains("someone", "one")
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"question": "Who?", "answer": ["Ana", "the CFO"]}\n{"question": "How much?", "answer": 7}\n')
+    many, one = read_questions(q)
+    assert many == EvalQuestion("Who?", ("Ana", "the CFO")) and one.answers == ("7",)
+    assert many.judge("It is the cfo.") and not many.judge("Bob") and EvalQuestion("x").judge("y") is None
+    q.write_text('{"question": "Who?", "answer": []}\n')
+    with pytest.raises(ValueError, match="or a list of them"):
+        read_questions(q)
+
+
+def test_every_miss_shows_the_expected_and_the_given_strings(tmp_path: Path, monkeypatch, capsys) -> None:
+    engine = SwapEngine()
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
+    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    docs = write_docs(tmp_path / "docs")
+    assert run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32", "--overlap", "8")[0] == 0
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question": "What do cats do when content?", "answer": ["Purr.", "meow"]},
+            {"question": "What cools into rock?", "answer": "lava"}]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "last:1")
+    assert code == 0, err
+    # full prefill's own miss is listed with the expected answer and the answer it gave
+    assert 'full prefill: 1 question(s) wrong' in out
+    assert 'Q: What cools into rock?\n    expected: "lava"\n    full:     the answer is ice.' in out
+    code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "last:1", "--json")
+    assert json.loads(out)["full_prefill_wrong"] == [
+        {"question": "What cools into rock?", "expected": ["lava"], "full": "the answer is ice."}]

@@ -41,7 +41,7 @@ def test_read_questions(tmp_path: Path):
     good = tmp_path / "q.jsonl"
     good.write_text('{"question": "When?", "answer": 1737}\n\n{"question": "Who?"}\n')
     qs = read_questions(good)
-    assert [(q.question, q.answer) for q in qs] == [("When?", "1737"), ("Who?", None)]
+    assert [(q.question, q.expected) for q in qs] == [("When?", ("1737",)), ("Who?", None)]
     for text, match in [("not json\n", "q.jsonl:1: not JSON"), ('{"answer": "x"}\n', "each line is"),
                         ('{"question": "a", "answer": ""}\n', "answer must be"), ("\n", "holds no questions")]:
         good.write_text(text)
@@ -88,7 +88,7 @@ def test_eval_command_end_to_end(real_parts, tmp_path: Path, capsys, monkeypatch
 
     (model, tokenizer), embedder = real_parts
     monkeypatch.setattr(corpus_mod, "_load_engine",
-                        lambda name, store, mode, dtype=None: PromptCache(model, tokenizer, store=store, name=name,
+                        lambda name, store, mode, dtype=None, adapter=None: PromptCache(model, tokenizer, store=store, name=name,
                                                               **({} if mode is None else {"mode": mode})))
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: embedder)
     data = generate(per_kind=1, prose=0)
@@ -123,14 +123,14 @@ def test_eval_command_end_to_end(real_parts, tmp_path: Path, capsys, monkeypatch
     from rag_promptcache.rag.fidelity import fastest_retaining
 
     rows = report["settings"]
-    assert report["recommended"] == fastest_retaining({r["recovery"]: r["retained"] for r in rows},
+    assert report["recommended"] == fastest_retaining({r["recovery"]: r["kept"] for r in rows},
                                                       {r["recovery"]: r["speedup"] for r in rows})
     # last:2 here is full prefill's tokens: it fails only where full prefill is wrong too
     assert all(f["cached"] == f["full"] and f["full_right"] is False for f in everything["failures"])
     assert all({"question", "expected", "cached", "full"} <= set(f) for f in none["failures"])
     code, out, _ = cli("eval", questions, "--corpus", tmp_path / "c", "-k", "2", "--recovery", "none",
                        "--max-new-tokens", "4")
-    table = out.split("\n\n")[0]  # the table, then the recommendation and the failing questions
-    assert code == 0 and "retained" in table and table.count("\n") == 2 and ("recommended: none" in out or "no recommendation" in out)
+    table = out.split("\n\n")[0]  # the table and its legend, then the recommendation and the failing questions
+    assert code == 0 and "kept" in table and "retained" in table and table.count("\n") == 3 and ("recommended: none" in out or "no recommendation" in out)
     code, _, err = cli("eval", questions, "--corpus", tmp_path / "c", "--recovery", "bogus:1")
     assert code == 1 and "valid: none, first_k" in err

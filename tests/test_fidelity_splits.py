@@ -37,8 +37,8 @@ def test_both_splits_rows_share_and_front(tokenizer, tmp_path):
 
 
 def test_rule_across_splits_needs_every_split_and_k():
-    def row(split, rec, k, retained, speedup):
-        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "retained": retained,
+    def row(split, rec, k, kept, speedup):  # the rules read the paired share, not "retained"
+        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": 1.0,
                 "speedup": speedup}
 
     rows = [row("bench", "fast", 4, 1.0, 9.0), row("heldout", "fast", 8, 0.9, 8.0),
@@ -50,18 +50,18 @@ def test_rule_across_splits_needs_every_split_and_k():
 
 
 def test_chosen_on_one_split_then_confirmed_or_not_on_the_other():
-    def row(split, rec, k, retained, speedup):
-        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "retained": retained,
+    def row(split, rec, k, kept, speedup):  # the rules read the paired share, not "retained"
+        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": 1.0,
                 "speedup": speedup}
 
     rows = [row("bench", "fast", 4, 0.5, 9.0), row("bench", "mid", 4, 1.0, 5.0), row("bench", "mid", 8, 0.96, 4.0),
             row("heldout", "mid", 4, 0.97, 5.0), row("heldout", "mid", 8, 0.9, 4.5), row("bench", "slow", 8, 1.0, 2.0)]
     picked = choose_then_confirm(rows)
     assert (picked["recovery"], picked["chosen_on"]) == ("mid", "bench")
-    assert picked["worst_retained_elsewhere"] == {"heldout": 0.9} and picked["confirmed"] is False
-    rows[4]["retained"] = 0.95
+    assert picked["worst_kept_elsewhere"] == {"heldout": 0.9} and picked["confirmed"] is False
+    rows[4]["kept"] = 0.95
     assert choose_then_confirm(rows)["confirmed"] is True
-    assert choose_then_confirm(rows, on="heldout")["worst_retained_elsewhere"] == {"bench": 0.96}
+    assert choose_then_confirm(rows, on="heldout")["worst_kept_elsewhere"] == {"bench": 0.96}
     assert choose_then_confirm([row("bench", "fast", 4, 0.5, 9.0)]) is None
 
 

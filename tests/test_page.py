@@ -113,3 +113,19 @@ def test_the_page_asks_for_the_key_streams_answers_with_sources_and_starts_new_c
     b.refresh()  # the key is asked for once: a reload uses the stored one
     _wait("the model's name after a reload", lambda: MODEL in b.find_element(By.ID, "model").text, 30)
     assert not b.find_element(By.ID, "key-dialog").is_displayed()
+
+
+def test_a_cut_off_answer_is_marked_on_the_page(url, browser):
+    from selenium.webdriver.common.by import By
+
+    b = browser
+    b.get(f"{url}/?max_tokens=3")
+    b.execute_script(f"localStorage.setItem('rag-promptcache-api-key', {KEY!r})")  # as the key dialog keeps it
+    b.get(f"{url}/?max_tokens=3")
+    if b.find_element(By.ID, "key-dialog").is_displayed():
+        b.find_element(By.ID, "key-input").send_keys(KEY)
+        b.find_element(By.CSS_SELECTOR, "#key-form button").click()
+    _wait("the model's name", lambda: MODEL in b.find_element(By.ID, "model").text, 30)
+    answer, _ = _ask(b, QUESTIONS[0])
+    assert "finish: length" in answer.find_element(By.CSS_SELECTOR, ".stats").text
+    assert answer.find_element(By.CSS_SELECTOR, ".cutoff").text.startswith("[cut off: the answer reached max_tokens (3)")

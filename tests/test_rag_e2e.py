@@ -79,7 +79,7 @@ def test_cli_ingest_and_ask_json(smollm, embedder, tmp_path: Path, capsys, monke
     from rag_promptcache.cli import main
     from rag_promptcache.engine import PromptCache
 
-    def load_engine(model: str, store, mode: str | None, dtype: str | None = None) -> PromptCache:  # the session's model
+    def load_engine(model: str, store, mode: str | None, dtype: str | None = None, adapter: str | None = None) -> PromptCache:  # the session's model
         return PromptCache(*smollm, store=store, name=model, **({} if mode is None else {"mode": mode}))
 
     monkeypatch.setattr(corpus_mod, "_load_engine", load_engine)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import json
 import tracemalloc
 from pathlib import Path
@@ -73,20 +75,23 @@ def test_directories_are_walked_recursively_and_hidden_files_ignored(tmp_path: P
 def test_skips_warn_once_each_and_summarise(tmp_path: Path) -> None:
     (tmp_path / "ok.txt").write_text("fine")
     (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "latin.txt").write_bytes("naïve".encode("latin-1"))
+    latin = "Le café est fermé le lundi. La crème brûlée coûte sept euros, très cher pour un dessert à Genève."
+    (tmp_path / "latin.txt").write_bytes(latin.encode("latin-1"))
     (tmp_path / "bin.txt").write_bytes(b"\x00\x01\x02binary")
     (tmp_path / "pic.png").write_bytes(b"\x89PNG")
     (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.4 nonsense")
     report = LoadReport()
     with pytest.warns(LoaderWarning) as caught:
         docs = list(load([tmp_path], report=report))
-    assert [Path(d.source).name for d in docs] == ["ok.txt"]
-    assert len(caught) == len(report.skipped) == 5
+    # not UTF-8: read in the encoding detected, and the one warning says which
+    assert [Path(d.source).name for d in docs] == ["latin.txt", "ok.txt"] and "".join(docs[0].blocks()).startswith("Le café est fermé")  # a guess: rarer letters may differ
+    assert len(caught) == len(report.skipped) + 1 == 5
+    assert any("latin.txt: not UTF-8; read as" in str(w.message) for w in caught)
     why = {Path(s).name: w for s, w in report.skipped}
-    assert why["empty.txt"] == "empty file" and why["latin.txt"].startswith("not UTF-8")
+    assert why["empty.txt"] == "empty file"
     assert why["bin.txt"] == "binary file" and why["pic.png"].startswith("unsupported type")
     assert why["broken.pdf"].startswith("unreadable PDF")
-    assert report.summary().startswith("skipped 5 file(s)")
+    assert report.summary().startswith("skipped 4 file(s)")
 
 
 def test_missing_path_raises(tmp_path: Path) -> None:
@@ -135,3 +140,11 @@ def test_large_file_streams_in_bounded_memory(tmp_path: Path) -> None:
     tracemalloc.stop()
     assert total > 45 * 2**20
     assert peak < 12 * 2**20, f"{peak=}"
+
+
+def test_a_broken_pdf_gives_one_warning_and_no_parser_noise(tmp_path: Path, caplog) -> None:
+    (tmp_path / "picture.pdf").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(200))  # a PNG named .pdf
+    with caplog.at_level(logging.DEBUG), pytest.warns(LoaderWarning) as caught:
+        assert list(load([tmp_path])) == []
+    assert len(caught) == 1 and "unreadable PDF" in str(caught[0].message)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("pypdf")] == []

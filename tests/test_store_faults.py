@@ -266,3 +266,31 @@ def test_redis_ttl_expires_entries(redis_server: RedisServer) -> None:
     assert store.get(key_of(kv)) is not None
     time.sleep(0.3)  # the server's own clock expires entries: nothing to inject here
     assert store.get(key_of(kv)) is None and store.stats().num_entries == 0
+
+
+def test_a_corrupt_entry_found_when_read_is_counted_for_later_processes(tmp_path: Path, capsys) -> None:
+    """Another process (`store info`, `store verify`) sees what a read found corrupt and removed."""
+    from test_cli import run
+
+    from rag_promptcache.store import describe, verify
+
+    store = DiskStore(tmp_path / "store")
+    kv = make_kv(5)
+    store.put(key_of(kv), kv)
+    path = store.path_for(key_of(kv))
+    data = bytearray(path.read_bytes())
+    data[-40:] = bytes(40)  # part of the tensor data zeroed
+    path.write_bytes(bytes(data))
+    assert store.get(key_of(kv)) is None and not path.exists()
+    later = DiskStore(tmp_path / "store")  # a new process's view: only the files
+    facts = describe(later)
+    assert facts["num_errors"] == 1 and [c["key"] for c in facts["corrupt"]] == [key_of(kv)]
+    assert "checksum" in facts["corrupt"][0]["why"]
+    report = verify(later)
+    assert report.bad_keys == () and [c["key"] for c in report.found_earlier] == [key_of(kv)]
+    assert describe(store)["num_errors"] == 1  # the reader's own count is not doubled by its flush
+    (tmp_path / "manifest.json").write_text("{}")  # `store` commands only check that a corpus is there
+    code, out, _ = run(capsys, "store", "info", "--corpus", tmp_path)
+    assert code == 0 and "1 errors" in out and f"1 entry found corrupt and removed (recomputed on use); last: {key_of(kv)}" in out
+    code, out, _ = run(capsys, "store", "verify", "--corpus", tmp_path)
+    assert code == 0 and f"removed earlier, when read: {key_of(kv)}" in out

@@ -44,7 +44,7 @@ def run(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = config or (BenchConfig.quick() if quick else BenchConfig.full())
     t0 = time.perf_counter()
-    hf_model, tokenizer = load_model(model, device=device, dtype=config.dtype)
+    hf_model, tokenizer = load_model(model, device=device, dtype=config.dtype, adapter=config.adapter)
     log(f"loaded {model} on {hf_model.device} ({hf_model.dtype}) in {time.perf_counter() - t0:.1f} s")
     bench = Bench(hf_model, tokenizer, model, config, log)
     return run_loaded(bench, quick, json_path, plots_dir, scenarios)

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from rag_promptcache.cli.app import AdapterOpt
+
 
 def register(app: typer.Typer) -> None:
     from rag_promptcache.cli.app import handle_errors
@@ -32,6 +34,7 @@ def register(app: typer.Typer) -> None:
         fidelity_settings: Annotated[str | None, typer.Option("--fidelity-settings", help="Comma-separated settings the fidelity scenario compares with full prefill, each RECOVERY or MODE/RECOVERY (mode: shared_prefix, the default, or isolated), e.g. none,last:2 [default: the sweep in bench/common.py].")] = None,
         fidelity_split: Annotated[str | None, typer.Option("--fidelity-split", help="bench, heldout (other templates and facts, the default chunk size) or both: the fidelity scenario's documents [default: both].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
+        adapter: AdapterOpt = "default",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
@@ -46,7 +49,7 @@ def register(app: typer.Typer) -> None:
 
         config = BenchConfig.quick() if quick else BenchConfig.full()
         parse_dtype(dtype)  # a bad name fails here, before the model loads
-        config = dataclasses.replace(config, dtype=dtype)
+        config = dataclasses.replace(config, dtype=dtype, adapter=adapter)
         if decode_dtypes is not None:
             names = tuple(d.strip() for d in decode_dtypes.split(",") if d.strip())
             for d in names:

@@ -71,6 +71,7 @@ class BenchConfig:
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3
     dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default
+    adapter: str = "default"  # the tuned adapter merged into the model (model/adapter.py): default, none or a directory
     decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt
     decode_tokens: int = 128  # new tokens per decode run (EOS ignored)
     decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # each system runs in each ("auto": the default)

@@ -8,13 +8,14 @@ is real:
   records and reports), chunked at the corpus's default chunk size.
 Per split, k and (encoding mode, recovery) setting, over the same questions and prompts: full
 prefill's accuracy (the engine's own, `use_cache=False`), cached accuracy, retained = cached / full,
+kept (paired: of full prefill's right answers, the share the setting also gets right; what the rules use),
 agreement of the answer texts, the share of context tokens recomputed, and the TTFT speed-up over
 the engine's full prefill (medians over the questions; per question, full prefill and every setting
 run back to back, so a change of load shows in both). The engines run with
 `fallback="never"`: this measures a recovery, not the planner's choice of path. Then, optionally, one
-timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies issue 11's rule,
-`choose_across_splits` issue 26's (retains >= 0.95 on every split at every measured k), and
-`choose_then_confirm` its §3 (chosen on the bench split, then confirmed, or not, on the held-out one).
+timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies the rule at ~2k context,
+`choose_across_splits` across splits (kept >= 0.95 on every split at every measured k), and
+`choose_then_confirm` chosen on the bench split, then confirmed, or not, on the held-out one.
 
     python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 \
         --settings none,last:1,last:2,last:3,question:0.05 --questions 42 --new-tokens 32 \
@@ -75,7 +76,7 @@ def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
     source = fidelity_data if split == "bench" else fidelity_heldout
     data = source.generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind, seed=source.SEED + cfg.fidelity_seed_offset)
     chunk = CHUNK_TOKENS if split == "bench" else None  # held-out: the corpus's default chunk size, as a user's
-    questions = [EvalQuestion(q.question, q.answer) for q in data.questions[: cfg.fidelity_questions]]
+    questions = [EvalQuestion(q.question, (q.answer,)) for q in data.questions[: cfg.fidelity_questions]]
     engines: dict[str, PromptCache] = {}
     rows: list[dict[str, object]] = []
     timing: list[dict[str, object]] = []
@@ -176,28 +177,35 @@ def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
     return out
 
 
+def _kept(row: dict[str, object]) -> float:
+    """The rule's measure for one row: `kept` (paired, `SettingReport.kept`); 0 where not measurable (a
+    row without per-question answers, or full prefill got nothing right)."""
+    value = row.get("kept")
+    return 0.0 if value is None else value
+
+
 def choose_across_splits(rows: list[dict[str, object]]) -> dict[str, object] | None:
-    """Issue 26's rule: the fastest setting (its slowest speed-up at the largest k, over the splits) that
-    retains >= 0.95 on every split at every measured k; None when none does."""
+    """The fastest setting (its slowest speed-up at the largest k, over the splits) that keeps >= 0.95
+    of full prefill's right answers (paired) on every split at every measured k; None when none does."""
     largest = max((r["k"] for r in rows), default=0)
     worst: dict[tuple[str, str], float] = {}
     speed: dict[tuple[str, str], float] = {}
     for r in rows:
         key = (r["mode"], r["recovery"])
-        worst[key] = min(worst.get(key, math.inf), r["retained"] if r["retained"] is not None else 0.0)
+        worst[key] = min(worst.get(key, math.inf), _kept(r))
         if r["k"] == largest:
             speed[key] = min(speed.get(key, math.inf), r["speedup"])
     best = fastest_retaining(worst, {s: speed.get(s, 0.0) for s in worst}, target=TARGET_RETAINED)
     if best is None:
         return None
-    return {"mode": best[0], "recovery": best[1], "worst_retained": worst[best], "speedup_at_largest_k": speed.get(best),
-            "rule": f"fastest with retained >= {TARGET_RETAINED} on every split at every k (speed-up at k={largest})"}
+    return {"mode": best[0], "recovery": best[1], "worst_kept": worst[best], "speedup_at_largest_k": speed.get(best),
+            "rule": f"fastest with kept >= {TARGET_RETAINED} on every split at every k (speed-up at k={largest})"}
 
 
 def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dict[str, object] | None:
     """Issue 26 §3: choose on one split, confirm on the others. The fastest setting (speed-up at the
-    largest k) retaining >= 0.95 at every measured k of split `on`; then, per other split, its worst
-    retained there and whether that too is >= 0.95. None when nothing qualifies on `on`."""
+    largest k) keeping >= 0.95 at every measured k of split `on`; then, per other split, its worst
+    kept there and whether that too is >= 0.95. None when nothing qualifies on `on`."""
     picked = choose_across_splits([r for r in rows if r.get("split", "bench") == on])
     if picked is None:
         return None
@@ -205,9 +213,8 @@ def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dic
     elsewhere: dict[str, float] = {}
     for r in mine:
         if (split := r.get("split", "bench")) != on:
-            value = r["retained"] if r["retained"] is not None else 0.0
-            elsewhere[split] = min(elsewhere.get(split, math.inf), value)
-    return {**picked, "chosen_on": on, "worst_retained_elsewhere": elsewhere,
+            elsewhere[split] = min(elsewhere.get(split, math.inf), _kept(r))
+    return {**picked, "chosen_on": on, "worst_kept_elsewhere": elsewhere,
             "confirmed": all(v >= TARGET_RETAINED for v in elsewhere.values())}
 
 
@@ -292,8 +299,8 @@ def _write(out: dict[str, object], folder: Path) -> dict[str, object]:
 
 
 def choose_default(rows: list[dict[str, object]], timing: list[dict[str, object]]) -> dict[str, object] | None:
-    """Issue 11's rule: the fastest setting retaining >= 95% at the smallest and largest k with >= 5x
-    at ~2k context; else the most faithful (worst-k retained) with >= 3x."""
+    """The fastest setting keeping >= 95% (paired, `kept`) at the smallest and largest k with >= 5x
+    at ~2k context; else the most faithful (worst-k kept) with >= 3x."""
     ks = sorted({r["k"] for r in rows})
     ends = {ks[0], ks[-1]}
     speed = {(t["mode"], t["recovery"]): t["speedup"] for t in timing}
@@ -301,18 +308,17 @@ def choose_default(rows: list[dict[str, object]], timing: list[dict[str, object]
     for r in rows:
         if r["k"] in ends:
             key = (r["mode"], r["recovery"])
-            value = r["retained"] if r["retained"] is not None else 0.0
-            worst[key] = min(worst.get(key, math.inf), value)
+            worst[key] = min(worst.get(key, math.inf), _kept(r))
     best = fastest_retaining(worst, speed, target=TARGET_RETAINED, min_speedup=TARGET_SPEEDUP)
     if best is not None:
-        rule = f"fastest with retained >= {TARGET_RETAINED} at k={sorted(ends)} and >= {TARGET_SPEEDUP}x"
+        rule = f"fastest with kept >= {TARGET_RETAINED} at k={sorted(ends)} and >= {TARGET_SPEEDUP}x"
     else:
         fallback = [s for s in worst if speed.get(s, 0) >= FALLBACK_SPEEDUP]
         if not fallback:
             return None
         best = max(fallback, key=lambda s: (worst[s], speed[s]))
         rule = f"none reaches {TARGET_RETAINED}: most faithful with >= {FALLBACK_SPEEDUP}x"
-    return {"mode": best[0], "recovery": best[1], "worst_retained": worst[best], "speedup": speed[best], "rule": rule}
+    return {"mode": best[0], "recovery": best[1], "worst_kept": worst[best], "speedup": speed[best], "rule": rule}
 
 
 if __name__ == "__main__":

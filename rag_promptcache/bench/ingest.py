@@ -41,7 +41,7 @@ def run(bench: Bench) -> dict[str, object]:
             with tempfile.TemporaryDirectory() as tmp:
                 # The corpus loads its own model (before its clock starts), as `rag-promptcache ingest` does.
                 corpus = Corpus.build(docs, Path(tmp) / "c", model=bench.model_name, chunk_tokens=cfg.module_tokens,
-                                      progress=False, ray=RayOptions(workers=workers) if workers else None)
+                                      adapter=cfg.adapter, progress=False, ray=RayOptions(workers=workers) if workers else None)
                 r = corpus.last_report
                 corpus.close()
             assert r is not None and not r.failed, f"{r=}"

@@ -27,7 +27,7 @@ import torch
 from rag_promptcache.bench.common import Bench, median, schema_pml, sync, windows
 from rag_promptcache.engine import DEFAULT_MODE, PromptCache
 from rag_promptcache.engine.assemble import assemble
-from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.engine.runner import cache_arg, forward_last
 from rag_promptcache.engine.sampling import eos_token_ids
 from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.pml.build import prompt_pml
@@ -179,7 +179,7 @@ def _cached(pc: PromptCache, prompt: str, recovery: str | None, ref: _Reference)
         start = max(p.position + len(p.token_ids) for p in plan.pieces)
         forced = torch.tensor([ref.tokens[:-1]], device=device)
         pos = torch.arange(start, start + forced.shape[1], device=device)[None]
-        out = model(input_ids=forced, position_ids=pos, past_key_values=asm.cache, use_cache=True)
+        out = model(input_ids=forced, position_ids=pos, use_cache=True, **cache_arg(model, asm.cache))
         steps += list(out.logits[0].float().cpu().log_softmax(-1))
     nll = sum(float(-s[t]) for s, t in zip(steps, ref.tokens)) / len(ref.tokens)
     return {

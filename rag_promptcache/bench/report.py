@@ -138,7 +138,8 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
     at = {(t["mode"], t["recovery"]): t for t in fid["ttft_at_context"]}
     ctx = next(iter(at.values()))["context_tokens"] if at else 0
     rows = [[r["k"], r["mode"], r["recovery"], f"{r['full_correct']}/{r['with_answer']}",
-             f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]), pct(r["agreement"]), f"{r['speedup']:.1f}x",
+             f"{r['cached_correct']}/{r['with_answer']}", pct(r.get("kept")), pct(r["retained"]), pct(r["agreement"]),
+             f"{r['speedup']:.1f}x",
              f"{at[(r['mode'], r['recovery'])]['speedup']:.1f}x" if (r["mode"], r["recovery"]) in at else ""]
             for r in fid["rows"]]
     chosen = fid.get("chosen")
@@ -149,7 +150,8 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
             + (f"{chosen['mode']}/{chosen['recovery']} ({chosen['rule']})" if chosen else "nothing (no setting keeps 3x)"))
     if len(fid.get("splits", ())) > 1:  # per split, with the rule across splits and the choose-then-confirm line
         return [*head, fidelity_splits_markdown(fid), "", rule, ""]
-    return [*head, table(["k", "mode", "recovery", "full right", "cached right", "retained", "agreement", "speed-up",
+    return [*head, table(["k", "mode", "recovery", "full right", "cached right", "kept (paired)", "retained", "agreement",
+                          "speed-up",
                           f"speed-up at ~{ctx:.0f} tok"], rows), "", rule, ""]
 
 
@@ -164,14 +166,14 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
     lines = [
         table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "kept (paired)", "recomputed",
                 "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
-        "the rule (retained >= 0.95 on every split at every k, then the fastest) picks: "
-        + (f"{chosen['mode']}/{chosen['recovery']} (worst retained {chosen['worst_retained']:.2f}, "
+        "the rule (kept >= 0.95 on every split at every k, then the fastest) picks: "
+        + (f"{chosen['mode']}/{chosen['recovery']} (worst kept {chosen['worst_kept']:.2f}, "
            f"{chosen['speedup_at_largest_k']:.1f}x)" if chosen else "nothing"),
     ]
     if confirm:
-        others = ", ".join(f"{s} {v:.2f}" for s, v in confirm["worst_retained_elsewhere"].items()) or "no other split"
-        lines.append(f"chosen on the {confirm['chosen_on']} split: {confirm['mode']}/{confirm['recovery']} (worst retained "
-                     f"{confirm['worst_retained']:.2f}, {confirm['speedup_at_largest_k']:.1f}x); worst retained elsewhere: "
+        others = ", ".join(f"{s} {v:.2f}" for s, v in confirm["worst_kept_elsewhere"].items()) or "no other split"
+        lines.append(f"chosen on the {confirm['chosen_on']} split: {confirm['mode']}/{confirm['recovery']} (worst kept "
+                     f"{confirm['worst_kept']:.2f}, {confirm['speedup_at_largest_k']:.1f}x); worst kept elsewhere: "
                      f"{others}: {'confirmed' if confirm['confirmed'] else 'not confirmed'}")
     return "\n".join(lines)
 

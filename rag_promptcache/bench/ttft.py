@@ -46,7 +46,7 @@ from rag_promptcache.bench.common import (
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.assemble import assemble
 from rag_promptcache.engine.compiler import ROOT
-from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.engine.runner import cache_arg, forward_last
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import DiskStore, MemoryStore, NullStore
 
@@ -119,7 +119,7 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
 
     def prefix() -> int:
         cache = DynamicCache(ddp_cache_data=prefix_kv, config=model.config)
-        out = model(input_ids=ids[:, num_prefix:], position_ids=prefix_pos, past_key_values=cache, use_cache=True,
+        out = model(input_ids=ids[:, num_prefix:], position_ids=prefix_pos, use_cache=True, **cache_arg(model, cache),
                     logits_to_keep=1)
         return int(out.logits[0, -1].argmax())
 

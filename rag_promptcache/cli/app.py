@@ -14,8 +14,10 @@ its module is imported only when the command runs.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
+import json
 import os
 import sys
 import traceback
@@ -80,6 +82,11 @@ F = TypeVar("F", bound=Callable[..., object])
 DtypeOpt = Annotated[str | None, typer.Option(
     "--dtype", help="auto, float32, bfloat16 or float16 [default: auto: a corpus's own dtype, else the device's "
                     "default (bfloat16 on a CPU with bf16 units and on CUDA, else float32)].")]
+# The one --adapter option of every command that loads a model (model/adapter.py).
+AdapterOpt = Annotated[str, typer.Option(
+    "--adapter", help="The tuned adapter merged into the model: default (the one shipped for the model, if one ships; "
+                      "for an existing corpus, the one it was encoded with), none (the base model) or an adapter "
+                      "directory.")]
 # The one --redis-url option of every command that opens a corpus.
 RedisOpt = Annotated[str | None, typer.Option(
     "--redis-url", help="A shared Redis tier for module KV, below memory and disk (default: $RAG_PROMPTCACHE_REDIS_URL).")]
@@ -99,8 +106,17 @@ def quiet_stdout() -> None:
     os.close(devnull)
 
 
+ERROR_TYPES = {1: "invalid_request_error", 2: "internal_error", 130: "interrupted"}
+JSON_ERRORS: contextvars.ContextVar[bool] = contextvars.ContextVar("json_errors", default=False)  # the command's --json
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+    """One line on stderr; for a command run with --json, one JSON object on stdout instead,
+    {"error": {"message", "type"}}, so a reader of the JSON gets the failure in the same shape."""
+    if JSON_ERRORS.get():
+        typer.echo(json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(code, "error")}}))
+    else:
+        typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
 
 
@@ -109,6 +125,7 @@ def handle_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: object, **kwargs: object) -> object:
+        token = JSON_ERRORS.set(bool(kwargs.get("as_json")))
         try:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
@@ -117,8 +134,7 @@ def handle_errors(fn: F) -> F:
             quiet_stdout()
             raise typer.Exit(SIGPIPE_EXIT) from None
         except KeyboardInterrupt:
-            typer.echo("\ninterrupted", err=True)
-            raise typer.Exit(130) from None
+            raise fail("interrupted", 130) from None
         except USER_ERRORS as e:
             raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
         except Exception as e:  # noqa: BLE001 - the last line of defence: report, exit 2
@@ -126,6 +142,8 @@ def handle_errors(fn: F) -> F:
                 traceback.print_exc()
             hint = "" if os.environ.get("RAG_PROMPTCACHE_DEBUG") else " (set RAG_PROMPTCACHE_DEBUG=1 for the traceback)"
             raise fail(f"internal error: {type(e).__name__}: {e}{hint}", code=2) from None
+        finally:
+            JSON_ERRORS.reset(token)
 
     return wrapper  # type: ignore[return-value]
 
@@ -166,23 +184,15 @@ def _register_optional(target: typer.Typer) -> None:
         _register(module, target)
 
 
-# Library notices a user of the command cannot act on, silenced for the command only (an application
-# using the library keeps them): transformers' deprecation of the `past_key_values=` keyword the
-# engine's forward passes (the engine's to change, not the user's).
-QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = ((r".*`past_key_values` is deprecated", FutureWarning),)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 1, like every other user error."""
-    from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds  # noqa: F401 - registers the commands
+    from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds, tune_cmd  # noqa: F401 - registers the commands
 
     _register_optional(app)
     try:
         with warnings.catch_warnings():
             # one line per warning, like the errors, not Python's "file:line: Category" with source
             warnings.showwarning = lambda message, category, *a, **k: typer.echo(f"warning: {message}", err=True)
-            for message, category in QUIET_WARNINGS:
-                warnings.filterwarnings("ignore", message=message, category=category)
             code = app(args=argv, prog_name="rag-promptcache", standalone_mode=False)
         sys.stdout.flush()  # inside the try: a pipe closed early fails here, not at interpreter exit
     except typer.TyperException as e:  # usage errors (typer vendors click; this is its base class)

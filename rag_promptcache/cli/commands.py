@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
 
 # Help shows the corpus default (rag_promptcache.rag.repetition.DEFAULT_NO_REPEAT_NGRAM; a test holds
 # them equal) without importing rag, whose package imports torch: `--help` stays fast.
@@ -25,10 +25,10 @@ SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 
 
-def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None):
+def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None, adapter: str = "default"):
     from rag_promptcache.rag import Corpus
 
-    return Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    return Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
 
 
 def _check_k(k: int) -> None:
@@ -61,6 +61,8 @@ def ingest(
     cpus_per_worker: Annotated[float, typer.Option(help="With --ray: CPUs (and torch threads) per worker.")] = 1.0,
     ray_kv: Annotated[str, typer.Option(help="With --ray: who writes module KV: auto, workers (shared Redis or disk) or driver.")] = "auto",
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
+    instructions: Annotated[str | None, typer.Option(help="The system text every prompt of a new corpus starts with: TEXT, or @FILE to read it from a file [default: answer from the documents, say so when they do not say].", show_default=False)] = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray)."""
@@ -78,13 +80,14 @@ def ingest(
         raise fail("--ray-address needs --ray")
 
     parse_dtype(dtype)  # a bad name fails before anything is created
+    instructions = _read_instructions(instructions)
     for p in paths:
         if not p.exists():
             raise fail(f"no such file or directory: {p}")
     existed = is_corpus(corpus)
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
-                            max_ingest_tokens, redis_url, ray_opts, dtype)
+                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
         raise typer.Exit(130) from None
@@ -96,6 +99,20 @@ def ingest(
     c.close()
     if report is not None and report.failed:
         raise fail(f"{len(report.failed)} file(s) failed and are kept incomplete; run the same command again to retry them")
+
+
+def _read_instructions(value: str | None) -> str | None:
+    """--instructions TEXT, or @FILE: the file's text."""
+    if value is None:
+        return None
+    if value.startswith("@"):
+        path = Path(value[1:])
+        if not path.is_file():
+            raise fail(f"--instructions {value}: no such file: {path}")
+        value = path.read_text(encoding="utf-8")
+    if not value.strip():
+        raise fail("--instructions is empty")
+    return value.strip()
 
 
 def quiet_ray(address: str | None) -> None:
@@ -110,22 +127,27 @@ def quiet_ray(address: str | None) -> None:
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts, dtype):
+            redis_url, ray_opts, dtype, adapter, instructions):
     from rag_promptcache.rag import Corpus, LoaderWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", LoaderWarning)
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
         if existed:
-            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype)
+            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
+            if instructions is not None and instructions != c.manifest.instructions:
+                raise fail(f"corpus {corpus} has other instructions (`info` shows them); every module is encoded after "
+                           "them, so changing them means encoding every module again: ingest into a new corpus with "
+                           "--instructions")
             report = c.add(paths, field=field, id_field=id_field, token_budget=max_ingest_tokens, ray=ray_opts)
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
-                             redis_url=redis_url, ray=ray_opts, dtype=dtype)
+                             redis_url=redis_url, ray=ray_opts, dtype=dtype, adapter=adapter,
+                             instructions=instructions)
             report = c.last_report
     return c, report
 
@@ -148,8 +170,9 @@ TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
 NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off; the "
                                                       f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
-RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the engine's, last:3; docs/FIDELITY.md).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the one its tuned adapter was tuned for, else the engine's, last:3; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
+MinScoreOpt = Annotated[float | None, typer.Option("--min-score", help="Answer \"Not found in the documents.\" without generating when no chunk scores at least this (cosine similarity, -1 to 1; `ask --json` shows the scores) [default: off].", show_default=False)]
 
 
 def _sampling(temperature: float, repetition_penalty: float, no_repeat_ngram: int | None, recovery: str | None,
@@ -176,14 +199,17 @@ def ask(
     recovery: RecoveryOpt = None,
     stop: StopOpt = None,
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
+    min_score: MinScoreOpt = None,
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
     sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
-    c = _open(corpus, redis_url, dtype)
+    c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
+    sampling["min_score"] = min_score
     if stream:
         s = c.ask_stream(question, k, max_new_tokens=max_new_tokens, **sampling)
         for piece in s:
@@ -198,9 +224,18 @@ def ask(
     else:
         if not stream:
             typer.echo(answer.answer)
-        typer.echo(f"\nsources: {', '.join(dict.fromkeys(answer.sources))}")
+        if cut := _cut_off(answer, max_new_tokens):
+            typer.echo(cut)
+        typer.echo(f"\nsources: {', '.join(dict.fromkeys(answer.sources)) or 'none (nothing scored --min-score)'}")
         typer.echo(_stats(answer))
     c.close()
+
+
+def _cut_off(answer, max_new_tokens: int) -> str:
+    """The mark under an answer the token budget cut off (empty for a finished one)."""
+    if answer.finish_reason != "length":
+        return ""
+    return f"[cut off: the answer reached --max-new-tokens {max_new_tokens}; raise it for the rest]"
 
 
 def _stats(answer) -> str:
@@ -223,11 +258,13 @@ def chat(
     stop: StopOpt = None,
     redis_url: RedisOpt = None,
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
+    min_score: MinScoreOpt = None,
 ) -> None:
     """Chat with the corpus: streaming answers, history, /sources, /quit. Ctrl-C stops an answer."""
     _check_k(k)
-    sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
-    c = _open(corpus, redis_url, dtype)
+    sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "min_score": min_score}
+    c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
     typer.echo(f"loading the model and the embedder for {corpus} ...", err=True)
     c.prepare()  # now, so that no loading output lands inside the first answer
@@ -279,6 +316,8 @@ def chat(
             continue
         last = s.answer
         shown = list(zip(last.module_ids, last.sources, last.scores))
+        if cut := _cut_off(last, max_new_tokens):
+            typer.echo(f"\n  {cut}", nl=False)
         typer.echo(f"\n  [{_stats(last)}]")
         history.append((line, last.answer))
     c.close()
@@ -295,11 +334,16 @@ def info(
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
     from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
+    from rag_promptcache.rag.models import tuned_recovery
 
     c = _open(corpus)
     # the schema's name is what a hand-written PML prompt imports the corpus's modules under
     # (`<prompt schema="…">`, e.g. in /v1/completions)
     facts = {**c.info(), "schema": c.manifest.name, "documents": c.documents()}
+    try:
+        tuned = tuned_recovery(c.adapter_path)
+    except ValueError as e:  # the adapter it was encoded with is not here: info still shows the rest
+        tuned, facts["adapter_missing"] = None, str(e)
     c.close()
     incomplete = f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""
     echo_facts(facts, [
@@ -309,10 +353,13 @@ def info(
         ("store", mib(facts["store_bytes"])),
         ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),
         ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),
+        ("adapter", _adapter_line(facts)),
         ("recovery", f"{facts['recovery']} (set by eval --apply)" if facts["recovery"]
+         else f"{tuned} (the adapter's; `eval --apply` sets one for this corpus)" if tuned
          else f"{DEFAULT_RECOVERY} (the engine default; `eval --apply` sets one for this corpus)"),
         ("embedder", f"{facts['embedder']} (dim {facts['dim']}), index {facts['index']}"),
         ("chunking", f"{facts['chunk_tokens']} tokens, overlap {facts['overlap']}, max {facts['max_tokens']}"),
+        ("instructions", " ".join(facts["instructions"].split())),
     ], as_json)
     if as_json:
         return
@@ -323,6 +370,15 @@ def info(
                [(d["name"], d["num_chunks"], d["num_bytes"], "ok" if d["complete"] else "incomplete") for d in shown])
     if len(shown) < len(docs):
         typer.echo(f"... and {len(docs) - len(shown)} more (--documents lists all)")
+
+
+def _adapter_line(facts: dict) -> str:
+    if facts["adapter_digest"]:
+        where = "NOT AVAILABLE here" if "adapter_missing" in facts else "merged into the model's weights"
+        return f"{facts['adapter']} (digest {facts['adapter_digest']}, {where})"
+    if facts["adapter"] is None:
+        return "none (the base model; encoded before tuned adapters shipped)"
+    return "none (the base model)"
 
 
 @app.command()

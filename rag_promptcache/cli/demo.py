@@ -33,7 +33,7 @@ def demo(
     """Ingest a slice of the Python reference (first run only), then answer questions from it."""
     from rag_promptcache.model.loading import dtype_name, parse_dtype
     from rag_promptcache.rag import Corpus, ModelMismatchError, is_corpus
-    from rag_promptcache.rag.sample import QUESTIONS, TOPICS, WARM_UP, demo_home, sample_documents
+    from rag_promptcache.rag.sample import QUESTIONS, SOURCE_PREFIX, TOPICS, WARM_UP, check_sample, demo_home, sample_documents
 
     where = corpus or demo_home()
     wanted = parse_dtype(dtype)  # a bad name fails before anything loads
@@ -41,11 +41,12 @@ def demo(
     if is_corpus(where):
         c = Corpus.open(where)
         try:
+            check_sample(c)  # never adds the sample to a user's own corpus
             if wanted is not None and dtype_name(wanted) != c.manifest.dtype:
                 raise ModelMismatchError(f"it was encoded in {c.manifest.dtype}, not {dtype_name(wanted)}")
             c.engine  # noqa: B018 - loads the model and checks its fingerprint against the corpus
         except ModelMismatchError as e:
-            if not all(d.source.startswith("pydoc_data.topics/") for d in c.table.documents()):
+            if not all(d.source.startswith(SOURCE_PREFIX) for d in c.table.documents()):
                 raise  # not a demo corpus: never delete someone's documents
             typer.echo(f"the demo corpus is stale ({e}); rebuilding it", err=True)
             c.close()

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
 
 # Shown in --help without importing rag (whose package imports torch); a test holds it equal to
 # rag.fidelity.DEFAULT_NEW_TOKENS.
@@ -22,7 +22,7 @@ SHOWN_SETTINGS = ("none", "last:1")  # compared besides the engine default and t
 @app.command("eval")
 @handle_errors
 def eval_(
-    questions: Annotated[Path, typer.Argument(help='JSON lines: {"question": "...", "answer": "..."}; answer optional.')],
+    questions: Annotated[Path, typer.Argument(help='JSON lines: {"question": "...", "answer": "..."}; answer optional, a list for several accepted answers; case, "%"/"percent", number words and 1,234/1234 do not matter.')],
     corpus: Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)],
     k: Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")] = 4,
     recovery: Annotated[str | None, typer.Option("--recovery", help="Comma-separated settings, e.g. none,last:1 [default: none, last:1, the engine default and the corpus's].")] = None,
@@ -32,14 +32,17 @@ def eval_(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (every setting's per-question results).")] = False,
     redis_url: RedisOpt = None,
     dtype: DtypeOpt = None,
+    adapter: AdapterOpt = "default",
 ) -> None:
     """Check, per recovery setting, that cached answers match full prefill's: accuracy against the
-    expected answers (retained = cached / full), or agreement with full prefill where none is given,
-    and the TTFT speed-up; then recommend the fastest setting that keeps >= 95% of full prefill's
-    right answers and show the questions it gets wrong, the cached and the full answer side by side."""
+    expected answers (kept: of full prefill's right answers, the share the setting also gets right), or
+    agreement with full prefill where none is given, and the TTFT speed-up; then recommend the fastest
+    setting that keeps >= 95% of full prefill's right answers and show the questions it gets wrong, the
+    expected, the cached and the full answer side by side."""
     from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.fidelity import TARGET_RETAINED, evaluate, read_questions, recommend
+    from rag_promptcache.rag.models import tuned_recovery
 
     if k < 1:
         raise fail(f"-k must be at least 1, got {k}")
@@ -51,10 +54,11 @@ def eval_(
     if recovery is not None and not specs:
         raise fail("--recovery names no setting")
     qs = read_questions(questions)
-    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
         if recovery is None:
-            specs = [*SHOWN_SETTINGS, DEFAULT_RECOVERY, *([c.manifest.recovery] if c.manifest.recovery else [])]
+            default = tuned_recovery(c.adapter_path) or DEFAULT_RECOVERY  # the engine's default with this corpus's adapter
+            specs = [*SHOWN_SETTINGS, default, *([c.manifest.recovery] if c.manifest.recovery else [])]
         specs = list(dict.fromkeys(str(Recovery.parse(s)) for s in specs))  # bad specs fail before any model work
         reports = evaluate(c, qs, specs, k=k, max_new_tokens=max_new_tokens)
         best = recommend(reports)
@@ -66,7 +70,9 @@ def eval_(
         typer.echo(json.dumps({
             "corpus": str(corpus), "k": k, "max_new_tokens": max_new_tokens, "rule": rule,
             "recommended": None if best is None else best.recovery, "applied": applied,
-            "settings": [{**r.as_dict(), "failures": [f.as_dict() for f in r.failures]} for r in reports]}))
+            "settings": [{**r.as_dict(), "failures": [f.as_dict() for f in r.failures]} for r in reports],
+            "full_prefill_wrong": [{"question": f.question, "expected": list(f.expected or ()), "full": f.full}
+                                   for f in reports[0].results if f.full_right is False]}))
     else:
         _print(reports, best, rule, len(qs), k, verbose)
         if applied is not None:
@@ -79,27 +85,44 @@ def eval_(
 def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) -> None:
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     typer.echo(f"{num_questions} questions, k={k}, {reports[0].num_with_answer} with an expected answer")
-    typer.echo(f"{'recovery':<16} {'full acc':>8} {'cached acc':>10} {'retained':>8} {'agreement':>9} {'speed-up':>8}")
+    typer.echo(f"{'recovery':<16} {'full acc':>8} {'cached acc':>10} {'kept':>6} {'retained':>8} {'agreement':>9} "
+               f"{'speed-up':>8}")
     for r in reports:
-        typer.echo(f"{r.recovery:<16} {fmt(r.full_accuracy):>8} {fmt(r.cached_accuracy):>10} {fmt(r.retained):>8} "
-                   f"{r.agreement:>9.2f} {r.speedup:>7.1f}x")
+        typer.echo(f"{r.recovery:<16} {fmt(r.full_accuracy):>8} {fmt(r.cached_accuracy):>10} {fmt(r.kept):>6} "
+                   f"{fmt(r.retained):>8} {r.agreement:>9.2f} {r.speedup:>7.1f}x")
+    typer.echo("kept: of full prefill's right answers, the share the setting also gets right (the rule's measure); "
+               "retained: cached right / full right")
+    faithful = lambda r: (r.kept or 0.0, r.speedup)  # noqa: E731
     if best is not None:
-        typer.echo(f"\nrecommended: {best.recovery} ({rule}: retained {fmt(best.retained)}, {best.speedup:.1f}x); "
+        typer.echo(f"\nrecommended: {best.recovery} ({rule}: kept {fmt(best.kept)}, {best.speedup:.1f}x); "
                    "`eval --apply` makes it this corpus's")
     else:
-        faithful = max(reports, key=lambda r: (r.retained or 0.0, r.speedup))
-        typer.echo(f"\nno recommendation: no setting is {rule} (the most faithful, {faithful.recovery}, retains "
-                   f"{fmt(faithful.retained)}); try more settings with --recovery")
-    shown = reports if verbose else [best or max(reports, key=lambda r: (r.retained or 0.0, r.speedup))]
-    for r in shown:
+        most = max(reports, key=faithful)
+        typer.echo(f"\nno recommendation: no setting is {rule} (the most faithful, {most.recovery}, keeps "
+                   f"{fmt(most.kept)}); try more settings with --recovery")
+    for r in reports if verbose else [best or max(reports, key=faithful)]:
         if not r.failures:
             typer.echo(f"\n{r.recovery}: every question as full prefill answers it")
             continue
         typer.echo(f"\n{r.recovery}: {len(r.failures)} question(s) fail")
         for f in r.failures:
-            expected = f" (expected: {f.expected}{'; full prefill is wrong too' if f.full_right is False else ''})" \
-                if f.expected is not None else ""
-            typer.echo(f"  Q: {f.question}{expected}\n    cached: {_one_line(f.cached)}\n    full:   {_one_line(f.full)}")
+            _print_miss(f, f"{'wrong' if f.cached_right is False else 'differs'}")
+    full_misses = [f for f in reports[0].results if f.full_right is False]
+    if full_misses:  # the same for every setting: full prefill's answers are the reference
+        typer.echo(f"\nfull prefill: {len(full_misses)} question(s) wrong (check the expected answers)")
+        for f in full_misses:
+            typer.echo(f"  Q: {f.question}\n    expected: {_expected(f.expected)}\n    full:     {_one_line(f.full)}")
+
+
+def _print_miss(f, why: str) -> None:
+    expected = f"\n    expected: {_expected(f.expected)}" if f.expected is not None else ""
+    full_note = " (wrong too)" if f.full_right is False else ""
+    typer.echo(f"  Q: {f.question} [{why}]{expected}\n    cached:   {_one_line(f.cached)}\n"
+               f"    full:     {_one_line(f.full)}{full_note}")
+
+
+def _expected(answers: tuple[str, ...]) -> str:
+    return " or ".join(json.dumps(a) for a in answers)
 
 
 def _one_line(text: str) -> str:

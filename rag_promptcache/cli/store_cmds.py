@@ -42,7 +42,15 @@ def store_info(corpus: CorpusOpt, as_json: Annotated[bool, typer.Option("--json"
         ("size", f"{mib(facts['num_bytes'])}, {facts['bytes_per_token']:.0f} bytes per token"),
         ("codec", f"{facts['codec']} (what new entries are written with; each entry records its own)"),
         ("hits", f"{facts['num_hits']} hits, {facts['num_misses']} misses (hit rate {facts['hit_rate']:.2f}), {facts['num_errors']} errors"),
+        ("corrupt", _corrupt_line(facts["corrupt"])),
     ], as_json)
+
+
+def _corrupt_line(found: list[dict[str, object]]) -> str:
+    if not found:
+        return "none found"
+    last = found[-1]
+    return f"{len(found)} entr{'y' if len(found) == 1 else 'ies'} found corrupt and removed (recomputed on use); last: {last['key']} ({last['why']})"
 
 
 @store_app.command("verify")
@@ -53,6 +61,10 @@ def store_verify(corpus: CorpusOpt) -> None:
 
     report = verify(_disk(corpus))
     typer.echo(f"checked {report.num_checked} entries, removed {len(report.bad_keys)} bad")
+    for key in report.bad_keys:
+        typer.echo(f"  removed now: {key}")
+    for entry in report.found_earlier:
+        typer.echo(f"  removed earlier, when read: {entry['key']} ({entry['why']})")
 
 
 @store_app.command("evict")

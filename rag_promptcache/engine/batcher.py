@@ -420,7 +420,8 @@ class Batcher:
             self.engine.keep_prefix(run.prefix, run.state, self.batch.keys[:, row], self.batch.values[:, row],
                                     self.batch.lengths[row])
             num_prefix = run.prefix.num_tokens if run.prefix is not None else 0
-            self._finish(rid, run.handle.plan.result(run.state, time.perf_counter() - run.handle.t0, num_prefix))
+            self._finish(rid, run.handle.plan.result(run.state, time.perf_counter() - run.handle.t0, num_prefix,
+                                                     self.engine.adapter_name))
         return step.num_rejected
 
     def _finish(self, rid: int, outcome: Result | BaseException) -> None:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Generator, Sequence
 
 import torch
@@ -41,6 +43,7 @@ from rag_promptcache.engine.sampling import Sampling, eos_token_ids
 from rag_promptcache.engine.schemas import Schemas
 from rag_promptcache.engine.state import DecodeState
 from rag_promptcache.engine.text import TextStream
+from rag_promptcache.model.adapter import applied
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
@@ -60,13 +63,17 @@ class PromptCache:
         layout: Layout = "contiguous",
         name: str | None = None,
         batch_size: int = 8,
-        recovery: str | Recovery | None = DEFAULT_RECOVERY,
+        recovery: str | Recovery | None = None,
         codec: str | None = None,
         prompt_lookup: int | None = None,
         prefix_cache_bytes: int | None = None,
         fallback: str | Fallback | None = None,
     ) -> None:
-        """`prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
+        """`recovery`: the default where a request names none; None: the recovery the model's merged
+        adapter was tuned for (`model/adapter.py`), else `DEFAULT_RECOVERY`. `engine.recovery = None`
+        later goes back to that.
+
+        `prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
         prompt and the answer so far (engine/lookup.py); 0 turns it off; None reads
         RAG_PROMPTCACHE_PROMPT_LOOKUP (unset: 8).
 
@@ -99,7 +106,11 @@ class PromptCache:
         self.mode = check_mode(mode)
         self.layout = layout
         self.batch_size = batch_size
-        self.recovery = Recovery.parse(recovery)
+        self.adapter = applied(model)  # the tuned adapter merged into the weights; None: the base model
+        if self.adapter is not None and self.adapter.mode != self.mode:
+            warnings.warn(f"adapter {self.adapter.name!r} was tuned for modules encoded in mode {self.adapter.mode!r}; "
+                          f"this engine encodes them in mode {self.mode!r}, where it may answer worse than the base "
+                          "model", stacklevel=2)
         self.model_name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.fingerprint = model_fingerprint(model)
         self.relocator = relocator_for(model)
@@ -122,11 +133,35 @@ class PromptCache:
         self.fallback = fallback
         self.planner = Planner(
             self.schemas, self.compiler, store, model, self.relocator, self.geometry,
-            PlanConfig(self.mode, layout, batch_size, self.recovery, self.context_window, self.fingerprint,
+            PlanConfig(self.mode, layout, batch_size, self._default_recovery(recovery), self.context_window, self.fingerprint,
                        self.fallback),
             self.model_lock,
             lambda labels: self.prefix_cache.num_reusable(self.prefix_namespace, labels),
         )
+
+    def _default_recovery(self, spec: str | Recovery | None) -> Recovery:
+        if spec is not None:
+            return Recovery.parse(spec)
+        if self.adapter is None or self.adapter.recovery is None:
+            return Recovery.parse(DEFAULT_RECOVERY)
+        try:
+            return Recovery.parse(self.adapter.recovery)
+        except ValueError as e:
+            raise ValueError(f"adapter {self.adapter.path!r}: tune.json's recovery: {e}") from e
+
+    @property
+    def recovery(self) -> Recovery:
+        """The recovery of a request that names none."""
+        return self.planner.config.recovery
+
+    @recovery.setter
+    def recovery(self, spec: str | Recovery | None) -> None:
+        self.planner.config = dataclasses.replace(self.planner.config, recovery=self._default_recovery(spec))
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The merged adapter's name, as `Result.adapter` reports it; None: the base model."""
+        return self.adapter.name if self.adapter is not None else None
 
     def _measure_costs(self) -> Costs:
         with self.model_lock:  # timed forwards: nobody else's may run meanwhile
@@ -139,10 +174,13 @@ class PromptCache:
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        adapter: str | os.PathLike[str] | None = "default",
         **kwargs,
     ) -> PromptCache:
-        """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16"."""
-        hf_model, tokenizer = load_model(model, device=device, dtype=dtype)
+        """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16". `adapter`:
+        "default" (the tuned adapter shipped for the model, if one ships), "none"/None (the base
+        model) or an adapter directory (`load_model`)."""
+        hf_model, tokenizer = load_model(model, device=device, dtype=dtype, adapter=adapter)
         return cls(hf_model, tokenizer, name=kwargs.pop("name", model), **kwargs)
 
     # -- schemas ---------------------------------------------------------------------------------
@@ -278,7 +316,8 @@ class PromptCache:
             if sound:
                 self.keep_prefix(first.prefix, state, *cache_layers(first.cache))
             release(first.cache)
-        return plan.result(state, time.perf_counter() - t0, first.prefix.num_tokens if first.prefix else 0)
+        return plan.result(state, time.perf_counter() - t0, first.prefix.num_tokens if first.prefix else 0,
+                           self.adapter_name)
 
     # -- generation ------------------------------------------------------------------------------
 

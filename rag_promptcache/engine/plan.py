@@ -83,9 +83,9 @@ class Plan:
             seq += n
         return out
 
-    def result(self, state: DecodeState, total_s: float, num_prefix_tokens: int = 0) -> Result:
+    def result(self, state: DecodeState, total_s: float, num_prefix_tokens: int = 0, adapter: str | None = None) -> Result:
         """The `Result` of a finished decode of this plan (the engine's loop and the batcher's), whose
-        first `num_prefix_tokens` tokens' KV came from the prefix cache."""
+        first `num_prefix_tokens` tokens' KV came from the prefix cache, by a model with `adapter` merged."""
         assert state.finish is not None, f"{state.finish=}"
         cached = num_prefix_tokens + self.num_from_store_after(num_prefix_tokens)
         return Result(
@@ -104,7 +104,9 @@ class Plan:
             recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
             num_decode_forwards=state.stats.num_forwards,
             num_prefix_tokens=num_prefix_tokens,
-            path=self.path,  # type: ignore[arg-type]
+            # a prompt that imports no module and reuses no earlier request's tokens is a plain full prefill
+            path="full" if not cached and not any(p.cached for p in self.pieces) else self.path,  # type: ignore[arg-type]
+            adapter=adapter,
         )
 
 
@@ -149,10 +151,8 @@ class Planner:
         `fallback`: let the engine's policy (engine/costmodel.py) swap the plan for a full prefill of the
         same tokens where that is faster; missed modules are encoded and stored either way."""
         cfg = self.config
-        parsed = self.schemas.parse(prompt)
-        chat, default = self.schemas.chat_of(parsed.schema, parsed.children)
-        compiled = self.schemas.compile(parsed.schema, chat, default)
-        pieces = self.compiler.compile_prompt(compiled, parsed, cfg.layout)
+        out = self.schemas.compile_prompt(prompt, cfg.layout)
+        compiled, pieces, chat, default = out.schema, list(out.pieces), out.chat, out.default_system
         if not pieces or not any(p.token_ids for p in pieces):
             raise ValueError("empty prompt: it compiles to no tokens")
         self.check_window(pieces, max_new_tokens)
@@ -236,5 +236,6 @@ class Planner:
             raise ContextWindowExceeded(
                 f"prompt of {num_tokens} tokens{where} plus max_new_tokens={max_new_tokens} is "
                 f"{end + max_new_tokens}, past the model's {window}-token context window; "
-                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens"
+                "shorten the prompt (fewer or smaller modules) or lower max_new_tokens",
+                max_new_fits=window - end if window > end else None,
             )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "eos"]
-Path = Literal["cached", "full"]
+Path = Literal["cached", "full", "none"]  # "none": no model ran (`fixed_stream`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +29,12 @@ class Result:
     num_decode_forwards: int = 0
     # of cached_tokens, those reused from an earlier request's KV (the prefix cache: engine/prefix_cache.py)
     num_prefix_tokens: int = 0
-    # "full": a plain prefill of every prompt token ran (use_cache=False, or the planner's fallback found it
-    # faster than the cached plan, engine/costmodel.py); cached_tokens is then 0
+    # "full": a plain prefill of every prompt token ran (use_cache=False, a prompt that imports no module,
+    # or the planner's fallback found it faster than the cached plan, engine/costmodel.py); cached_tokens is
+    # then 0. "none": the text was not generated (`fixed_stream`)
     path: Path = "cached"
+    # the tuned adapter merged into the model's weights (its name, model/adapter.py); None: the base model
+    adapter: str | None = None
 
     @property
     def num_generated(self) -> int:
@@ -89,6 +93,19 @@ class Stream(Iterator[str]):
             pass
         assert self.result is not None
         return self.result
+
+
+def fixed_stream(text: str) -> Stream:
+    """A `Stream` of text no model generated (a caller's fixed reply, such as "not found"): one piece,
+    then a `Result` with no tokens, finish "stop" and path "none"."""
+    t0 = time.perf_counter()
+
+    def gen() -> Generator[str, None, Result]:
+        yield text
+        elapsed = time.perf_counter() - t0
+        return Result(text, (), "stop", elapsed, elapsed, 0, 0, 0, (), (), (), path="none")
+
+    return Stream(gen())
 
 
 class AsyncStream(AsyncIterator[str]):

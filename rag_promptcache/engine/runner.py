@@ -11,6 +11,9 @@ engine/batch.py), sampling (engine/sampling.py).
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import os
 import threading
 import weakref
@@ -100,9 +103,20 @@ def forward_logits(
     if fast is not None and all(type(layer) is ReservedLayer for layer in cache.layers):
         return fast(ids, positions, cache, mask, keep=keep)
     with native_gqa(ids.device):
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, attention_mask=mask,
-                    use_cache=True, logits_to_keep=keep)
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=keep,
+                    **cache_arg(model, cache))
     return out.logits[0, -keep:].float()
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_arg(model: torch.nn.Module, cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
+    """The cache as the keyword `model`'s forward takes it: `cache` where transformers renamed it (newer
+    5.x, which warns on `past_key_values`), `past_key_values` before that and in models not renamed."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def forward_last(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
@@ -120,8 +134,8 @@ def forward_batch(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Te
     if fast is not None:
         return fast.decode_batch(ids, positions, cache.layers, mask)
     with native_gqa(ids.device):
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, attention_mask=mask,
-                    use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                    **cache_arg(model, cache))
     return out.logits[:, -1].float()
 
 
@@ -131,5 +145,5 @@ def forward_base(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Ten
     Always transformers' forward: its callers read KV per row or hook its layers (engine/encoder.py,
     engine/recovery.py), which the lean forward does not offer."""
     with native_gqa(ids.device):  # a masked prefill against a cache (a shared prefix, an assembly)
-        model.base_model(input_ids=ids, position_ids=positions, past_key_values=cache, attention_mask=mask,
-                         use_cache=True)
+        model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                         **cache_arg(model.base_model, cache))

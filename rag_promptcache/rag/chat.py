@@ -32,8 +32,13 @@ Source = Hit  # a response's source: (module_id, label, score rounded to 4 place
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    prompt: str | ast.Prompt  # what `PromptCache.generate` / `Batcher.submit` take
+    prompt: str | ast.Prompt | None  # what `PromptCache.generate` / `Batcher.submit` take; None: nothing found
     sources: tuple[Source, ...]
+
+    @property
+    def not_found(self) -> bool:
+        """No chunk scored the request's `min_score`: answer `retrieval.NOT_FOUND` without generating."""
+        return self.prompt is None
 
 
 class CorpusChat:
@@ -53,7 +58,10 @@ class CorpusChat:
         k: int = 4,
         module_ids: Sequence[str] | None = None,
         max_new_tokens: int = 256,
+        min_score: float | None = None,
     ) -> ChatPrompt:
+        """The prompt for the last user turn with its sources. With `min_score` and no chunk scoring it
+        (cosine), `ChatPrompt.not_found`; `module_ids` skip retrieval and `min_score`."""
         if not turns:
             raise ValueError("no messages: send at least one user message")
         for role, _ in turns:
@@ -64,7 +72,9 @@ class CorpusChat:
         c = self.corpus
         with self._lock:
             if module_ids is None:
-                found = c.retrieve_turns(turns, k, max_new_tokens=max_new_tokens)
+                found = c.retrieve_turns(turns, k, max_new_tokens=max_new_tokens, min_score=min_score)
+                if not found.hits:
+                    return ChatPrompt(None, ())
                 hits = [Hit(h.module_id, h.label, round(float(h.score), 4)) for h in found.hits]
                 order = list(found.order)
             else:

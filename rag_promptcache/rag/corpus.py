@@ -19,12 +19,14 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rag_promptcache.engine.result import fixed_stream
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag import corpus_store, documents, layout, retrieval
@@ -36,8 +38,9 @@ from rag_promptcache.rag.ingest import check_budget, collect
 from rag_promptcache.rag.ingestor import CorpusParts, Ingestor, OnBatch
 from rag_promptcache.rag.layout import CorpusWarning, is_corpus
 from rag_promptcache.rag.loaders import Document, LoadReport
-from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, check_engine, check_open, check_settings,
-                                         dtype_of)
+from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, adapter_fields, adapter_to_load,
+                                         check_caller_engine, check_engine, check_open, check_settings, dtype_of,
+                                         untuned_notice)
 # The facade's loaders are module globals so that tests swap in a fake engine or embedder here.
 from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
@@ -65,7 +68,7 @@ BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 class Corpus:
     def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
                  embedder: EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
-                 disk_tier: bool = True) -> None:
+                 disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default") -> None:
         self.path = path
         self.manifest = manifest
         self.table = layout.open_table(path)
@@ -75,6 +78,8 @@ class Corpus:
         self._engine = engine
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
         self._embedder = embedder
+        self._adapter_asked = adapter
+        self._adapter_path: tuple[str | None] | None = None  # resolved on first use (`adapter_path`)
         self._registered = -1  # table generation of the schema the engine holds
         self._compiled = False  # whether the engine has compiled that schema
         self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
@@ -94,10 +99,12 @@ class Corpus:
     @classmethod
     def open(cls, path: str | os.PathLike[str], engine: PromptCache | None = None, *, model: str | None = None,
              embedder: str | EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
-             disk_tier: bool = True, dtype: str | None = None) -> Corpus:
+             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default") -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
         with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
-        loads in the corpus's recorded dtype). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
+        loads in the corpus's recorded dtype), and an adapter other than the recorded one ("default": the
+        one it was encoded with; a corpus encoded before adapters shipped opens with the base model, and
+        a `CorpusWarning` says how to re-encode it). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
         the engine the corpus loads, not to a caller's `engine`."""
         path = Path(path)
@@ -107,8 +114,18 @@ class Corpus:
             raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
         manifest = layout.read_manifest(path)
         layout.check_files(path)
-        emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder)
-        return cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url, disk_tier=disk_tier)
+        emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder, adapter=adapter)
+        corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
+                     disk_tier=disk_tier, adapter=adapter)
+        if engine is None and str(adapter).lower() != "default":
+            try:
+                corpus.adapter_path  # noqa: B018 - an adapter named by the caller is checked now, not at the first question
+            except BaseException:
+                corpus.close()
+                raise
+        if engine is None and (notice := untuned_notice(manifest, path, [d.source for d in corpus.table.documents()])):
+            warnings.warn(notice, CorpusWarning, stacklevel=2)
+        return corpus
 
     @classmethod
     def build(cls, inputs: Iterable[str | os.PathLike[str] | object], path: str | os.PathLike[str], *,
@@ -117,15 +134,19 @@ class Corpus:
               index: str | None = None, instructions: str | None = None, mode: str | None = None,
               dtype: str | None = None, field: str = "text", id_field: str = "id",
               token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
-              redis_url: str | None = None, ray: RayOptions | None = None) -> Corpus:
+              redis_url: str | None = None, ray: RayOptions | None = None,
+              adapter: str | os.PathLike[str] | None = "default") -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
         `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`). `dtype` ("auto"/None:
-        the device's default) is recorded in the manifest; later opens use it."""
+        the device's default) and the tuned adapter merged into the model (`adapter`: "default", the one
+        shipped for the model if one ships; "none"/None, the base model; or an adapter directory) are
+        recorded in the manifest; later opens use them."""
         path = Path(path)
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
+        check_caller_engine(engine, adapter)
         if is_corpus(path):
-            corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype)
+            corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,
                                                    "max_tokens": max_tokens, "index": index})
             corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
@@ -144,7 +165,7 @@ class Corpus:
         try:
             if engine is None:
                 store = corpus_store.open_store(path / layout.STORE, 1 << 30, redis_url, name)
-                engine = _load_engine(model or DEFAULT_MODEL, store, mode, dtype)
+                engine = _load_engine(model or DEFAULT_MODEL, store, mode, dtype, adapter)
             emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
         except BaseException:
             # Nothing is a corpus yet (no manifest): leave no half-made directory for the next run to trip over.
@@ -156,11 +177,12 @@ class Corpus:
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=layout.package_version(), created=now,
-            updated=now, dtype=dtype_of(engine),
+            updated=now, dtype=dtype_of(engine), **adapter_fields(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
         layout.write_manifest(path, manifest)
-        corpus = cls(path, manifest, engine=engine, embedder=emb, redis_url=redis_url)
+        corpus = cls(path, manifest, engine=engine, embedder=emb, redis_url=redis_url,
+                     adapter=manifest.adapter_path or "none")
         corpus._owns_engine = owns
         corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
         return corpus
@@ -182,14 +204,23 @@ class Corpus:
         """The engine without registering the schema: what ingest uses, whose batches change the table."""
         with self._lock:
             if self._engine is None:
-                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype)
+                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype,
+                                      self.adapter_path or "none")
                 check_engine(engine, self.manifest, self.path)
                 if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
-                    from rag_promptcache.engine.recovery import Recovery
-
-                    engine.recovery = Recovery.parse(self.manifest.recovery)
+                    engine.recovery = self.manifest.recovery
                 self._engine, self._owns_engine = engine, True
             return self._engine
+
+    @property
+    def adapter_path(self) -> str | None:
+        """The adapter directory the engine loads: the one the modules were encoded with (None: the
+        base model). `AdapterError` where that adapter is not available here (`models.adapter_to_load`)."""
+        with self._lock:
+            if self._adapter_path is None:
+                load = adapter_to_load(self.manifest, self.path, self._adapter_asked)
+                self._adapter_path = (None if load == "none" else load,)
+            return self._adapter_path[0]
 
     def _register(self, compile_schema: bool) -> PromptCache:
         engine = self._loaded_engine()
@@ -258,7 +289,7 @@ class Corpus:
         """Record `spec` ("last:1"; None: the engine's default) as this corpus's recovery, which `ask`,
         `chat`, `serve` and the adapters use where none is given (a caller's engine keeps its own
         default). A bad spec is `Recovery.parse`'s `ValueError`. Returns the canonical form."""
-        from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+        from rag_promptcache.engine.recovery import Recovery
 
         chosen = None if spec is None else Recovery.parse(spec)
         with self._lock:
@@ -266,7 +297,7 @@ class Corpus:
                                                 updated=time.time())
             layout.write_manifest(self.path, self.manifest)
             if self._owns_engine and self._engine is not None:
-                self._engine.recovery = chosen or Recovery.parse(DEFAULT_RECOVERY)
+                self._engine.recovery = chosen  # None: the engine's own default (its adapter's, else DEFAULT_RECOVERY)
         return self.manifest.recovery
 
     def _ingest(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
@@ -325,11 +356,14 @@ class Corpus:
         return retrieval.search(self.index, self._lock, self.embedder, self.table, question, k)
 
     def retrieve(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (),
-                 max_new_tokens: int = 256) -> list[Hit]:
-        """`search`, then the lowest-scoring hits dropped until the prompt (instructions, modules,
-        `history`, question) and `max_new_tokens` fit the model's context window: what `ask` imports.
-        `ContextWindowExceeded` when not even the best hit fits."""
-        found = self.search(question, k)
+                 max_new_tokens: int = 256, min_score: float | None = None) -> list[Hit]:
+        """`search`, less the hits scoring below `min_score`, then the lowest-scoring hits dropped until
+        the prompt (instructions, modules, `history`, question) and `max_new_tokens` fit the model's
+        context window: what `ask` imports. `ContextWindowExceeded` when not even the best hit fits;
+        empty when none scores `min_score`."""
+        found = retrieval.above(self.search(question, k), min_score)
+        if not found:
+            return []
         engine = self._loaded_engine()
         hits = retrieval.fit(
             found, [self.table.module(m)[1] for m, _ in found], lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False)),
@@ -337,16 +371,18 @@ class Corpus:
             window=getattr(engine, "context_window", 0) or 1 << 30)
         return [Hit(m, self.label(m), s) for m, s in hits]
 
-    def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *, max_new_tokens: int = 256) -> Retrieved:
+    def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *, max_new_tokens: int = 256,
+                       min_score: float | None = None) -> Retrieved:
         """A conversation's retrieval: `turns` (role, text), the last one the user's question → its hits
-        (`retrieve`, every earlier turn's text counted against the window) and the order to import them
-        in, which follows earlier user turns' retrievals (`keep_order`: a follow-up's prompt then starts
-        with the previous one's). Earlier turns' retrievals are remembered, so each turn searches once;
-        what `ask` with history and `CorpusChat` both use."""
+        (`retrieve`, every earlier turn's text counted against the window; those scoring below `min_score`
+        dropped, none left when none scores it) and the order to import them in, which follows earlier
+        user turns' retrievals (`keep_order`: a follow-up's prompt then starts with the previous one's).
+        Earlier turns' retrievals are remembered, so each turn searches once; what `ask` with history and
+        `CorpusChat` both use."""
         with self._lock:
             return self._conversations.retrieve(
                 turns, k, max_new_tokens,
-                lambda q, history: self.retrieve(q, k, history=history, max_new_tokens=max_new_tokens))
+                lambda q, history: self.retrieve(q, k, history=history, max_new_tokens=max_new_tokens), min_score)
 
     def label(self, module_id: str) -> str:
         """The name of the document a module came from, as `documents()` and answers' sources show it."""
@@ -383,9 +419,11 @@ class Corpus:
         return list(module_ids)[::-1]
 
     def ask(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (), stream: bool = False,
-            max_new_tokens: int = 256, **sampling: object) -> Answer | AnswerStream:
+            max_new_tokens: int = 256, min_score: float | None = None, **sampling: object) -> Answer | AnswerStream:
         """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
-        `AnswerStream` (iterate for text; `.answer` when done). `sampling`: the engine's (temperature,
+        `AnswerStream` (iterate for text; `.answer` when done). With `min_score`, a question no chunk
+        scores at least that for (cosine) is answered `retrieval.NOT_FOUND` without generating
+        (`Answer.path` "none"). `sampling`: the engine's (temperature,
         stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM, and the
         answer ends at a repeated sentence unless `stop_repeats=False`."""
         sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
@@ -396,8 +434,11 @@ class Corpus:
         # a follow-up over the same modules keeps the earlier turns' import order: its prompt then
         # starts with the previous turn's, which the engine's prefix cache reuses (retrieval.keep_order)
         turns = [t for u, a in history for t in (("user", u), ("assistant", a))]
-        found = self.retrieve_turns([*turns, ("user", question)], k, max_new_tokens=max_new_tokens)
+        found = self.retrieve_turns([*turns, ("user", question)], k, max_new_tokens=max_new_tokens, min_score=min_score)
         hits = found.hits
+        if not hits:
+            out = AnswerStream(fixed_stream(retrieval.NOT_FOUND), [], [], "")
+            return out if stream else out.consume()
         prompt = self.prompt(question, self.order(found.order), history)
         engine = self.prepare()
         out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling),
@@ -417,7 +458,8 @@ class Corpus:
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
             "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "recovery": m.recovery, "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
+            "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
+            "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,
         }

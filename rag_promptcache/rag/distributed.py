@@ -44,7 +44,7 @@ import numpy as np
 
 from rag_promptcache.rag.corpus_store import AT_REST_CODEC, open_store
 from rag_promptcache.rag.encoding import Batch, encode_modules
-from rag_promptcache.rag.models import load_embedder, load_engine
+from rag_promptcache.rag.models import adapter_to_load, load_embedder, load_engine
 from rag_promptcache.rag.records import Manifest
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class EncodeWorker:
         self.spec = spec
         self.collect = _Collect() if spec.collect else None
         store = self.collect or open_store(Path(spec.disk) if spec.disk else None, None, spec.redis, m.name)
-        self.engine = load_engine(m.model, store, m.mode, m.dtype)
+        self.engine = load_engine(m.model, store, m.mode, m.dtype, adapter_to_load(m, Path(spec.disk or m.name)))
         if self.engine.fingerprint != m.fingerprint:
             raise ValueError(f"worker on {os.uname().nodename} loaded {m.model!r} with fingerprint "
                              f"{self.engine.fingerprint[:16]}, the corpus was built with {m.fingerprint[:16]}")

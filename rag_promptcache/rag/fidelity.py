@@ -2,10 +2,13 @@
 
 For each question: retrieve k modules, build the prompt, generate greedily once with full prefill
 (`use_cache=False`, the reference) and once per recovery setting from the cache. With an expected
-answer, an answer is right when it contains it (`answer_contains`); without one, only agreement with
+answer (or several), an answer is right when it states one of them (`answer_contains`: case, thousands
+separators, "%"/"percent" and number words do not matter); without one, only agreement with
 full prefill's text is measured, on the whole answer (up to `max_new_tokens`). `fastest_retaining`
-is the one rule a setting is recommended by (`eval`) and the engine default was chosen by (the bench's
-`fidelity` scenario, docs/FIDELITY.md): the fastest that keeps >= 95% of full prefill's right answers.
+is the one rule a setting is recommended by (`eval`) and the engine default is chosen by (the bench's
+`fidelity` scenario, docs/FIDELITY.md): the fastest that keeps >= 95% of full prefill's right answers,
+paired (`SettingReport.kept`: a question full prefill answers right and the cache wrong is lost even
+when another question only the cache answers right would make the totals match).
 `rag-promptcache eval` and the bench both use this module. Not here: reading question files (cli/),
 generating benchmark data (bench/fidelity_data.py), writing the choice into a corpus (`Corpus.set_recovery`).
 """
@@ -29,19 +32,31 @@ TARGET_RETAINED = 0.95  # of full prefill's right answers a recommended setting 
 K = TypeVar("K", bound=Hashable)
 
 
-def fastest_retaining(retained: Mapping[K, float | None], speedup: Mapping[K, float], *,
+def fastest_retaining(kept: Mapping[K, float | None], speedup: Mapping[K, float], *,
                       target: float = TARGET_RETAINED, min_speedup: float = 0.0) -> K | None:
-    """The rule: of the settings whose `retained` (cached right answers / full prefill's; None: not
-    measurable) is at least `target` and whose speed-up is at least `min_speedup`, the fastest.
+    """The rule: of the settings whose share kept (`SettingReport.kept`: of full prefill's right answers,
+    the share the setting also gets right; None: not measurable) is at least `target` and whose speed-up is at least `min_speedup`, the fastest.
     None when no setting qualifies. Keys are whatever names a setting (a recovery, or mode and recovery)."""
-    met = [s for s, r in retained.items() if r is not None and r >= target and speedup.get(s, 0.0) >= min_speedup]
+    met = [s for s, r in kept.items() if r is not None and r >= target and speedup.get(s, 0.0) >= min_speedup]
     return max(met, key=lambda s: speedup[s]) if met else None
 
 
 @dataclass(frozen=True, slots=True)
 class EvalQuestion:
     question: str
-    answer: str | None = None  # None: measure agreement with full prefill only
+    answers: tuple[str, ...] = ()  # an answer stating any one is right; none: agreement with full prefill only
+
+    def __post_init__(self) -> None:
+        if isinstance(self.answers, str):
+            object.__setattr__(self, "answers", (self.answers,))
+
+    @property
+    def expected(self) -> tuple[str, ...] | None:
+        return self.answers or None
+
+    def judge(self, text: str) -> bool | None:
+        """Whether `text` states one of the expected answers; None when there is none."""
+        return any(answer_contains(text, a) for a in self.answers) if self.answers else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +72,7 @@ class Reference:
 
     @property
     def right(self) -> bool | None:
-        return None if self.question.answer is None else answer_contains(self.text, self.question.answer)
+        return self.question.judge(self.text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +89,7 @@ class QuestionResult:
     """One question under one setting: full prefill's and the cached answer side by side."""
 
     question: str
-    expected: str | None
+    expected: tuple[str, ...] | None
     full: str
     cached: str
     full_right: bool | None
@@ -87,7 +102,7 @@ class QuestionResult:
         return self.cached_right is False if self.expected is not None else not self.agrees
 
     def as_dict(self) -> dict[str, object]:
-        return {"question": self.question, "expected": self.expected, "full": self.full, "cached": self.cached,
+        return {"question": self.question, "expected": None if self.expected is None else list(self.expected), "full": self.full, "cached": self.cached,
                 "full_right": self.full_right, "cached_right": self.cached_right, "agrees": self.agrees}
 
 
@@ -129,7 +144,10 @@ class SettingReport:
     @property
     def kept(self) -> float | None:
         """Paired: of the questions full prefill answers right, the share the cached setting answers right
-        too (never above 1, unlike `retained`, which also counts answers only the cache gets right)."""
+        too (never above 1, unlike `retained`, which also counts answers only the cache gets right). The
+        rule's measure. Agreement when no question has an answer; None when full prefill got none right."""
+        if not self.num_with_answer:
+            return self.agreement
         both = sum(bool(r.full_right and r.cached_right) for r in self.results)
         return both / self.full_correct if self.results and self.full_correct else None
 
@@ -146,14 +164,33 @@ class SettingReport:
                 "context_tokens": self.context_tokens}
 
 
+_NUMBER_WORDS = {w: str(n) for n, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+_NUMBER_WORDS.update({"thirty": "30", "forty": "40", "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80",
+                      "ninety": "90", "hundred": "100"})
+
+
+def normalize_answer(text: str) -> str:
+    """The form answers are compared in: lower case, one space between words, no thousands separators
+    (1,234 is 1234), number words up to twenty and the tens as digits, "percent", "per cent" and " %"
+    as "%", no trailing full stop."""
+    flat = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text.lower())
+    flat = re.sub(r"\b[a-z]+\b", lambda m: _NUMBER_WORDS.get(m.group(), m.group()), flat)
+    flat = re.sub(r"(?<=\d)\s*(?:%|per\s*cent\b|pct\b)", "%", flat)
+    return " ".join(flat.split()).rstrip(".")
+
+
 def answer_contains(text: str, expected: str) -> bool:
-    """Whether `text` states `expected` as a whole word or number (1,234 counts as 1234), any case."""
-    flat = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
-    return re.search(rf"(?<!\w){re.escape(expected.strip())}(?!\w)", flat, re.IGNORECASE) is not None
+    """Whether `text` states `expected` as a whole word or number, compared as `normalize_answer` writes
+    both: "7% of salary" states "7 percent", "Seven" states "7", "1,234" states "1234"."""
+    want = normalize_answer(expected)
+    return bool(want) and re.search(rf"(?<!\w){re.escape(want)}(?!\w)", normalize_answer(text)) is not None
 
 
 def read_questions(path: str | Path) -> list[EvalQuestion]:
-    """JSON lines, each {"question": ..., "answer": optional}; blank lines skipped."""
+    """JSON lines, each {"question": ..., "answer": optional: a string, a number or a list of them (any one
+    stated is right)}; blank lines skipped."""
     out: list[EvalQuestion] = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -165,9 +202,11 @@ def read_questions(path: str | Path) -> list[EvalQuestion]:
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
             raise ValueError(f'{path}:{n}: each line is {{"question": "...", "answer": "..." (optional)}}')
         answer = row.get("answer")
-        if answer is not None and (not isinstance(answer, (str, int, float)) or not str(answer).strip()):
-            raise ValueError(f"{path}:{n}: answer must be a non-empty string or number, got {answer!r}")
-        out.append(EvalQuestion(row["question"], None if answer is None else str(answer)))
+        answers = [] if answer is None else answer if isinstance(answer, list) else [answer]
+        if answer is not None and (not answers or any(
+                isinstance(a, bool) or not isinstance(a, (str, int, float)) or not str(a).strip() for a in answers)):
+            raise ValueError(f"{path}:{n}: answer must be a non-empty string or number, or a list of them, got {answer!r}")
+        out.append(EvalQuestion(row["question"], tuple(str(a).strip() for a in answers)))
     if not out:
         raise ValueError(f"{path} holds no questions")
     return out
@@ -200,27 +239,27 @@ def answer(engine: PromptCache, ref: Reference, recovery: str, max_new_tokens: i
            stop: tuple[str, ...] = ()) -> Outcome:
     """One reference's prompt answered from the cache with `recovery`, judged against full prefill's answer."""
     res = engine.generate(ref.prompt, recovery=recovery, max_new_tokens=max_new_tokens, stop=stop)
-    right = None if ref.question.answer is None else answer_contains(res.text, ref.question.answer)
+    right = ref.question.judge(res.text)
     return Outcome(recovery, res.text, right, res.text.strip() == ref.text.strip(), res.ttft_s)
 
 
 def summarize(recovery: str, k: int, refs: Sequence[Reference], outcomes: Sequence[Outcome]) -> SettingReport:
     assert len(refs) == len(outcomes) > 0, f"{len(refs)=} {len(outcomes)=}"
-    answered = [(r, o) for r, o in zip(refs, outcomes) if r.question.answer is not None]
+    answered = [(r, o) for r, o in zip(refs, outcomes) if r.question.answers]
     return SettingReport(
         recovery=recovery, k=k, num_questions=len(refs), num_with_answer=len(answered),
         full_correct=sum(bool(r.right) for r, _ in answered), cached_correct=sum(bool(o.right) for _, o in answered),
         agreement=sum(o.agrees for o in outcomes) / len(outcomes),
         full_ttft_s=statistics.median(r.ttft_s for r in refs), cached_ttft_s=statistics.median(o.ttft_s for o in outcomes),
         context_tokens=sum(r.context_tokens for r in refs) / len(refs),
-        results=tuple(QuestionResult(r.question.question, r.question.answer, r.text.strip(), o.text.strip(), r.right,
+        results=tuple(QuestionResult(r.question.question, r.question.expected, r.text.strip(), o.text.strip(), r.right,
                                      o.right, o.agrees) for r, o in zip(refs, outcomes)),
     )
 
 
 def recommend(reports: Sequence[SettingReport]) -> SettingReport | None:
-    """The setting `fastest_retaining` picks among these (one k), or None when none keeps the target."""
-    best = fastest_retaining({r.recovery: r.retained for r in reports}, {r.recovery: r.speedup for r in reports})
+    """The setting `fastest_retaining` picks among these (one k) by `kept`, or None when none keeps the target."""
+    best = fastest_retaining({r.recovery: r.kept for r in reports}, {r.recovery: r.speedup for r in reports})
     return next((r for r in reports if r.recovery == best), None)
 
 

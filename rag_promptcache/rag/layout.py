@@ -33,7 +33,8 @@ STORE = "store"
 
 
 class CorpusWarning(UserWarning):
-    """A corpus file was damaged and has been rebuilt from the others (nothing was lost)."""
+    """What the user of a corpus should know: a file was damaged and has been rebuilt from the others
+    (nothing was lost), or it was encoded without the tuned adapter its model now ships with."""
 
 
 def is_corpus(path: str | os.PathLike[str]) -> bool:

@@ -1,7 +1,9 @@
 """Turn paths and in-memory documents into `Document`s whose text is read lazily, in blocks.
 
 Plain text, Markdown, JSON Lines stream with bounded memory (one block or one line at a time);
-HTML, PDF and whole-file JSON are read per file. LangChain `Document`s and LlamaIndex nodes are
+HTML, PDF and whole-file JSON are read per file. A text or HTML file that is not UTF-8 is read in the
+encoding `charset-normalizer` detects, with one warning naming it (JSON must be UTF-8). PDF parser
+messages about a broken file are silenced: the one warning that skips the file says it. LangChain `Document`s and LlamaIndex nodes are
 accepted by duck typing (`page_content`/`metadata`, `get_content()`/`metadata`): the frameworks are
 never imported here. Not here: chunking, deduplication, deciding what changed (see `corpus.py`).
 """
@@ -9,7 +11,9 @@ never imported here. Not here: chunking, deduplication, deciding what changed (s
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -18,13 +22,14 @@ from pathlib import Path
 
 from rag_promptcache.rag.records_loader import record_documents
 
+MAX_CHAOS = 0.05  # charset-normalizer's mess ratio past which a guessed encoding is rejected
 BLOCK_CHARS = 1 << 20  # how much text a streaming reader hands on at a time
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 SUFFIXES = (*TEXT_SUFFIXES, ".html", ".htm", ".pdf", ".json", ".jsonl")
 
 
 class LoaderWarning(UserWarning):
-    """A file skipped during loading; one per file."""
+    """A file skipped during loading, or read in an encoding other than UTF-8; one per file."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,24 +128,33 @@ def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> D
     if size == 0:
         _skip(report, path, "empty file")
         return None
+    encoding = "utf-8"
     if suffix != ".pdf":
         problem = _sniff_text(path)
-        if problem:
+        if problem.startswith("not UTF-8"):
+            detected = _detect_encoding(path)
+            if detected is None:
+                _skip(report, path, f"{problem}, and no other text encoding fits")
+                return None
+            encoding = detected
+            warnings.warn(f"{path}: not UTF-8; read as {encoding} (detected)", LoaderWarning, stacklevel=3)
+        elif problem:
             _skip(report, path, problem)
             return None
     digest = _hash_file(path)
     kind = suffix.lstrip(".")
     readers: dict[str, Callable[[], Iterator[str]]] = {
-        ".html": lambda: iter([_html_text(path.read_text(encoding="utf-8", errors="replace"))]),
-        ".htm": lambda: iter([_html_text(path.read_text(encoding="utf-8", errors="replace"))]),
+        ".html": lambda: iter([_html_text(path.read_text(encoding=encoding, errors="replace"))]),
+        ".htm": lambda: iter([_html_text(path.read_text(encoding=encoding, errors="replace"))]),
         ".pdf": lambda: _pdf_pages(path),
     }
-    reader = readers.get(suffix, lambda: _text_blocks(path))
+    reader = readers.get(suffix, lambda: _text_blocks(path, encoding))
     if suffix == ".pdf":
         try:
             import pypdf
 
-            pypdf.PdfReader(path)
+            with _quiet_pdf_parser():
+                pypdf.PdfReader(path)
         except Exception as e:  # noqa: BLE001 - any parse failure means "not a PDF we can read"
             _skip(report, path, f"unreadable PDF: {type(e).__name__}")
             return None
@@ -167,6 +181,27 @@ def _sniff_text(path: Path) -> str:
     return ""
 
 
+def _detect_encoding(path: Path) -> str | None:
+    """The text encoding `charset-normalizer` finds most plausible for a file, or None when none reads
+    as text without noise (its `chaos` above MAX_CHAOS: stray bytes, not another encoding)."""
+    from charset_normalizer import from_path
+
+    best = from_path(path).best()
+    return None if best is None or best.chaos > MAX_CHAOS else best.encoding
+
+
+@contextlib.contextmanager
+def _quiet_pdf_parser() -> Iterator[None]:
+    """pypdf's own log lines about a broken file ("invalid pdf header", ...) off while it reads one."""
+    logger = logging.getLogger("pypdf")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _hash_file(path: Path, extra: str = "") -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(extra.encode())
@@ -176,8 +211,8 @@ def _hash_file(path: Path, extra: str = "") -> str:
     return h.hexdigest()
 
 
-def _text_blocks(path: Path) -> Iterator[str]:
-    with path.open("r", encoding="utf-8", newline="") as f:
+def _text_blocks(path: Path, encoding: str = "utf-8") -> Iterator[str]:
+    with path.open("r", encoding=encoding, newline="") as f:
         while block := f.read(BLOCK_CHARS):
             yield block.replace("\r\n", "\n")
 
@@ -210,9 +245,10 @@ def _paragraphs(lines: Iterable[str]) -> str:
 def _pdf_pages(path: Path) -> Iterator[str]:
     import pypdf
 
-    reader = pypdf.PdfReader(path)
-    for page in reader.pages:
-        text = (page.extract_text() or "").strip()
+    with _quiet_pdf_parser():
+        reader = pypdf.PdfReader(path)
+        pages = [(page.extract_text() or "").strip() for page in reader.pages]
+    for text in pages:
         if text:
             yield text + "\n\n"
 

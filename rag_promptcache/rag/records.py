@@ -36,6 +36,11 @@ class Manifest:
     # The recovery `eval --apply` chose for this corpus, the default of its engine and of `ask`;
     # None (and manifests before it): the engine's own default.
     recovery: str | None = None
+    # The tuned adapter merged into the model when the modules were encoded (model/adapter.py): its name,
+    # or "none" for the base model; None (manifests before it): the base model, from before adapters shipped.
+    adapter: str | None = None
+    adapter_digest: str | None = None  # what the adapter's files hash to: a reopen loads only this one
+    adapter_path: str | None = None  # where it was loaded from (an adapter that ships is found by digest first)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -23,6 +23,8 @@ from rag_promptcache.rag.table import ChunkTable
 
 TEMPLATE_TOKENS = 32  # room for the chat template's role markup around the turns
 RETRIEVALS_KEPT = 256  # conversation turns whose retrieval `Conversations` remembers (for the order of follow-ups)
+# The answer, given without generating, when no chunk scores at least a caller's `min_score`.
+NOT_FOUND = "Not found in the documents."
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +70,17 @@ def fit(
         raise ContextWindowExceeded(
             f"the prompt needs {fixed + best} tokens ({named}) plus max_new_tokens {max_new}: "
             f"{fixed + best + max_new}, more than the model's {window}-token window; "
-            + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question")
+            + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question"),
+            max_new_fits=window - fixed - best if window > fixed + best else None,
         )
     return hits
+
+
+def above(hits: list[tuple[str, float]], min_score: float | None) -> list[tuple[str, float]]:
+    """The hits scoring at least `min_score` (None: all of them)."""
+    if min_score is not None and not -1.0 <= min_score <= 1.0:
+        raise ValueError(f"min_score is a cosine similarity between -1 and 1, got {min_score}")
+    return hits if min_score is None else [(m, s) for m, s in hits if s >= min_score]
 
 
 def keep_order(rankings: Sequence[Sequence[str]]) -> list[str]:
@@ -115,11 +125,17 @@ class Conversations:
         self._kept: OrderedDict[tuple[object, ...], list[Hit]] = OrderedDict()
         self.num_searches = 0
 
-    def retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve) -> Retrieved:
-        """`turns` (role, text), the last one the user's question → its retrieval and the import order."""
+    def retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve,
+                 min_score: float | None = None) -> Retrieved:
+        """`turns` (role, text), the last one the user's question → its retrieval (less the hits scoring
+        below `min_score`; empty when none does) and the import order."""
         assert turns and turns[-1][0] == "user", f"{turns[-1:]=}"
         users = [i for i, (role, _) in enumerate(turns) if role == "user"]
         rankings = [self._one(turns[: i + 1], k, max_new_tokens, search, fresh=i == users[-1]) for i in users]
+        scored = dict(above([(h.module_id, h.score) for h in rankings[-1]], min_score))
+        rankings[-1] = [h for h in rankings[-1] if h.module_id in scored]
+        if not rankings[-1]:
+            return Retrieved((), ())
         return Retrieved(tuple(rankings[-1]), tuple(keep_order([[h.module_id for h in r] for r in rankings])))
 
     def _one(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve,

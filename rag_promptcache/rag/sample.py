@@ -11,6 +11,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rag_promptcache.rag.corpus import Corpus
+
+SOURCE_PREFIX = "pydoc_data.topics/"  # every sample document's source starts with it
 
 TOPICS = (
     "for", "while", "if", "else", "break", "continue", "pass", "try", "raise", "exceptions", "assert",
@@ -41,7 +47,32 @@ def topic_texts(names: Sequence[str] | None = None) -> dict[str, str]:
 
 
 def sample_documents(names: Sequence[str] = TOPICS) -> list[SampleDocument]:
-    return [SampleDocument(text, {"source": f"pydoc_data.topics/{name}"}) for name, text in topic_texts(names).items()]
+    return [SampleDocument(text, {"source": f"{SOURCE_PREFIX}{name}"}) for name, text in topic_texts(names).items()]
+
+
+def sample_corpus(path: str | os.PathLike[str], topics: int | None = None, **build: object) -> Corpus:
+    """The sample corpus at `path` (the first `topics` topics; None: all): built there, or, where one is
+    already, opened and given the topics it lacks. A corpus holding any other document is refused with a
+    ValueError: the examples and the demo never write into a user's own corpus."""
+    from rag_promptcache.rag.corpus import Corpus
+    from rag_promptcache.rag.layout import is_corpus
+
+    if is_corpus(path):
+        existing = Corpus.open(path)
+        try:
+            check_sample(existing)
+        finally:
+            existing.close()
+    return Corpus.build(sample_documents()[:topics], path, **build)  # creates, or adds what is new
+
+
+def check_sample(corpus: Corpus) -> None:
+    """ValueError unless every document of `corpus` is a sample document (one the demo or an example added)."""
+    foreign = [str(d["name"]) for d in corpus.documents() if not str(d["source"]).startswith(SOURCE_PREFIX)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"{corpus.path} is a corpus with documents of its own ({shown}); the demo and the examples "
+                         f"build and use their own sample corpus: pass a new directory with --corpus (default: {demo_home()})")
 
 
 def demo_home() -> Path:

@@ -11,7 +11,6 @@ then exits 0 (uvicorn alone re-raises the signal: exit 143), Ctrl-C 130.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -29,7 +28,8 @@ INSTALL_HINT = "the server needs its extra: pip install 'rag-promptcache[server]
 
 def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_queue: int = 64,
           redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
-          prefill_chunk: int | None = None) -> tuple[FastAPI, Batcher, CorpusChat]:
+          prefill_chunk: int | None = None, min_score: float | None = None,
+          adapter: str | None = "default") -> tuple[FastAPI, Batcher, CorpusChat]:
     """Open `corpus` (a path, or a corpus already opened), load its model, start its scheduler, and return
     (app, scheduler, chat). Close the scheduler and the corpus when done."""
     try:
@@ -41,7 +41,7 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
 
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    c = corpus if isinstance(corpus, Corpus) else Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    c = corpus if isinstance(corpus, Corpus) else Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
         chat = CorpusChat(c)  # loads the model and compiles the corpus schema before the first request
     except BaseException:
@@ -54,7 +54,7 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
         raise
     model_id = c.path.resolve().name
     try:
-        return create_app(chat, batcher, model_id=model_id, k=k, api_key=api_key), batcher, chat
+        return create_app(chat, batcher, model_id=model_id, k=k, api_key=api_key, min_score=min_score), batcher, chat
     except BaseException:
         batcher.close()
         c.close()
@@ -63,13 +63,16 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
 
 def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: int = 4, max_batch: int = 8,
           max_queue: int = 64, redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
-          prefill_chunk: int | None = None, shutdown_timeout: float = 30, log: Callable[[str], None] = print,
+          prefill_chunk: int | None = None, shutdown_timeout: float = 30, min_score: float | None = None,
+          log_level: str = "info", log_format: str = "text", adapter: str | None = "default",
+          log: Callable[[str], None] = print,
           say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
     """Run until SIGTERM or Ctrl-C; `log` gets the start-up line, `say` (stderr) the shutdown steps."""
     try:
         import uvicorn
         from sse_starlette.sse import AppStatus
 
+        from rag_promptcache.server.access_log import configure as configure_logging
         from rag_promptcache.server.lifecycle import GracefulServer, bind
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"{INSTALL_HINT} ({e.name} is missing)") from e
@@ -77,26 +80,25 @@ def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: i
     from rag_promptcache.rag import Corpus
 
     # the quick checks first, each one line: the corpus (no model loaded yet), then the port
-    opened = Corpus.open(corpus, redis_url=redis_url, dtype=dtype)
+    opened = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
         sock = bind(host, port)
     except BaseException:
         opened.close()
         raise
-    errors = logging.getLogger("rag_promptcache.server")  # 500s: a request id and the traceback, on stderr
-    if not errors.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        errors.addHandler(handler)
+    # on stderr: one access line per request, and a 500's request id with its traceback
+    configure_logging(log_level, log_format)
     try:
         app, batcher, chat = build(opened, k=k, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-                                   prefill_chunk=prefill_chunk)
+                                   prefill_chunk=prefill_chunk, min_score=min_score)
     except BaseException:
         sock.close()
         raise
     model_id = chat.corpus.path.resolve().name
     bound = sock.getsockname()[1]
-    log(f"serving corpus {chat.corpus.path} as model {model_id!r} ({chat.corpus.engine.model_name}, "
+    tuned = chat.corpus.engine.adapter_name
+    log(f"serving corpus {chat.corpus.path} as model {model_id!r} ({chat.corpus.engine.model_name}"
+        f"{f' with adapter {tuned}' if tuned else ''}, "
         f"k={k}, max batch {max_batch}, queue {max_queue}{', API key required' if api_key else ''}) "
         f"on http://{host}:{bound}/ (chat page) and http://{host}:{bound}/v1")
     # sse-starlette would end every open stream at the first signal; let them finish within the timeout instead

@@ -2,7 +2,8 @@
 
     GET  /                      the chat page (static/index.html: one file, no build step)
     GET  /v1/models             the one model; its id is the corpus directory's name, its `schema` the
-                                PML schema name that /v1/completions prompts import modules from
+                                PML schema name that /v1/completions prompts import modules from, its
+                                `adapter` the tuned adapter merged into the model (null: the base model)
     POST /v1/chat/completions   retrieve k modules, answer from their cached KV (SSE when stream)
     POST /v1/completions        a raw prompt: PML or plain text
     POST /v1/embeddings         the corpus's embedder (server/embeddings.py)
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
 
@@ -35,10 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rag_promptcache.engine import ContextWindowExceeded
 from rag_promptcache.engine.batcher import Batcher, Handle
-from rag_promptcache.engine.result import Result
+from rag_promptcache.engine.result import Result, fixed_stream
 from rag_promptcache.engine.scheduler import QueueFull
 from rag_promptcache.rag.chat import ChatPrompt, CorpusChat
+from rag_promptcache.rag.retrieval import NOT_FOUND
 from rag_promptcache.server import protocol as p
+from rag_promptcache.server.access_log import AccessLog, new_request_id
 from rag_promptcache.server.auth import RequireKey
 from rag_promptcache.server.embeddings import Embeddings
 from rag_promptcache.server.metrics import CountStatuses, Metrics
@@ -54,9 +56,10 @@ class ApiError(Exception):
         self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
 
 
-def internal_error(where: str, e: BaseException) -> tuple[str, dict[str, object]]:
-    """Log the traceback under a new request id; the client gets the id, never the exception's text."""
-    rid = uuid.uuid4().hex[:16]
+def internal_error(where: str, e: BaseException, rid: str | None = None) -> tuple[str, dict[str, object]]:
+    """Log the traceback under the request's id (a new one without); the client gets the id, never the
+    exception's text."""
+    rid = rid or new_request_id()
     log.error("internal error in %s (request id %s)", where, rid, exc_info=e)
     return rid, p.error(f"internal error (request id {rid}); the server's log has the details", "server_error")
 
@@ -65,16 +68,40 @@ def page() -> str:
     return resources.files("rag_promptcache.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
 
-def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4, api_key: str | None = None) -> FastAPI:
+class NotFound:
+    """A handle for the answer given without generating when no chunk scores `min_score`: no batcher row."""
+
+    def __init__(self) -> None:
+        self._stream = fixed_stream(NOT_FOUND)
+        self.result: Result | None = None
+
+    def __aiter__(self) -> NotFound:
+        return self
+
+    async def __anext__(self) -> str:
+        piece = next(self._stream, None)
+        if piece is None:
+            self.result = self._stream.result
+            raise StopAsyncIteration
+        return piece
+
+    def cancel(self) -> None:
+        pass
+
+
+def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4, api_key: str | None = None,
+               min_score: float | None = None) -> FastAPI:
     app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
     if api_key is not None:
         app.add_middleware(RequireKey, key=api_key)
     metrics = Metrics(batcher, chat.corpus.engine)
     app.add_middleware(CountStatuses, metrics=metrics)  # outside the key check: 401s are counted too
+    app.add_middleware(AccessLog)  # outermost: it logs the 401s too
     schema = chat.corpus.manifest.name
     aliases = {model_id, schema, chat.corpus.engine.model_name}
     window = chat.corpus.engine.context_window
     embeddings = Embeddings(chat.corpus.embedder)
+    adapter = chat.corpus.engine.adapter_name  # the tuned adapter merged into the weights; None: the base model
     html = page()  # read once: a missing file fails at start-up, not on the first visit
 
     @app.exception_handler(ApiError)
@@ -85,10 +112,10 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {first.get('msg')}"
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            at = f" at byte {loc[0]}" if loc else ""
+            return JSONResponse(p.error(f"the body is not valid JSON{at}: {first.get('msg')}"), status_code=400)
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
         return JSONResponse(p.error(message, param=".".join(loc) or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -97,7 +124,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        rid, body = internal_error(f"{request.method} {request.url.path}", e)
+        rid, body = internal_error(f"{request.method} {request.url.path}", e, getattr(request.state, "request_id", None))
         return JSONResponse(body, status_code=500, headers={"x-request-id": rid})
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -119,7 +146,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
                                             "owned_by": "rag-promptcache", "root": chat.corpus.engine.model_name,
                                             "max_model_len": window, "schema": schema,
-                                            "embedder": embeddings.name}]}
+                                            "embedder": embeddings.name, "adapter": adapter}]}
 
     def check(body: p._Generation | p.EmbeddingRequest, *extra: str) -> None:
         if body.model not in aliases | set(extra):
@@ -129,9 +156,11 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
     async def submit(build: Callable[[], ChatPrompt], body: p._Generation,
-                     max_tokens: int | None) -> tuple[Handle, ChatPrompt, list[dict[str, object]]]:
-        def work() -> tuple[Handle, ChatPrompt, list[dict[str, object]]]:
+                     max_tokens: int | None) -> tuple[Handle | NotFound, ChatPrompt, list[dict[str, object]]]:
+        def work() -> tuple[Handle | NotFound, ChatPrompt, list[dict[str, object]]]:
             built = build()
+            if built.not_found:
+                return NotFound(), built, []
             found = p.sources(built.sources, chat.corpus.text)
             return batcher.submit(built.prompt, recovery=body.recovery, ignore_eos=body.ignore_eos,
                                   **body.sampling(max_tokens)), built, found
@@ -140,8 +169,11 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
         except QueueFull as e:
             raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-        except ContextWindowExceeded as e:
-            raise ApiError(400, str(e), code="context_length_exceeded") from e
+        except ContextWindowExceeded as e:  # the engine's option is max_new_tokens; the API's, max_tokens
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            prompt_field = "messages" if isinstance(body, p.ChatRequest) else "prompt"
+            raise ApiError(400, str(e).replace("max_new_tokens", field), code="context_length_exceeded",
+                           param=field if e.max_new_fits else prompt_field) from e
         except ValueError as e:
             # a schema the grammar library cannot use is found at submit; its message starts with the field
             raise ApiError(400, str(e), param="response_format" if str(e).startswith("response_format") else None) from e
@@ -151,8 +183,9 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
         check(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         handle, built, found = await submit(lambda: chat.chat_prompt(
-            body.turns(), k=body.k or k, module_ids=body.module_ids,
-            max_new_tokens=max_tokens or p.DEFAULT_MAX_TOKENS), body, max_tokens)
+            body.turns(), k=body.k or k, module_ids=body.module_ids, max_new_tokens=max_tokens or p.DEFAULT_MAX_TOKENS,
+            min_score=min_score if body.min_score is None else body.min_score), body, max_tokens)
+        request.state.handle = handle  # the access log reads its result
         rid = p.new_id("chatcmpl")
         if not body.stream:
             result = await _drain(metrics.pieces(handle), handle, request)
@@ -178,6 +211,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from e
         handle, _, _ = await submit(lambda: chat.completion_prompt(text), body, body.max_tokens)
+        request.state.handle = handle
         rid = p.new_id("cmpl")
         if not body.stream:
             return p.completion_response(rid, model_id, await _drain(metrics.pieces(handle), handle, request))
@@ -209,7 +243,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
     return app
 
 
-def _sse(events: AsyncIterator[str], handle: Handle) -> EventSourceResponse:
+def _sse(events: AsyncIterator[str], handle: Handle | NotFound) -> EventSourceResponse:
     async def framed() -> AsyncIterator[dict[str, str]]:
         try:
             async for data in events:
@@ -225,7 +259,7 @@ def _sse(events: AsyncIterator[str], handle: Handle) -> EventSourceResponse:
     return EventSourceResponse(framed(), ping=15)
 
 
-async def _drain(pieces: AsyncIterator[str], handle: Handle, request: Request) -> Result:
+async def _drain(pieces: AsyncIterator[str], handle: Handle | NotFound, request: Request) -> Result:
     """Wait for the whole answer (`pieces`: the handle's); a client that hangs up meanwhile cancels it."""
     done = asyncio.ensure_future(_consume(pieces, handle))
     try:
@@ -241,7 +275,7 @@ async def _drain(pieces: AsyncIterator[str], handle: Handle, request: Request) -
             handle.cancel()
 
 
-async def _consume(pieces: AsyncIterator[str], handle: Handle) -> Result:
+async def _consume(pieces: AsyncIterator[str], handle: Handle | NotFound) -> Result:
     async for _ in pieces:
         pass
     assert handle.result is not None

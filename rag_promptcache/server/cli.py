@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, RedisOpt
+from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt
 
 
 def register(app: typer.Typer) -> None:
@@ -16,28 +16,47 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
     def serve(
-        corpus: Annotated[Path, typer.Option("--corpus", help="The corpus directory to answer from.")],
+        corpus: Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory to answer from.", file_okay=False)],
         host: Annotated[str, typer.Option("--host", help="Interface to listen on (no TLS: keep it on loopback or behind a proxy).")] = "127.0.0.1",
-        port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
-        k: Annotated[int, typer.Option("--k", "-k", min=1, help="Chunks retrieved per question (a request's `k` overrides it).")] = 4,
-        max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together.")] = 8,
-        max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a row; past it, 429 with Retry-After.")] = 64,
+        port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 8000,
+        k: Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve per question (a request's `k` overrides it).")] = 4,
+        max_batch: Annotated[int, typer.Option("--max-batch", help="Requests decoded together.")] = 8,
+        max_queue: Annotated[int, typer.Option("--max-queue", help="Requests waiting for a row; past it, 429 with Retry-After.")] = 64,
         prefill_chunk: Annotated[int | None, typer.Option(
-            "--prefill-chunk", min=1, envvar="RAG_PROMPTCACHE_PREFILL_CHUNK", show_envvar=True,
+            "--prefill-chunk", envvar="RAG_PROMPTCACHE_PREFILL_CHUNK", show_envvar=True,
             help="Run a new request's prefill N tokens at a time with the running requests' decode steps: bounds how "
                  "long their streams stall, at some cost to throughput on a CPU [default: whole prefills].")] = None,
         redis_url: RedisOpt = None,
         dtype: DtypeOpt = None,
+        adapter: AdapterOpt = "default",
         api_key: Annotated[str | None, typer.Option(
             "--api-key", envvar="RAG_PROMPTCACHE_API_KEY", show_envvar=True,
             help="Require 'Authorization: Bearer KEY' on every route but /health (the chat page asks for it).")] = None,
         shutdown_timeout: Annotated[float, typer.Option(
-            "--shutdown-timeout", min=0, help="On SIGTERM or Ctrl-C, seconds open requests get to finish before they are cancelled.")] = 30,
+            "--shutdown-timeout", help="On SIGTERM or Ctrl-C, seconds open requests get to finish before they are cancelled.")] = 30,
+        min_score: Annotated[float | None, typer.Option(
+            "--min-score", show_default=False,
+            help="Answer \"Not found in the documents.\" without generating when no chunk scores at least this "
+                 "(cosine similarity, -1 to 1; a request's `min_score` overrides it) [default: off].")] = None,
+        log_level: Annotated[str, typer.Option("--log-level", help="debug, info (one access line per request), warning or error.")] = "info",
+        log_format: Annotated[str, typer.Option("--log-format", help="text, or json (one object per line).")] = "text",
     ) -> None:
         """Serve a corpus over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
         from rag_promptcache.server import serve as run
+        from rag_promptcache.server.access_log import FORMATS, LEVELS
 
+        for name, value, low, high in [("--port", port, 0, 65535), ("-k", k, 1, None), ("--max-batch", max_batch, 1, None),
+                                       ("--max-queue", max_queue, 0, None), ("--prefill-chunk", prefill_chunk, 1, None),
+                                       ("--shutdown-timeout", shutdown_timeout, 0, None), ("--min-score", min_score, -1, 1)]:
+            if value is not None and (value < low or (high is not None and value > high)):
+                raise ValueError(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else "")
+                                 + f", got {value:g}")
+        if log_level not in LEVELS:
+            raise ValueError(f"--log-level {log_level!r}: valid: {', '.join(LEVELS)}")
+        if log_format not in FORMATS:
+            raise ValueError(f"--log-format {log_format!r}: valid: {', '.join(FORMATS)}")
         if api_key is not None and not api_key.strip():
             raise ValueError("--api-key is empty; pass a key or leave it unset")
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
-            api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, log=typer.echo)
+            api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, min_score=min_score,
+            log_level=log_level, log_format=log_format, adapter=adapter, log=typer.echo)

@@ -10,7 +10,8 @@ for, failing far from the cause. `response_format` is implemented: `json_object`
 (engine/grammar.py); a malformed one is refused by name here, a schema the grammar library cannot
 use when the request is submitted.
 
-Our extra request fields: `k`, `module_ids`, `recovery`, `ignore_eos`. Our extra response fields:
+Our extra request fields: `k`, `module_ids`, `min_score` (chat: no chunk scoring it, the answer is
+"Not found in the documents." without generating, `usage.path` "none"), `recovery`, `ignore_eos`. Our extra response fields:
 `sources`, a list of {module_id, label, score, snippet} (in the response, and in the first stream
 chunk), and `usage.ttft_s` (the server's time to the first token).
 Not here: routing and generation (`app.py`).
@@ -134,6 +135,7 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     k: int | None = Field(None, ge=1, le=64)
     module_ids: list[str] | None = None
+    min_score: float | None = Field(None, ge=-1, le=1)
 
     def turns(self) -> list[tuple[str, str]]:
         return [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
@@ -189,7 +191,7 @@ def usage(result: Result) -> dict[str, object]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.num_generated,
             "total_tokens": result.prompt_tokens + result.num_generated,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}, "ttft_s": round(result.ttft_s, 4),
-            "path": result.path}
+            "path": result.path, "adapter": result.adapter}
 
 
 def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[dict[str, object]]:

@@ -31,6 +31,8 @@ def describe(store: Store) -> dict[str, object]:
         if hasattr(store, attr):
             value = getattr(store, attr)
             out[attr] = value if isinstance(value, int | float | str | None) else str(value)
+    if hasattr(store, "corrupt_entries"):
+        out["corrupt"] = store.corrupt_entries()
     if isinstance(store, TieredStore):
         out["tiers"] = [describe(tier) for tier in store.tiers]
     return out
@@ -45,14 +47,15 @@ def verify(store: Store) -> VerifyReport:
 
     Tiers with nothing to verify (memory, null) are skipped: they hold what was put, in process.
     """
-    num_checked, bad = 0, []
+    num_checked, bad, earlier = 0, [], []
     for tier in _leaves(store):
         check = getattr(tier, "verify", None)
         if check is not None:
             report = check()
             num_checked += report.num_checked
             bad += report.bad_keys
-    return VerifyReport(num_checked, tuple(bad))
+            earlier += report.found_earlier
+    return VerifyReport(num_checked, tuple(bad), tuple(earlier))
 
 
 def evict_to(store: Store, num_bytes: int) -> list[str]:

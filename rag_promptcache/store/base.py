@@ -73,6 +73,8 @@ class VerifyReport:
 
     num_checked: int
     bad_keys: tuple[str, ...]
+    # found corrupt earlier, when read (and removed then): {"key", "why", "at"}, as `DiskStore.corrupt_entries`
+    found_earlier: tuple[dict[str, object], ...] = ()
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from . import disk_counts
 from .base import ModuleKV, StoreStats, VerifyReport
 from .codecs import check_codec, decode, encode
 from .eviction import BudgetIndex, Entry, Policy
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 INDEX_VERSION = 1
 SUFFIX = ".safetensors"
 _STALE_TMP_S = 600.0
-STATS_VERSION = 1
 STATS_FLUSH_S = 5.0
 
 
@@ -73,13 +73,13 @@ class DiskStore:
         self._lock = threading.Lock()
         self._error_lock = threading.Lock()
         self._touched: dict[str, float] = {}  # key -> last use, not yet written to index.json
-        self._num_hits = 0  # not yet added into stats.json
-        self._num_misses = 0
+        self._pending = disk_counts.Counts()  # this process's, not yet added into stats.json
         self._stats_path = self.root / "stats.json"
         self._clock = clock  # seconds, for STATS_FLUSH_S; tests pass a fake one instead of sleeping
         self._flushed_at = clock()
         self._num_errors = 0
         self._num_write_errors = 0
+        self._num_corrupt_saved = 0  # this process's corrupt entries added into stats.json (in _num_errors too)
         self._warn = WarnOnce(log)
         self._write_errors: set[int] = set()
         with self._locked():
@@ -103,18 +103,23 @@ class DiskStore:
             enc = load_file(path, key)
         except FileNotFoundError:
             with self._lock:
-                self._num_misses += 1
+                self._pending.num_misses += 1
             self._maybe_flush_counts()
             return None
         except CorruptEntry as e:
-            self._warn(key, "disk store %s: dropping bad entry %s: %s", self.root, key, e)
+            self._warn(key, "disk store %s: dropping bad entry %s (corrupt; recomputed from its text): %s", self.root, key, e)
             self._drop(key, path, inode)
             with self._lock:
-                self._num_misses += 1
-                self._num_errors += 1
+                self._pending.num_misses += 1
+                self._note_corrupt(key, e)
+            try:
+                with self._locked():
+                    self._flush_counts()  # now: `store info` and `store verify` in another process show it
+            except OSError as err:
+                self._write_failed(None, err)
             return None
         with self._lock:
-            self._num_hits += 1
+            self._pending.num_hits += 1
             self._touched[key] = time.time()
         self._maybe_flush_counts()
         kv = decode(enc)
@@ -161,16 +166,22 @@ class DiskStore:
     def stats(self) -> StoreStats:
         with self._locked():
             self._sync()
-            hits, misses = self._saved_counts()
+            saved = self._saved_counts()
             return StoreStats(
                 len(self._index),
                 self._index.num_bytes,
-                hits + self._num_hits,
-                misses + self._num_misses,
+                saved.num_hits + self._pending.num_hits,
+                saved.num_misses + self._pending.num_misses,
                 self._index.num_tokens,
-                self._num_errors,
+                self._num_errors + saved.num_corrupt - self._num_corrupt_saved,
                 self._num_write_errors,
             )
+
+    def corrupt_entries(self) -> list[dict[str, object]]:
+        """The entries found corrupt and removed when read or re-indexed (by any process), oldest first,
+        the last `disk_counts.MAX_CORRUPT_KEPT`: {"key", "why", "at" (unix time)}."""
+        with self._locked():
+            return (self._saved_counts() + self._pending).corrupt
 
     def close(self) -> None:
         with self._locked():
@@ -191,7 +202,9 @@ class DiskStore:
         return [v.key for v in victims]
 
     def verify(self) -> VerifyReport:
-        """Check every file's header and checksum; remove the bad ones. Also re-syncs the index."""
+        """Check every file's header and checksum; remove the bad ones. Also re-syncs the index. The
+        report names the entries found corrupt earlier, when read, too (`corrupt_entries`)."""
+        earlier = tuple(self.corrupt_entries())
         bad = []
         files = list(self._files())
         for key, path in files:
@@ -206,7 +219,7 @@ class DiskStore:
         with self._locked():
             self._rebuild()
             self._save_index()
-        return VerifyReport(len(files), tuple(bad))
+        return VerifyReport(len(files), tuple(bad), earlier)
 
     def keys(self) -> list[str]:
         return [key for key, _ in self._files()]
@@ -298,6 +311,7 @@ class DiskStore:
                 continue
             except (CorruptEntry, ValueError, KeyError) as e:
                 log.warning("disk store %s: removing unreadable entry %s: %s", self.root, key, e)
+                self._note_corrupt(key, e)
                 try:
                     path.unlink(missing_ok=True)
                 except OSError as err:
@@ -315,34 +329,32 @@ class DiskStore:
             return
         self._index_stamp = self._stamp()
 
-    def _saved_counts(self) -> tuple[int, int]:
-        """Under the lock: (hits, misses) in stats.json; zeros if it is missing or unreadable."""
+    def _note_corrupt(self, key: str, why: Exception) -> None:
+        """Under the lock: one corrupt entry found (and removed), for stats.json."""
+        self._num_errors += 1
+        self._pending.num_corrupt += 1
+        self._pending.corrupt.append({"key": key, "why": str(why), "at": round(time.time(), 3)})
+
+    def _saved_counts(self) -> disk_counts.Counts:
+        """Under the lock: the counts in stats.json; zeros if it is missing or unreadable."""
         try:
-            raw = json.loads(self._stats_path.read_bytes())
-            if raw.get("version") != STATS_VERSION:
-                raise ValueError(f"stats version {raw.get('version')!r}, expected {STATS_VERSION}")
-            return int(raw["num_hits"]), int(raw["num_misses"])
-        except FileNotFoundError:
-            return 0, 0
+            return disk_counts.read(self._stats_path)
         except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
             self._warn("stats.json", "disk store %s: unreadable stats.json (%s); counting hits from zero", self.root, e)
-            return 0, 0
+            return disk_counts.Counts()
 
     def _flush_counts(self) -> None:
         """Under the lock: add this process's counts into stats.json (kept here if that fails)."""
         self._flushed_at = self._clock()
-        if not (self._num_hits or self._num_misses):
+        if not self._pending:
             return
-        hits, misses = self._saved_counts()
-        data = {"version": STATS_VERSION, "num_hits": hits + self._num_hits, "num_misses": misses + self._num_misses}
-        tmp = self.root / f".stats.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, self._stats_path)
+            disk_counts.write(self._stats_path, self._saved_counts() + self._pending)
         except OSError as e:
-            self._write_failed(tmp, e)
+            self._write_failed(None, e)
             return
-        self._num_hits = self._num_misses = 0
+        self._num_corrupt_saved += self._pending.num_corrupt
+        self._pending = disk_counts.Counts()
 
     def _maybe_flush_counts(self) -> None:
         if self._clock() - self._flushed_at < STATS_FLUSH_S:

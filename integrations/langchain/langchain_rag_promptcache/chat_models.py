@@ -1,7 +1,11 @@
 """`ChatPromptCache`: a LangChain `BaseChatModel` on a `PromptCache` engine, for chatbots.
 
-Messages become (role, text) turns rendered with the tokenizer's chat template; `format_modules`
-references in any message are imported from the corpus. Text content only. Translation only."""
+Messages become (role, text) turns rendered with the tokenizer's chat template. With a corpus, the
+last user message is the question: the `k` chunks nearest to it are retrieved and their modules
+imported (`rag.chat.CorpusChat`, what the server runs; their labels and scores in
+`response_metadata["sources"]`), unless a message already holds `format_modules` references (a retriever
+chain chose them) or `k=0`. With `min_score`, a question no chunk scores that for is answered "Not found
+in the documents." without generating. Text content only. Translation only."""
 
 from __future__ import annotations
 
@@ -14,9 +18,13 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Usag
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM, build_prompt, generation_options, result_stats
+from rag_promptcache.engine.result import AsyncStream, fixed_stream
+from rag_promptcache.rag.chat import CorpusChat
+from rag_promptcache.rag.prompts import (DEFAULT_NO_REPEAT_NGRAM, REFERENCE, build_prompt, generation_options,
+                                         result_stats)
+from rag_promptcache.rag.retrieval import NOT_FOUND
 
 from langchain_rag_promptcache.modules import engine_of
 
@@ -49,12 +57,15 @@ def _usage(result: Any) -> UsageMetadata:
 
 
 class ChatPromptCache(BaseChatModel):
-    """`ChatPromptCache(corpus=Corpus.open(dir))` or `ChatPromptCache(engine=PromptCache.from_pretrained(…))`."""
+    """`ChatPromptCache(corpus=Corpus.open(dir), k=4)` (answers from the corpus: retrieves for each question)
+    or `ChatPromptCache(engine=PromptCache.from_pretrained(…))` (no retrieval)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     corpus: Any = None
     engine: Any = None
+    k: int = Field(default=4, ge=0)  # chunks retrieved per question with a corpus; 0: only modules the messages name
+    min_score: float | None = Field(default=None, ge=-1, le=1)
     model_name: str = ""
     max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
@@ -65,6 +76,8 @@ class ChatPromptCache(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     streaming: bool = False
+
+    _chat: CorpusChat | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _bind(self) -> ChatPromptCache:
@@ -88,26 +101,40 @@ class ChatPromptCache(BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
-    def _args(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    def _args(self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+              ) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
         if not messages:
             raise ValueError("empty prompt: no messages")
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # `stream=` is LangChain's, already acted on
-        prompt = build_prompt([_turn(m) for m in messages], corpus=self.corpus, chat=True)
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                     "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
                     "no_repeat_ngram": self.no_repeat_ngram}
-        return prompt, generation_options(defaults, {**kwargs, "stop": stop})
+        options = generation_options(defaults, {**kwargs, "stop": stop})
+        turns = [_turn(m) for m in messages]
+        if self.corpus is None or not self.k or turns[-1][0] != "user" or any(REFERENCE.search(t) for _, t in turns):
+            return build_prompt(turns, corpus=self.corpus, chat=True), [], options
+        if self._chat is None:
+            self._chat = CorpusChat(self.corpus)
+        built = self._chat.chat_prompt(turns, k=self.k, max_new_tokens=options.get("max_new_tokens", self.max_tokens),
+                                       min_score=self.min_score)
+        sources = [{"module_id": h.module_id, "source": h.label, "score": h.score} for h in built.sources]
+        return built.prompt, sources, options
+
+    def _run(self, prompt: Any, options: dict[str, Any]) -> Any:
+        """The engine's stream, or a fixed "not found" one (prompt None: nothing scored `min_score`)."""
+        return fixed_stream(NOT_FOUND) if prompt is None else self.engine.stream(prompt, **options)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        prompt, options = self._args(messages, stop, kwargs)
-        result = self.engine.generate(prompt, **options)
-        return self._chat_result(result)
+        prompt, sources, options = self._args(messages, stop, kwargs)
+        result = fixed_stream(NOT_FOUND).consume() if prompt is None else self.engine.generate(prompt, **options)
+        return self._chat_result(result, sources)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        prompt, options = self._args(messages, stop, kwargs)
-        return self._chat_result(await self.engine.agenerate(prompt, **options))
+        prompt, sources, options = self._args(messages, stop, kwargs)
+        result = fixed_stream(NOT_FOUND).consume() if prompt is None else await self.engine.agenerate(prompt, **options)
+        return self._chat_result(result, sources)
 
     def with_structured_output(self, schema: dict[str, Any] | type[BaseModel], *, include_raw: bool = False,
                                method: str = "json_schema", **kwargs: Any) -> Runnable:
@@ -122,36 +149,36 @@ class ChatPromptCache(BaseChatModel):
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
         return self.bind(response_format=fmt) | parser
 
-    def _chat_result(self, result: Any) -> ChatResult:
-        info = result_stats(result)
+    def _chat_result(self, result: Any, sources: list[dict[str, Any]]) -> ChatResult:
+        info = {**result_stats(result), "sources": sources}
         message = AIMessage(content=result.text, usage_metadata=_usage(result),
                             response_metadata={"model_name": self.model_name, **info})
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
-    def _last(self, result: Any) -> ChatGenerationChunk:
-        info = result_stats(result)
+    def _last(self, result: Any, sources: list[dict[str, Any]]) -> ChatGenerationChunk:
+        info = {**result_stats(result), "sources": sources}
         message = AIMessageChunk(content="", usage_metadata=_usage(result), chunk_position="last",
                                  response_metadata={"model_name": self.model_name, **info})
         return ChatGenerationChunk(message=message, generation_info=info)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        prompt, options = self._args(messages, stop, kwargs)
-        stream = self.engine.stream(prompt, **options)
+        prompt, sources, options = self._args(messages, stop, kwargs)
+        stream = self._run(prompt, options)
         for piece in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager is not None:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield self._last(stream.result)
+        yield self._last(stream.result, sources)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        prompt, options = self._args(messages, stop, kwargs)
-        stream = self.engine.astream(prompt, **options)
+        prompt, sources, options = self._args(messages, stop, kwargs)
+        stream = AsyncStream(lambda: fixed_stream(NOT_FOUND)) if prompt is None else self.engine.astream(prompt, **options)
         async for piece in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager is not None:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield self._last(stream.result)
+        yield self._last(stream.result, sources)

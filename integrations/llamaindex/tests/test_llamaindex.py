@@ -180,3 +180,18 @@ def test_a_plain_vector_store_index_flow_reuses_the_corpus_kv(corpus, llm, engin
         assert engine.store.stats().num_hits == before  # nodes from elsewhere: text, no KV reuse
     finally:
         Settings._llm, Settings._embed_model = old
+
+
+def test_query_engine_metadata_has_the_engine_statistics_and_one_source_label(corpus, llm):
+    response = PromptCacheQueryEngine(corpus=corpus, similarity_top_k=2, llm=llm).query(QUESTION)
+    meta = response.metadata
+    assert meta["ttft_s"] > 0 and meta["cached_tokens"] > 0 and meta["path"] == "cached" and len(meta["hit_modules"]) == 2
+    assert response.source_nodes[0].node.metadata["source"] == "fact0.txt"  # as the CLI and the server name it
+
+
+def test_min_score_answers_not_found_without_generating(corpus, llm):
+    from rag_promptcache.rag.retrieval import NOT_FOUND
+
+    response = PromptCacheQueryEngine(corpus=corpus, llm=llm, min_score=0.99).query("What is the price of tea in Peru?")
+    assert str(response) == NOT_FOUND and response.metadata["path"] == "none" and response.source_nodes == []
+    assert PromptCacheRetriever(corpus, min_score=0.99).retrieve("What is the price of tea in Peru?") == []

@@ -33,7 +33,7 @@ def corpus_nodes(corpus: Any, module_ids: Sequence[str] | None = None) -> list[T
     return [
         TextNode(
             id_=m, text=corpus.text(m), embedding=by_faiss[faiss_id(m)].tolist(),
-            metadata={MODULE_KEY: m, "source": corpus.source(m)},
+            metadata={MODULE_KEY: m, "source": corpus.label(m)},  # the name the CLI and server show
             excluded_llm_metadata_keys=["source"], excluded_embed_metadata_keys=[MODULE_KEY, "source"],
             metadata_template="{value}", text_template=REFERENCE_TEMPLATE,
         )

@@ -1,0 +1,84 @@
+"""`rag-promptcache tune`: teach the corpus's model to read its modules encoded on their own, check
+the result on held-out questions, and keep it only if cached answers got better. Parsing, the
+progress bar and printing only; the work is in `rag_promptcache.tune`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rag_promptcache.cli.app import app, fail, handle_errors
+
+
+@app.command("tune")
+@handle_errors
+def tune(
+    corpus: Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)],
+    out: Annotated[Path | None, typer.Option("--out", help="Where the adapter goes [default: CORPUS/tuned].")] = None,
+    minutes: Annotated[float, typer.Option("--minutes", help="Stop training after this long (a later run resumes).")] = 60.0,
+    steps: Annotated[int, typer.Option("--steps", help="Stop training after this many steps.")] = 1000,
+    check: Annotated[int, typer.Option("--check", help="Held-out questions asked before and after (0: no check).")] = 24,
+    general: Annotated[bool, typer.Option("--general/--corpus-only", help="Mix in this machine's general text (Python's reference, Debian changelogs).")] = True,
+    rank: Annotated[int, typer.Option("--rank", help="LoRA rank.")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the samples and the adapter's initialisation.")] = 0,
+    restart: Annotated[bool, typer.Option("--restart", help="Start over instead of resuming a checkpoint in --out.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Train a LoRA adapter so the corpus's model answers from independently cached modules as it
+    answers with full prefill (distilled from its own full prefill under the engine's block mask),
+    then ask held-out questions with and without it. Resumable: run it again to continue."""
+    import shutil
+
+    from tqdm import tqdm
+
+    from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.models import reencode_command
+    from rag_promptcache.tune.corpus import tune_corpus
+    from rag_promptcache.tune.train import CHECKPOINT, TuneConfig
+
+    if minutes <= 0 or steps < 1:
+        raise fail(f"--minutes must be > 0 and --steps >= 1, got {minutes} and {steps}")
+    if check < 0 or rank < 1:
+        raise fail(f"--check must be >= 0 and --rank >= 1, got {check} and {rank}")
+    c = Corpus.open(corpus)
+    target = out or corpus / "tuned"
+    if restart and (target / CHECKPOINT).exists():
+        shutil.rmtree(target / CHECKPOINT)
+    cfg = TuneConfig(rank=rank, alpha=2 * rank, max_steps=steps, max_seconds=minutes * 60, seed=seed,
+                     tokens_per_batch=2048)
+    bar = tqdm(total=steps, desc="tune", unit="step", disable=as_json)
+    started = time.perf_counter()
+
+    def progress(state, terms):
+        bar.n = state.step
+        left = max(0.0, min(cfg.max_seconds - state.seconds,
+                            (steps - state.step) * state.seconds / max(state.step, 1)))
+        bar.set_postfix(kl=f"{terms['kl']:.3f}", left=f"{left / 60:.0f} min", refresh=False)
+        bar.refresh()
+
+    try:
+        report = tune_corpus(c, target, cfg, general=general, check=check, progress=progress)
+        command = reencode_command(c.manifest, corpus, [d.source for d in c.table.documents()], str(report.adapter))
+    finally:
+        bar.close()
+        c.close()
+    if as_json:
+        typer.echo(json.dumps({**report.as_dict(), "apply_with": command if report.applied else None}))
+        return
+    typer.echo(f"trained {report.steps} steps on {report.samples} samples in {time.perf_counter() - started:.0f} s; "
+               f"adapter in {report.adapter}")
+    if report.check is not None:
+        ch = report.check
+        for s in ("base/full", "base/none", "tuned/full", "tuned/none"):
+            kept = ch.kept.get(s)
+            typer.echo(f"  {s:<11} {ch.right[s]:>3}/{ch.questions} right"
+                       + ("" if kept is None else f", kept {kept:.2f}"))
+    if report.applied:
+        typer.echo(f"use it: {report.reason}. Encode the documents with it into a new corpus (ask, chat and serve "
+                   f"then load it from there): {command}")
+    else:
+        typer.echo(f"not applied: {report.reason}. The corpus keeps its model; the adapter stays in {report.adapter}")

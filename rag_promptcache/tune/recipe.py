@@ -1,0 +1,207 @@
+"""The tuning recipe in one command: text → samples → LoRA → probe before and after → adapter.
+
+    python -m rag_promptcache.tune.recipe --out DIR [--model NAME|PATH] [--seconds S] [--steps N]
+        [--passages passages.json] [--probe probe.json] [--device cuda] [--seed 0]
+
+`--passages`: a bundle written by `--write-passages` (instructions and passages), so another machine
+trains on exactly this machine's text; without it, `texts.gather()` reads this machine's. `--probe`:
+prompts written by `python -m rag_promptcache.bench.tune_probe dump`, answered greedily by the base
+and the tuned model with full prefill and with modules encoded on their own (`probe.py`); the
+answers go to DIR/probe_answers.json for `tune_probe grade`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from rag_promptcache.tune.layout import Laid, Layouter
+from rag_promptcache.tune.samples import SampleMaker
+from rag_promptcache.tune.texts import Passage, gather, held_out
+from rag_promptcache.tune.train import TuneConfig, bf16_autocast, train
+
+FORMAT = 1
+_worker: tuple[SampleMaker, Layouter] | None = None
+
+
+def _init(maker: SampleMaker, tokenizer, mode: str) -> None:
+    global _worker
+    _worker = (maker, Layouter(tokenizer, mode))
+
+
+def _lay(index: int) -> tuple[int, Laid]:
+    assert _worker is not None
+    maker, layouter = _worker
+    s = maker(index)
+    mods = [module_text(maker.passages[i]) for i in s.passages]
+    return index, layouter.lay(s.instructions, mods, s.question, s.answer)
+
+
+def module_text(p: Passage) -> str:
+    """A passage as a corpus module holds it: its source label, then its text (rag/chunker.py); a
+    passage without a label is a corpus's module text already."""
+    return f"[{p.label}]\n{p.text.strip()}\n\n" if p.label else p.text
+
+
+def write_passages(path: Path, instructions: str) -> None:
+    path.write_text(json.dumps({"instructions": instructions, "passages": [asdict(p) for p in gather()]}))
+
+
+def read_json(path: Path):
+    """JSON, gzipped where the name ends in .gz (what travels to another machine)."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def read_passages(path: Path) -> tuple[str, list[Passage]]:
+    raw = read_json(path)
+    return raw["instructions"], [Passage(**{**p, "facts": tuple(tuple(f) for f in p["facts"])}) for p in raw["passages"]]
+
+
+def probe_prompts(rows: list[dict[str, object]], layouter: Layouter) -> list[Laid]:
+    return [layouter.lay(str(r["instructions"]), list(r["modules"]), str(r["question"]), "") for r in rows]
+
+
+def answer_all(model, tokenizer, prompts: list[Laid], full: bool, batch: int) -> list[str]:
+    from rag_promptcache.tune.probe import greedy
+
+    eos = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if t is not None]
+    out = greedy(model, prompts, full=full, max_new_tokens=32, eos_ids=eos, batch=batch)
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in out]
+
+
+@torch.no_grad()
+def text_loss(model, tokenizer, passages: list[Passage], device: torch.device) -> float:
+    """Mean next-token loss over held-out passages read plainly (no prompt, causal)."""
+    total, count = 0.0, 0
+    for p in passages:
+        ids = torch.tensor([tokenizer.encode(p.text, add_special_tokens=False)[:512]], device=device)
+        if ids.shape[1] < 8:
+            continue
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+        count += ids.shape[1] - 1
+    return total / max(count, 1)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    ap = argparse.ArgumentParser(prog="python -m rag_promptcache.tune.recipe")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seconds", type=float, default=5400.0)
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--tokens-per-batch", type=int, default=4096)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=4e-4)
+    ap.add_argument("--mode", default="shared_prefix")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k-max", type=int, default=14, help="most modules in a training prompt")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--passages", type=Path)
+    ap.add_argument("--write-passages", type=Path)
+    ap.add_argument("--probe", type=Path)
+    ap.add_argument("--probe-limit", type=int, default=0)
+    ap.add_argument("--probe-batch", type=int, default=16)
+    args = ap.parse_args(argv)
+    from rag_promptcache.model.loading import load_model, model_fingerprint
+
+    if args.write_passages:
+        from rag_promptcache.rag.corpus import DEFAULT_INSTRUCTIONS
+
+        write_passages(args.write_passages, DEFAULT_INSTRUCTIONS)
+        print(f"passages written to {args.write_passages}", file=sys.stderr)
+        return {}
+    if args.out is None:
+        ap.error("--out is required (where the adapter goes)")
+    t_start = time.perf_counter()
+    if args.passages:
+        instructions, passages = read_passages(args.passages)
+    else:
+        from rag_promptcache.rag.corpus import DEFAULT_INSTRUCTIONS
+
+        instructions, passages = DEFAULT_INSTRUCTIONS, gather()
+    train_passages = [p for p in passages if not held_out(p.source)]
+    check_passages = [p for p in passages if held_out(p.source) and p.family != "changelog"][:60]
+    model, tokenizer = load_model(args.model, device=args.device, dtype="float32", adapter="none")
+    device = next(model.parameters()).device
+    base_fingerprint = model_fingerprint(model)
+    layouter = Layouter(tokenizer, args.mode)
+    rows = read_json(args.probe) if args.probe else []
+    if args.probe_limit:
+        rows = rows[: args.probe_limit]
+    prompts = probe_prompts(rows, layouter)
+    answers: dict[str, list[str]] = {}
+    metrics: dict[str, object] = {}
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast(device))
+    t = time.perf_counter()
+    with amp:
+        if prompts:
+            answers["base/full"] = answer_all(model, tokenizer, prompts, True, args.probe_batch)
+            answers["base/none"] = answer_all(model, tokenizer, prompts, False, args.probe_batch)
+        metrics["base_text_loss"] = text_loss(model, tokenizer, check_passages, device)
+    metrics["probe_seconds_before"] = time.perf_counter() - t
+    args.out.mkdir(parents=True, exist_ok=True)
+    if answers:  # written now too, so a run that fails later keeps the base model's answers
+        (args.out / "probe_answers.json").write_text(json.dumps(answers))
+    print(f"base probed in {metrics['probe_seconds_before']:.0f}s, text loss {metrics['base_text_loss']:.4f}",
+          file=sys.stderr, flush=True)
+    maker = SampleMaker(train_passages, instructions, k=(1, args.k_max), seed=args.seed)
+    cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
+                     tokens_per_batch=args.tokens_per_batch, seed=args.seed)
+    pool = None
+    if args.workers:
+        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode))
+
+        def stream(start: int):
+            # windows of 256, the next one laid out while this one trains; never `imap` over an endless
+            # iterator, whose feeder thread queues tasks without bound and starves the training loop
+            ahead = pool.map_async(_lay, range(start, start + 256), chunksize=8)
+            while True:
+                start += 256
+                window, ahead = ahead.get(), pool.map_async(_lay, range(start, start + 256), chunksize=8)
+                yield from window
+    else:
+        _init(maker, tokenizer, args.mode)
+
+        def stream(start: int):
+            return map(_lay, itertools.count(start))
+
+    def report(state, terms):
+        if state.step % 10 == 0 or state.step == 1:
+            print(f"step {state.step} samples {state.samples} {state.seconds:.0f}s kl {terms['kl']:.4f} ce {terms['ce']:.3f} "
+                  f"lr {terms['lr']:.2e} tokens {terms['tokens']}", file=sys.stderr, flush=True)
+
+    peft_model, state = train(model, stream, args.out, cfg, report)
+    if pool is not None:
+        pool.terminate()
+    t = time.perf_counter()
+    with amp:
+        if prompts:
+            answers["tuned/full"] = answer_all(peft_model, tokenizer, prompts, True, args.probe_batch)
+            answers["tuned/none"] = answer_all(peft_model, tokenizer, prompts, False, args.probe_batch)
+        metrics["tuned_text_loss"] = text_loss(peft_model, tokenizer, check_passages, device)
+    metrics.update(probe_seconds_after=time.perf_counter() - t, steps=state.step, samples=state.samples,
+                   train_seconds=state.seconds, total_seconds=time.perf_counter() - t_start,
+                   peak_memory_gb=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None))
+    if answers:
+        (args.out / "probe_answers.json").write_text(json.dumps(answers))
+    meta = {"format": FORMAT, "base_model": args.model, "base_fingerprint": base_fingerprint, "mode": args.mode,
+            "recovery": "none", "recipe": {**asdict(replace(cfg)), "passages": len(train_passages),
+                                           "device": device.type}, "metrics": metrics}
+    (args.out / "tune.json").write_text(json.dumps(meta, indent=1))
+    print(json.dumps(metrics), flush=True)
+    return meta
+
+
+if __name__ == "__main__":
+    main()

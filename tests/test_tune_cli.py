@@ -1,0 +1,60 @@
+"""`rag-promptcache tune` on a fresh corpus, as a user runs it (a real process, a tiny random Llama
+with SmolLM2's tokenizer, the real embedder and FAISS): it trains, checks, resumes, and refuses to
+apply an adapter that does not help; the verdict's rule on its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rag_promptcache.tune.corpus import Check, verdict
+from tests.test_cli_failures import cli
+from tests.tiny_llama import save_tiny_llama
+
+DOCS = {f"team-{i}.md": f"Team {name} meets on {day}. Its lead is {lead}, who joined in {2010 + i}. "
+        f"The team owns the {thing} service and reports to the {dept} department every {day}.\n\n"
+        f"Budget requests from team {name} go to {lead} before the end of each quarter, in writing."
+        for i, (name, day, lead, thing, dept) in enumerate([
+            ("Amber", "Monday", "Ines Varga", "billing", "finance"), ("Birch", "Tuesday", "Omar Haddad", "search", "product"),
+            ("Cobalt", "Wednesday", "Lena Brandt", "login", "security"), ("Dune", "Thursday", "Raj Mehta", "export", "data"),
+            ("Ember", "Friday", "Sofia Lund", "mail", "operations"), ("Fjord", "Monday", "Tomas Novak", "upload", "platform")])}
+
+
+@pytest.mark.slow
+def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_path: Path) -> None:
+    model = save_tiny_llama(tmp_path / "tiny")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    built = cli("ingest", docs, "-c", tmp_path / "c", "--model", model, timeout=300)
+    assert built.returncode == 0, built.stderr
+    done = cli("tune", "-c", tmp_path / "c", "--steps", "2", "--check", "3", "--corpus-only", "--json", timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["steps"] == 2 and report["adapter"] == str(tmp_path / "c" / "tuned")
+    assert set(report["check"]["right"]) == {"base/full", "base/none", "tuned/full", "tuned/none"}
+    # a random model answers nothing right: there is nothing to keep, so nothing is applied
+    assert report["applied"] is False and "nothing to compare" in report["reason"]
+    meta = json.loads((tmp_path / "c" / "tuned" / "tune.json").read_text())
+    assert meta["mode"] == "shared_prefix" and meta["recovery"] == "none"
+    assert (tmp_path / "c" / "tuned" / "adapter_model.safetensors").exists()
+    again = cli("tune", "-c", tmp_path / "c", "--steps", "3", "--check", "0", "--corpus-only", timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "trained 3 steps" in again.stdout and "applied unchecked" in again.stdout  # resumed from step 2
+    bad = cli("tune", "-c", tmp_path / "c", "--minutes", "0")
+    assert bad.returncode == 1 and "--minutes must be > 0" in bad.stderr
+
+
+def test_verdict() -> None:
+    def check(base_full: int, tuned_full: int, base_none: float, tuned_none: float) -> Check:
+        return Check(10, {"base/full": base_full, "base/none": 3, "tuned/full": tuned_full, "tuned/none": 5},
+                     {"base/full": 1.0, "base/none": base_none, "tuned/full": 1.0, "tuned/none": tuned_none})
+
+    assert verdict(check(8, 8, 0.5, 0.75))[0] is True
+    ok, why = verdict(check(8, 7, 0.5, 0.75))
+    assert not ok and "full prefill got worse" in why
+    ok, why = verdict(check(8, 8, 0.5, 0.5))
+    assert not ok and "did not get better" in why

@@ -1,0 +1,122 @@
+"""The tuning loop at tiny size: samples from real text, a LoRA trained under the block mask,
+a checkpoint that resumes, and greedy probing that answers the same batched and alone."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from rag_promptcache.tune.layout import Layouter
+from rag_promptcache.tune.probe import greedy
+from rag_promptcache.tune.recipe import module_text
+from rag_promptcache.tune.samples import SampleMaker
+from rag_promptcache.tune.texts import Passage, gather, held_out
+from rag_promptcache.tune.train import TuneConfig, train
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer, tmp_path_factory):
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=4096, tie_word_embeddings=True, initializer_range=0.3)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def maker():
+    passages = [p for p in gather() if not held_out(p.source)]
+    return SampleMaker(passages, "Answer from the documents.", k=(2, 4), seed=3)
+
+
+def test_texts_and_samples_are_real_and_deterministic(maker):
+    families = {p.family for p in maker.passages}
+    assert "reference" in families and "docstring" in families  # Python's own text is on every machine
+    a, b = maker(7), maker(7)
+    assert a == b and a != maker(8)
+    kinds = {maker(i).kind for i in range(40)}
+    assert "cloze" in kinds
+    s = maker(11)
+    # the answer is in the passage marked relevant, which the prompt carries
+    relevant = maker.passages[s.passages[s.relevant]]
+    if s.kind == "cloze":
+        assert s.answer in " ".join(relevant.text.split())
+    else:
+        assert any(v in s.answer for _, v in relevant.facts)
+    with pytest.raises(ValueError, match="no passages"):
+        SampleMaker([], "x")
+    with pytest.raises(ValueError, match="valid: changelog, reference, docstring"):
+        gather(("nope",))
+
+
+def test_look_alikes_come_from_the_same_source():
+    ps = [Passage("changelog", "pkg", "pkg/changelog.Debian", f"pkg ({i}) unstable; urgency=low\n  * Fix.\n -- A B <a@b>  Mon, 0{i} Jan 2024",
+                  (("package", "pkg"), ("version", str(i)), ("name", "A B"), ("date", f"0{i} Jan 2024"))) for i in range(1, 6)]
+    ps += [Passage("reference", "t", "reference/t.txt", "An unrelated paragraph about something else entirely and at length " * 3)]
+    m = SampleMaker(ps, "x", k=(4, 4), seed=0)
+    s = next(m(i) for i in range(20) if m(i).kind == "fact")
+    assert sum(m.passages[i].source == "pkg" for i in s.passages) >= 3
+
+
+def test_train_resumes_and_writes_a_peft_adapter(tiny, maker, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    layouter = Layouter(tok)
+
+    def stream(start):
+        for i in itertools.count(start):
+            s = maker(i)
+            yield i, layouter.lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, s.answer)
+
+    cfg = TuneConfig(rank=4, alpha=8, max_steps=2, tokens_per_batch=1500, save_every=1, lr=1e-2)
+    peft_model, state = train(model, stream, tmp_path, cfg)
+    assert state.step == 2 and state.samples > 0
+    assert (tmp_path / "adapter_model.safetensors").exists() and (tmp_path / "checkpoint" / "state.json").exists()
+    lora = {n: p for n, p in peft_model.named_parameters() if "lora_B" in n}
+    assert lora and any(p.abs().sum() > 0 for p in lora.values()), "training moved the adapter"
+    # a second run with a higher step limit resumes where the first stopped
+    model2 = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    _, state2 = train(model2, stream, tmp_path, TuneConfig(rank=4, alpha=8, max_steps=3, tokens_per_batch=1500, lr=1e-2))
+    assert state2.step == 3 and state2.samples >= state.samples
+    meta = json.loads((tmp_path / "train.json").read_text())
+    assert meta["step"] == 3 and len(meta["losses"]) == 3
+
+
+def test_greedy_batched_equals_alone(tiny, maker):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny)
+    layouter = Layouter(tok)
+    prompts = []
+    for i in range(4):
+        s = maker(i)
+        prompts.append(layouter.lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, ""))
+    for full in (True, False):
+        together = greedy(model, prompts, full=full, max_new_tokens=5, eos_ids=[tok.eos_token_id], batch=4)
+        alone = [greedy(model, [p], full=full, max_new_tokens=5, eos_ids=[tok.eos_token_id])[0] for p in prompts]
+        assert together == alone
+    # full prefill's greedy answer is transformers' own generate
+    p = prompts[0]
+    ref = model.generate(torch.tensor([p.ids[:p.answer_from]]), max_new_tokens=5, do_sample=False,
+                         eos_token_id=None)[0, p.answer_from:].tolist()
+    got = greedy(model, [p], full=True, max_new_tokens=5, eos_ids=[-1])[0]
+    assert got == ref
+    assert len(set(map(tuple, together))) > 1, "the tiny model answers differently per prompt"
+
+
+@pytest.mark.slow
+def test_recipe_end_to_end_with_workers(tiny, tmp_path):
+    """The one command, with the sample workers a GPU run uses: trains, writes the adapter and its record."""
+    from rag_promptcache.tune.recipe import main
+
+    meta = main(["--out", str(tmp_path / "a"), "--model", str(tiny), "--device", "cpu", "--steps", "2",
+                 "--workers", "2", "--tokens-per-batch", "1500", "--k-max", "3"])
+    assert meta["recovery"] == "none" and meta["mode"] == "shared_prefix" and meta["metrics"]["steps"] == 2
+    assert json.loads((tmp_path / "a" / "tune.json").read_text())["base_fingerprint"] == meta["base_fingerprint"]
+    assert (tmp_path / "a" / "adapter_config.json").exists()
