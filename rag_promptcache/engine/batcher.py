@@ -187,7 +187,7 @@ class _Running:
 
 # Whole prefills by default: on a CPU a prefill is compute-bound at any chunk size, so chunking moves its
 # time between the steps rather than hiding it. It bounds the longest stall of a running stream but costs
-# burst throughput and median time between tokens (docs/bench/serve-2026-11-25: run_serve.py).
+# burst throughput and median time between tokens (docs/serving.md, "Mixed batches": run_serve.py).
 DEFAULT_PREFILL_CHUNK: int | None = None
 
 
