@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from .base import ModuleKV, StoreStats, VerifyReport
-from .codecs import check_codec, decode, encode
+from .codecs import CodecError, check_codec, decode, encode
 from .serialize import CorruptEntry, WarnOnce, dumps, loads
 
 log = logging.getLogger(__name__)
@@ -133,15 +133,15 @@ class RedisStore:
             self._count(False)
             return None
         try:
-            enc = loads(blob, key)
-        except CorruptEntry as e:
+            kv = decode(loads(blob, key))
+        except (CorruptEntry, CodecError) as e:
             self._warn(key, "redis store %s: ignoring bad entry %s: %s", self.url, key, e)
             with self._lock:
                 self._num_errors += 1
             self._count(False)
             return None
         self._count(True)
-        return decode(enc)
+        return kv
 
     def _fetch(self, key: str) -> bytes | None:
         try:
