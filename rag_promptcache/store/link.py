@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 ALPHA = 0.2  # weight of the newest sample in each moving average
 MIN_TRANSFER_S = 1e-6
+ROUND_TRIP_EVERY = 16  # fetches between latency samples a tier takes on its own (a ping)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +49,26 @@ class LinkMeter:
         self._per_token: float | None = None
         self._decode: float | None = None
         self._num_samples = 0
+        self._since_round_trip = 0
+
+    def wants_round_trip(self) -> bool:
+        """Whether the tier should time a call that moves no data before its next fetch: a whole
+        entry in one reply holds latency and transfer together, and the split needs the latency."""
+        with self._lock:
+            return self._latency is None or self._since_round_trip >= ROUND_TRIP_EVERY
 
     def round_trip(self, seconds: float) -> None:
         """A call that moves (almost) no data: its time is the latency."""
         with self._lock:
             self._latency = _ewma(self._latency, seconds)
             self._num_samples += 1
+            self._since_round_trip = 0
 
     def fetch(self, num_bytes: int, num_tokens: int, seconds: float) -> None:
         """An entry of `num_bytes` for `num_tokens` tokens arrived in `seconds` (latency included)."""
         with self._lock:
-            if self._latency is None:
-                self._latency = seconds / 2  # a first guess, until a round trip is measured
-            transfer = max(seconds - self._latency, MIN_TRANSFER_S)
+            transfer = max(seconds - (self._latency or 0.0), MIN_TRANSFER_S)
+            self._since_round_trip += 1
             self._bandwidth = _ewma(self._bandwidth, num_bytes / transfer)
             if num_tokens:
                 self._per_token = _ewma(self._per_token, num_bytes / num_tokens)

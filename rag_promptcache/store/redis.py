@@ -153,6 +153,10 @@ class RedisStore:
     def _fetch(self, key: str) -> tuple[bytes, float] | None:
         """The entry's bytes and the seconds its transfer took (one round trip included)."""
         try:
+            if self.meter.wants_round_trip():
+                t0 = time.perf_counter()
+                self._client.ping()
+                self.meter.round_trip(time.perf_counter() - t0)
             t0 = time.perf_counter()
             head = self._client.get(self._k(key))
             t1 = time.perf_counter()
