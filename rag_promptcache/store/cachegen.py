@@ -3,10 +3,11 @@ bit width per layer group, then entropy-coded.
 
 For each layer, KV head and channel:
 - tokens form groups of `GROUP` consecutive tokens; the first of each group is its anchor;
-- anchors are quantized to 8 bits (asymmetric, range per channel);
-- every other token is stored as its difference from its group's *dequantized* anchor, quantized
-  symmetrically with a step per channel, at the bit width of its layer's group (early, middle and
-  late thirds of the layers; later layers tolerate coarser values, as the paper measured);
+- one step per channel, set from the spread of the channel's deltas and its layer group's bit width
+  (early, middle and late thirds of the layers; later layers tolerate coarser values, as the paper
+  measured);
+- anchors are stored as their difference from the channel's mean, in steps (256 symbols);
+- every other token is stored as its difference from its group's *dequantized* anchor, in steps;
 - the symbols are coded with rANS (`constriction`), one frequency table per layer and K/V for the
   deltas and one per K/V for the anchors, stored in the entry.
 

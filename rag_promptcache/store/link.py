@@ -67,7 +67,9 @@ class LinkMeter:
     def fetch(self, num_bytes: int, num_tokens: int, seconds: float) -> None:
         """An entry of `num_bytes` for `num_tokens` tokens arrived in `seconds` (latency included)."""
         with self._lock:
-            transfer = max(seconds - (self._latency or 0.0), MIN_TRANSFER_S)
+            # an entry that crosses in about one round trip leaves the difference to noise: credit at
+            # least half the call to the transfer, so a jittery latency cannot claim a boundless bandwidth
+            transfer = max(seconds - (self._latency or 0.0), seconds / 2, MIN_TRANSFER_S)
             self._since_round_trip += 1
             self._bandwidth = _ewma(self._bandwidth, num_bytes / transfer)
             if num_tokens:
