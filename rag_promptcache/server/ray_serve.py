@@ -16,6 +16,7 @@ Not here: autoscaling policy, the shutdown of a replica's open streams (Ray Serv
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import threading
@@ -38,7 +39,7 @@ class ReplicaOptions:
     k: int = 4
     max_batch: int = 8
     max_queue: int = 64
-    redis_url: str | None = None
+    redis_url: str | None = None  # None: $RAG_PROMPTCACHE_REDIS_URL where the deployment starts; "": none
     dtype: str | None = None
     api_key: str | None = None
     prefill_chunk: int | None = None
@@ -108,13 +109,15 @@ def serve_ray(corpus: str | Path, *, replicas: int = 2, ray_address: str | None 
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
     ray, serve = _require()
-    from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag import Corpus, corpus_store
     from rag_promptcache.rag.distributed import RayOptions, connect
 
     Corpus.open(corpus).close()  # a wrong path or a foreign corpus fails here, in a line, before Ray starts
     if ray_address is not None:
         probe(ray_address)
+    # the driver's environment decides the Redis tier, not each node's: replicas get the URL itself
     opts = opts or ReplicaOptions(str(Path(corpus).resolve()))
+    opts = dataclasses.replace(opts, redis_url=corpus_store.redis_url(opts.redis_url) or "")
     started = connect(ray, RayOptions(address=ray_address, workers=replicas, cpus_per_worker=cpus_per_replica))
     try:
         serve.start(http_options={"host": host, "port": port})
