@@ -69,6 +69,19 @@ def test_without_ray_exits_1_with_the_install_hint(corpus: Path, tmp_path: Path)
     assert "pip install 'rag-promptcache[ray]'" in out.stderr
 
 
+def test_refresh_picks_up_an_ingest_made_by_another_handle(corpus: Path, tmp_path: Path) -> None:
+    replica = Corpus.open(corpus, redis_url="")
+    assert not replica.refresh()  # nothing changed since it opened
+    before = len(replica.index)
+    (tmp_path / "tides.txt").write_text("Tides follow the moon; spring tides come at new and full moon.")
+    Corpus.build([tmp_path], corpus, progress=False, redis_url="").close()
+    assert len(replica.index) == before  # not yet: a request in flight keeps what it had
+    assert replica.refresh() and len(replica.index) > before
+    assert any(replica.label(m).endswith("tides.txt") for m, _ in replica.search("When are spring tides?", k=3))
+    assert not replica.refresh()
+    replica.close()
+
+
 @pytest.fixture(scope="module")
 def cluster(corpus: Path, redis_server):
     pytest.importorskip("ray.serve")
