@@ -20,7 +20,7 @@ TINY = BenchConfig(
     contexts=(32, 64), module_tokens=32, warmup=0, repeats_slow=1, repeats_fast=1, questions=2, ks=(2,),
     continuation=4, quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:2"),
                      ("shared_prefix", DEFAULT_RECOVERY), ("isolated", "selective:1.0")),
-    codecs=("native", "int8"), codec_k=2, faiss_sizes=(500,), faiss_queries=3, embed=False, store_repeats=1,
+    codecs=("native", "int8", "cachegen"), codec_k=2, faiss_sizes=(500,), faiss_queries=3, embed=False, store_repeats=1,
 )
 
 
@@ -87,10 +87,14 @@ def test_quality_rows(report):
 def test_memory_and_throughput(report):
     result = report[0]
     by_codec = {r["codec"]: r for r in result["memory"]}
-    assert set(by_codec) == {"native", "int8"}
+    assert set(by_codec) == {"native", "int8", "cachegen"}
     native = by_codec["native"]
     assert native["bytes_per_token"] == native["formula_bytes_per_token"]  # fp32, no codec overhead
     assert by_codec["int8"]["formula_bytes_per_token"] <= by_codec["int8"]["bytes_per_token"] < native["bytes_per_token"]
+    cachegen = by_codec["cachegen"]
+    # smaller than int8 even at this toy geometry; the third of int8 on SmolLM2 is test_cachegen's
+    assert cachegen["formula_bytes_per_token"] is None and cachegen["bytes_per_token"] < by_codec["int8"]["bytes_per_token"]
+    assert all(positive(r["encode_s"]) and positive(r["decode_s"]) for r in by_codec.values())
     assert positive(result["store_tiers"]["recompute_s"]) and positive(result["store_tiers"]["memory_native_s"])
     thr = result["throughput"]
     assert thr["encode"] and positive(thr["encode"][0]["tokens_per_s"])

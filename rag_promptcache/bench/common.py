@@ -48,7 +48,7 @@ class BenchConfig:
         ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"), ("shared_prefix", "last:1"),
         ("shared_prefix", "last:2"), ("shared_prefix", "last:3"), ("shared_prefix", "attend:1"),
     )
-    codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4")
+    codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
     codec_k: int = 4  # the k of the per-codec quality rows
     faiss_sizes: tuple[int, ...] = (10_000, 100_000)
     faiss_queries: int = 200
@@ -67,6 +67,7 @@ class BenchConfig:
     )
     fidelity_new_tokens: int = 32  # room for the first sentence: at 20, a quarter of the answers were cut before it ended
     fidelity_splits: tuple[str, ...] = ("bench", "heldout")  # bench/fidelity.py SPLITS; heldout: default-size chunks
+    fidelity_codec: str = "native"  # the store codec the cached answers' modules pass through
     fidelity_seed_offset: int = 0  # added to each split's data seed: the same templates, other entities and facts
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3

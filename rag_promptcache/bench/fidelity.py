@@ -82,14 +82,14 @@ def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
     timing: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="rpc-fidelity-") as tmp:
         modes = list(dict.fromkeys(m for m, _ in cfg.fidelity_settings))
-        engines[modes[0]] = PromptCache(model, tok, store=MemoryStore(), mode=modes[0], name=bench.model_name,
+        engines[modes[0]] = PromptCache(model, tok, store=MemoryStore(codec=cfg.fidelity_codec), mode=modes[0], name=bench.model_name,
                                         **NO_FALLBACK)
         corpus = Corpus.build(data.documents, f"{tmp}/corpus", engine=engines[modes[0]], chunk_tokens=chunk,
                               progress=False)
         bench.log(f"fidelity {split}: corpus of {len(data.documents)} documents, {len(corpus)} modules, "
                   f"{corpus.last_report.num_tokens} tokens")
         for mode in modes[1:]:  # the same modules, encoded in another mode, before anything is timed
-            engines[mode] = PromptCache(model, tok, store=MemoryStore(), mode=mode, name=bench.model_name,
+            engines[mode] = PromptCache(model, tok, store=MemoryStore(codec=cfg.fidelity_codec), mode=mode, name=bench.model_name,
                                         **NO_FALLBACK)
             engines[mode].add_schema(corpus.schema)
             engines[mode].encode(corpus.manifest.name)
@@ -101,7 +101,8 @@ def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
             for mode, rec in cfg.fidelity_settings:
                 report = summarize(str(Recovery.parse(rec)), k, refs, outcomes[(mode, rec)])
                 share = recomputed_share(engines[mode], refs, rec)
-                rows.append({"split": split, "mode": mode, **report.as_dict(), "recomputed_share": share,
+                rows.append({"split": split, "mode": mode, "codec": cfg.fidelity_codec, **report.as_dict(),
+                             "recomputed_share": share,
                              "answers": [r.as_dict() for r in report.results]})
                 r = rows[-1]
                 bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}, "
@@ -255,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--new-tokens", type=int, default=BenchConfig().fidelity_new_tokens)
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to each split's seed: other entities and facts in the same templates")
+    ap.add_argument("--codec", default="native", help="store codec of the cached modules (store/codecs.py)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     from rag_promptcache.engine.encoder import check_mode
     from rag_promptcache.model.loading import load_model
+    from rag_promptcache.store import check_codec
 
     settings = tuple(dict.fromkeys(
         (check_mode(mode or "shared_prefix"), str(Recovery.parse(rec)))
@@ -278,11 +281,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     model, tok = load_model(args.model, dtype=args.dtype)
     cfg = dataclasses.replace(BenchConfig(), fidelity_questions=args.questions, fidelity_ks=tuple(args.k),
                               fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
-                              fidelity_seed_offset=args.seed_offset)
+                              fidelity_seed_offset=args.seed_offset, fidelity_codec=check_codec(args.codec))
     bench = Bench(model, tok, args.model, cfg, log=lambda m: print(m, flush=True))
     splits = SPLITS if args.split == "both" else (args.split,)
     out = run(bench, splits, ttft_point=args.ttft_point)
-    out.update({"dtype": args.dtype, "threads": args.threads, "seed_offset": args.seed_offset,
+    out.update({"codec": args.codec, "dtype": args.dtype, "threads": args.threads, "seed_offset": args.seed_offset,
                 "seconds": round(time.perf_counter() - t0, 1)})
     return _write(out, args.out)
 

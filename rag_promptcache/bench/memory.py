@@ -19,10 +19,10 @@ from rag_promptcache.bench.common import (
     schema_pml,
 )
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.store import DiskStore, MemoryStore, ModuleKV, NullStore
+from rag_promptcache.store import DiskStore, MemoryStore, ModuleKV, NullStore, decode, encode
 
 SCHEMA = "bench_memory"
-BYTES = {"fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+BYTES = {"fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}  # cachegen: no formula, its size depends on the values
 
 
 def _engine(bench: Bench) -> PromptCache:
@@ -58,20 +58,32 @@ def run(bench: Bench) -> dict[str, object]:
                 disk.put(k, kv)
             ms, ds = mem.stats(), disk.stats()
             on_disk = sum(f.stat().st_size for f in (Path(tmp) / codec).rglob("*") if f.is_file())
+            enc_s, dec_s = _codec_times(bench, codec, sample)
             rows.append({
                 "codec": codec,
                 "bytes_per_token": ms.bytes_per_token,
-                "formula_bytes_per_token": layers * 2 * kv_heads * head_dim * per_elem[codec],
+                "formula_bytes_per_token": layers * 2 * kv_heads * head_dim * per_elem[codec] if codec in per_elem else None,
+                "encode_s": enc_s,
+                "decode_s": dec_s,
                 "disk_bytes_per_token": on_disk / ds.num_tokens if ds.num_tokens else 0.0,
                 "tokens": ms.num_tokens,
             })
             bench.log(f"memory {codec}: {rows[-1]['bytes_per_token']:.0f} B/token "
-                      f"(formula {rows[-1]['formula_bytes_per_token']:.0f}, disk {rows[-1]['disk_bytes_per_token']:.0f})")
+                      f"(formula {rows[-1]['formula_bytes_per_token']}, disk {rows[-1]['disk_bytes_per_token']:.0f}), "
+                      f"encode {enc_s:.4f} s, decode {dec_s:.4f} s a module")
             disk.close()
         tiers = _tier_loads(bench, engine, key, Path(tmp) / "tiers")
     demo = _demo_store(bench, rows)
     return {"memory": rows, "store_tiers": tiers, "demo_store": demo,
             "geometry": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(sample.keys.dtype)}}
+
+
+def _codec_times(bench: Bench, codec: str, kv: ModuleKV) -> tuple[float, float]:
+    """Median seconds to encode, and to decode, one module in `codec`."""
+    coded = encode(kv, codec)
+    times = interleaved({"encode": (lambda: encode(kv, codec), bench.config.store_repeats, 1),
+                         "decode": (lambda: decode(coded), bench.config.store_repeats, 1)}, bench.device)
+    return median(times["encode"]), median(times["decode"])
 
 
 def _tier_loads(bench: Bench, engine: PromptCache, key: str, root: Path) -> dict[str, object]:

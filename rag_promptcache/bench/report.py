@@ -74,9 +74,9 @@ def markdown(report: dict[str, object]) -> str:
               r["ttft_s"], r["speedup"], "yes" if r["default"] else ""] for r in report["quality"]]), ""]
     if report.get("memory"):
         out += ["## Memory per cached token", "", table(
-            ["codec", "bytes/token", "formula", "disk bytes/token"],
-            [[r["codec"], r["bytes_per_token"], r["formula_bytes_per_token"], r.get("disk_bytes_per_token", "")]
-             for r in report["memory"]]), ""]
+            ["codec", "bytes/token", "formula", "disk bytes/token", "encode s", "decode s"],
+            [[r["codec"], r["bytes_per_token"], r["formula_bytes_per_token"] or "", r.get("disk_bytes_per_token", ""),
+              r.get("encode_s", ""), r.get("decode_s", "")] for r in report["memory"]]), ""]
     tiers = report.get("store_tiers")
     if isinstance(tiers, dict) and tiers:
         names = [k.removesuffix("_s") for k in tiers if k.endswith("_s") and k != "recompute_s"]

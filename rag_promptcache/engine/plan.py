@@ -177,8 +177,13 @@ class Planner:
         keys = {name: self.schemas.key(compiled, compiled.units[name], chat, default) for name in needed}
         kvs: dict[str, ModuleKV] = {}
         misses: list[Unit] = []
+        stored_anyway: set[str] = set()
         for name in needed:
             unit = compiled.units[name]
+            if self.recompute_sooner(keys[name], len(unit.token_ids)):
+                misses.append(unit)
+                stored_anyway.add(name)
+                continue
             kv = self.store.get(keys[name])
             # keys are content addresses; this re-checks what the entry says of itself, so a foreign
             # entry planted under our key is recomputed, never used
@@ -188,7 +193,8 @@ class Planner:
                 kvs[name] = kv
         encoded = 0
         for u, kv in zip(misses, self.encode(misses)):
-            self.store.put(keys[u.name], kv)
+            if u.name not in stored_anyway:
+                self.store.put(keys[u.name], kv)
             kvs[u.name] = kv
             encoded += kv.num_tokens
         chosen = cfg.recovery if recovery is None else Recovery.parse(recovery)
@@ -217,6 +223,18 @@ class Planner:
         full = uncached(plan)
         return fallback.use_full(plan.num_tokens, plan.num_cached, num_new=num_new,
                                  num_reused_full=self.reusable(token_labels(full.pieces, {})))
+
+    def recompute_sooner(self, key: str, num_tokens: int) -> bool:
+        """Whether computing a module from its text is expected to finish before loading it: the store's
+        measured link (a slow Redis) against this machine's calibrated forward cost. Only under the
+        `auto` fallback policy, whose calibration it reuses; a store without estimates always loads."""
+        fallback = self.config.fallback
+        load_s = getattr(self.store, "load_s", None)
+        if fallback is None or load_s is None:
+            return False
+        costs = fallback.costs
+        estimate = load_s(key, num_tokens) if costs is not None else None
+        return estimate is not None and estimate > costs.full(num_tokens)
 
     def encode(self, units: Sequence[Unit]) -> list[ModuleKV]:
         """The KV of `units`, computed now (not stored: the caller knows their keys)."""

@@ -234,6 +234,19 @@ class Corpus:
                 self._compiled = True
         return engine
 
+    def refresh(self) -> bool:
+        """Catch up with an ingest another process made since this corpus was opened: the manifest and
+        the vector index reloaded when the table's generation (the corpus's version) moved. True when
+        it did. Call it between requests: a search meanwhile waits for the lock, never sees half."""
+        with self._lock:
+            generation = self.table.generation
+            if generation == self._index_generation:
+                return False
+            self.manifest = layout.read_manifest(self.path)
+            self.index, _ = layout.load_index(self.path, self.manifest, self.table)
+            self._index_generation = generation
+            return True
+
     def open_store(self) -> Store:
         """A new handle on this corpus's KV store (memory → disk → Redis, as configured)."""
         disk = self.path / layout.STORE if self.disk_tier else None

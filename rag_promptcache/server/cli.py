@@ -33,13 +33,17 @@ def register(app: typer.Typer) -> None:
             "--api-key", envvar="RAG_PROMPTCACHE_API_KEY", show_envvar=True,
             help="Require 'Authorization: Bearer KEY' on every route but /health (the chat page asks for it).")] = None,
         shutdown_timeout: Annotated[float, typer.Option(
-            "--shutdown-timeout", help="On SIGTERM or Ctrl-C, seconds open requests get to finish before they are cancelled.")] = 30,
+            "--shutdown-timeout", min=0, help="On SIGTERM or Ctrl-C, seconds open requests get to finish before they are cancelled.")] = 30,
         min_score: Annotated[float | None, typer.Option(
             "--min-score", show_default=False,
             help="Answer \"Not found in the documents.\" without generating when no chunk scores at least this "
                  "(cosine similarity, -1 to 1; a request's `min_score` overrides it) [default: off].")] = None,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info (one access line per request), warning or error.")] = "info",
         log_format: Annotated[str, typer.Option("--log-format", help="text, or json (one object per line).")] = "text",
+        ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of --replicas replicas over the shared Redis tier.")] = False,
+        replicas: Annotated[int, typer.Option("--replicas", min=1, help="With --ray: replicas, each with its own engine.")] = 2,
+        ray_address: Annotated[str | None, typer.Option(
+            "--ray-address", help="With --ray: join this cluster (HOST:PORT, ray://HOST:PORT or auto) [default: start a local one].")] = None,
     ) -> None:
         """Serve a corpus over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
         from rag_promptcache.server import serve as run
@@ -57,6 +61,14 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--log-format {log_format!r}: valid: {', '.join(FORMATS)}")
         if api_key is not None and not api_key.strip():
             raise ValueError("--api-key is empty; pass a key or leave it unset")
+        if ray:
+            from rag_promptcache.server.ray_serve import ReplicaOptions, serve_ray
+
+            opts = ReplicaOptions(str(corpus.resolve()), k=k, max_batch=max_batch, max_queue=max_queue,
+                                  redis_url=redis_url, dtype=dtype, api_key=api_key, prefill_chunk=prefill_chunk,
+                                  min_score=min_score, adapter=adapter)
+            serve_ray(corpus, replicas=replicas, ray_address=ray_address, host=host, port=port, opts=opts, log=typer.echo)
+            return
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
             api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, min_score=min_score,
             log_level=log_level, log_format=log_format, adapter=adapter, log=typer.echo)

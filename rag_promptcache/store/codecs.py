@@ -10,7 +10,7 @@
 Each codec carries a version, written into every serialized entry: an entry of a codec version this
 code does not know is a miss, never decoded wrongly.
 
-Out of scope: entropy coding (CacheGen), fp8, per-group key quantization, residual fp16 windows.
+Out of scope: fp8, per-group key quantization, residual fp16 windows.
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cachegen
 from .base import ModuleKV
+from .cachegen import CodecError
 
-CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1}
+__all__ = ["CODECS", "CODEC_VERSIONS", "CodecError", "EncodedKV", "check_codec", "decode", "encode", "layout"]
+
+CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 1}
 CODECS: tuple[str, ...] = tuple(CODEC_VERSIONS)
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"int8": 8, "int4": 4}
@@ -58,9 +62,12 @@ class EncodedKV:
         return len(self.token_ids)
 
 
-def layout(codec: str, shape: tuple[int, int, int, int]) -> dict[str, tuple[int, ...]]:
-    """The tensor names and shapes a codec produces for KV of `shape`; used to validate loads."""
+def layout(codec: str, shape: tuple[int, int, int, int]) -> dict[str, tuple[int, ...] | None]:
+    """The tensor names and shapes a codec produces for KV of `shape`; used to validate loads.
+    None: a one-dimensional tensor of any length (a coded stream)."""
     L, H, S, D = shape
+    if codec == "cachegen":
+        return cachegen.layout(shape)
     if codec in ("native", "fp16", "bf16"):
         return {"k": shape, "v": shape}
     width = D if codec == "int8" else (D + 1) // 2
@@ -109,6 +116,8 @@ def encode(kv: ModuleKV, codec: str = "native", device: torch.device | str = "cp
         # copy=True: the store must never alias the caller's (possibly sliced, later mutated) tensors.
         dtype = _CASTS.get(codec, keys.dtype)
         tensors = {n: x.to(device=device, dtype=dtype, copy=True).contiguous() for n, x in (("k", keys), ("v", values))}
+    elif codec == "cachegen":
+        tensors = {n: x.to(device) for n, x in cachegen.encode(keys.cpu(), values.cpu()).items()}
     else:
         bits = _BITS[codec]
         k, k_scale, k_zero = _quantize(keys, dim=2, bits=bits)  # per channel: range over tokens
@@ -125,11 +134,15 @@ def decode(enc: EncodedKV, dtype: torch.dtype | None = None, device: torch.devic
     """Back to a `ModuleKV` in the original dtype (or `dtype`) on the tensors' device (or `device`).
 
     For "native" on the same device the returned tensors are the stored ones: treat them as read-only.
+    Raises `CodecError` for a coded stream that does not decode to the header's shape.
     """
     dtype = dtype or enc.dtype
     t = enc.tensors
     if enc.codec in ("native", "fp16", "bf16"):
         keys, values = t["k"], t["v"]
+    elif enc.codec == "cachegen":
+        keys, values = cachegen.decode({n: x.cpu() for n, x in t.items()}, enc.shape)
+        device = device or next(iter(t.values())).device
     else:
         bits, D = _BITS[enc.codec], enc.shape[3]
         keys = _dequantize(t["k"], t["k_scale"], t["k_zero"], bits, D)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from . import disk_counts
 from .base import ModuleKV, StoreStats, VerifyReport
-from .codecs import check_codec, decode, encode
+from .codecs import CodecError, check_codec, decode, encode
 from .eviction import BudgetIndex, Entry, Policy
 from .serialize import CorruptEntry, WarnOnce, dumps, load_file, read_header
 
@@ -101,12 +101,13 @@ class DiskStore:
         try:
             inode = path.stat().st_ino
             enc = load_file(path, key)
+            kv = decode(enc)
         except FileNotFoundError:
             with self._lock:
                 self._pending.num_misses += 1
             self._maybe_flush_counts()
             return None
-        except CorruptEntry as e:
+        except (CorruptEntry, CodecError) as e:
             self._warn(key, "disk store %s: dropping bad entry %s (corrupt; recomputed from its text): %s", self.root, key, e)
             self._drop(key, path, inode)
             with self._lock:
@@ -122,7 +123,6 @@ class DiskStore:
             self._pending.num_hits += 1
             self._touched[key] = time.time()
         self._maybe_flush_counts()
-        kv = decode(enc)
         if enc.codec == "native":  # detach from the file mapping (see serialize.load_file)
             kv = ModuleKV(kv.keys.clone(), kv.values.clone(), kv.start, kv.token_ids, kv.fingerprint, kv.mode)
         return kv

@@ -31,7 +31,8 @@ import time
 from collections.abc import Callable
 
 from .base import ModuleKV, StoreStats, VerifyReport
-from .codecs import check_codec, decode, encode
+from .codecs import CodecError, check_codec, decode, encode
+from .link import Link, LinkMeter
 from .serialize import CorruptEntry, WarnOnce, dumps, loads
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class RedisStore:
         self._num_errors = 0
         self._num_write_errors = 0
         self._warn = WarnOnce(log)
+        self.meter = LinkMeter()  # this process's measure of the link to the server
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}:kv:{key}"
@@ -128,33 +130,47 @@ class RedisStore:
     # -- protocol ------------------------------------------------------------------------------
 
     def get(self, key: str) -> ModuleKV | None:
-        blob = self._fetch(key) if self.available else None
-        if blob is None:
+        fetched = self._fetch(key) if self.available else None
+        if fetched is None:
             self._count(False)
             return None
+        blob, transfer_s = fetched
         try:
             enc = loads(blob, key)
-        except CorruptEntry as e:
+            t0 = time.perf_counter()
+            kv = decode(enc)
+            self.meter.decoded(kv.num_tokens, time.perf_counter() - t0)
+            self.meter.fetch(len(blob), kv.num_tokens, transfer_s)
+        except (CorruptEntry, CodecError) as e:
             self._warn(key, "redis store %s: ignoring bad entry %s: %s", self.url, key, e)
             with self._lock:
                 self._num_errors += 1
             self._count(False)
             return None
         self._count(True)
-        return decode(enc)
+        return kv
 
-    def _fetch(self, key: str) -> bytes | None:
+    def _fetch(self, key: str) -> tuple[bytes, float] | None:
+        """The entry's bytes and the seconds its transfer took (one round trip included)."""
         try:
+            if self.meter.wants_round_trip():
+                t0 = time.perf_counter()
+                self._client.ping()
+                self.meter.round_trip(time.perf_counter() - t0)
+            t0 = time.perf_counter()
             head = self._client.get(self._k(key))
+            t1 = time.perf_counter()
             if head is None or head[:1] == b"V":
                 self._ok()
                 if head is None and self.ttl_s is not None:
                     self._client.hdel(self._index_key, key)  # expired or deleted elsewhere
-                return None if head is None else head[1:]
+                return None if head is None else (head[1:], t1 - t0)
+            self.meter.round_trip(t1 - t0)  # a manifest: a few hundred bytes
             chunk_keys = self._chunk_keys(key, head)
             if chunk_keys is None:
-                return b""  # malformed head: loads() reports it as a bad entry
+                return b"", 0.0  # malformed head: loads() reports it as a bad entry
             chunks = self._client.mget(chunk_keys)
+            t2 = time.perf_counter()
         except self._errors as e:
             self._failed(e)
             return None
@@ -164,7 +180,7 @@ class RedisStore:
         self._ok()
         if any(c is None for c in chunks):
             return None  # overwritten or expired under us: a miss
-        return b"".join(chunks)
+        return b"".join(chunks), t2 - t1
 
     def _chunk_keys(self, key: str, head: bytes) -> list[str] | None:
         if head[:1] != b"M":
@@ -211,11 +227,17 @@ class RedisStore:
             return
         self._ok()
 
+    def link(self) -> Link:
+        """Latency, bandwidth and decode time measured by this process's calls."""
+        return self.meter.link()
+
     def contains(self, key: str) -> bool:
         if not self.available:
             return False
         try:
+            t0 = time.perf_counter()
             found = bool(self._client.exists(self._k(key)))
+            self.meter.round_trip(time.perf_counter() - t0)
         except self._errors as e:
             self._failed(e)
             return False

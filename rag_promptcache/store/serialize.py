@@ -115,8 +115,8 @@ def _check(key: str, meta: dict[str, str] | None, tensors: dict[str, torch.Tenso
         raise CorruptEntry(f"dtype {meta['dtype']!r}")
     shape = (int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["num_tokens"]), int(meta["head_dim"]))
     expected = layout(codec, shape)
-    got = {n: tuple(t.shape) for n, t in tensors.items()}
-    if got != expected:
+    got = {n: tuple(t.shape) if expected.get(n) is not None else len(t.shape) for n, t in tensors.items()}
+    if got != {n: 1 if s is None else s for n, s in expected.items()}:
         raise CorruptEntry(f"tensors {got}, expected {expected}")
     if _checksum(meta, tensors) != meta["checksum"]:
         raise CorruptEntry("checksum mismatch")
@@ -145,7 +145,8 @@ def loads(data: bytes, key: str) -> EncodedKV:
         raise CorruptEntry(f"unreadable entry: {e}") from e
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8,
+              "I16": torch.int16}
 
 
 def _parse_mapped(buf: mmap.mmap) -> tuple[dict[str, str] | None, dict[str, torch.Tensor]]:

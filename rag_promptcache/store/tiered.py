@@ -8,6 +8,10 @@
   if the process dies before a flush. Promoted entries are clean (the lower tier already holds them).
   `flush()` reads dirty entries back through the first tier's `get`, so they count as its hits.
 
+Concurrent gets of one key share one load: the first caller fetches, the others wait for its result
+(`num_shared_loads` counts them). `load_s` estimates how long a get would take, from the first tier
+with a measured link (link.py), for the planner to weigh against recomputing.
+
 stats() counts hits and misses at this level (a hit in any tier is one hit) and sums entries and
 bytes over the tiers (a promoted entry counts in each tier that holds it); `tier_stats()` gives each
 tier's own.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from .base import ModuleKV, Store, StoreStats
 
@@ -37,6 +42,8 @@ class TieredStore:
         self._dirty: set[str] = set()
         self._num_hits = 0
         self._num_misses = 0
+        self._inflight: dict[str, Future[ModuleKV | None]] = {}
+        self.num_shared_loads = 0
         if write == "back":
             if not hasattr(self.tiers[0], "on_evict"):
                 raise ValueError(
@@ -46,6 +53,42 @@ class TieredStore:
             self.tiers[0].on_evict = self._write_back  # type: ignore[attr-defined]
 
     def get(self, key: str) -> ModuleKV | None:
+        with self._lock:
+            pending = self._inflight.get(key)
+            if pending is None:
+                mine: Future[ModuleKV | None] = Future()
+                self._inflight[key] = mine
+            else:
+                self.num_shared_loads += 1
+        if pending is not None:
+            kv = pending.result()
+            with self._lock:
+                self._num_hits += kv is not None
+                self._num_misses += kv is None
+            return kv
+        try:
+            kv = self._load(key)
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._inflight[key]
+        mine.set_result(kv)
+        return kv
+
+    def load_s(self, key: str, num_tokens: int) -> float | None:
+        """Seconds a get of `key` (`num_tokens` tokens) is expected to take: 0.0 where a tier without a
+        link (memory, disk) holds it, else the first linked tier's estimate; None when unmeasured."""
+        for tier in self.tiers:
+            link = getattr(tier, "link", None)
+            if link is not None:
+                return link().load_s(num_tokens)
+            if tier.contains(key):
+                return 0.0
+        return None
+
+    def _load(self, key: str) -> ModuleKV | None:
         for i, tier in enumerate(self.tiers):
             kv = tier.get(key)
             if kv is not None:
