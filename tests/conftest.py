@@ -1,7 +1,9 @@
 """Shared fixtures: the real SmolLM2 (loaded once per session), its tokenizer alone, and redis servers.
 
 Tiers: tests that load SmolLM2's weights are marked `smollm`, the server, bench, examples, Ray and
-wheel tests `slow`; `make test-fast` runs the rest (`-m "not smollm and not slow"`)."""
+wheel tests `slow`; `make test-fast` runs the rest (`-m "not smollm and not slow"`). Tests that take
+the `device` fixture are marked `device`: they run their tiny models on RAG_PROMPTCACHE_TEST_DEVICE
+(cpu unless set), which is how `make gpu-check` runs the engine on CUDA (`-m device`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,23 @@ torch.set_num_threads(2)
 # Tests hold the cached path to its answers; the planner's fallback to full prefill (engine/costmodel.py)
 # would choose by timings, which differ per machine. tests/test_fallback.py sets the policy it tests.
 os.environ.setdefault("RAG_PROMPTCACHE_FALLBACK", "never")
+
+
+TEST_DEVICE = os.environ.get("RAG_PROMPTCACHE_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where the `device` tests put their models: RAG_PROMPTCACHE_TEST_DEVICE, cpu unless set."""
+    try:
+        dev = torch.device(TEST_DEVICE)
+    except RuntimeError as e:
+        raise pytest.UsageError(f"RAG_PROMPTCACHE_TEST_DEVICE={TEST_DEVICE!r}: valid: cpu, cuda, cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"RAG_PROMPTCACHE_TEST_DEVICE={TEST_DEVICE!r} but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"RAG_PROMPTCACHE_TEST_DEVICE={TEST_DEVICE!r}: valid: cpu, cuda, cuda:N")
+    return str(dev)
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +55,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "smollm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.smollm)
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +82,15 @@ def _smollm_weights_only_where_marked(request, monkeypatch):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer alone (seconds, no weights): what the tiny random-weight models
-    borrow for real text. Tests that need the model too take `smollm`, whose tokenizer is the same."""
+    borrow for real text. Tests that need the model too take `smollm`, whose tokenizer is the same.
+
+    RAG_PROMPTCACHE_TEST_TOKENIZER names a directory holding that tokenizer saved alone, for a
+    machine without the model's wheel (`make gpu-wheels` saves one for `make gpu-check`)."""
+    saved = os.environ.get("RAG_PROMPTCACHE_TEST_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
     from rag_promptcache.model.loading import load_tokenizer
 
     return load_tokenizer()
