@@ -9,7 +9,7 @@ TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo 
 KERNELS  := rag_promptcache/model/kernels
 LIBRARY  := $(KERNELS)/librag-promptcache-kernels.so
 
-.PHONY: venv kernels test test-fast demo bench bench-quick redis browser clean gpu-check gpu-wheels
+.PHONY: venv kernels test test-fast docs demo bench bench-quick redis browser clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,7 +53,11 @@ browser: venv
 	@$(BIN)/python -c "import selenium" 2>/dev/null || $(BIN)/pip install -q "selenium>=4.20,<5"
 	@command -v chromedriver >/dev/null 2>&1 && echo "chromedriver: $$(command -v chromedriver)"
 
-test: venv kernels redis browser
+# The documentation site (mkdocs.yml, docs/) into out/site; --strict: a broken link or reference fails.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(BIN)/mkdocs build --strict --quiet
+
+test: venv kernels redis browser docs
 	$(BIN)/python -m pytest -q tests integrations/langchain/tests integrations/llamaindex/tests
 
 # Minutes, not tens of them: no SmolLM2 weights, no server, bench, examples, Ray or wheel builds (tests/conftest.py).
