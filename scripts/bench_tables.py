@@ -222,7 +222,7 @@ HEADLINE = [
      lambda: (lambda rows: f"{next(r for r in rows if r.get('default'))['tokens_per_s']:.1f} / "
               f"{next(r for r in rows if r['system'] == 'llama.cpp' and r['dtype'] == 'bfloat16')['tokens_per_s']:.1f}")(
          _load("docs/bench/decode-native-2026-11-25/decode.json")["decode"]),
-     "benchmarks.md#decode", "docs/bench/decode-native-2026-11-25/decode.json",
+     "benchmarks.md#decode-against-llamacpp", "docs/bench/decode-native-2026-11-25/decode.json",
      "rag-promptcache bench --quick --threads 2 --scenarios decode --decode-dtypes bfloat16"),
     ("Right answers kept on look-alike documents, the default, worst cell",
      lambda: f"{_load('docs/bench/fidelity-quiet-2026-11-25/pooled-tokens32/fidelity.json')['across_splits']['worst_retained']:.2f}",
