@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 
 from rag_promptcache.engine.compiler import CompiledSchema, Compiler, Unit
 from rag_promptcache.pml import ast
-from rag_promptcache.pml.parser import parse_prompt, parse_schema, to_pml
+from rag_promptcache.pml.build import to_pml
+from rag_promptcache.pml.parser import parse_prompt, parse_schema
 from rag_promptcache.store.base import module_key
 
 PLAIN = ""  # the empty schema that plain-text prompts use
