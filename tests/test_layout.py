@@ -135,3 +135,21 @@ def test_no_file_is_far_past_the_length_a_reader_takes_in():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES + 25}
     assert long == {}
+
+
+def test_every_module_imports():
+    """A moved or renamed name breaks here, not in the one command that imports it."""
+    import importlib
+    import pkgutil
+
+    import rag_promptcache
+
+    broken = {}
+    for info in pkgutil.walk_packages(rag_promptcache.__path__, "rag_promptcache."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError as e:
+            broken[info.name] = str(e)
+    assert broken == {}
