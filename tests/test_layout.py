@@ -153,3 +153,18 @@ def test_every_module_imports():
         except ImportError as e:
             broken[info.name] = str(e)
     assert broken == {}
+
+
+def test_the_engine_packages_import_one_way():
+    """The engine's subpackages (prompt, planning, prefix, kv, compute, decoding, batching) form no
+    circle among themselves either: one request's path reads down the tree (docs/ARCHITECTURE.md)."""
+    def package(m: str) -> str:
+        parts = m.split(".")
+        return ".".join(parts[:3]) if len(parts) > 3 else m
+
+    g: dict[str, set[str]] = {}
+    for m, deps in graph().items():
+        if m.startswith("rag_promptcache.engine."):
+            g.setdefault(package(m), set()).update(
+                package(d) for d in deps if d.startswith("rag_promptcache.engine.") and package(d) != package(m))
+    assert cycles(g) == []
