@@ -74,9 +74,10 @@ bench: venv
 	$(BIN)/rag-promptcache bench --json out/bench.json --plots out
 
 # On a CUDA machine (no network needed): the `device` test tier on CUDA and a quick TTFT/decode bench,
-# report in $$OUT or out/ (scripts/gpu_check.sh). Without CUDA it says so and exits 0.
+# report in $$OUT or out/ (scripts/gpu_check.sh; GPU_CHECK_ARGS=--no-bench for the tests alone).
+# Without CUDA it says so and exits 0.
 gpu-check:
-	PY=$(PY) bash scripts/gpu_check.sh
+	PY=$(PY) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 # Here, before gpu-check goes to a machine that cannot download: the wheels its tests need in the
 # versions this suite runs (cp312, manylinux x86_64), and the default model's tokenizer and config
