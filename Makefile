@@ -74,7 +74,7 @@ bench: venv
 	$(BIN)/rag-promptcache bench --json out/bench.json --plots out
 
 # On a CUDA machine (no network needed): the `device` test tier on CUDA and a quick TTFT/decode bench,
-# report in $$OUT or out/ (scripts/gpu_check.sh; GPU_CHECK_ARGS=--no-bench for the tests alone).
+# report in $OUT or out/ (scripts/gpu_check.sh; GPU_CHECK_ARGS=--no-bench for the tests alone).
 # Without CUDA it says so and exits 0.
 gpu-check:
 	PY=$(PY) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
