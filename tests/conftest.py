@@ -43,7 +43,7 @@ def smollm():
 
     fp32 on every machine, although `auto` is bf16 on a CPU with bf16 units: the tests that use it
     hold answers to be the same token for token (cached and full prefill, hit and miss, batched and
-    alone), which fp32 guarantees and bf16 only up to rounding (README, Limits). The bf16 default is
+    alone), which fp32 guarantees and bf16 only up to rounding (docs/limits.md). The bf16 default is
     tested where it is chosen (test_model_loading) and end to end (test_engine's bf16 test)."""
     from rag_promptcache.model.loading import load_model
 
