@@ -9,7 +9,7 @@ TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo 
 KERNELS  := rag_promptcache/model/kernels
 LIBRARY  := $(KERNELS)/librag-promptcache-kernels.so
 
-.PHONY: venv kernels test test-fast demo bench bench-quick redis browser clean
+.PHONY: venv kernels test test-fast docs demo bench bench-quick redis browser clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,7 +53,11 @@ browser: venv
 	@$(BIN)/python -c "import selenium" 2>/dev/null || $(BIN)/pip install -q "selenium>=4.20,<5"
 	@command -v chromedriver >/dev/null 2>&1 && echo "chromedriver: $$(command -v chromedriver)"
 
-test: venv kernels redis browser
+# The documentation site (mkdocs.yml, docs/) into out/site; --strict: a broken link or reference fails.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(BIN)/mkdocs build --strict --quiet
+
+test: venv kernels redis browser docs
 	$(BIN)/python -m pytest -q tests integrations/langchain/tests integrations/llamaindex/tests
 
 # Minutes, not tens of them: no SmolLM2 weights, no server, bench, examples, Ray or wheel builds (tests/conftest.py).
@@ -68,6 +72,28 @@ bench-quick: venv
 
 bench: venv
 	$(BIN)/rag-promptcache bench --json out/bench.json --plots out
+
+# On a CUDA machine (no network needed): the `device` test tier on CUDA and a quick TTFT/decode bench,
+# report in $OUT or out/ (scripts/gpu_check.sh; GPU_CHECK_ARGS=--no-bench for the tests alone).
+# Without CUDA it says so and exits 0.
+gpu-check:
+	PY=$(PY) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# Here, before gpu-check goes to a machine that cannot download: the wheels its tests need in the
+# versions this suite runs (cp312, manylinux x86_64), and the default model's tokenizer and config
+# (no weights) in .whl/smollm2.
+# faiss-cpu: the bench imports rag_promptcache.rag, whose index needs it.
+GPU_WHEELS := transformers==5.24.0 pytest-asyncio==1.5.0 faiss-cpu==1.15.1
+gpu-wheels: venv
+	rm -rf .whl && mkdir -p .whl
+	for w in $(GPU_WHEELS); do \
+	  $(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    -d .whl "$$w" || exit 1; done
+	$(BIN)/python -c "from transformers import AutoConfig; from rag_promptcache.model.loading import load_tokenizer, \
+	  _resolve_directory; load_tokenizer().save_pretrained('.whl/smollm2'); \
+	  AutoConfig.from_pretrained(_resolve_directory('smollm2-135m-instruct')).save_pretrained('.whl/smollm2')"
+	du -sh .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(LIBRARY) $(LIBRARY).json

@@ -1,7 +1,9 @@
 """Shared fixtures: the real SmolLM2 (loaded once per session), its tokenizer alone, and redis servers.
 
 Tiers: tests that load SmolLM2's weights are marked `smollm`, the server, bench, examples, Ray and
-wheel tests `slow`; `make test-fast` runs the rest (`-m "not smollm and not slow"`)."""
+wheel tests `slow`; `make test-fast` runs the rest (`-m "not smollm and not slow"`). Tests that take
+the `device` fixture are marked `device`: they run their tiny models on RAG_PROMPTCACHE_TEST_DEVICE
+(cpu unless set), which is how `make gpu-check` runs the engine on CUDA (`-m device`)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,30 @@ torch.set_num_threads(2)
 # path to its answers asks for it: PromptCache(..., fallback="never").
 
 
+TEST_DEVICE = os.environ.get("RAG_PROMPTCACHE_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where the `device` tests put their models: RAG_PROMPTCACHE_TEST_DEVICE, cpu unless set."""
+    try:
+        dev = torch.device(TEST_DEVICE)
+    except RuntimeError as e:
+        raise pytest.UsageError(f"RAG_PROMPTCACHE_TEST_DEVICE={TEST_DEVICE!r}: valid: cpu, cuda, cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"RAG_PROMPTCACHE_TEST_DEVICE={TEST_DEVICE!r} but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"RAG_PROMPTCACHE_TEST_DEVICE={TEST_DEVICE!r}: valid: cpu, cuda, cuda:N")
+    return str(dev)
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """(model, tokenizer) of the default model, SmolLM2-135M-Instruct, fp32 on CPU.
 
     fp32 on every machine, although `auto` is bf16 on a CPU with bf16 units: the tests that use it
     hold answers to be the same token for token (cached and full prefill, hit and miss, batched and
-    alone), which fp32 guarantees and bf16 only up to rounding (README, Limits). The bf16 default is
+    alone), which fp32 guarantees and bf16 only up to rounding (docs/limits.md). The bf16 default is
     tested where it is chosen (test_model_loading) and end to end (test_engine's bf16 test)."""
     from rag_promptcache.model.loading import load_model
 
@@ -33,6 +52,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "smollm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.smollm)
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +79,15 @@ def _smollm_weights_only_where_marked(request, monkeypatch):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer alone (seconds, no weights): what the tiny random-weight models
-    borrow for real text. Tests that need the model too take `smollm`, whose tokenizer is the same."""
+    borrow for real text. Tests that need the model too take `smollm`, whose tokenizer is the same.
+
+    RAG_PROMPTCACHE_TEST_TOKENIZER names a directory holding that tokenizer saved alone, for a
+    machine without the model's wheel (`make gpu-wheels` saves one for `make gpu-check`)."""
+    saved = os.environ.get("RAG_PROMPTCACHE_TEST_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
     from rag_promptcache.model.loading import load_tokenizer
 
     return load_tokenizer()

@@ -237,3 +237,29 @@ def test_smollm2_bf16_with_the_kernel_is_as_close_to_fp32_as_sdpa(smollm, monkey
 
 def _kl(logits: torch.Tensor, ref: torch.Tensor) -> float:
     return F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
+
+
+def test_where_the_kernels_do_not_run_bf16_generation_is_the_torch_codes(device, tokenizer, monkeypatch):
+    """The CPU kernels are asked only where they run (`attention.available`): on another device, or a
+    CPU without them, a bf16 engine answers with the kernels allowed exactly as with them switched off,
+    the module hit and the miss alike."""
+    if attention.available(torch.bfloat16, device):
+        pytest.skip("the kernels run on this device: the tests above compare them with the torch code")
+    model = build("llama", device, vocab_size=len(tokenizer)).to(torch.bfloat16)
+    schema = ('<schema name="s"><module name="a">The quick brown fox jumps over the lazy dog.</module>'
+              '<module name="b">Paris is the capital of France.</module></schema>')
+    prompt = '<prompt schema="s"><b/><a/><user>What jumps?</user></prompt>'
+
+    def answers():
+        from rag_promptcache.engine import PromptCache
+        from rag_promptcache.store import MemoryStore
+
+        pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="last:1")
+        pc.add_schema(schema)
+        miss, hit = (pc.generate(prompt, max_new_tokens=8, ignore_eos=True) for _ in range(2))
+        assert hit.cached_tokens > 0 == miss.cached_tokens
+        return miss.token_ids, hit.token_ids, pc.compare(prompt).max_abs_logit_diff
+
+    allowed = answers()
+    monkeypatch.setenv(native.KERNELS_ENV, "0")
+    assert answers() == allowed

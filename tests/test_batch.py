@@ -67,10 +67,10 @@ def test_rows_admit_in_order_stay_packed_and_bound_the_queue():
 # -- logits at every step, rows joining and leaving -------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tokenizer):
+def tiny(tokenizer, device):
     # no prefix cache: these tests hold a batched request to the same prompt run alone, counts included,
     # and the second of two equal prompts would reuse the first's KV (tests/test_prefix_cache.py)
-    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+    pc = PromptCache(build("llama", device, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
                      prefix_cache_bytes=0)
     pc.add_schema(SCHEMA)
     return pc
@@ -83,7 +83,9 @@ def _reference(pc: PromptCache, prompt: str, steps: int) -> tuple[list[int], lis
     tokens, seen = [], [logits]
     for i in range(steps):
         tokens.append(int(logits.argmax()))
-        logits = forward_last(pc.model, torch.tensor([[tokens[-1]]]), torch.tensor([[position + i]]), cache)
+        dev = pc.model.device
+        logits = forward_last(pc.model, torch.tensor([[tokens[-1]]], device=dev), torch.tensor([[position + i]], device=dev),
+                              cache)
         seen.append(logits)
     return tokens, seen, position
 

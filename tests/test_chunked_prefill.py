@@ -21,10 +21,10 @@ from tests.tiny import build
 TOL = 1e-5  # fp32: a chunk's matmuls and softmax run over fewer rows and columns than the whole one's
 
 
-def _engine(arch: str, tokenizer, recovery: str = "none") -> PromptCache:
+def _engine(arch: str, tokenizer, recovery: str = "none", device: str = "cpu") -> PromptCache:
     # no prefix cache: these tests count the prefill's forwards, which a prefix reused from an earlier
     # request of the same prompt would shorten (tests/test_prefix_cache.py covers the two together)
-    pc = PromptCache(build(arch, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery=recovery,
+    pc = PromptCache(build(arch, device, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery=recovery,
                      prefix_cache_bytes=0)
     pc.add_schema(SCHEMA)
     return pc
@@ -40,8 +40,8 @@ def _kv(cache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 # builds a 4D mask; last:1 recomputes the module next to the question (new tokens after all cached)
 @pytest.mark.parametrize("recovery,masked", [("none", False), ("first_k:2", True), ("last:1", False)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_chunks_give_the_logits_and_kv_of_one_forward(tokenizer, arch, recovery, masked):
-    pc = _engine(arch, tokenizer, recovery)
+def test_chunks_give_the_logits_and_kv_of_one_forward(tokenizer, arch, recovery, masked, device):
+    pc = _engine(arch, tokenizer, recovery, device)
     plan = pc.plan(PROMPTS[3])  # three modules and a question
     whole = start(pc.model, plan, pc.relocator, pc.geometry).run(pc.model)  # one forward
     total = plan.num_tokens
@@ -106,8 +106,8 @@ def test_a_step_carrying_a_chunk_gives_the_logits_of_both_apart(tokenizer, recov
 
 # llama: the chunks ride in the decode steps (mixed_step); qwen2 (no lean forward): they run between them
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_batcher_interleaves_a_new_prefill_with_the_running_decode(tokenizer, monkeypatch, arch):
-    pc = _engine(arch, tokenizer)
+def test_batcher_interleaves_a_new_prefill_with_the_running_decode(tokenizer, monkeypatch, arch, device):
+    pc = _engine(arch, tokenizer, device=device)
     alone = [pc.generate(p, max_new_tokens=n, ignore_eos=True) for p, n in ((PROMPTS[0], 40), (PROMPTS[3], 6))]
     # ("chunk", tokens) per prefill forward, ("step", rows) per decode forward, ("mixed", tokens) per both
     log: list[tuple[str, int]] = []

@@ -35,27 +35,28 @@ SCHEMA = f"""<schema name="s">
 </schema>"""
 
 
-def engine(arch: str, tokenizer, **kwargs) -> PromptCache:
-    """Raw assembly (no recovery) unless a test asks otherwise: these tests look at the pieces."""
-    model = build(arch, vocab_size=len(tokenizer))
+def engine(arch: str, tokenizer, device: str = "cpu", **kwargs) -> PromptCache:
+    """Raw assembly (no recovery) unless a test asks otherwise: these tests look at the pieces. The
+    tests that take the `device` fixture run on RAG_PROMPTCACHE_TEST_DEVICE (tests/conftest.py)."""
+    model = build(arch, device, vocab_size=len(tokenizer))
     pc = PromptCache(model, tokenizer, store=MemoryStore(), **{"recovery": "none", **kwargs})
     pc.add_schema(SCHEMA)
     return pc
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
-def test_module_at_its_own_position_is_exact(arch, tokenizer):
-    pc = engine(arch, tokenizer)
+def test_module_at_its_own_position_is_exact(arch, tokenizer, device):
+    pc = engine(arch, tokenizer, device)
     cmp = pc.compare('<prompt schema="s"><a/> What jumps?</prompt>')
     assert cmp.cached_tokens > 10
     assert cmp.max_abs_logit_diff <= 1e-4, cmp
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
-def test_relocated_module_is_exact(arch, tokenizer):
+def test_relocated_module_is_exact(arch, tokenizer, device):
     # schema layout puts `a` after the (not imported) `pad`: its KV, encoded at 0, is rotated by ~300
     # positions; nothing precedes it, so full prefill at the same positions must agree.
-    pc = engine(arch, tokenizer, layout="schema")
+    pc = engine(arch, tokenizer, device, layout="schema")
     plan = pc.plan('<prompt schema="s"><a/> What jumps?</prompt>')
     first = plan.pieces[0]
     assert first.unit == "a" and first.position > 300
@@ -64,8 +65,8 @@ def test_relocated_module_is_exact(arch, tokenizer):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox_pct25"])
-def test_relocation_by_small_offsets(arch, tokenizer):
-    pc = engine(arch, tokenizer, layout="schema")
+def test_relocation_by_small_offsets(arch, tokenizer, device):
+    pc = engine(arch, tokenizer, device, layout="schema")
     for words in (1, 7, 40):
         pc.add_schema(f'<schema name="o"><module name="x">{" ".join(["w"] * words)}</module>'
                       f'<module name="a">{FOX}</module></schema>', replace=True)
@@ -74,8 +75,8 @@ def test_relocation_by_small_offsets(arch, tokenizer):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])
-def test_absolute_positions_recompute_when_moved_and_stay_exact(arch, tokenizer):
-    pc = engine(arch, tokenizer)
+def test_absolute_positions_recompute_when_moved_and_stay_exact(arch, tokenizer, device):
+    pc = engine(arch, tokenizer, device)
     res = pc.generate('<prompt schema="s"><a/><b/> Where?</prompt>', max_new_tokens=2)
     assert res.recomputed_modules == ("b",)  # `a` sits where it was encoded; `b` does not
     assert "a" in res.hit_modules or "a" in res.missed_modules
@@ -92,9 +93,9 @@ def test_absolute_positions_recompute_when_moved_and_stay_exact(arch, tokenizer)
     '<prompt schema="s"><outer><inner/></outer> Nest?</prompt>',  # nested module imported
     '<prompt schema="s"><outer/> Nest?</prompt>',  # parent without its child
 ])
-def test_params_unions_nesting_generate(arch, prompt, tokenizer):
+def test_params_unions_nesting_generate(arch, prompt, tokenizer, device):
     for layout in ("contiguous", "schema"):
-        pc = engine(arch, tokenizer, layout=layout)
+        pc = engine(arch, tokenizer, device, layout=layout)
         first = pc.generate(prompt, max_new_tokens=3)  # every module missed: encoded, so computed
         res = pc.generate(prompt, max_new_tokens=3)
         assert len(res.token_ids) == 3 and res.cached_tokens > 0 == first.cached_tokens
@@ -130,8 +131,8 @@ def test_import_after_text_is_a_pml_error(tokenizer):
         pc.generate('<prompt schema="s">Question first <a/></prompt>')
 
 
-def test_miss_is_encoded_used_and_written_back(tokenizer):
-    pc = engine("llama", tokenizer)
+def test_miss_is_encoded_used_and_written_back(tokenizer, device):
+    pc = engine("llama", tokenizer, device)
     prompt = '<prompt schema="s"><a/><b/> Where?</prompt>'
     first = pc.generate(prompt, max_new_tokens=4)
     assert set(first.missed_modules) == {"a", "b"} and first.hit_modules == ()
@@ -155,8 +156,8 @@ def test_foreign_entry_under_our_key_is_not_used(tokenizer):
     assert res.token_ids == reference.token_ids and plan.kvs["a"] is not None
 
 
-def test_encode_precomputes_and_skips_stored(tokenizer):
-    pc = engine("llama", tokenizer)
+def test_encode_precomputes_and_skips_stored(tokenizer, device):
+    pc = engine("llama", tokenizer, device)
     report = pc.encode("s")
     assert report.num_modules >= 8 and report.num_tokens > 150
     again = pc.encode("s")
@@ -167,8 +168,8 @@ def test_encode_precomputes_and_skips_stored(tokenizer):
         pc.encode("s", ["nope"])
 
 
-def test_plain_text_prompt(tokenizer):
-    pc = engine("llama", tokenizer)
+def test_plain_text_prompt(tokenizer, device):
+    pc = engine("llama", tokenizer, device)
     res = pc.generate("Hello there, how are you?", max_new_tokens=3)
     assert res.cached_tokens == 0 and len(res.token_ids) == 3
     with pytest.raises(ValueError, match="empty prompt"):
@@ -189,8 +190,8 @@ def test_bad_arguments(tokenizer):
         pc.generate('<prompt schema="nope"><a/></prompt>')
 
 
-def test_sampling_is_seeded(tokenizer):
-    pc = engine("llama", tokenizer)
+def test_sampling_is_seeded(tokenizer, device):
+    pc = engine("llama", tokenizer, device)
     kw = dict(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50)
     a = pc.generate("Once upon a time", seed=1, **kw)
     b = pc.generate("Once upon a time", seed=1, **kw)
@@ -198,8 +199,8 @@ def test_sampling_is_seeded(tokenizer):
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
-def test_stream_matches_generate_and_async(tokenizer):
-    pc = engine("llama", tokenizer)
+def test_stream_matches_generate_and_async(tokenizer, device):
+    pc = engine("llama", tokenizer, device)
     prompt = '<prompt schema="s"><a/> What jumps?</prompt>'
     res = pc.generate(prompt, max_new_tokens=12)
     stream = pc.stream(prompt, max_new_tokens=12)

@@ -128,3 +128,24 @@ def test_reserved_buffers_return_to_the_pool_and_are_reused():
     other, keys3, _ = reserved_cache(model.config, g, 200, model.dtype, model.device)
     assert keys3.data_ptr() != ptr  # never handed to two live caches
     _POOL.clear()
+
+
+def test_sdpa_output_in_cudas_memory_layout_is_read_as_it_is(tokenizer, monkeypatch):
+    """CUDA's SDPA kernels return [B, H, N, D] over [B, N, H, D]-contiguous memory, which `.view` cannot
+    regroup (the first GPU run found that): the lean forward takes SDPA's output in that layout, here
+    made on the CPU, and answers the same, alone and batched."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.transpose(-2, -3).contiguous().transpose(-2, -3)  # the same values, the other strides
+
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, recovery="none", prefix_cache_bytes=0)
+    prompt = "A plain prompt of a few words, long enough to need a mask."
+    plain = pc.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
+    assert pc.generate(prompt, max_new_tokens=4, ignore_eos=True).token_ids == plain.token_ids
+    assert [r.token_ids for r in pc.generate_batch([prompt, prompt + " Two."], max_new_tokens=4,
+                                                   ignore_eos=True)][0] == plain.token_ids

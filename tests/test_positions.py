@@ -30,13 +30,13 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("name", ROPE_ARCHS)
-def test_rotate_matches_model_at_new_position(name):
-    model = build(name)
+def test_rotate_matches_model_at_new_position(name, device):
+    model = build(name, device)
     reloc = relocator_for(model)
     assert reloc.relocatable and reloc.kind in ("rope", "alibi"), f"{reloc=}"
     torch.manual_seed(1)
-    ids = torch.randint(0, 128, (NUM_TOKENS,))
-    base = torch.arange(START, START + NUM_TOKENS)
+    ids = torch.randint(0, 128, (NUM_TOKENS,)).to(device)
+    base = torch.arange(START, START + NUM_TOKENS, device=device)
     keys, values = encode(model, ids, base)
     geo = kv_geometry(model)
     assert keys.shape == (geo.num_layers, geo.num_kv_heads, NUM_TOKENS, geo.head_dim), f"{keys.shape=} {geo=}"
@@ -44,7 +44,7 @@ def test_rotate_matches_model_at_new_position(name):
     assert [t == "sliding_attention" for t in geo.layer_types] == ["Sliding" in k for k in cache_kinds], f"{geo=}"
 
     for delta in (37, 500, -START):
-        deltas = torch.full((NUM_TOKENS,), delta)
+        deltas = torch.full((NUM_TOKENS,), delta, device=device)
         moved_keys, moved_values = encode(model, ids, base + deltas)
         if reloc.exact_below is not None:
             assert int((base + deltas).max()) < reloc.exact_below
@@ -58,12 +58,12 @@ def test_rotate_matches_model_at_new_position(name):
     # Per-token deltas: a token's layer-0 key depends only on its own position, so compare layer 0 with
     # the model, and every layer with the uniform rotations chosen per token.
     torch.manual_seed(2)
-    deltas = torch.randint(-START, 600, (NUM_TOKENS,))
+    deltas = torch.randint(-START, 600, (NUM_TOKENS,)).to(device)
     rotated = reloc.rotate(keys, deltas)
     moved_keys, _ = encode(model, ids, base + deltas)
     assert max_err(rotated[0], moved_keys[0]) <= TOL, f"{name} per-token layer 0"
     for i, d in enumerate(deltas.tolist()):
-        uniform = reloc.rotate(keys, torch.full((NUM_TOKENS,), d))
+        uniform = reloc.rotate(keys, torch.full((NUM_TOKENS,), d, device=device))
         assert max_err(rotated[:, :, i], uniform[:, :, i]) <= 1e-6, f"{name} per-token {i=}"
 
 

@@ -17,16 +17,16 @@ SCHEMA = """<schema name="s"><system>You are helpful. Answer from the documents.
 PROMPT = '<prompt schema="s"><b/><a/><c/><user>What jumps?</user></prompt>'
 
 
-def engine(arch, tokenizer, **kw) -> PromptCache:
-    pc = PromptCache(build(arch, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), **{"recovery": "none", **kw})
+def engine(arch, tokenizer, device="cpu", **kw) -> PromptCache:
+    pc = PromptCache(build(arch, device, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), **{"recovery": "none", **kw})
     pc.add_schema(SCHEMA)
     return pc
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gpt_neox_pct25"])
 @pytest.mark.parametrize("mode", ["isolated", "shared_prefix"])
-def test_full_recompute_is_full_prefill_and_zero_is_none(arch, mode, tokenizer):
-    pc = engine(arch, tokenizer, mode=mode)
+def test_full_recompute_is_full_prefill_and_zero_is_none(arch, mode, tokenizer, device):
+    pc = engine(arch, tokenizer, device, mode=mode)
     none = pc.compare(PROMPT, recovery="none")
     assert none.max_abs_logit_diff > 1e-3  # there is a gap to close
     for everything in ("selective:1.0", "first_k:1000"):

@@ -73,7 +73,8 @@ ARCHS = {
 }
 
 
-def build(name: str, **overrides):
-    """A tiny fp32 model of architecture `name` in eval mode, same weights every call."""
+def build(name: str, device: str = "cpu", **overrides):
+    """A tiny fp32 model of architecture `name` in eval mode on `device`, same weights every call (drawn
+    on the CPU, so a CUDA model has the CPU model's weights)."""
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(ARCHS[name](**overrides), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(ARCHS[name](**overrides), dtype=torch.float32).eval().to(device)

@@ -5,7 +5,7 @@
 
 Every scenario compares systems on the same token sequence inside one run, so ratios hold on a
 shared, noisy machine even when absolute times wander. One file per scenario; `report.py` writes
-the JSON, the Markdown table and the plots. Not here: assertions on speed (the README records the
+the JSON, the Markdown table and the plots. Not here: assertions on speed (docs/benchmarks.md records the
 numbers; tests/test_bench.py checks the report's shape only).
 """
 

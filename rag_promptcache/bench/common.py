@@ -30,7 +30,7 @@ QUESTION = (
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    """One run's sizes. `quick()` is a shorter run (about five minutes on two CPU cores before the decode scenario grew, not re-timed); `full()` is the README run."""
+    """One run's sizes. `quick()` is a shorter run (about five minutes on two CPU cores before the decode scenario grew, not re-timed); `full()` is the run docs/benchmarks.md reports."""
 
     contexts: tuple[int, ...] = (512, 1024, 2048, 4096)  # retrieved-context tokens for TTFT
     module_tokens: int = 256
@@ -41,7 +41,7 @@ class BenchConfig:
     questions: int = 24
     ks: tuple[int, ...] = (4, 8)
     continuation: int = 32  # greedy tokens compared / scored by NLL
-    quality_configs: tuple[tuple[str, str], ...] = (  # the sweep behind the default (README, "Quality")
+    quality_configs: tuple[tuple[str, str], ...] = (  # the sweep behind the default (docs/fidelity.md)
         ("isolated", "none"), ("shared_prefix", "none"),
         ("isolated", "first_k:2"), ("isolated", "first_k:8"), ("shared_prefix", "first_k:2"),
         ("shared_prefix", "first_k:8"),

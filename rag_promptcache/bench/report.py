@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rag_promptcache.bench.tables import table
+
 SYSTEMS = ("full", "full_engine", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
 LLAMACPP = ("llamacpp_bf16_full", "llamacpp_q4_1_full")  # bench/llamacpp.py's TTFT rows, where it ran
 
@@ -17,13 +19,6 @@ def write_json(report: dict[str, object], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-
-
-def table(header: list[str], rows: list[list[object]]) -> str:
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def markdown(report: dict[str, object]) -> str:

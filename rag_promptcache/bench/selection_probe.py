@@ -30,7 +30,7 @@ import torch
 from rag_promptcache.bench import fidelity_data, fidelity_heldout
 from rag_promptcache.bench.fidelity import CHUNK_TOKENS, STOP
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.decode import Sampling
+from rag_promptcache.engine.sampling import Sampling
 from rag_promptcache.engine.recovery import split
 from rag_promptcache.engine.result import Stream
 from rag_promptcache.engine.select import Selection, choose, question_mass, stale_tokens

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from rag_promptcache.bench.common import Bench
+from rag_promptcache.bench.tables import table
 from rag_promptcache.engine.batcher import DEFAULT_PREFILL_CHUNK
 
 LEVELS = (1, 4, 8, 16)
@@ -207,8 +208,6 @@ def _free_port() -> int:
 
 
 def markdown(serve: dict[str, object]) -> list[str]:
-    from rag_promptcache.bench.report import table
-
     rows = serve["rows"]
     return ["## Serving: concurrent clients (HTTP, batched decoding)", "", table(
         ["clients", "mode", "prefill chunk", "tokens/s", "TTFT p50 s", "TTFT p95 s", "inter-token p50 ms",

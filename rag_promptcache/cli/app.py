@@ -184,11 +184,18 @@ def _register_optional(target: typer.Typer) -> None:
         _register(module, target)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point. Usage errors exit 1, like every other user error."""
+def registered() -> typer.Typer:
+    """The app with every command registered: what `main` runs, and what the docs' CLI reference is
+    generated from (docs/hooks.py)."""
     from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds, tune_cmd  # noqa: F401 - registers the commands
 
     _register_optional(app)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point. Usage errors exit 1, like every other user error."""
+    registered()
     try:
         with warnings.catch_warnings():
             # one line per warning, like the errors, not Python's "file:line: Category" with source

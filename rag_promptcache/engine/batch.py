@@ -226,7 +226,7 @@ def mixed_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positi
         out = attention.prefill_attention(qc, keys, values, m, lean.scale, visible) if fused else None
         if out is None:
             out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=folded_mask, scale=lean.scale)
-        out = torch.cat([rows.reshape(n, hq * d), out.view(hq, m, d).transpose(0, 1).reshape(m, hq * d)])
+        out = torch.cat([rows.reshape(n, hq * d), out.reshape(hq, m, d).transpose(0, 1).reshape(m, hq * d)])
         x = x + lean.o[i](out[None])[0]
         x = x + lean.mlp(i, layer, x)
     logits = lean.head(lean.norm(x[:, [*range(n), n + m - 1]]))[0][0].float()  # [n + 1, V]

@@ -31,7 +31,6 @@ several prefills in one step (the oldest prefill's chunk only), a budget in seco
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 import time
@@ -45,6 +44,7 @@ import torch
 
 from rag_promptcache.engine.assemble import release
 from rag_promptcache.engine.batch import BatchCache, can_mix, decode_row, decode_step, mixed_step
+from rag_promptcache.engine.handle import Cancelled, Handle
 from rag_promptcache.engine.result import Result
 from rag_promptcache.engine.sampling import Sampling
 from rag_promptcache.engine.scheduler import QueueFull, Rows
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from rag_promptcache.model.positions import KVGeometry
     from rag_promptcache.pml import ast
 
-__all__ = ["Batcher", "Handle", "QueueFull"]
+__all__ = ["Batcher", "Cancelled", "Handle", "QueueFull"]
 
 
 class Engine(Protocol):
@@ -82,100 +82,6 @@ class Engine(Protocol):
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = ..., lookup: bool = ...) -> DecodeState: ...
 
     def grammar(self, sampling: Sampling) -> Grammar | None: ...
-
-
-class Cancelled(Exception):
-    """The request was cancelled before it finished."""
-
-
-class Handle:
-    """One submitted request: iterate (sync or async) for text pieces; `.result` once finished.
-
-    `cancel()` frees its row before the next decode step. A failure in this request (only) is
-    re-raised by the iterator."""
-
-    def __init__(self, id: int, plan: Plan, sampling: Sampling, t0: float) -> None:
-        self.id = id
-        self.plan = plan
-        self.sampling = sampling
-        self.t0 = t0
-        self.result: Result | None = None
-        self.cancelled = False
-        self._items: deque[object] = deque()  # str pieces, then a Result or an exception
-        self._cv = threading.Condition()
-        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self._batcher: Batcher | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.plan.num_tokens
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.plan.num_from_store
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self._batcher is not None:
-            self._batcher._wake()
-
-    def _put(self, item: object) -> None:
-        with self._cv:
-            self._items.append(item)
-            self._cv.notify_all()
-            waker = self._waker
-        if waker is not None:
-            loop, event = waker
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
-                pass
-
-    def _take(self, item: object) -> str:
-        if isinstance(item, str):
-            return item
-        if isinstance(item, Result):
-            self.result = item
-            self._items.append(item)  # iterating again stays exhausted
-            raise StopIteration
-        assert isinstance(item, BaseException), f"{item=}"
-        self._items.append(item)
-        raise item
-
-    def __iter__(self) -> Handle:
-        return self
-
-    def __next__(self) -> str:
-        with self._cv:
-            while not self._items:
-                self._cv.wait()
-            item = self._items.popleft()
-        return self._take(item)
-
-    def __aiter__(self) -> Handle:
-        return self
-
-    async def __anext__(self) -> str:
-        while True:
-            with self._cv:
-                if self._waker is None:
-                    self._waker = (asyncio.get_running_loop(), asyncio.Event())
-                if self._items:
-                    item = self._items.popleft()
-                    break
-                self._waker[1].clear()
-                event = self._waker[1]
-            await event.wait()
-        try:
-            return self._take(item)
-        except StopIteration:
-            raise StopAsyncIteration from None
-
-    def consume(self) -> Result:
-        for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
 
 
 @dataclass(slots=True)
@@ -230,7 +136,7 @@ class Batcher:
         # prompt past the context window
         plan = self.engine.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
         handle = Handle(next(self._ids), plan, s, t0)
-        handle._batcher = self
+        handle.on_cancel = self._wake
         with self._cv:
             self.rows.submit(handle.id)  # raises QueueFull
             self._handles[handle.id] = handle
@@ -288,7 +194,7 @@ class Batcher:
         for rid in self._partial:
             release(self._partial[rid].cache)
         for rid in pending:
-            self._handles.pop(rid)._put(Cancelled("the scheduler was closed"))
+            self._handles.pop(rid).put(Cancelled("the scheduler was closed"))
 
     def _drop_cancelled(self) -> None:
         with self._cv:
@@ -414,7 +320,7 @@ class Batcher:
             self._finish(rid, e)
             return 0
         for piece in step.pieces:
-            run.handle._put(piece)
+            run.handle.put(piece)
         if run.state.finished:
             row = self.rows.row(rid)
             self.engine.keep_prefix(run.prefix, run.state, self.batch.keys[:, row], self.batch.values[:, row],
@@ -436,4 +342,4 @@ class Batcher:
             release(todo.cache)
         if move is not None:
             self.batch.move(move.src, move.dst)
-        handle._put(outcome)
+        handle.put(outcome)

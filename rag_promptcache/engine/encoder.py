@@ -22,7 +22,7 @@ from rag_promptcache.engine.runner import forward_base
 from rag_promptcache.store.base import ModuleKV
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")
-# Measured (README, "Quality"): first-token KL about 3-4x lower than isolated for the same time to first token.
+# Why shared_prefix is the default: docs/fidelity.md (its logits table, `rag-promptcache bench` quality scenario).
 DEFAULT_MODE = "shared_prefix"
 
 

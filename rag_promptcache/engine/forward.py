@@ -221,7 +221,8 @@ class LeanLlama:
             if fused:  # the kernel declined this call (layout): the mask it would have applied
                 mask = self._mask(fused[1], n, keys.shape[-2] - n, q.dtype, q.device)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        out = out.view(b, self.num_heads, n, d).transpose(1, 2).reshape(b, n, self.num_heads * d)
+        # reshape, not view: CUDA's SDPA kernels return [B, N, H, D]-contiguous memory
+        out = out.reshape(b, self.num_heads, n, d).transpose(1, 2).reshape(b, n, self.num_heads * d)
         return self.o[i](out)[0]
 
     def _mask(self, mask: torch.Tensor | None, n: int, num_cached: int, dtype: torch.dtype,

@@ -10,7 +10,7 @@ and `is_terminated()` says the answer is over.
 The grammar work is llguidance's (an Earley parser over the tokenizer's byte trie, each mask computed
 when asked: no per-schema precompile). Its own torch helper for applying a mask is `torch.compile`d,
 which on CPU builds a C++ kernel per shape, so the bitmask is unpacked here with numpy instead.
-Why llguidance over xgrammar and outlines-core: the README's structured-output section.
+Why llguidance over xgrammar and outlines-core: docs/concepts.md, Structured output.
 
 No rollback: prompt lookup drafts are checked token by token through the one decode state, which
 advances the grammar only past kept tokens (engine/state.py). llguidance has `rollback(n)` should a

@@ -32,6 +32,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from rag_promptcache.store.eviction import make_policy
+
 P = TypeVar("P")
 
 
@@ -72,14 +74,6 @@ class LRUPolicy:
 
 
 POLICIES: dict[str, type[LRUPolicy]] = {"lru": LRUPolicy}
-
-
-def make_policy(policy: str | Policy) -> Policy:
-    if not isinstance(policy, str):
-        return policy
-    if policy not in POLICIES:
-        raise ValueError(f"unknown prefix-tree eviction policy {policy!r}; valid policies: {', '.join(POLICIES)}")
-    return POLICIES[policy]()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +124,7 @@ class PrefixTree(Generic[P]):
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be a whole number of bytes >= 0 (0 keeps nothing), got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, POLICIES, "prefix-tree eviction")
         self._split_payload = split
         counter = itertools.count(1)
         self._clock = clock or (lambda: float(next(counter)))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from rag_promptcache.engine.compiler import CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.pml import ast
-from rag_promptcache.pml.parser import parse_prompt, parse_schema, to_pml
+from rag_promptcache.pml.build import to_pml
+from rag_promptcache.pml.parser import parse_prompt, parse_schema
 from rag_promptcache.store.base import module_key
 
 PLAIN = ""  # the empty schema that plain-text prompts use

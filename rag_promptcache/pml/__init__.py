@@ -13,7 +13,8 @@ from rag_promptcache.pml.ast import (
     Union,
 )
 from rag_promptcache.pml.errors import PMLError
-from rag_promptcache.pml.parser import escape, parse_prompt, parse_schema, to_pml, unescape
+from rag_promptcache.pml.build import to_pml
+from rag_promptcache.pml.parser import escape, parse_prompt, parse_schema, unescape
 
 __all__ = [
     "Import", "Module", "Param", "PMLError", "Prompt", "Role", "Schema", "Text", "Union",

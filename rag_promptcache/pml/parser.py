@@ -15,7 +15,7 @@ The syntax is a strict subset of XML:
   `escape(s, quote=True)` also `" '` (for attribute values), and `unescape(escape(s)) == s`.
 - Tag and attribute names: a letter or `_`, then letters, digits, `_`, `-`, `.`. Attribute values
   are quoted with `"` or `'`; an attribute appears at most once per tag.
-- `to_pml(tree)` writes a tree back: `parse_schema(to_pml(schema)) == schema` (positions take no
+- `to_pml(tree)` (build.py) writes a tree back: `parse_schema(to_pml(schema)) == schema` (positions take no
   part in `==`; comments and whitespace inside `<union>` or between nested imports are not kept).
 
 Errors are `PMLError(message, line, column)`, 1-based, at the offending `<` or character; an
@@ -409,32 +409,3 @@ class _Importer:
                 nested.append(self.load(kid, name))
         args = tuple((a.name, a.value) for a in e.attrs.values())
         return Import(name, args, tuple(nested), e.line, e.column)
-
-
-def to_pml(node: Schema | Prompt | Node | Import) -> str:
-    """Write a tree back as PML (escaped, attributes double-quoted, no comments)."""
-    match node:
-        case Text():
-            return escape(node.text)
-        case Schema():
-            return _tag("schema", [("name", node.name)], node.children)
-        case Module():
-            return _tag("module", [("name", node.name)], node.children)
-        case Union():
-            return _tag("union", [], node.modules)
-        case Param():
-            return _tag("param", [("name", node.name), ("len", str(node.length))], None)
-        case Role():
-            return _tag(node.role, [], node.children)
-        case Prompt():
-            return _tag("prompt", [("schema", node.schema)], node.children)
-        case Import():
-            return _tag(node.name, list(node.args), node.children or None)
-    raise TypeError(f"not a PML node: {node!r}")
-
-
-def _tag(name: str, attrs: list[tuple[str, str]], children: Sequence[object] | None) -> str:
-    head = name + "".join(f' {key}="{escape(value, quote=True)}"' for key, value in attrs)
-    if children is None:
-        return f"<{head}/>"
-    return f"<{head}>{''.join(to_pml(kid) for kid in children)}</{name}>"  # type: ignore[arg-type]

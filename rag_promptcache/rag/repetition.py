@@ -2,7 +2,7 @@
 
 - `DEFAULT_NO_REPEAT_NGRAM`: no run of this many tokens is generated twice (the engine's
   `Sampling.no_repeat_ngram`). The small default model can repeat a sentence until max_new_tokens;
-  this stops the verbatim loop and leaves ordinary answers as they were (README: Limits).
+  this stops the verbatim loop and leaves ordinary answers as they were (docs/limits.md).
 - `repeated_sentence(text)`: a whole sentence that repeats an earlier one word for word ends the
   answer, before the repeat. It is a pure function of the text decoded so far, called after each
   token like a stop-string check: `Repeat.cut` is where to end, `Repeat.safe` how much may be

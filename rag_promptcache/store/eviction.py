@@ -11,9 +11,9 @@ every call here).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 @dataclass(slots=True)
@@ -49,14 +49,17 @@ class CostAwarePolicy:
 
 
 POLICIES: dict[str, type[LRUPolicy] | type[CostAwarePolicy]] = {"lru": LRUPolicy, "cost": CostAwarePolicy}
+P = TypeVar("P")
 
 
-def make_policy(policy: str | Policy) -> Policy:
+def make_policy(policy: str | P, policies: Mapping[str, Callable[[], P]] = POLICIES, what: str = "eviction") -> P:
+    """`policy` itself, or the policy of that name in `policies` (the store's by default; the prefix
+    tree passes its own). An unknown name is a ValueError listing the valid ones."""
     if not isinstance(policy, str):
         return policy
-    if policy not in POLICIES:
-        raise ValueError(f"unknown eviction policy {policy!r}; valid policies: {', '.join(POLICIES)}")
-    return POLICIES[policy]()
+    if policy not in policies:
+        raise ValueError(f"unknown {what} policy {policy!r}; valid policies: {', '.join(policies)}")
+    return policies[policy]()
 
 
 class BudgetIndex:

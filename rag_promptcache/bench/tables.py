@@ -1,0 +1,12 @@
+"""One Markdown table from a header and rows: what the bench's report and its scenarios' own sections
+(serve) write with. Torch-free, so the report imports it and a scenario imports it without either
+importing the other."""
+
+from __future__ import annotations
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

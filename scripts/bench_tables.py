@@ -1,0 +1,298 @@
+"""Every measured table in the README and the docs, written from the bench's JSON in docs/bench/, so
+that no number is typed by hand.
+
+A table is a marker pair in a Markdown file:
+
+    <!-- bench-table kind=ttft json=docs/bench/RUN/ttft.json cmd="rag-promptcache bench ..." -->
+    (generated: a caption naming the run's date, machine, command and recovery, then the table)
+    <!-- /bench-table -->
+
+`python scripts/bench_tables.py` rewrites what lies between the markers in README.md and docs/*.md;
+`--check` exits 1 if any of it differs from what the JSON gives (tests/test_docs.py runs it);
+`python scripts/bench_tables.py RUN.json` prints one run's TTFT and decode tables (make gpu-check).
+Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, headline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = re.compile(r"(<!-- bench-table (?P<args>.*?) -->\n)(?P<body>.*?)(<!-- /bench-table -->)", re.S)
+
+
+def _num(x: object, fmt: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _x(x: object) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}x"
+
+
+def _table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _machine(run: dict) -> str:
+    flags = " ".join(f for f in run.get("cpu_flags", []) if "bf16" in f) if isinstance(run.get("cpu_flags"), list) else ""
+    parts = [str(run.get("machine", "?")), str(run.get("device", "?")) + (f" ({flags})" if flags else "")]
+    if run.get("threads"):
+        parts.append(f"{run['threads']} threads")
+    return ", ".join(parts)
+
+
+def caption(run: dict, cmd: str, recovery: str | None, link: str) -> str:
+    date = str(run.get("date", "?")).replace("T", " ")[:16]
+    bits = [f"{date} UTC", _machine(run), f"{run.get('dtype', '?')}, torch {run.get('torch', '?')}"]
+    if recovery:
+        bits.append(f"recovery `{recovery}`")
+    return f"*{'; '.join(bits)}. Command: `{cmd}`. Data: [{Path(link).name}]({link}).*"
+
+
+def _recovery(rows: list[dict]) -> str | None:
+    found = sorted({str(r["recovery"]) for r in rows if r.get("recovery")})
+    return ", ".join(found) or None
+
+
+# -- the kinds: (run JSON) -> (table, the recovery it ran with, if the JSON says) -------------------
+
+def ttft(run: dict) -> tuple[str, str | None]:
+    """Cached TTFT against the full prefills it divides, one row per context size."""
+    rows = run["ttft"]
+    has_engine = any("full_engine_s" in r for r in rows)
+    has_llama = any("llamacpp_bf16_full_s" in r for r in rows)
+    header = ["context tokens", "modules", "cached (s)", "transformers full (s)", "speed-up"]
+    if has_engine:
+        header += ["engine's full (s)", "speed-up vs engine"]
+    if has_llama:
+        header += ["llama.cpp bf16 full (s)", "vs llama.cpp bf16", "llama.cpp Q4_1 full (s)", "vs Q4_1"]
+    out = []
+    for r in rows:
+        row = [r["context_tokens"], r["modules"], _num(r["cached_memory_s"]), _num(r["full_s"]), _x(r.get("speedup"))]
+        if has_engine:
+            row += [_num(r.get("full_engine_s")), _x(r.get("speedup_engine"))]
+        if has_llama:
+            row += [_num(r.get("llamacpp_bf16_full_s")), _x(r.get("x_llamacpp_bf16")),
+                    _num(r.get("llamacpp_q4_1_full_s")), _x(r.get("x_llamacpp_q4_1"))]
+        out.append(row)
+    return _table(header, out), _recovery(rows)
+
+
+def ttft_systems(run: dict) -> tuple[str, str | None]:
+    """Every system of the TTFT scenario (seconds), and the ratios the targets were set on."""
+    rows = run["ttft"]
+    header = ["context", "modules", "full", "prefix", "miss", "cached disk", "cached memory", "lower bound",
+              "speed-up", "vs lower bound", "miss/full", "disk/memory"]
+    out = [[r["context_tokens"], r["modules"], _num(r["full_s"]), _num(r["prefix_s"]), _num(r["miss_s"]),
+            _num(r["cached_disk_s"]), _num(r["cached_memory_s"]), _num(r["lower_bound_s"]), f"**{_x(r['speedup'])}**",
+            _num(r["overhead_vs_lower_bound"], ".2f"), _num(r["miss_over_full"], ".2f"), _num(r["disk_over_memory"], ".2f")]
+           for r in rows]
+    return _table(header, out), _recovery(rows)
+
+
+def _decode_rows(rows: list[dict]) -> str:
+    header = ["system", "dtype", "prompt lookup", "tokens/s", "tokens per forward", "x transformers fp32"]
+    out = []
+    for r in rows:
+        name = f"**{r['system']} (default)**" if r.get("default") else r["system"]
+        weights = f" ({r['weights']})" if r.get("weights") else ""
+        out.append([name + weights, r["dtype"], r.get("prompt_lookup", 0) or "off", _num(r["tokens_per_s"], ".1f"),
+                    _num(r.get("tokens_per_forward"), ".2f"), _num(r.get("x_transformers_fp32"), ".2f")])
+    return _table(header, out)
+
+
+def decode(run: dict) -> tuple[str, str | None]:
+    """Tokens/s of 128 greedy tokens after a cached context, EOS ignored."""
+    return _decode_rows(run["decode"]), None
+
+
+def decode_answers(run: dict) -> tuple[str, str | None]:
+    """Tokens/s on answers as a user gets them (EOS and the corpus's no-repeat rule)."""
+    return _decode_rows(run["decode_answers"]["rows"]), None
+
+
+def chat(run: dict) -> tuple[str, str | None]:
+    c = run["chat"]
+    header = ["turns 2-6, median TTFT (s)", "rag-promptcache", "rag-promptcache, prefix cache off", "llama.cpp bf16",
+              "llama.cpp Q4_1"]
+    rows = [["seconds", f"**{_num(c['engine_median_s'])}**", _num(c["engine_no_prefix_median_s"]),
+             _num(c.get("llamacpp_bf16_median_s")), _num(c.get("llamacpp_q4_1_median_s"))],
+            ["ours sooner by", "", "", _x(c.get("x_llamacpp_bf16")), _x(c.get("x_llamacpp_q4_1"))]]
+    return _table(header, rows), None
+
+
+def serve(run: dict) -> tuple[str, str | None]:
+    header = ["clients", "mode", "tokens/s", "TTFT p50 s", "TTFT p95 s", "latency p50 s", "latency p95 s"]
+    best: dict[tuple, dict] = {}
+    for r in run["serve"]["rows"]:  # a level that ran twice: its faster run
+        key = (r["clients"], r["mode"], r.get("prefill_chunk"))
+        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = r
+    out = [[r["requests"] if r["mode"] != "concurrent" else r["clients"], r["mode"], _num(r["tokens_per_s"], ".1f"),
+            _num(r["ttft_p50_s"], ".2f"), _num(r["ttft_p95_s"], ".2f"), _num(r["latency_p50_s"], ".1f"),
+            _num(r["latency_p95_s"], ".1f")] for r in best.values()]
+    return _table(header, out), None
+
+
+def fidelity(run: dict) -> tuple[str, str | None]:
+    """Retained share of full prefill's right answers and TTFT speed-up, per setting, split and k."""
+    rows = run["rows"]
+    cols = sorted({(r["split"], r["k"]) for r in rows}, key=lambda c: (c[0] != "bench", c[1]))
+    settings = list(dict.fromkeys(r["recovery"] if r["mode"] == "shared_prefix" else f"{r['mode']}/{r['recovery']}"
+                                  for r in rows))
+    chosen = (run.get("across_splits") or run.get("chosen") or {}).get("recovery")
+    ctx = {c: round(next(r["context_tokens"] for r in rows if (r["split"], r["k"]) == c)) for c in cols}
+    header = ["setting"] + [f"{s} k={k} ({ctx[(s, k)]} tok)" for s, k in cols]
+    out = []
+    for name in settings:
+        cells = []
+        for c in cols:
+            r = next((r for r in rows if (r["split"], r["k"]) == c and
+                      (r["recovery"] if r["mode"] == "shared_prefix" else f"{r['mode']}/{r['recovery']}") == name), None)
+            cells.append("-" if r is None else f"{r['retained']:.2f} · {r['speedup']:.1f}x")
+        label = f"`{name}`" + (" (chosen)" if name == chosen else "")
+        out.append([f"**{label}**" if name == chosen else label] + cells)
+    full = ", ".join(f"{s} k={k}: {next(r['full_correct'] for r in rows if (r['split'], r['k']) == (s, k))}/"
+                     f"{next(r['with_answer'] for r in rows if (r['split'], r['k']) == (s, k))}" for s, k in cols)
+    note = f"\n\nEach cell: retained · speed-up. Full prefill's right answers: {full}."
+    return _table(header, out) + note, chosen
+
+
+def quality(run: dict) -> tuple[str, str | None]:
+    """First-token and continuation metrics against full prefill (the `quality` scenario)."""
+    header = ["k", "mode", "codec", "recovery", "top-1", "mean KL", "greedy exact", "NLL change", "speed-up"]
+    out = [[r["k"], r["mode"], r["codec"], f"**{r['recovery']}**" if r.get("default") else r["recovery"],
+            _num(r["top1_agreement"], ".2f"), _num(r["mean_kl"]), _num(r["greedy_exact_match"], ".2f"),
+            f"{r['nll_rel_change']:+.1%}", _x(r.get("speedup"))] for r in run["quality"]]
+    return _table(header, out), None
+
+
+def memory(run: dict) -> tuple[str, str | None]:
+    header = ["codec", "bytes per token (memory)", "formula", "on disk"]
+    out = [[r["codec"], f"{r['bytes_per_token']:,.0f}", f"{r['formula_bytes_per_token']:,.0f}",
+            f"{r['disk_bytes_per_token']:,.0f}"] for r in run["memory"]]
+    return _table(header, out), None
+
+
+KINDS: dict[str, Callable[[dict], tuple[str, str | None]]] = {
+    "ttft": ttft, "ttft-systems": ttft_systems, "decode": decode, "decode-answers": decode_answers, "chat": chat,
+    "serve": serve, "fidelity": fidelity, "quality": quality, "memory": memory,
+}
+
+
+# -- the README's headline table: one number per row, each from its run -----------------------------
+
+def _load(path: str) -> dict:
+    return json.loads((ROOT / path).read_text())
+
+
+def _ttft_at(path: str, context: int, key: str) -> float:
+    return next(r[key] for r in _load(path)["ttft"] if r["context_tokens"] == context)
+
+
+HEADLINE = [
+    # (what, the number from the JSON, the page, the data, the command)
+    ("TTFT at 2k tokens, the default, against the engine's own full prefill",
+     lambda: _x(_ttft_at("docs/bench/ttft-last3-2026-11-25/ttft.json", 2048, "speedup_engine")),
+     "benchmarks.md#shuffled-documents", "docs/bench/ttft-last3-2026-11-25/ttft.json",
+     "rag-promptcache bench --quick --threads 2 --scenarios ttft --contexts 512,2048"),
+    ("TTFT at 2k tokens, the default, against llama.cpp bf16 (same weights)",
+     lambda: _x(_ttft_at("docs/bench/ttft-last3-2026-11-25/ttft.json", 2048, "x_llamacpp_bf16")),
+     "benchmarks.md#shuffled-documents", "docs/bench/ttft-last3-2026-11-25/ttft.json",
+     "rag-promptcache bench --quick --threads 2 --scenarios ttft --contexts 512,2048"),
+    ("TTFT at 2k tokens, `recovery=\"none\"`, against transformers' full prefill",
+     lambda: _x(_ttft_at("docs/bench/native-2026-11-24/ttft-none-bfloat16.json", 2048, "speedup")),
+     "benchmarks.md#time-to-first-token", "docs/bench/native-2026-11-24/ttft-none-bfloat16.json",
+     "rag-promptcache bench --threads 2 --scenarios ttft --contexts 2048,4096 --recovery none"),
+    ("Chat turns 2-6, median TTFT: ours / llama.cpp bf16 (s)",
+     lambda: (lambda c: f"{c['engine_median_s']:.3f} / {c['llamacpp_bf16_median_s']:.3f}")(
+         _load("docs/bench/chat-2026-11-25/chat.json")["chat"]),
+     "benchmarks.md#chat-turns", "docs/bench/chat-2026-11-25/chat.json",
+     "rag-promptcache bench --threads 2 --scenarios chat"),
+    ("Decode, tokens/s: the default / llama.cpp bf16",
+     lambda: (lambda rows: f"{next(r for r in rows if r.get('default'))['tokens_per_s']:.1f} / "
+              f"{next(r for r in rows if r['system'] == 'llama.cpp' and r['dtype'] == 'bfloat16')['tokens_per_s']:.1f}")(
+         _load("docs/bench/decode-native-2026-11-25/decode.json")["decode"]),
+     "benchmarks.md#decode-against-llamacpp", "docs/bench/decode-native-2026-11-25/decode.json",
+     "rag-promptcache bench --quick --threads 2 --scenarios decode --decode-dtypes bfloat16"),
+    ("Right answers kept on look-alike documents, the default, worst cell",
+     lambda: f"{_load('docs/bench/fidelity-quiet-2026-11-25/pooled-tokens32/fidelity.json')['across_splits']['worst_retained']:.2f}",
+     "fidelity.md", "docs/bench/fidelity-quiet-2026-11-25/pooled-tokens32/fidelity.json",
+     "python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 ... --pool"),
+]
+
+
+def headline(here: Path) -> str:
+    rows = []
+    for what, value, page, data, cmd in HEADLINE:
+        page_link = os.path.relpath(ROOT / "docs" / page.split("#")[0], here.parent) + (
+            "#" + page.split("#")[1] if "#" in page else "")
+        data_link = os.path.relpath(ROOT / data, here.parent)
+        rows.append([what, f"**{value()}**", f"[page]({page_link}), [data]({data_link})", f"`{cmd}`"])
+    return _table(["measured (2-core CPU, SmolLM2-135M, bf16)", "", "where", "command"], rows)
+
+
+# -- markers ----------------------------------------------------------------------------------------
+
+def render(args: str, here: Path) -> str:
+    opts = dict(part.split("=", 1) for part in shlex.split(args))
+    kind = opts.get("kind", "")
+    if kind == "headline":
+        return headline(here) + "\n"
+    if kind not in KINDS:
+        raise ValueError(f"{here}: bench-table kind={kind!r}; valid: {', '.join([*KINDS, 'headline'])}")
+    if "json" not in opts or "cmd" not in opts:
+        raise ValueError(f"{here}: a bench-table needs json= and cmd= ({args})")
+    run = json.loads((ROOT / opts["json"]).read_text())
+    table, recovery = KINDS[kind](run)
+    link = os.path.relpath(ROOT / opts["json"], here.parent)
+    return caption(run, opts["cmd"], opts.get("recovery", recovery), link) + "\n\n" + table + "\n"
+
+
+def rewrite(path: Path) -> str:
+    text = path.read_text()
+    return MARKER.sub(lambda m: m.group(1) + render(m.group("args"), path) + m.group(4), text)
+
+
+def files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0].endswith(".json"):
+        run = json.loads(Path(argv[0]).read_text())
+        print(caption(run, "rag-promptcache bench ...", _recovery(run.get("ttft", [])), argv[0]) + "\n")
+        if run.get("ttft"):
+            print(ttft(run)[0] + "\n")
+        if run.get("decode"):
+            print(decode(run)[0] + "\n")
+        return 0
+    check = argv == ["--check"]
+    if argv and not check:
+        print("usage: python scripts/bench_tables.py [--check | RUN.json]", file=sys.stderr)
+        return 2
+    stale = []
+    for path in files():
+        new = rewrite(path)
+        if new != path.read_text():
+            stale.append(path.relative_to(ROOT))
+            if not check:
+                path.write_text(new)
+    if check and stale:
+        print(f"stale measured tables in {', '.join(map(str, stale))}: run python scripts/bench_tables.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

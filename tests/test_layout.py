@@ -1,0 +1,170 @@
+"""The package's shape: imports point one way with no circles (module-level and lazy imports alike,
+`TYPE_CHECKING` blocks aside), each package of the engine says what it is for, and no file grows far
+past the length a reader takes in at once. Reads the source with `ast`; imports nothing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "rag_promptcache"
+MAX_LINES = 400  # the style guide's ~400; a file past it is split by job
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that `path` imports, at run time (anywhere in the file)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _type_checking(node)
+            for child in node.body for n in ast.walk(child)}
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rsplit(".", 1)[0] if "." in name else ""
+            if name and name != here:
+                found.add(name)
+    return found
+
+
+def command_unit(module: str) -> str:
+    """The command line is one unit: cli/ and each package's cli.py (its commands, which register
+    on the one typer app and so import it while it imports them) count as `rag_promptcache.cli`."""
+    parts = module.split(".")
+    return "rag_promptcache.cli" if len(parts) > 1 and (parts[1] == "cli" or parts[-1] == "cli") else module
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    g: dict[str, set[str]] = {}
+    for m, p in files.items():
+        unit = command_unit(m)
+        g.setdefault(unit, set()).update(command_unit(d) for d in imports(p, set(files)))
+        g[unit].discard(unit)
+    return g
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    # a package's __init__ re-exporting its modules is not a circle: importing a module runs its
+    # package's __init__ anyway, so edges into an __init__ from its own package's modules are dropped
+    g = graph()
+    for m, deps in g.items():
+        g[m] = {d for d in deps if not (m.startswith(d + ".") and d in g)}
+    assert cycles(g) == []
+
+
+def test_imports_point_down_the_layers():
+    """adapters, cli, server, bench → rag → engine → store / model / pml; nothing imports upwards."""
+    order = {"pml": 0, "store": 0, "model": 0, "engine": 1, "rag": 2, "server": 3, "bench": 3, "cli": 4}
+    wrong = []
+    for m, deps in graph().items():
+        layer = m.split(".")[1] if m.count(".") else None
+        for d in deps:
+            target = d.split(".")[1] if d.count(".") else None
+            if layer in order and target in order and order[target] > order[layer]:
+                wrong.append(f"{m} -> {d}")
+    assert wrong == []
+
+
+def test_each_engine_package_says_what_it_is_for():
+    for init in (PACKAGE / "engine").glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init.relative_to(ROOT)} has no docstring"
+
+
+def test_no_file_is_far_past_the_length_a_reader_takes_in():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES + 25}
+    assert long == {}
+
+
+def test_every_module_imports():
+    """A moved or renamed name breaks here, not in the one command that imports it."""
+    import importlib
+    import pkgutil
+
+    import rag_promptcache
+
+    broken = {}
+    for info in pkgutil.walk_packages(rag_promptcache.__path__, "rag_promptcache."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError as e:
+            broken[info.name] = str(e)
+    assert broken == {}
+
+
+def test_the_engine_packages_import_one_way():
+    """The engine's subpackages (prompt, planning, prefix, kv, compute, decoding, batching) form no
+    circle among themselves either: one request's path reads down the tree (docs/ARCHITECTURE.md)."""
+    def package(m: str) -> str:
+        parts = m.split(".")
+        return ".".join(parts[:3]) if len(parts) > 3 else m
+
+    g: dict[str, set[str]] = {}
+    for m, deps in graph().items():
+        if m.startswith("rag_promptcache.engine."):
+            g.setdefault(package(m), set()).update(
+                package(d) for d in deps if d.startswith("rag_promptcache.engine.") and package(d) != package(m))
+    assert cycles(g) == []
