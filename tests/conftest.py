@@ -7,13 +7,15 @@ the `device` fixture are marked `device`: they run their tiny models on RAG_PROM
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.store_helpers import REDIS_BIN, RedisServer, free_port
 
 torch.set_num_threads(2)
-# The suite runs the default path (fallback "auto", engine/costmodel.py). A test that holds the cached
+# The suite runs the default path (fallback "auto", engine/planning/costmodel.py). A test that holds the cached
 # path to its answers asks for it: PromptCache(..., fallback="never").
 
 

@@ -16,7 +16,7 @@ from test_rag_corpus import FakeEmbedder, write_docs
 
 from rag_promptcache.cli import main
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.model import adapter as adapters
 from rag_promptcache.model.adapter import AdapterError
 from rag_promptcache.model.loading import DEFAULT_MODEL, load_model, model_fingerprint
@@ -243,7 +243,7 @@ def test_v1_models_and_usage_say_which_adapter_ran(tiny, lora, tmp_path):
 
 @pytest.mark.smollm
 def test_the_adapter_shipped_for_the_default_model_fits_its_weights():
-    from rag_promptcache.engine.encoder import DEFAULT_MODE
+    from rag_promptcache.engine.planning.encoder import DEFAULT_MODE
 
     directory = adapters.shipped_dir(DEFAULT_MODEL)
     if directory is None:

@@ -1,6 +1,6 @@
 """Loading that adapts to the link: the per-process link meter (store/link.py), concurrent gets of one
 key sharing one load (TieredStore), and the planner recomputing a module when its measured load
-would finish later (engine/plan.py `recompute_sooner`), against a real redis-server."""
+would finish later (engine/planning/plan.py `recompute_sooner`), against a real redis-server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.costmodel import Costs, Fallback
+from rag_promptcache.engine.planning.costmodel import Costs, Fallback
 from rag_promptcache.store import MemoryStore, ModuleKV, RedisStore, TieredStore
 from rag_promptcache.store.link import ALPHA, LinkMeter
 from tests.store_helpers import key_of, make_kv, needs_redis

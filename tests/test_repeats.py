@@ -1,4 +1,4 @@
-"""Exact repeats (engine/prefix_cache.py): a request the prefix cache holds whole, prompt KV and the
+"""Exact repeats (engine/prefix/prefix_cache.py): a request the prefix cache holds whole, prompt KV and the
 logits after it, runs no prefill forward and answers as the first one did, in fp32 and bf16, through
 the engine's loop and the batcher; and the cost model counts what the prefix cache holds."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag_promptcache.engine import PromptCache, prefill
-from rag_promptcache.engine.costmodel import Costs, Fallback
+from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.planning import prefill
+from rag_promptcache.engine.planning.costmodel import Costs, Fallback
 from rag_promptcache.store import MemoryStore
 from tests.test_prefix_cache import CHAT_SCHEMA, chat
 from tests.tiny import build
@@ -25,7 +26,7 @@ def tiny_engine(tokenizer, dtype=torch.float32, **kwargs) -> PromptCache:
 
 @pytest.fixture
 def prefills(monkeypatch) -> list[int]:
-    """The new tokens of every prefill forward that runs (engine/prefill.py), wrapped, not replaced."""
+    """The new tokens of every prefill forward that runs (engine/planning/prefill.py), wrapped, not replaced."""
     seen: list[int] = []
     real = prefill.forward_last
 

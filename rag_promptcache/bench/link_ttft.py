@@ -1,5 +1,5 @@
 """TTFT of one prompt whose modules sit in Redis behind a given link: loading them, recomputing them,
-and the adaptive plan (engine/plan.py `recompute_sooner`, on the link the Redis tier measured).
+and the adaptive plan (engine/planning/plan.py `recompute_sooner`, on the link the Redis tier measured).
 
 Point it at a Redis reached through the link to measure; docs/scale-out.md shows how a network
 namespace with a tc shaper makes one on this machine:

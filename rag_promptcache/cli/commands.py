@@ -333,7 +333,7 @@ def info(
     """Documents, modules, tokens, store size and model of a corpus, and its documents."""
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
-    from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
+    from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY
     from rag_promptcache.rag.models import tuned_recovery
 
     c = _open(corpus)

@@ -26,9 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rag_promptcache.engine.result import fixed_stream
 from rag_promptcache.pml import ast
-from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag import corpus_store, documents, layout, retrieval
 from rag_promptcache.rag.chunker import ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike
@@ -44,9 +42,10 @@ from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, adapt
 # The facade's loaders are module globals so that tests swap in a fake engine or embedder here.
 from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
-from rag_promptcache.rag.records import Answer, AnswerStream, IngestReport, Manifest
+from rag_promptcache.rag.asking import Answering
+from rag_promptcache.rag.records import IngestReport, Manifest
 from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
-from rag_promptcache.rag.retrieval import Conversations, Hit, Retrieved
+from rag_promptcache.rag.retrieval import Conversations, Hit
 from rag_promptcache.rag.table import Dropped
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to 
 BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 
 
-class Corpus:
+class Corpus(Answering):
     def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
                  embedder: EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
                  disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default") -> None:
@@ -302,7 +301,7 @@ class Corpus:
         """Record `spec` ("last:1"; None: the engine's default) as this corpus's recovery, which `ask`,
         `chat`, `serve` and the adapters use where none is given (a caller's engine keeps its own
         default). A bad spec is `Recovery.parse`'s `ValueError`. Returns the canonical form."""
-        from rag_promptcache.engine.recovery import Recovery
+        from rag_promptcache.engine.planning.recovery import Recovery
 
         chosen = None if spec is None else Recovery.parse(spec)
         with self._lock:
@@ -355,113 +354,6 @@ class Corpus:
             layout.save_index(self.path, self.index, self._index_generation)
             self.manifest = dataclasses.replace(self.manifest, updated=time.time())
             layout.write_manifest(self.path, self.manifest)
-
-    # -- retrieval and answers -------------------------------------------------------------------------
-
-    def search(self, question: str, k: int = 4) -> list[tuple[str, float]]:
-        """The k modules nearest to the question: (module id, cosine score), best first. No text."""
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
-        if not len(self.index):
-            raise ValueError(f"corpus {self.path} is empty; add documents with: rag-promptcache ingest PATH --corpus {self.path}")
-        if not question.strip():
-            raise ValueError("the question is empty")
-        return retrieval.search(self.index, self._lock, self.embedder, self.table, question, k)
-
-    def retrieve(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (),
-                 max_new_tokens: int = 256, min_score: float | None = None) -> list[Hit]:
-        """`search`, less the hits scoring below `min_score`, then the lowest-scoring hits dropped until
-        the prompt (instructions, modules, `history`, question) and `max_new_tokens` fit the model's
-        context window: what `ask` imports. `ContextWindowExceeded` when not even the best hit fits;
-        empty when none scores `min_score`."""
-        found = retrieval.above(self.search(question, k), min_score)
-        if not found:
-            return []
-        engine = self._loaded_engine()
-        hits = retrieval.fit(
-            found, [self.table.module(m)[1] for m, _ in found], lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False)),
-            instructions=self.manifest.instructions, question=question, history=history, max_new=max_new_tokens,
-            window=getattr(engine, "context_window", 0) or 1 << 30)
-        return [Hit(m, self.label(m), s) for m, s in hits]
-
-    def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *, max_new_tokens: int = 256,
-                       min_score: float | None = None) -> Retrieved:
-        """A conversation's retrieval: `turns` (role, text), the last one the user's question → its hits
-        (`retrieve`, every earlier turn's text counted against the window; those scoring below `min_score`
-        dropped, none left when none scores it) and the order to import them in, which follows earlier
-        user turns' retrievals (`keep_order`: a follow-up's prompt then starts with the previous one's).
-        Earlier turns' retrievals are remembered, so each turn searches once; what `ask` with history and
-        `CorpusChat` both use."""
-        with self._lock:
-            return self._conversations.retrieve(
-                turns, k, max_new_tokens,
-                lambda q, history: self.retrieve(q, k, history=history, max_new_tokens=max_new_tokens), min_score)
-
-    def label(self, module_id: str) -> str:
-        """The name of the document a module came from, as `documents()` and answers' sources show it."""
-        source = self.source(module_id)
-        doc = self.table.document(source)
-        return doc.label if doc else source
-
-    def text(self, module_id: str) -> str:
-        """The chunk's text (without the source label the module carries)."""
-        found = self.table.module(module_id)
-        if found is None:
-            raise ValueError(f"no module {module_id!r} in corpus {self.path}")
-        text = found[0]
-        return text.split("\n", 1)[1].strip() if text.startswith("[") and "\n" in text else text.strip()
-
-    def source(self, module_id: str) -> str:
-        """The document a module came from (the first, when identical chunks came from several)."""
-        rows = self.table.sources(module_id)
-        if not rows:
-            raise ValueError(f"no module {module_id!r} in corpus {self.path}")
-        return rows[0][0]
-
-    def has_module(self, module_id: str) -> bool:
-        return self.table.has_module(module_id)
-
-    def prompt(self, question: str, module_ids: Sequence[str], history: Sequence[tuple[str, str]] = ()) -> str:
-        """The PML prompt: retrieved modules in order, earlier turns, then the question."""
-        turns = [t for u, a in history for t in (("user", u), ("assistant", a))]
-        return prompt_pml(self.manifest.name, module_ids, [*turns, ("user", question)])
-
-    def order(self, module_ids: Sequence[str]) -> list[str]:
-        """Retrieved modules (best first) in the order the prompt imports them: best last, next to
-        the question, where recovery `last:N` recomputes it (docs/FIDELITY.md)."""
-        return list(module_ids)[::-1]
-
-    def ask(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (), stream: bool = False,
-            max_new_tokens: int = 256, min_score: float | None = None, **sampling: object) -> Answer | AnswerStream:
-        """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
-        `AnswerStream` (iterate for text; `.answer` when done). With `min_score`, a question no chunk
-        scores at least that for (cosine) is answered `retrieval.NOT_FOUND` without generating
-        (`Answer.path` "none"). `sampling`: the engine's (temperature,
-        stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM, and the
-        answer ends at a repeated sentence unless `stop_repeats=False`."""
-        sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
-        if sampling.pop("stop_repeats", True):  # the answer ends before a whole sentence repeats an earlier one
-            sampling.setdefault("stop_when", repeated_sentence)
-        if sampling.get("recovery") is None and self.manifest.recovery is not None:
-            sampling["recovery"] = self.manifest.recovery  # the corpus's (eval --apply), also with a caller's engine
-        # a follow-up over the same modules keeps the earlier turns' import order: its prompt then
-        # starts with the previous turn's, which the engine's prefix cache reuses (retrieval.keep_order)
-        turns = [t for u, a in history for t in (("user", u), ("assistant", a))]
-        found = self.retrieve_turns([*turns, ("user", question)], k, max_new_tokens=max_new_tokens, min_score=min_score)
-        hits = found.hits
-        if not hits:
-            out = AnswerStream(fixed_stream(retrieval.NOT_FOUND), [], [], "")
-            return out if stream else out.consume()
-        prompt = self.prompt(question, self.order(found.order), history)
-        engine = self.prepare()
-        out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling),
-                           [(h.module_id, h.score) for h in hits], [h.label for h in hits], prompt)
-        return out if stream else out.consume()
-
-    def ask_stream(self, question: str, k: int = 4, **kwargs: object) -> AnswerStream:
-        out = self.ask(question, k, stream=True, **kwargs)
-        assert isinstance(out, AnswerStream)
-        return out
 
     # -- facts -------------------------------------------------------------------------------------
 

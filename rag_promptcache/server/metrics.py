@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
-    from rag_promptcache.engine.batcher import Batcher, Handle
+    from rag_promptcache.engine.batching.batcher import Batcher, Handle
     from rag_promptcache.engine.result import Result
 
 PREFIX = "rag_promptcache:"

@@ -1,7 +1,7 @@
 """Training samples laid out as the engine runs them: token ids, positions, and the attention mask of
 modules encoded on their own.
 
-The engine compiles a prompt into pieces (engine/schemas.py `Schemas.compile_prompt`, the same call
+The engine compiles a prompt into pieces (engine/prompt/schemas.py `Schemas.compile_prompt`, the same call
 `Planner.plan` makes). A cached piece's KV was encoded with its unit's context only: in
 `shared_prefix` mode the schema's shared prefix (the system turn's opening) and the unit's own
 tokens, in `isolated` mode its own tokens alone; the new tokens (the question, its chat markup, the
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rag_promptcache.engine.compiler import Compiler
-from rag_promptcache.engine.schemas import Schemas
+from rag_promptcache.engine.prompt.compiler import Compiler
+from rag_promptcache.engine.prompt.schemas import Schemas
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml

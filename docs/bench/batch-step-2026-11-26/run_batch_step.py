@@ -1,4 +1,4 @@
-"""The run behind this folder: one batched decode step of B rows at a 2k-token context (engine/batch.py
+"""The run behind this folder: one batched decode step of B rows at a 2k-token context (engine/batching/batch.py
 `decode_step`), SmolLM2-135M-Instruct in bf16, 2 threads, the native batch kernel against the torch
 forward (RAG_PROMPTCACHE_KERNELS=0 read per call), interleaved, each the median of REPEATS steps.
 
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from rag_promptcache.engine.batch import BatchCache, decode_step
+from rag_promptcache.engine.batching.batch import BatchCache, decode_step
 from rag_promptcache.model import native
 from rag_promptcache.model.loading import load_model
 from rag_promptcache.model.positions import kv_geometry

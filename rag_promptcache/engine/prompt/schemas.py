@@ -4,7 +4,7 @@ A schema is compiled once per (chat, default system turn) pair, and each module'
 address: engine/../store/base.py `module_key`) is memoised per compilation. Replacing a schema drops
 both. Thread-safe: one lock around the maps.
 
-Out of scope: planning a prompt (engine/plan.py), tokenizing and compiling (engine/compiler.py).
+Out of scope: planning a prompt (engine/planning/plan.py), tokenizing and compiling (engine/prompt/compiler.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rag_promptcache.engine.compiler import CompiledSchema, Compiler, Layout, Piece, Unit
+from rag_promptcache.engine.prompt.compiler import CompiledSchema, Compiler, Layout, Piece, Unit
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import to_pml
 from rag_promptcache.pml.parser import parse_prompt, parse_schema
@@ -97,7 +97,7 @@ class Schemas:
             return compiled
 
     def compile_prompt(self, prompt: str | ast.Prompt, layout: Layout = "contiguous") -> Compiled:
-        """The prompt's pieces, as every request plans them (engine/plan.py) and as tuning masks them
+        """The prompt's pieces, as every request plans them (engine/planning/plan.py) and as tuning masks them
         (rag_promptcache/tune/layout.py). No store, no model."""
         parsed = self.parse(prompt)
         chat, default = self.chat_of(parsed.schema, parsed.children)

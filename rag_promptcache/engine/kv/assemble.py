@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from rag_promptcache.engine.compiler import Piece
+from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
@@ -156,7 +156,7 @@ def assemble(
     extra: int = 0,
 ) -> Assembled:
     """`extra`: tokens to reserve beyond the prompt (the answer). No new piece only for an exact repeat
-    from the prefix cache, whose last token's logits are kept (engine/prefix_cache.py)."""
+    from the prefix cache, whose last token's logits are kept (engine/prefix/prefix_cache.py)."""
     cached = [p for p in pieces if p.cached]
     new = [p for p in pieces if not p.cached]
     new_ids = torch.tensor([[t for p in new for t in p.token_ids]], device=device)

@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rag_promptcache.engine.assemble import assemble, release
-from rag_promptcache.engine.compiler import Piece
-from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.engine.kv.assemble import assemble, release
+from rag_promptcache.engine.prompt.compiler import Piece
+from rag_promptcache.engine.compute.runner import forward_last
 from rag_promptcache.model.loading import cache_home
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
@@ -109,7 +109,7 @@ class Fallback:
     def use_full(self, num_tokens: int, num_cached: int, *, num_new: int | None = None,
                  num_reused_full: int = 0) -> bool:
         """Whether a full prefill of `num_tokens` beats assembling `num_cached` of them and computing the rest.
-        The prefix cache (engine/prefix_cache.py) may hold some of either path's tokens: `num_new` is what
+        The prefix cache (engine/prefix/prefix_cache.py) may hold some of either path's tokens: `num_new` is what
         the cached plan computes after taking them (None: `num_tokens - num_cached`), `num_reused_full` how
         many of the full prefill's it holds (those are assembled, not computed)."""
         if self.policy != "auto" or num_cached == 0:
