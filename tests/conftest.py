@@ -15,7 +15,7 @@ import torch
 from tests.store_helpers import REDIS_BIN, RedisServer, free_port
 
 torch.set_num_threads(2)
-# Tests hold the cached path to its answers; the planner's fallback to full prefill (engine/costmodel.py)
+# Tests hold the cached path to its answers; the planner's fallback to full prefill (engine/planning/costmodel.py)
 # would choose by timings, which differ per machine. tests/test_fallback.py sets the policy it tests.
 os.environ.setdefault("RAG_PROMPTCACHE_FALLBACK", "never")
 

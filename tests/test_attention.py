@@ -1,4 +1,4 @@
-"""The fused prefill attention kernel (engine/attention.py, model/kernels/prefill_attention.c): its
+"""The fused prefill attention kernel (engine/compute/attention.py, model/kernels/prefill_attention.c): its
 error against an fp64 reference is SDPA's, it declines what it does not cover, and the lean forward
 gives the same logits with it as without it. Building and loading the kernels: tests/test_native.py."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rag_promptcache.engine import attention
-from rag_promptcache.engine import forward as lean
-from rag_promptcache.engine.assemble import reserved_cache
-from rag_promptcache.engine.runner import forward_last, forward_logits
+from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.compute import forward as lean
+from rag_promptcache.engine.kv.assemble import reserved_cache
+from rag_promptcache.engine.compute.runner import forward_last, forward_logits
 from rag_promptcache.model import native
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import build

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.batch import BatchCache, decode_step
-from rag_promptcache.engine.batcher import Cancelled
-from rag_promptcache.engine.runner import forward_last, lean_forward
-from rag_promptcache.engine.scheduler import Move, QueueFull, Rows
+from rag_promptcache.engine.batching.batch import BatchCache, decode_step
+from rag_promptcache.engine.batching.batcher import Cancelled
+from rag_promptcache.engine.compute.runner import forward_last, lean_forward
+from rag_promptcache.engine.batching.scheduler import Move, QueueFull, Rows
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
 

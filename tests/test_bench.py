@@ -11,7 +11,7 @@ import pytest
 from rag_promptcache.bench import run_loaded
 from rag_promptcache.bench.common import Bench, BenchConfig, module_texts
 from rag_promptcache.engine import DEFAULT_MODE
-from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
+from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY
 from tests.tiny import build
 
 pytestmark = pytest.mark.slow

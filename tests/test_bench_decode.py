@@ -9,7 +9,7 @@ import math
 from rag_promptcache.bench import run_loaded
 from rag_promptcache.bench.common import Bench
 from rag_promptcache.bench.report import markdown
-from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
+from rag_promptcache.engine.decoding.lookup import DEFAULT_LOOKUP
 from rag_promptcache.model.loading import dtype_name, resolve_device_dtype
 from tests.test_bench import TINY
 from tests.tiny import build

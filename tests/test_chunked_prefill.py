@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rag_promptcache.engine.batcher as batcher_module
+import rag_promptcache.engine.batching.batcher as batcher_module
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.batch import BatchCache, can_mix, decode_step, mixed_step
-from rag_promptcache.engine.batcher import Batcher
-from rag_promptcache.engine.prefill import Prefilling, start
+from rag_promptcache.engine.batching.batch import BatchCache, can_mix, decode_step, mixed_step
+from rag_promptcache.engine.batching.batcher import Batcher
+from rag_promptcache.engine.planning.prefill import Prefilling, start
 from rag_promptcache.store import MemoryStore
 from tests.test_batch import PROMPTS, SCHEMA
 from tests.tiny import build

@@ -13,7 +13,7 @@ import torch
 
 from rag_promptcache import PMLError
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.text import TextStream
+from rag_promptcache.engine.decoding.text import TextStream
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
 
@@ -290,7 +290,7 @@ def test_reserved_layer_grows_and_crops_like_a_dynamic_layer():
     import torch
     from transformers.cache_utils import DynamicLayer
 
-    from rag_promptcache.engine.assemble import ReservedLayer
+    from rag_promptcache.engine.kv.assemble import ReservedLayer
 
     buf_k, buf_v = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
     reserved, plain = ReservedLayer(buf_k, buf_v, 0), DynamicLayer()

@@ -17,7 +17,7 @@ from test_cli import run
 from test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
 
 from rag_promptcache.cli.eval_cmd import SHOWN_NEW_TOKENS
-from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.engine.result import Result
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.fidelity import DEFAULT_NEW_TOKENS, fastest_retaining

@@ -1,4 +1,4 @@
-"""Never slower than not caching (engine/costmodel.py, issue 26 §4): with this machine's costs, a plan
+"""Never slower than not caching (engine/planning/costmodel.py, issue 26 §4): with this machine's costs, a plan
 that recomputes almost everything runs as a plain full prefill (its answer is `use_cache=False`'s), a
 plan with most tokens cached stays cached, the policy can force either, and the costs are measured once
 and stored under the cache home."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine import costmodel
-from rag_promptcache.engine.costmodel import Costs, Fallback, stored_costs
+from rag_promptcache.engine.planning import costmodel
+from rag_promptcache.engine.planning.costmodel import Costs, Fallback, stored_costs
 from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.store import MemoryStore
 from tests.test_recovery import PROMPT, SCHEMA

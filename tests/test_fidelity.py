@@ -10,7 +10,7 @@ import pytest
 
 from rag_promptcache.bench.fidelity_data import generate
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.recovery import Recovery
+from rag_promptcache.engine.planning.recovery import Recovery
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.fidelity import answer_contains, read_questions
 from rag_promptcache.store import MemoryStore

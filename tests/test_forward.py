@@ -1,4 +1,4 @@
-"""The lean Llama forward (engine/forward.py) against transformers' forward, and the KV buffer pool."""
+"""The lean Llama forward (engine/compute/forward.py) against transformers' forward, and the KV buffer pool."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.assemble import _POOL, assemble, reserved_cache
-from rag_promptcache.engine.runner import forward_last, lean_forward
-from rag_promptcache.engine.forward import PACK_ENV, LeanLlama, can_pack
+from rag_promptcache.engine.kv.assemble import _POOL, assemble, reserved_cache
+from rag_promptcache.engine.compute.runner import forward_last, lean_forward
+from rag_promptcache.engine.compute.forward import PACK_ENV, LeanLlama, can_pack
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import ARCHS, build
 

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("llguidance", reason="structured output needs the [structured] extra")
 
-from rag_promptcache.engine.grammar import Grammar, GrammarState, ResponseFormat  # noqa: E402
+from rag_promptcache.engine.decoding.grammar import Grammar, GrammarState, ResponseFormat  # noqa: E402
 
 STOP = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>, the engine's EOS set for this model
 PERSON = {

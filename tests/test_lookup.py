@@ -8,11 +8,11 @@ import torch
 from transformers import DynamicCache
 
 from rag_promptcache.engine import PromptCache, Sampling
-from rag_promptcache.engine.assemble import reserved_cache
-from rag_promptcache.engine.decode import decode
-from rag_promptcache.engine.runner import forward_last
-from rag_promptcache.engine.state import DecodeState, DecodeStats
-from rag_promptcache.engine.lookup import DEFAULT_LOOKUP, ENV, DraftBudget, NgramDrafter
+from rag_promptcache.engine.kv.assemble import reserved_cache
+from rag_promptcache.engine.decoding.decode import decode
+from rag_promptcache.engine.compute.runner import forward_last
+from rag_promptcache.engine.decoding.state import DecodeState, DecodeStats
+from rag_promptcache.engine.decoding.lookup import DEFAULT_LOOKUP, ENV, DraftBudget, NgramDrafter
 from rag_promptcache.model.positions import kv_geometry
 from rag_promptcache.store import MemoryStore
 from tests.test_batch import DOCS

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.assemble import assemble
+from rag_promptcache.engine.kv.assemble import assemble
 from rag_promptcache.model import native
 from rag_promptcache.model.positions import relocator_for
 from rag_promptcache.store import MemoryStore

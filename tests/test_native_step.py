@@ -1,4 +1,4 @@
-"""The native decode step (engine/native_step.py, model/kernels/decode_step.c) against the torch forward."""
+"""The native decode step (engine/compute/native_step.py, model/kernels/decode_step.c) against the torch forward."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from rag_promptcache.engine import attention
-from rag_promptcache.engine.assemble import reserved_cache
-from rag_promptcache.engine.native_step import MAX_NEW
-from rag_promptcache.engine.runner import forward_logits
+from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.kv.assemble import reserved_cache
+from rag_promptcache.engine.compute.native_step import MAX_NEW
+from rag_promptcache.engine.compute.runner import forward_logits
 from rag_promptcache.model import native
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import ARCHS

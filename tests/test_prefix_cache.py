@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from rag_promptcache.engine.compiler import Piece
-from rag_promptcache.engine.prefix_cache import (
+from rag_promptcache.engine.prompt.compiler import Piece
+from rag_promptcache.engine.prefix.prefix_cache import (
     PREFIX, NullPrefixCache, PrefixCache, cache_layers, cache_slots, gather, token_labels,
 )
 from rag_promptcache.store.base import ModuleKV

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rag_promptcache.engine.prefix_tree import Node, PrefixTree
+from rag_promptcache.engine.prefix.prefix_tree import Node, PrefixTree
 
 NS = "model-a"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.recovery import Recovery
+from rag_promptcache.engine.planning.recovery import Recovery
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
 

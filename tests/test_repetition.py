@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag_promptcache.engine.sampling import Sampling, penalize, sample
+from rag_promptcache.engine.decoding.sampling import Sampling, penalize, sample
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_generated_tokens() -> None:

@@ -1,4 +1,4 @@
-"""Question-aware selection (engine/select.py): the budget is respected, the exact first module and the
+"""Question-aware selection (engine/planning/select.py): the budget is respected, the exact first module and the
 schema text are never chosen, `near` and `sinks` pick where they say, sentences are whole, and the
 question's attention is read over the real cached tokens of a tiny model."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.select import Selection, Stale, choose, question_mass, stale_tokens
+from rag_promptcache.engine.planning.select import Selection, Stale, choose, question_mass, stale_tokens
 from rag_promptcache.store import MemoryStore
 from tests.test_recovery import PROMPT, SCHEMA
 from tests.tiny import build
@@ -65,10 +65,10 @@ def test_whole_takes_the_nearest_module_and_spends_the_budget_elsewhere():
 
 
 def test_question_recovery_recomputes_the_nearest_module_and_its_budget(tokenizer):
-    """`question:R` (engine/recovery.py): the stale module nearest the question whole, then R of the stale
+    """`question:R` (engine/planning/recovery.py): the stale module nearest the question whole, then R of the stale
     tokens from the other modules;
     R = 1 is every stale token, so its logits match full prefill's."""
-    from rag_promptcache.engine.recovery import Recovery
+    from rag_promptcache.engine.planning.recovery import Recovery
 
     pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none")
     pc.add_schema(SCHEMA)

@@ -15,7 +15,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from rag_promptcache.engine.sampling import Sampling
+from rag_promptcache.engine.decoding.sampling import Sampling
 from rag_promptcache.server import protocol as p
 from rag_promptcache.server.auth import RequireKey
 from rag_promptcache.server.lifecycle import bind
@@ -27,7 +27,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     {}, {"user": "u", "metadata": {"k": "v"}, "store": True, "parallel_tool_calls": True},
     {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logprobs": False, "frequency_penalty": 0.0},
     {"response_format": None, "tools": None, "logit_bias": None, "top_logprobs": None, "anything_null": None},
-    # implemented by constrained decoding (engine/grammar.py)
+    # implemented by constrained decoding (engine/decoding/grammar.py)
     {"response_format": {"type": "json_object"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}},
 ])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.sampling import Sampling
+from rag_promptcache.engine.decoding.sampling import Sampling
 from rag_promptcache.pml import ast
 from rag_promptcache.store import MemoryStore
 
@@ -67,7 +67,7 @@ class _Ids:
 
 
 def test_a_repeated_sentence_ends_the_stream_before_the_repeat_is_shown():
-    from rag_promptcache.engine.text import TextStream
+    from rag_promptcache.engine.decoding.text import TextStream
     from rag_promptcache.rag.repetition import repeated_sentence
 
     text = "The cat sat on the mat. The dog ran far away. The cat sat on the mat. More."

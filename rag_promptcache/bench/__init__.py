@@ -71,7 +71,7 @@ def run_loaded(
 
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
-    from rag_promptcache.engine import attention
+    from rag_promptcache.engine.compute import attention
     from rag_promptcache.model.loading import cpu_flags
 
     dev = bench.device

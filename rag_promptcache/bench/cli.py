@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
 
         from rag_promptcache.bench import DEFAULT_SCENARIOS, run
         from rag_promptcache.bench.common import BenchConfig
-        from rag_promptcache.engine.recovery import Recovery
+        from rag_promptcache.engine.planning.recovery import Recovery
 
         if threads is not None:
             torch.set_num_threads(threads)
@@ -80,8 +80,8 @@ def register(app: typer.Typer) -> None:
 
 def _settings(text: str) -> tuple[tuple[str, str], ...]:
     """"none,isolated/last:2" → (("shared_prefix", "none"), ("isolated", "last:2")), each checked."""
-    from rag_promptcache.engine.encoder import check_mode
-    from rag_promptcache.engine.recovery import Recovery
+    from rag_promptcache.engine.planning.encoder import check_mode
+    from rag_promptcache.engine.planning.recovery import Recovery
 
     out = []
     for item in (s.strip() for s in text.split(",")):

@@ -7,7 +7,7 @@ systems interleaved run by run. Per dtype in `decode_dtypes` (a copy of the mode
 - `transformers` with `prompt_lookup: 8`: the same with `prompt_lookup_num_tokens=8`, transformers'
   own prompt lookup decoding (the best plain transformers offers for this; not its default);
 - `rag-promptcache`: `PromptCache.generate(..., ignore_eos=True)` with every module cached, with the
-  engine's default prompt lookup (engine/lookup.py); a second row with `prompt_lookup: 0`, the plain
+  engine's default prompt lookup (engine/decoding/lookup.py); a second row with `prompt_lookup: 0`, the plain
   one-token loop, whose greedy tokens the default row's are compared with (`tokens_match_no_lookup`:
   equal in fp32, while bf16 rounds a multi-token check differently from single steps and may flip a
   near tie).
@@ -40,8 +40,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from rag_promptcache.bench import llamacpp
 from rag_promptcache.bench.common import QUESTION, Bench, fit_question, interleaved, median, module_texts, schema_pml
 from rag_promptcache.engine import PromptCache, Sampling
-from rag_promptcache.engine.sampling import penalize
-from rag_promptcache.engine.lookup import DEFAULT_LOOKUP
+from rag_promptcache.engine.decoding.sampling import penalize
+from rag_promptcache.engine.decoding.lookup import DEFAULT_LOOKUP
 from rag_promptcache.model.loading import dtype_name, parse_dtype, resolve_device_dtype
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import MemoryStore

@@ -36,7 +36,7 @@ from pathlib import Path
 from rag_promptcache.bench import fidelity_data, fidelity_heldout
 from rag_promptcache.bench.common import Bench, BenchConfig, median
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Outcome, Reference, answer, fastest_retaining,
                                           references, summarize)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         return _write(pool([json.loads(f.read_text()) for f in args.pool]), args.out)
     import torch
 
-    from rag_promptcache.engine.encoder import check_mode
+    from rag_promptcache.engine.planning.encoder import check_mode
     from rag_promptcache.model.loading import load_model
 
     settings = tuple(dict.fromkeys(

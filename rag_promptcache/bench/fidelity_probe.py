@@ -25,8 +25,8 @@ import torch
 from rag_promptcache.bench.fidelity import CHUNK_TOKENS
 from rag_promptcache.bench.fidelity_data import Question, generate
 from rag_promptcache.engine import PromptCache, Sampling
-from rag_promptcache.engine.compiler import ROOT
-from rag_promptcache.engine.recovery import split
+from rag_promptcache.engine.prompt.compiler import ROOT
+from rag_promptcache.engine.planning.recovery import split
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import answer_contains
 from rag_promptcache.store import DiskStore

@@ -26,10 +26,10 @@ import torch
 
 from rag_promptcache.bench.common import Bench, median, schema_pml, sync, windows
 from rag_promptcache.engine import DEFAULT_MODE, PromptCache
-from rag_promptcache.engine.assemble import assemble
-from rag_promptcache.engine.runner import forward_last
-from rag_promptcache.engine.sampling import eos_token_ids
-from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.engine.kv.assemble import assemble
+from rag_promptcache.engine.compute.runner import forward_last
+from rag_promptcache.engine.decoding.sampling import eos_token_ids
+from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag.sample import TOPICS, topic_texts
 from rag_promptcache.store import MemoryStore

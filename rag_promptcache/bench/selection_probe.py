@@ -6,7 +6,7 @@
 Per question and k: the corpus prompt (best-ranked module next to the question), full prefill's answer
 (the engine's own, `use_cache=False`) and each setting's answer from the cache, greedy, cut at the
 first ".". Engine settings (`none`, `last:N`, ...) run through `generate`; `sel:R[,key=value...]`
-(engine/select.py: ratio R of the stale module tokens, keys layers=4+8+12, shape=tokens|sentences,
+(engine/planning/select.py: ratio R of the stale module tokens, keys layers=4+8+12, shape=tokens|sentences,
 window, sinks, near) plans with `none`, scores and splits, then runs the same prefill and decode: its
 TTFT counts the plan, the scoring pass and the recomputation. Reported per k and setting: right
 answers, retained (cached right / full right), the share of context tokens recomputed, and the median
@@ -30,10 +30,10 @@ import torch
 from rag_promptcache.bench import fidelity_data, fidelity_heldout
 from rag_promptcache.bench.fidelity import CHUNK_TOKENS, STOP
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.sampling import Sampling
-from rag_promptcache.engine.recovery import split
+from rag_promptcache.engine.decoding.sampling import Sampling
+from rag_promptcache.engine.planning.recovery import split
 from rag_promptcache.engine.result import Stream
-from rag_promptcache.engine.select import Selection, choose, question_mass, stale_tokens
+from rag_promptcache.engine.planning.select import Selection, choose, question_mass, stale_tokens
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import answer_contains
 from rag_promptcache.store import DiskStore

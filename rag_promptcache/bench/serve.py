@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rag_promptcache.bench.common import Bench
 from rag_promptcache.bench.tables import table
-from rag_promptcache.engine.batcher import DEFAULT_PREFILL_CHUNK
+from rag_promptcache.engine.batching.batcher import DEFAULT_PREFILL_CHUNK
 
 LEVELS = (1, 4, 8, 16)
 MAX_TOKENS = 64
@@ -64,7 +64,7 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
     import uvicorn
 
     from rag_promptcache.engine import PromptCache
-    from rag_promptcache.engine.batcher import Batcher
+    from rag_promptcache.engine.batching.batcher import Batcher
     from rag_promptcache.rag.chat import CorpusChat
     from rag_promptcache.server.app import create_app
     from rag_promptcache.store import MemoryStore

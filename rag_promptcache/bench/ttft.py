@@ -10,7 +10,7 @@ Systems (each timed from the call to the first sampled token):
   the retrieved chunks change from request to request;
 - `cached_memory` / `cached_disk`: `PromptCache.generate` with every module in a MemoryStore /
   DiskStore (page cache warm: read once before timing), the default planner: `cached_path` says
-  whether it ran the cached plan or found a full prefill faster (engine/costmodel.py). The worst
+  whether it ran the cached plan or found a full prefill faster (engine/planning/costmodel.py). The worst
   `speedup_engine` over the prompts is "never slower than not caching" (target: at least 0.95x);
 - `miss`: `PromptCache.generate` over a NullStore, so every module is encoded in the request;
 - `lower_bound`: only the forward over the new tokens against an already assembled cache (cropped
@@ -44,9 +44,9 @@ from rag_promptcache.bench.common import (
     timed,
 )
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.assemble import assemble
-from rag_promptcache.engine.compiler import ROOT
-from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.engine.kv.assemble import assemble
+from rag_promptcache.engine.prompt.compiler import ROOT
+from rag_promptcache.engine.compute.runner import forward_last
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import DiskStore, MemoryStore, NullStore
 

@@ -294,7 +294,7 @@ def info(
     """Documents, modules, tokens, store size and model of a corpus, and its documents."""
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
-    from rag_promptcache.engine.recovery import DEFAULT_RECOVERY
+    from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY
 
     c = _open(corpus)
     # the schema's name is what a hand-written PML prompt imports the corpus's modules under

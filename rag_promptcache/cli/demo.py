@@ -5,7 +5,7 @@ The documents and questions are `rag_promptcache.rag.sample`, chunked at the cor
 size and asked at a user's k (4 by default). Per answer it prints the answer's own TTFT against the
 engine's own full prefill of the same prompt (the fastest full prefill this library has; the best of
 two runs, so the baseline is never flattered down), which path the planner ran (`cached`, or `full`
-where its cost model found a plain prefill faster, engine/costmodel.py) and how many prompt tokens
+where its cost model found a plain prefill faster, engine/planning/costmodel.py) and how many prompt tokens
 were computed rather than taken from the cache. One untimed request warms the model first, as a
 running server would be. The first run ingests into `$RAG_PROMPTCACHE_HOME/demo-corpus`; later runs
 find every document unchanged and go straight to the questions.

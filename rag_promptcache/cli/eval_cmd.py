@@ -37,7 +37,7 @@ def eval_(
     expected answers (retained = cached / full), or agreement with full prefill where none is given,
     and the TTFT speed-up; then recommend the fastest setting that keeps >= 95% of full prefill's
     right answers and show the questions it gets wrong, the cached and the full answer side by side."""
-    from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+    from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.fidelity import TARGET_RETAINED, evaluate, read_questions, recommend
 

@@ -1,13 +1,13 @@
 """`PromptCache`: the engine. PML prompt → plan (hit / miss per module) → assemble → prefill → decode.
 
 Each step is owned once, elsewhere; this class wires them over one model and one store:
-- the schema registry (engine/schemas.py) and the planner (engine/plan.py): a module whose KV is
+- the schema registry (engine/prompt/schemas.py) and the planner (engine/planning/plan.py): a module whose KV is
   missing from the store is encoded from its text in the request, used, and written back; the answer
   is the same as on a hit. On a model with learned absolute positions a module is reused only where
   it was encoded; elsewhere its tokens are recomputed in the prefill, and the result lists it in
   `recomputed_modules`;
-- the prefill (engine/prefill.py), then the request's `DecodeState` (engine/state.py) driven by the
-  single-request loop (engine/decode.py) or, through `scheduler()`, by the batcher (engine/batcher.py).
+- the prefill (engine/planning/prefill.py), then the request's `DecodeState` (engine/decoding/state.py) driven by the
+  single-request loop (engine/decoding/decode.py) or, through `scheduler()`, by the batcher (engine/batching/batcher.py).
 
 Out of scope here: retrieval (rag/), storage tiers (store/), positions per architecture (model/).
 """
@@ -23,24 +23,24 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rag_promptcache.engine import attention
-from rag_promptcache.engine.assemble import release
-from rag_promptcache.engine.batcher import DEFAULT_PREFILL_CHUNK, Batcher
-from rag_promptcache.engine.compiler import LAYOUTS, Compiler, Layout
-from rag_promptcache.engine.costmodel import Costs, Fallback, stored_costs
-from rag_promptcache.engine.decode import can_crop, decode
-from rag_promptcache.engine.encoder import DEFAULT_MODE, check_mode
-from rag_promptcache.engine.grammar import Grammar
-from rag_promptcache.engine.lookup import lookup_tokens
-from rag_promptcache.engine.plan import Plan, PlanConfig, Planner, uncached
-from rag_promptcache.engine.prefill import Prefilled, Prefilling, start
-from rag_promptcache.engine.prefix_cache import PrefixUse, cache_layers, make_prefix_cache, token_labels
-from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.kv.assemble import release
+from rag_promptcache.engine.batching.batcher import DEFAULT_PREFILL_CHUNK, Batcher
+from rag_promptcache.engine.prompt.compiler import LAYOUTS, Compiler, Layout
+from rag_promptcache.engine.planning.costmodel import Costs, Fallback, stored_costs
+from rag_promptcache.engine.decoding.decode import can_crop, decode
+from rag_promptcache.engine.planning.encoder import DEFAULT_MODE, check_mode
+from rag_promptcache.engine.decoding.grammar import Grammar
+from rag_promptcache.engine.decoding.lookup import lookup_tokens
+from rag_promptcache.engine.planning.plan import Plan, PlanConfig, Planner, uncached
+from rag_promptcache.engine.planning.prefill import Prefilled, Prefilling, start
+from rag_promptcache.engine.prefix.prefix_cache import PrefixUse, cache_layers, make_prefix_cache, token_labels
+from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
-from rag_promptcache.engine.sampling import Sampling, eos_token_ids
-from rag_promptcache.engine.schemas import Schemas
-from rag_promptcache.engine.state import DecodeState
-from rag_promptcache.engine.text import TextStream
+from rag_promptcache.engine.decoding.sampling import Sampling, eos_token_ids
+from rag_promptcache.engine.prompt.schemas import Schemas
+from rag_promptcache.engine.decoding.state import DecodeState
+from rag_promptcache.engine.decoding.text import TextStream
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
 from rag_promptcache.model.positions import kv_geometry, relocator_for
@@ -67,14 +67,14 @@ class PromptCache:
         fallback: str | Fallback | None = None,
     ) -> None:
         """`prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
-        prompt and the answer so far (engine/lookup.py); 0 turns it off; None reads
+        prompt and the answer so far (engine/decoding/lookup.py); 0 turns it off; None reads
         RAG_PROMPTCACHE_PROMPT_LOOKUP (unset: 8).
 
         `prefix_cache_bytes`: the KV of recent requests kept for later ones that start the same way
-        (a chat's follow-up turns; engine/prefix_cache.py), in bytes; 0 turns it off; None reads the
+        (a chat's follow-up turns; engine/prefix/prefix_cache.py), in bytes; 0 turns it off; None reads the
         store config's `prefix_cache_bytes` ($RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES, default 256 MiB).
 
-        `fallback`: "auto" runs a plain full prefill where this machine's cost model (engine/costmodel.py,
+        `fallback`: "auto" runs a plain full prefill where this machine's cost model (engine/planning/costmodel.py,
         measured on the first request and stored under the cache home) says it beats the cached plan,
         "never" always runs the cached plan, "always" never does; None reads RAG_PROMPTCACHE_FALLBACK
         (unset: auto); a `Fallback` is used as given (its own costs). `Result.path` says which ran."""

@@ -26,10 +26,10 @@ class Result:
     recomputed_modules: tuple[str, ...]  # stored but not reusable at this position (absolute positions)
     # forwards after the prefill: one per token after the first, fewer where prompt lookup drafts were accepted
     num_decode_forwards: int = 0
-    # of cached_tokens, those reused from an earlier request's KV (the prefix cache: engine/prefix_cache.py)
+    # of cached_tokens, those reused from an earlier request's KV (the prefix cache: engine/prefix/prefix_cache.py)
     num_prefix_tokens: int = 0
     # "full": a plain prefill of every prompt token ran (use_cache=False, or the planner's fallback found it
-    # faster than the cached plan, engine/costmodel.py); cached_tokens is then 0
+    # faster than the cached plan, engine/planning/costmodel.py); cached_tokens is then 0
     path: Path = "cached"
 
     @property

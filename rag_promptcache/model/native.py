@@ -1,10 +1,10 @@
 """Native CPU kernels (`kernels/*.c`): built when the package is installed, loaded with ctypes.
 
 Three hot spots have kernels here, for x86 CPUs with AVX512-BF16 and bf16 tensors: the question's
-attention against the assembled cache (`prefill_attention.c`, used by engine/attention.py), the
+attention against the assembled cache (`prefill_attention.c`, used by engine/compute/attention.py), the
 relocation of a module's keys into that cache (`rope_shift.c`, used by
 positions.RopeRelocator.rotate_into), and the decode step of a Llama model, every layer in one call
-(`decode_step.c`, used by engine/native_step.py). Each computes what the torch code it replaces
+(`decode_step.c`, used by engine/compute/native_step.py). Each computes what the torch code it replaces
 computes, with the same fp32 arithmetic and bf16 roundings (tests/test_native.py,
 tests/test_attention.py, tests/test_native_step.py).
 

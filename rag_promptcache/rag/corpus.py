@@ -184,7 +184,7 @@ class Corpus:
                 engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype)
                 check_engine(engine, self.manifest, self.path)
                 if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
-                    from rag_promptcache.engine.recovery import Recovery
+                    from rag_promptcache.engine.planning.recovery import Recovery
 
                     engine.recovery = Recovery.parse(self.manifest.recovery)
                 self._engine, self._owns_engine = engine, True
@@ -257,7 +257,7 @@ class Corpus:
         """Record `spec` ("last:1"; None: the engine's default) as this corpus's recovery, which `ask`,
         `chat`, `serve` and the adapters use where none is given (a caller's engine keeps its own
         default). A bad spec is `Recovery.parse`'s `ValueError`. Returns the canonical form."""
-        from rag_promptcache.engine.recovery import DEFAULT_RECOVERY, Recovery
+        from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 
         chosen = None if spec is None else Recovery.parse(spec)
         with self._lock:

@@ -232,7 +232,7 @@ def evaluate(
     max_new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> list[SettingReport]:
     """Full prefill once per question, then every recovery setting: one report per setting."""
-    from rag_promptcache.engine.recovery import Recovery
+    from rag_promptcache.engine.planning.recovery import Recovery
 
     if not questions:
         raise ValueError("no questions to evaluate")

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 ModuleRef = str | tuple[str, str]  # a module id, or (id, text to fall back on)
 REFERENCE = re.compile(r'<module id="([^"<>]+)"\s*(?:/>|>(.*?)</module>)', re.S)
 OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "no_repeat_ngram",
-           "response_format", "stop_repeats")  # stop_repeats (default True): end at a repeated sentence  # response_format: OpenAI's shapes, constrained decoding (engine/grammar.py)
+           "response_format", "stop_repeats")  # stop_repeats (default True): end at a repeated sentence  # response_format: OpenAI's shapes, constrained decoding (engine/decoding/grammar.py)
 ALIASES = {"max_new_tokens": "max_tokens"}  # the CLI's and PromptCache.generate's name (docs/langchain.md)
 STATS = ("finish_reason", "ttft_s", "total_s", "prompt_tokens", "cached_tokens", "computed_tokens",
          "hit_modules", "missed_modules", "recomputed_modules", "path")

@@ -118,7 +118,7 @@ class Answer:
     missed_modules: tuple[str, ...]
     finish_reason: str
     prompt: str  # the PML prompt, for replaying (e.g. `engine.full_prefill_ttft(answer.prompt)`)
-    path: str = "cached"  # "full": the planner ran a plain full prefill, faster here (engine/costmodel.py)
+    path: str = "cached"  # "full": the planner ran a plain full prefill, faster here (engine/planning/costmodel.py)
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from rag_promptcache.engine.batcher import Batcher
+    from rag_promptcache.engine.batching.batcher import Batcher
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.chat import CorpusChat
 

@@ -33,9 +33,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rag_promptcache.engine import ContextWindowExceeded
-from rag_promptcache.engine.batcher import Batcher, Handle
+from rag_promptcache.engine.batching.batcher import Batcher, Handle
 from rag_promptcache.engine.result import Result
-from rag_promptcache.engine.scheduler import QueueFull
+from rag_promptcache.engine.batching.scheduler import QueueFull
 from rag_promptcache.rag.chat import ChatPrompt, CorpusChat
 from rag_promptcache.server import protocol as p
 from rag_promptcache.server.auth import RequireKey

@@ -21,7 +21,7 @@ from types import FrameType
 
 import uvicorn
 
-from rag_promptcache.engine.batcher import Batcher
+from rag_promptcache.engine.batching.batcher import Batcher
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -7,7 +7,7 @@ bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored, 
 clients send by default. Silently ignoring them would hand a client output in a shape it did not ask
 for, failing far from the cause. `response_format` is implemented: `json_object` and `json_schema`
 (OpenAI's shapes, what `with_structured_output` sends) constrain decoding in the engine
-(engine/grammar.py); a malformed one is refused by name here, a schema the grammar library cannot
+(engine/decoding/grammar.py); a malformed one is refused by name here, a schema the grammar library cannot
 use when the request is submitted.
 
 Our extra request fields: `k`, `module_ids`, `recovery`, `ignore_eos`. Our extra response fields:
@@ -28,7 +28,7 @@ import numpy as np
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rag_promptcache.engine.grammar import ResponseFormat
+from rag_promptcache.engine.decoding.grammar import ResponseFormat
 from rag_promptcache.engine.result import Result
 from rag_promptcache.rag.chat import Source
 

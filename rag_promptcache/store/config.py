@@ -63,7 +63,7 @@ class StoreConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
-    # the engine's prefix cache of recent requests' KV (engine/prefix_cache.py), in bytes; 0 turns it off
+    # the engine's prefix cache of recent requests' KV (engine/prefix/prefix_cache.py), in bytes; 0 turns it off
     prefix_cache_bytes: int = 256 * 2**20
 
 

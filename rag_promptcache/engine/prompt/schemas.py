@@ -4,7 +4,7 @@ A schema is compiled once per (chat, default system turn) pair, and each module'
 address: engine/../store/base.py `module_key`) is memoised per compilation. Replacing a schema drops
 both. Thread-safe: one lock around the maps.
 
-Out of scope: planning a prompt (engine/plan.py), tokenizing and compiling (engine/compiler.py).
+Out of scope: planning a prompt (engine/planning/plan.py), tokenizing and compiling (engine/prompt/compiler.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from rag_promptcache.engine.compiler import CompiledSchema, Compiler, Unit
+from rag_promptcache.engine.prompt.compiler import CompiledSchema, Compiler, Unit
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import to_pml
 from rag_promptcache.pml.parser import parse_prompt, parse_schema

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.compiler import Unit
-from rag_promptcache.engine.runner import forward_base
+from rag_promptcache.engine.prompt.compiler import Unit
+from rag_promptcache.engine.compute.runner import forward_base
 from rag_promptcache.store.base import ModuleKV
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")

@@ -1,7 +1,7 @@
 """`TextStream`: token ids in, text pieces out, holding back what could still become a stop string or
 is an incomplete UTF-8 sequence.
 
-Out of scope: when an answer ends for other reasons (EOS, length: engine/state.py).
+Out of scope: when an answer ends for other reasons (EOS, length: engine/decoding/state.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A radix tree over token keys: the longest prefix of a new request that an earlier request computed.
 
 After sglang's `radix_cache.py`, bookkeeping only (no torch): each edge holds a run of keys (one per
-token) and an opaque payload for that run, which the engine supplies (engine/prefix_cache.py: the KV of
+token) and an opaque payload for that run, which the engine supplies (engine/prefix/prefix_cache.py: the KV of
 the run's tokens) and the tree never looks into. One tree per `namespace` (an opaque hashable: what
 produced the KV, e.g. the model fingerprint and encoding mode), so different models never share a node.
 
@@ -17,9 +17,9 @@ produced the KV, e.g. the model fingerprint and encoding mode), so different mod
   may become a leaf in turn, so a long unused branch goes from its tip to its fork.
 
 Keys are token ids in the simplest use; the engine uses one label per token that also says how the
-token's KV was produced (engine/prefix_cache.py), since equal token ids alone do not make equal KV.
+token's KV was produced (engine/prefix/prefix_cache.py), since equal token ids alone do not make equal KV.
 
-Out of scope: the payloads' contents and copying them (engine/prefix_cache.py), deciding which prefix a
+Out of scope: the payloads' contents and copying them (engine/prefix/prefix_cache.py), deciding which prefix a
 request may reuse (the engine's plan), persistence across processes.
 """
 

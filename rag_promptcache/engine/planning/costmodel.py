@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rag_promptcache.engine.assemble import assemble, release
-from rag_promptcache.engine.compiler import Piece
-from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.engine.kv.assemble import assemble, release
+from rag_promptcache.engine.prompt.compiler import Piece
+from rag_promptcache.engine.compute.runner import forward_last
 from rag_promptcache.model.loading import cache_home
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV

@@ -8,7 +8,7 @@
 A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Between decode steps
 the thread admits waiting requests while rows are free (an admitted request holds its row while it
 prefills). By default each admitted request's prefill runs whole before the next step. With
-`prefill_chunk=N` it is chunked (engine/prefill.py `start` → `Prefilling`, as vLLM and SGLang
+`prefill_chunk=N` it is chunked (engine/planning/prefill.py `start` → `Prefilling`, as vLLM and SGLang
 schedule it): while rows decode, each of their steps carries the next N new tokens of the oldest
 admitted request in the same forward (`batch.mixed_step`, Llama's lean forward), or, for other
 models, runs them in a forward of their own just before the step; with no row decoding, the oldest
@@ -16,9 +16,9 @@ prefill runs whole (nobody waits on it). A running stream then waits one chunk p
 whole prefills. A finished prefill's KV is copied into its row of the `BatchCache` and its first
 token chosen; then one `decode_step` advances every running row by one token. A request running
 alone with nothing waiting decodes as `PromptCache.generate` does, checking prompt lookup drafts
-(engine/lookup.py) in a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
+(engine/decoding/lookup.py) in a forward of its row (`decode_row`). A row that ends (EOS, stop string, max
 tokens) or is cancelled leaves before the next step. Each request keeps its own `DecodeState`
-(engine/state.py: sampling, seeded generator, text, finish, drafts), the one the engine's own loop
+(engine/decoding/state.py: sampling, seeded generator, text, finish, drafts), the one the engine's own loop
 uses, so a request decoded in a batch gets the tokens it gets alone (up to float rounding of the
 batched matmuls).
 
@@ -42,22 +42,22 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from rag_promptcache.engine.assemble import release
-from rag_promptcache.engine.batch import BatchCache, can_mix, decode_row, decode_step, mixed_step
-from rag_promptcache.engine.handle import Cancelled, Handle
+from rag_promptcache.engine.kv.assemble import release
+from rag_promptcache.engine.batching.batch import BatchCache, can_mix, decode_row, decode_step, mixed_step
+from rag_promptcache.engine.batching.handle import Cancelled, Handle
 from rag_promptcache.engine.result import Result
-from rag_promptcache.engine.sampling import Sampling
-from rag_promptcache.engine.scheduler import QueueFull, Rows
+from rag_promptcache.engine.decoding.sampling import Sampling
+from rag_promptcache.engine.batching.scheduler import QueueFull, Rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from rag_promptcache.engine.grammar import Grammar
-    from rag_promptcache.engine.plan import Plan
-    from rag_promptcache.engine.prefill import Prefilled, Prefilling
-    from rag_promptcache.engine.prefix_cache import PrefixUse
-    from rag_promptcache.engine.recovery import Recovery
-    from rag_promptcache.engine.state import DecodeState
+    from rag_promptcache.engine.decoding.grammar import Grammar
+    from rag_promptcache.engine.planning.plan import Plan
+    from rag_promptcache.engine.planning.prefill import Prefilled, Prefilling
+    from rag_promptcache.engine.prefix.prefix_cache import PrefixUse
+    from rag_promptcache.engine.planning.recovery import Recovery
+    from rag_promptcache.engine.decoding.state import DecodeState
     from rag_promptcache.model.positions import KVGeometry
     from rag_promptcache.pml import ast
 

@@ -14,12 +14,12 @@ many tokens to draft is chosen per forward (`DraftBudget`) from what the request
 accepted at and a fixed cost per drafted row: where drafts are rarely kept, few or none are made.
 
 This module is the bookkeeping: pure Python over token ids, no torch. The checks and the rollback
-are the request's `DecodeState` (engine/state.py), whichever loop drives it: the engine's own
-(engine/decode.py) or, for a request running alone in the server, the batcher's.
+are the request's `DecodeState` (engine/decoding/state.py), whichever loop drives it: the engine's own
+(engine/decoding/decode.py) or, for a request running alone in the server, the batcher's.
 
 Out of scope: sampling with temperature (that needs rejection sampling against a draft
 distribution), draft models, drafts for several rows at once (the server's batched step decodes one
-token per row; engine/batcher.py drafts only for a request running alone).
+token per row; engine/batching/batcher.py drafts only for a request running alone).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the lean forward's step took 22.6 ms, of which 14.8 ms were its 121 packed matri
 the rest the ~50 other ops per layer, each a few microseconds of Python and dispatch (profiled on this
 project's 2-core machine). The kernel runs the whole step, every layer and the head, as one call:
 the products at the memory's speed, the elementwise work in the threads' own registers, the cache
-written in place. The lean forward (engine/forward.py) calls it for up to `MAX_NEW` new tokens with no
+written in place. The lean forward (engine/compute/forward.py) calls it for up to `MAX_NEW` new tokens with no
 mask against its reserved cache: the plain decode step and a prompt lookup draft's check.
 
 What it computes is the lean forward's, with transformers' bf16 roundings at the same places; sums
@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from rag_promptcache.engine.assemble import ReservedLayer
+from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.model import native
 
 MAX_NEW, MAX_DIM, MAX_GROUP = 16, 256, 16  # the C source's limits: new tokens, head_dim, query heads per KV head

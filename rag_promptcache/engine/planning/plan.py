@@ -4,12 +4,12 @@
 module's KV from the store, encodes and stores the ones missing (a miss: never encoded, evicted,
 corrupt, or made by another model; the key is content-addressed, so that is a miss too), turns modules
 that cannot move to their place here (learned absolute positions) into new tokens, and applies the
-quality recovery (engine/recovery.py). The plan is the request's one record from here to its `Result`.
+quality recovery (engine/planning/recovery.py). The plan is the request's one record from here to its `Result`.
 
-Out of scope: assembling the KV and running the prefill (engine/prefill.py), decoding (engine/state.py,
-engine/decode.py), the schema registry (engine/schemas.py), earlier requests' KV: the plan is made
+Out of scope: assembling the KV and running the prefill (engine/planning/prefill.py), decoding (engine/decoding/state.py,
+engine/decoding/decode.py), the schema registry (engine/prompt/schemas.py), earlier requests' KV: the plan is made
 as if there were none, and the prefill takes the longest prefix an earlier request computed the same
-way (engine/prefix_cache.py), which `sources` lets it tell.
+way (engine/prefix/prefix_cache.py), which `sources` lets it tell.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel
 
-from rag_promptcache.engine.compiler import ROOT, Compiler, Layout, Piece, Unit
-from rag_promptcache.engine.costmodel import Fallback
-from rag_promptcache.engine.encoder import encode_units
+from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit
+from rag_promptcache.engine.planning.costmodel import Fallback
+from rag_promptcache.engine.planning.encoder import encode_units
 from rag_promptcache.engine.errors import ContextWindowExceeded
-from rag_promptcache.engine.recovery import Recovery, recover
+from rag_promptcache.engine.planning.recovery import Recovery, recover
 from rag_promptcache.engine.result import Result
-from rag_promptcache.engine.schemas import Schemas
+from rag_promptcache.engine.prompt.schemas import Schemas
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.pml import ast
 from rag_promptcache.store.base import ModuleKV, Store
 
 if TYPE_CHECKING:
-    from rag_promptcache.engine.state import DecodeState
+    from rag_promptcache.engine.decoding.state import DecodeState
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class Plan:
     recomputed: tuple[str, ...]
     num_encoded_tokens: int  # tokens of the missed modules, encoded by this request
     # the store key of each module it assembles: with the pieces, how each token's KV is produced, the
-    # prefix cache's labels (engine/prefix_cache.py); None: a full-prefill reference, which reuses nothing
+    # prefix cache's labels (engine/prefix/prefix_cache.py); None: a full-prefill reference, which reuses nothing
     sources: Mapping[str, str] | None = None
     path: str = "cached"  # "full": every token computed (use_cache=False, or the fallback chose it)
 
@@ -127,7 +127,7 @@ class PlanConfig:
     recovery: Recovery  # the default; a request may name another
     context_window: int
     fingerprint: str
-    fallback: Fallback | None = None  # None: always the cached plan (engine/costmodel.py)
+    fallback: Fallback | None = None  # None: always the cached plan (engine/planning/costmodel.py)
 
 
 class Planner:
@@ -141,7 +141,7 @@ class Planner:
              max_new_tokens: int = 0, fallback: bool = True) -> Plan:
         """Compile the prompt and fetch (or encode and store) the KV of every module it uses. Raises
         `ContextWindowExceeded` if the prompt plus `max_new_tokens` does not fit the model's context window.
-        `fallback`: let the engine's policy (engine/costmodel.py) swap the plan for a full prefill of the
+        `fallback`: let the engine's policy (engine/planning/costmodel.py) swap the plan for a full prefill of the
         same tokens where that is faster; missed modules are encoded and stored either way."""
         cfg = self.config
         parsed = self.schemas.parse(prompt)

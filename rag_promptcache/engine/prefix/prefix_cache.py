@@ -1,4 +1,4 @@
-"""Earlier requests' KV, reused exactly: the engine's side of the prefix tree (engine/prefix_tree.py).
+"""Earlier requests' KV, reused exactly: the engine's side of the prefix tree (engine/prefix/prefix_tree.py).
 
 A follow-up chat turn repeats its previous turn's prompt and answer, then adds a question. This keeps
 the KV each request ended with, per token, and hands the longest prefix of a new request that an
@@ -34,7 +34,7 @@ The engine's prefill (`PromptCache.prefill`) calls `begin` with its plan, assemb
 and `unlock`s; the request's owner (the engine's decode loop, the batcher) calls `end` with the
 request's cache when the answer is done.
 
-Not here: making the plan (engine/plan.py; it runs whole, cache or no cache, so the recovery passes
+Not here: making the plan (engine/planning/plan.py; it runs whole, cache or no cache, so the recovery passes
 that run the model, `selective` and `attend`, still run over the whole prompt), models whose cache
 keeps only a sliding window (`supported` says no: their cache does not hold every token's KV),
 sharing across processes.
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from rag_promptcache.engine.compiler import Piece
-from rag_promptcache.engine.prefix_tree import Node, PrefixTree, TreeStats
+from rag_promptcache.engine.prompt.compiler import Piece
+from rag_promptcache.engine.prefix.prefix_tree import Node, PrefixTree, TreeStats
 from rag_promptcache.model.positions import KVGeometry
 from rag_promptcache.store.base import ModuleKV
 
@@ -123,7 +123,7 @@ def splice(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], reuse: Reuse) -
 
 def cache_slots(pieces: Sequence[Piece]) -> list[int]:
     """For each token of `pieces` in sequence order, its slot in the cache the assembler builds from them:
-    cached pieces first (in sequence order), then the new tokens (engine/assemble.py)."""
+    cached pieces first (in sequence order), then the new tokens (engine/kv/assemble.py)."""
     num_cached = sum(len(p.token_ids) for p in pieces if p.cached)
     slots: list[int] = []
     cached_at, new_at = 0, num_cached

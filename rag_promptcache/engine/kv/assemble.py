@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from rag_promptcache.engine.compiler import Piece
+from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 

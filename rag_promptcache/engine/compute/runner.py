@@ -1,12 +1,12 @@
-"""Which forward runs: the one place that picks between the lean forward (engine/forward.py) and
+"""Which forward runs: the one place that picks between the lean forward (engine/compute/forward.py) and
 transformers' own, and that sets transformers' GQA switch around the passes that need it.
 
 Every forward pass of the engine goes through here: the prefill and each decode step
 (`forward_logits`), the batched decode step (`forward_batch`), and the passes that run the model's
 own layers to read KV or hidden states (`forward_base`: module encoding, recovery's probes).
 
-Out of scope: what runs when (engine/decode.py, engine/batcher.py), the caches (engine/assemble.py,
-engine/batch.py), sampling (engine/sampling.py).
+Out of scope: what runs when (engine/decoding/decode.py, engine/batching/batcher.py), the caches (engine/kv/assemble.py,
+engine/batching/batch.py), sampling (engine/decoding/sampling.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.assemble import ReservedLayer
-from rag_promptcache.engine.forward import LeanLlama
+from rag_promptcache.engine.kv.assemble import ReservedLayer
+from rag_promptcache.engine.compute.forward import LeanLlama
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
@@ -76,7 +76,7 @@ _LEAN: weakref.WeakKeyDictionary[PreTrainedModel, LeanLlama | None] = weakref.We
 
 
 def lean_forward(model: PreTrainedModel) -> LeanLlama | None:
-    """The model's lean forward (engine/forward.py), built once per model; None where it has none."""
+    """The model's lean forward (engine/compute/forward.py), built once per model; None where it has none."""
     if model not in _LEAN:
         _LEAN[model] = LeanLlama.for_model(model)
     return _LEAN[model]
@@ -114,7 +114,7 @@ def forward_last(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Ten
 @torch.inference_mode()
 def forward_batch(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                   mask: torch.Tensor, *, lean: bool = True) -> torch.Tensor:
-    """One token per row of the batch cache (engine/batch.py). ids, positions: [B, 1]; mask: [B, 1, 1, span]
+    """One token per row of the batch cache (engine/batching/batch.py). ids, positions: [B, 1]; mask: [B, 1, 1, span]
     additive → logits [B, V] fp32. `lean`: `LeanLlama.decode_batch` where the model has one; False: transformers'."""
     fast = lean_forward(model) if lean else None
     if fast is not None:
@@ -128,8 +128,8 @@ def forward_batch(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Te
 def forward_base(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                  mask: torch.Tensor | None = None) -> None:
     """The model's own decoder layers, no head: `cache` fills with the KV of `ids` [B, N] at `positions`.
-    Always transformers' forward: its callers read KV per row or hook its layers (engine/encoder.py,
-    engine/recovery.py), which the lean forward does not offer."""
+    Always transformers' forward: its callers read KV per row or hook its layers (engine/planning/encoder.py,
+    engine/planning/recovery.py), which the lean forward does not offer."""
     with native_gqa(ids.device):  # a masked prefill against a cache (a shared prefix, an assembly)
         model.base_model(input_ids=ids, position_ids=positions, past_key_values=cache, attention_mask=mask,
                          use_cache=True)

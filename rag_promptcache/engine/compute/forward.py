@@ -8,7 +8,7 @@ the query-length axis (`[B, Hkv, group * N, D]`), so SDPA reads the cache in pla
 it and without the GQA path, and the mask (when one is needed) is built once per call, not per layer.
 In bf16 on a CPU with AVX512-BF16, a prefill against the cache (the question and what recovery
 recomputes, a prompt lookup check) skips SDPA and the additive mask: a fused kernel computes the same
-attention from how much of the cache each new token sees (engine/attention.py; 24 against 60 ms over
+attention from how much of the cache each new token sees (engine/compute/attention.py; 24 against 60 ms over
 SmolLM2's 30 layers for the question at 2k context, timed in place once on this project's 2-core machine).
 
 On CPU the linear maps run on a copy of their weights in oneDNN's packed layout (`Projection`), the
@@ -23,10 +23,10 @@ Exactness: the same modules' weights, the same RMSNorm, rotary embedding and SDP
 transformers' Llama; outputs match it to float rounding (tests/test_forward.py compares logits).
 
 Where the native kernels run (bf16, AVX512-BF16), an unmasked step of up to 16 tokens (a decode step,
-a prompt lookup check) skips all of the above: engine/native_step.py runs every layer and the head
+a prompt lookup check) skips all of the above: engine/compute/native_step.py runs every layer and the head
 in one call, and these layers run only where it declines.
 
-Also the server's batched decode step (`decode_batch`, over engine/batch.py's cache: one token per row).
+Also the server's batched decode step (`decode_batch`, over engine/batching/batch.py's cache: one token per row).
 
 Out of scope: other architectures (they keep transformers' forward: `LeanLlama.for_model` returns
 None), caches that are not `ReservedLayer` buffers (sliding windows), batched prefill, training.
@@ -43,10 +43,10 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from rag_promptcache.engine import attention
-from rag_promptcache.engine.assemble import ReservedLayer
-from rag_promptcache.engine.attention import prefill_attention
-from rag_promptcache.engine.native_step import NativeStep
+from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.kv.assemble import ReservedLayer
+from rag_promptcache.engine.compute.attention import prefill_attention
+from rag_promptcache.engine.compute.native_step import NativeStep
 from rag_promptcache.model.loading import onednn_bf16
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
@@ -178,7 +178,7 @@ class LeanLlama:
 
     def decode_batch(self, ids: torch.Tensor, positions: torch.Tensor, layers: Sequence[DynamicLayer],
                      mask: torch.Tensor) -> torch.Tensor:
-        """One token per row of the server's batch cache (engine/batch.py: `BatchLayer.update` writes
+        """One token per row of the server's batch cache (engine/batching/batch.py: `BatchLayer.update` writes
         each row at its own length). ids, positions: [B, 1]; mask: [B, 1, 1, span] additive → logits [B, V] fp32."""
         self.refresh()
         x = self.embed(ids)  # [B, 1, E]

@@ -1,4 +1,4 @@
-"""`Handle`: what a caller holds for one request submitted to the batcher (engine/batcher.py): text
+"""`Handle`: what a caller holds for one request submitted to the batcher (engine/batching/batcher.py): text
 pieces to iterate, sync or async, the `Result` once finished, and `cancel()`.
 
 The batcher thread `put`s pieces and the outcome; the caller's thread or event loop takes them. Not
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from rag_promptcache.engine.result import Result
 
 if TYPE_CHECKING:
-    from rag_promptcache.engine.plan import Plan
-    from rag_promptcache.engine.sampling import Sampling
+    from rag_promptcache.engine.planning.plan import Plan
+    from rag_promptcache.engine.decoding.sampling import Sampling
 
 
 class Cancelled(Exception):

@@ -2,7 +2,7 @@
 logits of the answer's first token.
 
 The new tokens of the prompt (the question, glue text, what recovery recomputes) run against the
-modules' KV assembled into a cache with room reserved for the answer (engine/assemble.py). `start`
+modules' KV assembled into a cache with room reserved for the answer (engine/kv/assemble.py). `start`
 returns a `Prefilling` that runs them in one forward (`run(model)`: `PromptCache.prefill`) or a chunk at
 a time (`run(model, tokens)`): the batcher interleaves those chunks with the decode steps of running
 requests, so that a long prefill does not stall their streams (chunked prefill, as vLLM and SGLang
@@ -13,8 +13,8 @@ compute what the one forward does (tests/test_chunked_prefill.py compares the lo
 Callers own the cache afterwards: the engine's decode loop decodes into it, the batcher copies it
 into a row of its batch cache; both `release` it when done.
 
-Out of scope: planning (engine/plan.py), decoding (engine/decode.py, engine/batcher.py), when a chunk
-runs (engine/batcher.py), several requests' chunks in one forward.
+Out of scope: planning (engine/planning/plan.py), decoding (engine/decoding/decode.py, engine/batching/batcher.py), when a chunk
+runs (engine/batching/batcher.py), several requests' chunks in one forward.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.assemble import Assembled, assemble
-from rag_promptcache.engine.plan import Plan
-from rag_promptcache.engine.prefix_cache import PrefixUse
-from rag_promptcache.engine.runner import forward_last
+from rag_promptcache.engine.kv.assemble import Assembled, assemble
+from rag_promptcache.engine.planning.plan import Plan
+from rag_promptcache.engine.prefix.prefix_cache import PrefixUse
+from rag_promptcache.engine.compute.runner import forward_last
 from rag_promptcache.model.positions import KVGeometry, Relocator
 
 
@@ -70,7 +70,7 @@ class Prefilling:
 
     def take(self, tokens: int | None = None) -> Chunk:
         """The next `tokens` new tokens (None: all that are left), counted as done: the caller runs them
-        against `cache` (`run`, or the batcher's step that carries a chunk, engine/batch.py)."""
+        against `cache` (`run`, or the batcher's step that carries a chunk, engine/batching/batch.py)."""
         if tokens is not None and tokens < 1:
             raise ValueError(f"a prefill chunk needs at least 1 token, got {tokens}")
         assert self.num_left > 0, f"{self.num_done=} {self.num_new=}: this prefill is done"

@@ -1,8 +1,8 @@
 """Sampling options and the choice of one token from next-token logits: temperature, top-k, top-p and
 the repetition controls. Also which token ids end an answer (`eos_token_ids`). The output format
-(`response_format`, constrained decoding) is an option here; its grammar is engine/grammar.py's.
+(`response_format`, constrained decoding) is an option here; its grammar is engine/decoding/grammar.py's.
 
-Out of scope: the decode loop and what a request's answer so far is (engine/state.py), forwards.
+Out of scope: the decode loop and what a request's answer so far is (engine/decoding/state.py), forwards.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rag_promptcache.engine.grammar import ResponseFormat
+from rag_promptcache.engine.decoding.grammar import ResponseFormat
 
 
 StopWhen = Callable[[str, bool], tuple[int | None, int]]

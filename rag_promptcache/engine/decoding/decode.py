@@ -4,12 +4,12 @@
     for piece in decode(model, cache, state):   # then one forward per step until the state finishes
         ...
 
-What to feed and what to keep is the request's `DecodeState` (engine/state.py), the same one the
-batcher drives; this loop only runs the forward (engine/runner.py) and crops the cache where a
+What to feed and what to keep is the request's `DecodeState` (engine/decoding/state.py), the same one the
+batcher drives; this loop only runs the forward (engine/compute/runner.py) and crops the cache where a
 prompt lookup draft was rejected. A cache with sliding-window layers cannot be cropped exactly, so it
 gets no drafts (`can_crop`).
 
-Out of scope: planning and prefill (engine/plan.py, engine/prefill.py), batching (engine/batcher.py).
+Out of scope: planning and prefill (engine/planning/plan.py, engine/planning/prefill.py), batching (engine/batching/batcher.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from rag_promptcache.engine.assemble import ReservedLayer
-from rag_promptcache.engine.runner import forward_logits
-from rag_promptcache.engine.state import DecodeState
+from rag_promptcache.engine.kv.assemble import ReservedLayer
+from rag_promptcache.engine.compute.runner import forward_logits
+from rag_promptcache.engine.decoding.state import DecodeState
 
 
 def decode(model: PreTrainedModel, cache: DynamicCache, state: DecodeState, *,

@@ -3,7 +3,7 @@
 `ResponseFormat` is what a caller asks for (OpenAI's `response_format` shapes parse into it).
 `Grammar.compile(tokenizer, format, stop_ids)` turns it into a grammar for one tokenizer (cached), and
 `grammar.start()` gives one request its `GrammarState`, which the one decode state holds
-(engine/state.py): before each sampling step `mask(logits)` sets every token the grammar forbids to
+(engine/decoding/state.py): before each sampling step `mask(logits)` sets every token the grammar forbids to
 -inf, after it `accept(token)` advances. The stop tokens are allowed only once the JSON is complete,
 and `is_terminated()` says the answer is over.
 
@@ -13,7 +13,7 @@ which on CPU builds a C++ kernel per shape, so the bitmask is unpacked here with
 Why llguidance over xgrammar and outlines-core: docs/concepts.md, Structured output.
 
 No rollback: prompt lookup drafts are checked token by token through the one decode state, which
-advances the grammar only past kept tokens (engine/state.py). llguidance has `rollback(n)` should a
+advances the grammar only past kept tokens (engine/decoding/state.py). llguidance has `rollback(n)` should a
 path ever need it.
 
 Out of scope: tool calls / function calling (the server refuses `tools` by name), user-written

@@ -12,7 +12,7 @@ strategy picks cached tokens to compute again, in place, against everything befo
   module there, so this recomputes the module the answer most likely comes from against the others.
   A first module that is exact already (shared_prefix, not moved) is never counted.
 - `question:R` (question-aware, issue 26): the stale module nearest the question whole, plus the
-  fraction R of the other modules' tokens the question attends to most (engine/select.py), read at
+  fraction R of the other modules' tokens the question attends to most (engine/planning/select.py), read at
   layers L/2, L, 3L/2 (`@L`, default 8).
 - `attend:N` (query-aware): the N modules the question's tokens attend to most at layer `@L`
   (default 8), found by running the question over the assembled cache up to that layer, recomputed
@@ -32,10 +32,10 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.assemble import assemble
-from rag_promptcache.engine.compiler import ROOT, Piece
-from rag_promptcache.engine.runner import forward_base
-from rag_promptcache.engine.select import Selection, choose, exact_module, question_mass, stale_tokens
+from rag_promptcache.engine.kv.assemble import assemble
+from rag_promptcache.engine.prompt.compiler import ROOT, Piece
+from rag_promptcache.engine.compute.runner import forward_base
+from rag_promptcache.engine.planning.select import Selection, choose, exact_module, question_mass, stale_tokens
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
@@ -56,7 +56,7 @@ class Recovery:
     # K tokens for first_k; a fraction R in [0, 1] for selective and question; N modules for last/attend
     budget: float = 0.0
     # selective: where deviation is measured; attend: where the question's attention is read; question: L
-    # reads it at L/2, L and 3L/2 (the default 8: layers 4, 8, 12, as engine/select.py's probe measured)
+    # reads it at L/2, L and 3L/2 (the default 8: layers 4, 8, 12, as engine/planning/select.py's probe measured)
     layer: int = 1
 
     def __post_init__(self) -> None:
@@ -132,7 +132,7 @@ def question_layers(layer: int) -> tuple[int, ...]:
 def _question(pieces: Sequence[Piece], kvs: dict[str, ModuleKV], model: PreTrainedModel, relocator: Relocator,
               geometry: KVGeometry, recovery: Recovery) -> set[int]:
     """The stale module nearest the question whole, plus the fraction R of the other stale tokens the
-    question attends to most (engine/select.py; the research behind it is docs/FIDELITY.md's issue 26
+    question attends to most (engine/planning/select.py; the research behind it is docs/FIDELITY.md's issue 26
     section). Nothing to score when no other stale module is left."""
     stale = stale_tokens(pieces, kvs)
     depth = len(_decoder_layers(model))

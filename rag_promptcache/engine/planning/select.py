@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rag_promptcache.engine.assemble import assemble, release
-from rag_promptcache.engine.compiler import ROOT, Piece
-from rag_promptcache.engine.runner import forward_base
+from rag_promptcache.engine.kv.assemble import assemble, release
+from rag_promptcache.engine.prompt.compiler import ROOT, Piece
+from rag_promptcache.engine.compute.runner import forward_base
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 

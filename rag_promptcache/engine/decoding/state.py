@@ -3,18 +3,18 @@
 It owns everything about a request's decode that does not run the model: the token stream and its
 text (`TextStream`, stop strings held back), the finish (EOS, stop string, token budget), the time to
 first token, the sampling generator, and the prompt lookup drafter with its verify and rollback
-(engine/lookup.py). Whoever runs forwards asks it what to feed (`next_input`) and hands it the logits
+(engine/decoding/lookup.py). Whoever runs forwards asks it what to feed (`next_input`) and hands it the logits
 back (`advance`); it answers with the text pieces to emit and how many draft tokens to drop from the
-cache. So the engine's single-request loop (engine/decode.py) and the batcher (engine/batcher.py)
+cache. So the engine's single-request loop (engine/decoding/decode.py) and the batcher (engine/batching/batcher.py)
 differ only in how they run the forward.
 
-Every token is chosen in one place, `_choose`: the grammar of a constrained request (engine/grammar.py)
+Every token is chosen in one place, `_choose`: the grammar of a constrained request (engine/decoding/grammar.py)
 masks the logits there, once, for every path. A draft is checked row by row through `_choose`, the
 grammar advancing with each kept token, so prompt lookup needs no grammar rollback. A grammar that is
 complete ends the answer as an EOS would.
 
-Out of scope: forwards and caches (engine/runner.py, engine/decode.py, engine/batch.py), sampling
-math (engine/sampling.py).
+Out of scope: forwards and caches (engine/compute/runner.py, engine/decoding/decode.py, engine/batching/batch.py), sampling
+math (engine/decoding/sampling.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rag_promptcache.engine.grammar import GrammarState
-from rag_promptcache.engine.lookup import DraftBudget, NgramDrafter
+from rag_promptcache.engine.decoding.grammar import GrammarState
+from rag_promptcache.engine.decoding.lookup import DraftBudget, NgramDrafter
 from rag_promptcache.engine.result import FinishReason
-from rag_promptcache.engine.sampling import Sampling, penalize, sample
-from rag_promptcache.engine.text import TextStream
+from rag_promptcache.engine.decoding.sampling import Sampling, penalize, sample
+from rag_promptcache.engine.decoding.text import TextStream
 
 
 @dataclass(slots=True)

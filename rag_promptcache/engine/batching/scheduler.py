@@ -8,7 +8,7 @@ in `0 .. num_running-1`, so the batched decode step can use a view of the first 
 instead of gathering: when a row other than the last leaves, the last row moves into the hole and
 `leave` says so, and the caller copies that row's KV once.
 
-Not here: tensors, sampling, threads (`engine/batcher.py` runs this under its lock).
+Not here: tensors, sampling, threads (`engine/batching/batcher.py` runs this under its lock).
 """
 
 from __future__ import annotations

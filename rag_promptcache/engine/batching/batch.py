@@ -11,7 +11,7 @@ first n rows (the scheduler keeps them packed), so the step uses views, never a 
 `decode_row` runs several tokens of one row alone through the single-sequence forward: the
 batcher's prompt lookup check for a request running alone.
 
-`mixed_step` is a decode step that also carries one chunk of a new request's prefill (engine/prefill.py
+`mixed_step` is a decode step that also carries one chunk of a new request's prefill (engine/planning/prefill.py
 `Chunk`, against that request's own assembled cache), Sarathi/vLLM style: the running rows' tokens and
 the chunk's go through every linear map as the rows of one matrix, and only attention is per sequence
 (the rows against the batch cache, the chunk against its cache). A decode step alone is bound by
@@ -31,10 +31,10 @@ from transformers.cache_utils import DynamicLayer
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from rag_promptcache.engine import attention
-from rag_promptcache.engine.assemble import ReservedLayer
-from rag_promptcache.engine.prefill import Chunk
-from rag_promptcache.engine.runner import forward_batch, forward_logits, lean_forward
+from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.kv.assemble import ReservedLayer
+from rag_promptcache.engine.planning.prefill import Chunk
+from rag_promptcache.engine.compute.runner import forward_batch, forward_logits, lean_forward
 from rag_promptcache.model.positions import KVGeometry
 
 
@@ -143,7 +143,7 @@ def _begin_step(batch: BatchCache, n: int) -> torch.Tensor:
 def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int], *,
                 lean: bool = True) -> torch.Tensor:
     """One token for each of the first len(ids) rows → next-token logits [n, V] fp32. `lean`: the lean
-    forward's batched step where the model has one (engine/forward.py); False: transformers'."""
+    forward's batched step where the model has one (engine/compute/forward.py); False: transformers'."""
     n = len(ids)
     device = batch.device
     mask = _begin_step(batch, n)
@@ -191,7 +191,7 @@ def mixed_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positi
     device, dtype = batch.device, batch.dtype
     row_mask = _begin_step(batch, n)  # [n, 1, 1, span]
     num_cached = cache.layers[0].length  # before the chunk
-    # the chunk's attention: the fused kernel where it reads the mask (engine/attention.py), else SDPA
+    # the chunk's attention: the fused kernel where it reads the mask (engine/compute/attention.py), else SDPA
     # with the mask per folded query row [1, 1, g * m, cached + m]
     fused = attention.available(dtype, device) and m > 1
     visible = None
