@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
             "--api-key", envvar="RAG_PROMPTCACHE_API_KEY", show_envvar=True,
             help="Require 'Authorization: Bearer KEY' on every route but /health (the chat page asks for it).")] = None,
         shutdown_timeout: Annotated[float, typer.Option(
-            "--shutdown-timeout", min=0, help="On SIGTERM or Ctrl-C, seconds open requests get to finish before they are cancelled.")] = 30,
+            "--shutdown-timeout", help="On SIGTERM or Ctrl-C, seconds open requests get to finish before they are cancelled.")] = 30,
         min_score: Annotated[float | None, typer.Option(
             "--min-score", show_default=False,
             help="Answer \"Not found in the documents.\" without generating when no chunk scores at least this "
@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info (one access line per request), warning or error.")] = "info",
         log_format: Annotated[str, typer.Option("--log-format", help="text, or json (one object per line).")] = "text",
         ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of --replicas replicas over the shared Redis tier.")] = False,
-        replicas: Annotated[int, typer.Option("--replicas", min=1, help="With --ray: replicas, each with its own engine.")] = 2,
+        replicas: Annotated[int, typer.Option("--replicas", help="With --ray: replicas, each with its own engine.")] = 2,
         ray_address: Annotated[str | None, typer.Option(
             "--ray-address", help="With --ray: join this cluster (HOST:PORT, ray://HOST:PORT or auto) [default: start a local one].")] = None,
     ) -> None:
@@ -51,7 +51,8 @@ def register(app: typer.Typer) -> None:
 
         for name, value, low, high in [("--port", port, 0, 65535), ("-k", k, 1, None), ("--max-batch", max_batch, 1, None),
                                        ("--max-queue", max_queue, 0, None), ("--prefill-chunk", prefill_chunk, 1, None),
-                                       ("--shutdown-timeout", shutdown_timeout, 0, None), ("--min-score", min_score, -1, 1)]:
+                                       ("--shutdown-timeout", shutdown_timeout, 0, None), ("--min-score", min_score, -1, 1),
+                                       ("--replicas", replicas, 1, None)]:
             if value is not None and (value < low or (high is not None and value > high)):
                 raise ValueError(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else "")
                                  + f", got {value:g}")
