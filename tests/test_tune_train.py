@@ -115,8 +115,14 @@ def test_recipe_end_to_end_with_workers(tiny, tmp_path):
     """The one command, with the sample workers a GPU run uses: trains, writes the adapter and its record."""
     from rag_promptcache.tune.recipe import main
 
+    rows = [{"instructions": "Answer from the documents.", "question": "Who uploaded it?", "answer": "Ana",
+             "modules": ["[a.txt]\nAna uploaded pkg 1.0.\n\n", "[b.txt]\nBo uploaded pkg 2.0.\n\n"]}] * 2
+    (tmp_path / "probe.json").write_text(json.dumps(rows))
     meta = main(["--out", str(tmp_path / "a"), "--model", str(tiny), "--device", "cpu", "--steps", "2",
-                 "--workers", "2", "--tokens-per-batch", "1500", "--k-max", "3"])
+                 "--workers", "2", "--tokens-per-batch", "1500", "--k-max", "3", "--probe", str(tmp_path / "probe.json")])
     assert meta["recovery"] == "none" and meta["mode"] == "shared_prefix" and meta["metrics"]["steps"] == 2
+    answers = json.loads((tmp_path / "a" / "probe_answers.json").read_text())
+    assert set(answers) == {"base/full", "base/none", "tuned/full", "tuned/none"} and len(answers["tuned/none"]) == 2
+    assert meta["metrics"]["base_text_loss"] > 0 and meta["metrics"]["tuned_probe_seconds"] > 0
     assert json.loads((tmp_path / "a" / "tune.json").read_text())["base_fingerprint"] == meta["base_fingerprint"]
     assert (tmp_path / "a" / "adapter_config.json").exists()

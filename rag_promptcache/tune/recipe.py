@@ -19,7 +19,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -77,6 +77,22 @@ def answer_all(model, tokenizer, prompts: list[Laid], full: bool, batch: int) ->
     eos = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if t is not None]
     out = greedy(model, prompts, full=full, max_new_tokens=32, eos_ids=eos, batch=batch)
     return [tokenizer.decode(t, skip_special_tokens=True) for t in out]
+
+
+def probe(model, tokenizer, prompts: list[Laid], who: str, batch: int, passages: list[Passage],
+          metrics: dict[str, object]) -> dict[str, list[str]]:
+    """`who`'s answers with full prefill and with modules encoded on their own ("who/full", "who/none"),
+    and its ordinary-text loss and the seconds it took into `metrics`."""
+    device = next(model.parameters()).device
+    t = time.perf_counter()
+    answers = {}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast(device)):
+        if prompts:
+            answers[f"{who}/full"] = answer_all(model, tokenizer, prompts, True, batch)
+            answers[f"{who}/none"] = answer_all(model, tokenizer, prompts, False, batch)
+        metrics[f"{who}_text_loss"] = text_loss(model, tokenizer, passages, device)
+    metrics[f"{who}_probe_seconds"] = time.perf_counter() - t
+    return answers
 
 
 @torch.no_grad()
@@ -142,18 +158,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     prompts = probe_prompts(rows, layouter)
     answers: dict[str, list[str]] = {}
     metrics: dict[str, object] = {}
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast(device))
-    t = time.perf_counter()
-    with amp:
-        if prompts:
-            answers["base/full"] = answer_all(model, tokenizer, prompts, True, args.probe_batch)
-            answers["base/none"] = answer_all(model, tokenizer, prompts, False, args.probe_batch)
-        metrics["base_text_loss"] = text_loss(model, tokenizer, check_passages, device)
-    metrics["probe_seconds_before"] = time.perf_counter() - t
+    answers.update(probe(model, tokenizer, prompts, "base", args.probe_batch, check_passages, metrics))
     args.out.mkdir(parents=True, exist_ok=True)
     if answers:  # written now too, so a run that fails later keeps the base model's answers
         (args.out / "probe_answers.json").write_text(json.dumps(answers))
-    print(f"base probed in {metrics['probe_seconds_before']:.0f}s, text loss {metrics['base_text_loss']:.4f}",
+    print(f"base probed in {metrics['base_probe_seconds']:.0f}s, text loss {metrics['base_text_loss']:.4f}",
           file=sys.stderr, flush=True)
     maker = SampleMaker(train_passages, instructions, k=(1, args.k_max), seed=args.seed)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
@@ -184,19 +193,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     peft_model, state = train(model, stream, args.out, cfg, report)
     if pool is not None:
         pool.terminate()
-    t = time.perf_counter()
-    with amp:
-        if prompts:
-            answers["tuned/full"] = answer_all(peft_model, tokenizer, prompts, True, args.probe_batch)
-            answers["tuned/none"] = answer_all(peft_model, tokenizer, prompts, False, args.probe_batch)
-        metrics["tuned_text_loss"] = text_loss(peft_model, tokenizer, check_passages, device)
-    metrics.update(probe_seconds_after=time.perf_counter() - t, steps=state.step, samples=state.samples,
+    answers.update(probe(peft_model, tokenizer, prompts, "tuned", args.probe_batch, check_passages, metrics))
+    metrics.update(steps=state.step, samples=state.samples,
                    train_seconds=state.seconds, total_seconds=time.perf_counter() - t_start,
                    peak_memory_gb=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None))
     if answers:
         (args.out / "probe_answers.json").write_text(json.dumps(answers))
     meta = {"format": FORMAT, "base_model": args.model, "base_fingerprint": base_fingerprint, "mode": args.mode,
-            "recovery": "none", "recipe": {**asdict(replace(cfg)), "passages": len(train_passages),
+            "recovery": "none", "recipe": {**asdict(cfg), "passages": len(train_passages),
                                            "device": device.type}, "metrics": metrics}
     (args.out / "tune.json").write_text(json.dumps(meta, indent=1))
     print(json.dumps(metrics), flush=True)
