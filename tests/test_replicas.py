@@ -47,7 +47,9 @@ DOCS = {
 
 class Replica:
     def __init__(self, corpus: Path, redis_url: str) -> None:
-        env = {**os.environ, ENV_REDIS_URL: redis_url, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        # the cached path, which reads the store: the cost model may send a small prompt to full prefill
+        env = {**os.environ, ENV_REDIS_URL: redis_url, "RAG_PROMPTCACHE_FALLBACK": "never",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, "-c", REPLICA, str(corpus)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
 
