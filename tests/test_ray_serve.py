@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +17,8 @@ import pytest
 
 from rag_promptcache.rag.corpus import Corpus
 from tests.store_helpers import free_port
-from tests.tiny_llama import save_tiny_llama
+from tests.test_cli_failures import cli
+from tests.tiny_llama import build_tiny_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = {
@@ -28,21 +28,9 @@ DOCS = {
 QUESTION = "How long do cats sleep?"
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from rag_promptcache.cli import main; sys.exit(main())"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    docs = tmp_path_factory.mktemp("docs")
-    for name, text in DOCS.items():
-        (docs / name).write_text(text)
-    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    path = tmp_path_factory.mktemp("corpus") / "c"
-    Corpus.build([docs], path, model=model, progress=False, redis_url="").close()  # nothing in Redis yet
-    return path
+    return build_tiny_corpus(tmp_path_factory, DOCS)
 
 
 def test_unreachable_cluster_exits_1_in_seconds(corpus: Path) -> None:
@@ -56,7 +44,7 @@ def test_unreachable_cluster_exits_1_in_seconds(corpus: Path) -> None:
     with pytest.raises(ValueError, match="not HOST:PORT"):
         probe("somewhere")
     # the command: exit 1 with that line (its own start-up is the imports' time, not Ray's)
-    out = _cli("serve", "--corpus", str(corpus), "--ray", "--ray-address", f"127.0.0.1:{port}")
+    out = cli("serve", "--corpus", str(corpus), "--ray", "--ray-address", f"127.0.0.1:{port}", timeout=60)
     assert out.returncode == 1, out.stderr
     assert f"cannot reach the Ray cluster at '127.0.0.1:{port}'" in out.stderr
 
@@ -64,7 +52,7 @@ def test_unreachable_cluster_exits_1_in_seconds(corpus: Path) -> None:
 def test_without_ray_exits_1_with_the_install_hint(corpus: Path, tmp_path: Path) -> None:
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('no ray here', name='ray')\n")
-    out = _cli("serve", "--corpus", str(corpus), "--ray", env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    out = cli("serve", "--corpus", str(corpus), "--ray", env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}, timeout=60)
     assert out.returncode == 1, out.stderr
     assert "pip install 'rag-promptcache[ray]'" in out.stderr
 

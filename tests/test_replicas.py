@@ -19,7 +19,7 @@ import pytest
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.corpus_store import ENV_REDIS_URL, redis_prefix
 from tests.store_helpers import needs_redis
-from tests.tiny_llama import save_tiny_llama
+from tests.tiny_llama import build_tiny_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -71,14 +71,7 @@ class Replica:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """Built without Redis, so nothing is in Redis until a replica encodes it."""
-    docs = tmp_path_factory.mktemp("docs")
-    for name, text in DOCS.items():
-        (docs / name).write_text(text)
-    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    path = tmp_path_factory.mktemp("corpus") / "c"
-    Corpus.build([docs], path, model=model, progress=False, redis_url="").close()
-    return path
+    return build_tiny_corpus(tmp_path_factory, DOCS)
 
 
 @needs_redis

@@ -21,3 +21,18 @@ def save_tiny_llama(out: Path) -> str:
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+def build_tiny_corpus(tmp_path_factory, docs: dict[str, str]) -> Path:
+    """A corpus of `docs` (file name -> text) over a fresh tiny Llama, built without Redis, so nothing
+    is in Redis until something encodes it."""
+    from rag_promptcache.rag.corpus import Corpus
+
+    folder = tmp_path_factory.mktemp("docs")
+    for name, text in docs.items():
+        (folder / name).write_text(text)
+    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    path = tmp_path_factory.mktemp("corpus") / "c"
+    Corpus.build([folder], path, model=model, progress=False, redis_url="").close()
+    return path
+
