@@ -23,13 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from rag_promptcache.tune.layout import Laid, Layouter
-from rag_promptcache.tune.recipe import FORMAT, answer_all, module_text
+from rag_promptcache.tune.layout import Layouter
+from rag_promptcache.tune.recipe import FORMAT, module_text, probe, probe_prompts
 from rag_promptcache.tune.samples import SampleMaker
 from rag_promptcache.tune.texts import Passage, gather, held_out
-from rag_promptcache.tune.train import Progress, TuneConfig, bf16_autocast, train
+from rag_promptcache.tune.train import Progress, TuneConfig, train
 
 if TYPE_CHECKING:
     from rag_promptcache.rag import Corpus
@@ -102,14 +100,9 @@ def check_questions(corpus: Corpus, passages: list[Passage], indices: list[int],
 def run_check(model, tokenizer, rows: list[dict[str, object]], layouter: Layouter, who: str) -> dict[str, list[bool]]:
     from rag_promptcache.rag.fidelity import answer_contains
 
-    prompts = [layouter.lay(str(r["instructions"]), list(r["modules"]), str(r["question"]), "") for r in rows]
-    device = next(model.parameters()).device
-    out = {}
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast(device)):
-        for mode in ("full", "none"):
-            texts = answer_all(model, tokenizer, prompts, mode == "full", batch=4)
-            out[f"{who}/{mode}"] = [answer_contains(t, str(r["answer"])) for t, r in zip(texts, rows)]
-    return out
+    texts = probe(model, tokenizer, probe_prompts(rows, layouter), who, 4, [], {})
+    return {setting: [answer_contains(t, str(r["answer"])) for t, r in zip(answers, rows)]
+            for setting, answers in texts.items()}
 
 
 def summarize(right: dict[str, list[bool]]) -> Check:
