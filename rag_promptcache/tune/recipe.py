@@ -109,6 +109,15 @@ def text_loss(model, tokenizer, passages: list[Passage], device: torch.device) -
     return total / max(count, 1)
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """The run's peak memory: the GPU's allocations on CUDA, else the process's resident set (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(prog="python -m rag_promptcache.tune.recipe")
     ap.add_argument("--out", type=Path)
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     answers.update(probe(peft_model, tokenizer, prompts, "tuned", args.probe_batch, check_passages, metrics))
     metrics.update(steps=state.step, samples=state.samples,
                    train_seconds=state.seconds, total_seconds=time.perf_counter() - t_start,
-                   peak_memory_gb=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None))
+                   peak_memory_gb=peak_memory_gb(device))
     if answers:
         (args.out / "probe_answers.json").write_text(json.dumps(answers))
     meta = {"format": FORMAT, "base_model": args.model, "base_fingerprint": base_fingerprint, "mode": args.mode,
