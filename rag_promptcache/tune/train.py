@@ -156,7 +156,7 @@ def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str |
             state.seconds = time.perf_counter() - t0
             state.losses.append(loss.item())
             if progress is not None:
-                progress(state, {"kl": float(kl), "ce": float(ce), "lr": lr, "tokens": int(ids.numel())})
+                progress(state, {"kl": kl.item(), "ce": ce.item(), "lr": lr, "tokens": int(ids.numel())})
             if state.step % cfg.save_every == 0:
                 _save(peft_model, opt, state, ckpt)
     except KeyboardInterrupt:
