@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rag_promptcache.tune.corpus import Check, verdict
+from rag_promptcache.model import adapter as adapters
+from rag_promptcache.rag import Corpus
+from rag_promptcache.tune.corpus import Check, tune_corpus, verdict
+from rag_promptcache.tune.train import TuneConfig
+from tests.tiny_adapter import save_random_lora
 from tests.test_cli_failures import cli
 from tests.tiny_llama import save_tiny_llama
 
@@ -23,7 +27,7 @@ DOCS = {f"team-{i}.md": f"Team {name} meets on {day}. Its lead is {lead}, who jo
 
 
 @pytest.mark.slow
-def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_path: Path) -> None:
+def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_path: Path, monkeypatch) -> None:
     model = save_tiny_llama(tmp_path / "tiny")
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -46,6 +50,19 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     assert "trained 3 steps" in again.stdout and "applied unchecked" in again.stdout  # resumed from step 2
     bad = cli("tune", "-c", tmp_path / "c", "--minutes", "0")
     assert bad.returncode == 1 and "--minutes must be > 0" in bad.stderr
+    # where an adapter ships for the model, a tune starts from it and is checked against it too
+    shipped = adapters.read(save_random_lora(model, tmp_path / "shipped"))
+    monkeypatch.setattr(adapters, "find", lambda spec, name: shipped if spec == adapters.DEFAULT else None)
+    corpus = Corpus.open(tmp_path / "c")
+    try:
+        report = tune_corpus(corpus, tmp_path / "from-shipped", TuneConfig(
+            rank=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"), max_steps=1, tokens_per_batch=2048),
+            general=False, check=3)
+    finally:
+        corpus.close()
+    assert {"default/full", "default/none"} <= set(report.check.right)
+    meta = json.loads((tmp_path / "from-shipped" / "tune.json").read_text())
+    assert meta["recipe"]["init"] == shipped.path
 
 
 def test_verdict() -> None:
@@ -58,3 +75,8 @@ def test_verdict() -> None:
     assert not ok and "full prefill got worse" in why
     ok, why = verdict(check(8, 8, 0.5, 0.5))
     assert not ok and "did not get better" in why
+    # where an adapter ships, the tuned one must beat it, not only the base model
+    shipped = check(8, 8, 0.5, 0.75)
+    shipped.right["default/none"], shipped.kept["default/none"] = 6, 0.8
+    ok, why = verdict(shipped)
+    assert not ok and "the shipped adapter's 0.80" in why

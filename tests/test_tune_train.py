@@ -89,6 +89,36 @@ def test_train_resumes_and_writes_a_peft_adapter(tiny, maker, tmp_path):
     assert meta["step"] == 3 and len(meta["losses"]) == 3
 
 
+def test_train_starts_from_another_adapter(tiny, maker, tmp_path):
+    """A run can start from an adapter (the shipped one, float16): its weights, not a fresh LoRA's."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_adapter import save_random_lora
+
+    start = save_random_lora(str(tiny), tmp_path / "start")
+    weights = load_file(str(start / "adapter_model.safetensors"))
+    save_file({k: v.half() for k, v in weights.items()}, str(start / "adapter_model.safetensors"))
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    cfg = TuneConfig(rank=4, alpha=8, targets=targets, max_steps=0, init=str(start))
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    layouter = Layouter(AutoTokenizer.from_pretrained(tiny))
+
+    def stream(start):
+        for i in itertools.count(start):
+            s = maker(i)
+            yield i, layouter.lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, s.answer)
+
+    peft_model, _ = train(model, stream, tmp_path / "out", cfg)
+    got = {n: p for n, p in peft_model.named_parameters() if "lora_A" in n}
+    assert got and all(p.abs().sum() > 0 for p in got.values())
+    saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    for k, v in weights.items():
+        torch.testing.assert_close(saved[k], v.half().float(), atol=0, rtol=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with pytest.raises(ValueError, match="cannot start from"):
+        train(model, stream, tmp_path / "other", TuneConfig(rank=8, max_steps=0, init=str(start)))
+
+
 def test_greedy_batched_equals_alone(tiny, maker):
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny)

@@ -73,7 +73,7 @@ def tune(
                f"adapter in {report.adapter}")
     if report.check is not None:
         ch = report.check
-        for s in ("base/full", "base/none", "tuned/full", "tuned/none"):
+        for s in ch.right:
             kept = ch.kept.get(s)
             typer.echo(f"  {s:<11} {ch.right[s]:>3}/{ch.questions} right"
                        + ("" if kept is None else f", kept {kept:.2f}"))

@@ -19,10 +19,11 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rag_promptcache.model import adapter as adapters
 from rag_promptcache.tune.layout import Layouter
 from rag_promptcache.tune.recipe import FORMAT, module_text, probe, probe_prompts
 from rag_promptcache.tune.samples import SampleMaker
@@ -38,8 +39,9 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """Right answers out of `questions` per setting ("base/full", "base/none", "tuned/full", "tuned/none")
-    and `kept` per setting: of base/full's right answers, the share it also gets right."""
+    """Right answers out of `questions` per setting ("base/full", "base/none", "tuned/full", "tuned/none",
+    and "default/full", "default/none" where an adapter ships for the model) and `kept` per setting: of
+    base/full's right answers, the share it also gets right."""
 
     questions: int
     right: dict[str, int]
@@ -112,17 +114,21 @@ def summarize(right: dict[str, list[bool]]) -> Check:
 
 
 def verdict(check: Check) -> tuple[bool, str]:
-    """Applied only where the tuned model's cached answers keep more than the base model's do, and its
-    full prefill answers no fewer questions than the base model's."""
-    base, tuned = check.kept["base/none"], check.kept["tuned/none"]
+    """Applied only where the tuned model's cached answers keep more than the model's would without this
+    tune (the base model's, and the shipped adapter's where one ships), and its full prefill answers no
+    fewer questions than the base model's."""
+    tuned = check.kept["tuned/none"]
+    before = [(who, check.kept[f"{who}/none"]) for who in ("base", "default") if f"{who}/none" in check.kept]
+    who, base = max(before, key=lambda b: -1.0 if b[1] is None else b[1])
     if base is None or tuned is None:
         return False, "the base model answered none of the check questions with full prefill: nothing to compare"
     if check.right["tuned/full"] < check.right["base/full"]:
         return False, (f"full prefill got worse with the adapter ({check.right['tuned/full']} against "
                        f"{check.right['base/full']} of {check.questions} right)")
+    name = "the base model's" if who == "base" else "the shipped adapter's"
     if tuned <= base:
-        return False, f"cached answers did not get better (kept {tuned:.2f} against the base model's {base:.2f})"
-    return True, f"cached answers kept {tuned:.2f} of full prefill's right answers, against {base:.2f} untuned"
+        return False, f"cached answers did not get better (kept {tuned:.2f} against {name} {base:.2f})"
+    return True, f"cached answers kept {tuned:.2f} of full prefill's right answers, against {name} {base:.2f}"
 
 
 def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bool = True, check: int = 24, k: int = 4,
@@ -148,6 +154,14 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     base_fingerprint = model_fingerprint(model)
     layouter = Layouter(tokenizer, corpus.manifest.mode)
     right = run_check(model, tokenizer, rows, layouter, "base") if rows else {}
+    shipped = adapters.find(adapters.DEFAULT, corpus.manifest.model)
+    if shipped is not None and shipped.mode == corpus.manifest.mode:
+        # what the user runs untuned is the shipped adapter: start from it, and beat it to be applied
+        cfg = replace(cfg, init=cfg.init or shipped.path)
+        if rows:
+            merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
+            right.update(run_check(merged, tokenizer, rows, layouter, "default"))
+            del merged
     maker = SampleMaker(pool, corpus.manifest.instructions, k=(1, max(2, k + 2)), seed=cfg.seed, neighbors=neighbours)
 
     def stream(start: int):

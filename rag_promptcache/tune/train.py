@@ -48,6 +48,7 @@ class TuneConfig:
     seed: int = 0
     save_every: int = 50
     autocast: bool = True  # bf16 autocast where the device has it
+    init: str = ""  # an adapter directory the LoRA starts from (same rank and targets); empty: a fresh LoRA
 
 
 @dataclass(slots=True)
@@ -126,6 +127,8 @@ def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str |
     ckpt = out / CHECKPOINT
     if (ckpt / "state.json").exists():
         state = _resume(peft_model, opt, ckpt)
+    elif cfg.init:
+        _start_from(peft_model, Path(cfg.init), cfg)
     use_autocast = cfg.autocast and bf16_autocast(device)
     gen = torch.Generator().manual_seed(cfg.seed + state.step)
     t0 = time.perf_counter() - state.seconds
@@ -181,6 +184,19 @@ def _save(peft_model, opt, state: Progress, ckpt: Path) -> None:
 
         shutil.rmtree(ckpt)
     tmp.rename(ckpt)  # a stop mid-save leaves the previous checkpoint whole
+
+
+def _start_from(peft_model, adapter: Path, cfg: TuneConfig) -> None:
+    """Load another adapter's LoRA weights (a shipped one, maybe in float16) as the starting point."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    if config.get("r") != cfg.rank or set(config.get("target_modules") or ()) != set(cfg.targets):
+        raise ValueError(f"cannot start from {adapter}: rank {config.get('r')} on {config.get('target_modules')}, "
+                         f"this run trains rank {cfg.rank} on {list(cfg.targets)}")
+    weights = {k: v.float() for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
+    set_peft_model_state_dict(peft_model, weights)
 
 
 def _resume(peft_model, opt, ckpt: Path) -> Progress:
