@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from starlette.middleware import Middleware
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 INSTALL_HINT = "serve --ray needs Ray Serve: pip install 'rag-promptcache[ray]'"
 APP_NAME = "rag-promptcache"
@@ -200,7 +202,7 @@ def _wait(stop: threading.Event, ready: threading.Event | None) -> None:
         pass
 
 
-def proxy_middlewares() -> list:
+def proxy_middlewares() -> list[Middleware]:
     """What Ray Serve's proxies wrap themselves in (named by PROXY_CALLBACK_ENV)."""
     from starlette.middleware import Middleware
 
@@ -213,16 +215,16 @@ class EndCutResponses:
     stream whose headers are sent, a 500 with an OpenAI error body when nothing was sent yet. A client
     that hung up (the proxy is cancelled) gets nothing."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         state = {"started": False, "done": False, "stream": False}
 
-        async def watch(message) -> None:
+        async def watch(message: Message) -> None:
             if message["type"] == "http.response.start":
                 kind = dict(message.get("headers", ())).get(b"content-type", b"")
                 state.update(started=True, stream=kind.startswith(b"text/event-stream"))
