@@ -168,7 +168,9 @@ def test_the_cli_refuses_replicas_with_autoscale_and_a_bad_range(corpus: Path) -
     assert both.returncode == 1 and "--replicas and --autoscale exclude each other" in both.stderr, both.stderr
     bad = cli("serve", "--corpus", corpus, "--ray", "--autoscale", "3:1", timeout=60)
     assert bad.returncode == 1 and "--autoscale 3:1: MIN must be at most MAX" in bad.stderr, bad.stderr
-    assert "Traceback" not in both.stderr + bad.stderr
+    alone = cli("serve", "--corpus", corpus, "--autoscale", "1:3", timeout=60)  # without --ray: not silently ignored
+    assert alone.returncode == 1 and "need --ray" in alone.stderr, alone.stderr
+    assert "Traceback" not in both.stderr + bad.stderr + alone.stderr
 
 
 def test_a_cut_response_ends_with_an_openai_error() -> None:
