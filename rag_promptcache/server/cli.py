@@ -77,7 +77,8 @@ def register(app: typer.Typer) -> None:
             opts = ReplicaOptions(str(corpus.resolve()), k=k, max_batch=max_batch, max_queue=max_queue,
                                   redis_url=redis_url, dtype=dtype, api_key=api_key, prefill_chunk=prefill_chunk,
                                   min_score=min_score, adapter=adapter)
-            serve_ray(corpus, replicas=2 if replicas is None else replicas, autoscale=bounds, ray_address=ray_address, host=host, port=port, opts=opts, log=typer.echo)
+            serve_ray(corpus, replicas=2 if replicas is None else replicas, autoscale=bounds, ray_address=ray_address,
+                      host=host, port=port, opts=opts, log=typer.echo)
             return
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
             api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, min_score=min_score,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import socket
 import threading
@@ -173,9 +174,10 @@ def serve_ray(corpus: str | Path, *, replicas: int = 2, autoscale: tuple[int, in
     most = autoscale[1] if autoscale else replicas
     started = connect(ray, RayOptions(address=ray_address, workers=most, cpus_per_worker=cpus_per_replica))
     try:
-        # the proxies inherit the controller's environment; ignored by a Serve instance already running
-        serve.start(http_options={"host": host, "port": port}, controller_options={
-            "runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: f"{__name__}.{proxy_middlewares.__name__}"}}})
+        # the proxies inherit the controller's environment; ignored by a Serve instance already running,
+        # and a callback of the user's own (set in this environment) is kept
+        callback = {} if PROXY_CALLBACK_ENV in os.environ else {PROXY_CALLBACK_ENV: f"{__name__}.proxy_middlewares"}
+        serve.start(http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": callback}})
         deployment = serve.deployment(serve.ingress(lambda: build_replica_app(opts))(type(DEPLOYMENT, (), {})),
                                       **options)
         serve.run(deployment.bind(), name=APP_NAME, route_prefix="/")
