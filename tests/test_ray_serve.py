@@ -1,7 +1,9 @@
 """`serve --ray` (server/ray_serve.py) on a local Ray cluster started here, with a real redis-server:
-two replicas over the shared Redis tier; a module one replica encodes is a store hit in the other; an
-ingest made while serving is seen by the next request; streaming passes through Ray Serve's proxy to
-the openai client. And the two start-up failures, each an exit 1 within seconds."""
+two replicas (an autoscaling range of 2 to 3, read back from Ray Serve) over the shared Redis tier; a
+module one replica encodes is a store hit in the other; an ingest made while serving is seen by the next
+request; streaming passes through Ray Serve's proxy to the openai client; a replica killed mid-stream
+ends its stream with an error event, is replaced, and the store keeps everything. And the start-up
+failures, each an exit 1 within seconds."""
 
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def cluster(corpus: Path, redis_server):
 
     def run() -> None:
         try:
-            serve_ray(corpus, replicas=2, port=port, cpus_per_replica=0.5, ready=ready, stop=stop,
+            serve_ray(corpus, autoscale=(2, 3), port=port, cpus_per_replica=0.5, ready=ready, stop=stop,
                       opts=ReplicaOptions(str(corpus), redis_url=redis_server.url), log=lambda _: None)
         except BaseException as e:  # reported by the fixture below
             failed.append(e)
@@ -141,3 +143,133 @@ def test_streaming_passes_through_the_proxy_to_the_openai_client(cluster: str) -
                                                  max_tokens=3, stream=True))
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert json.loads(chunks[0].model_dump_json())["choices"]
+
+
+def test_autoscale_and_replicas_options_are_checked() -> None:
+    from rag_promptcache.server.ray_serve import ReplicaOptions, deployment_options, parse_autoscale
+
+    assert parse_autoscale("1:4") == (1, 4) and parse_autoscale("2:2") == (2, 2)
+    for bad, why in [("3:1", "MIN must be at most MAX"), ("0:2", "MIN must be at least 1"),
+                     ("x", "is not MIN:MAX"), ("2:", "is not MIN:MAX"), ("-1:2", "is not MIN:MAX")]:
+        with pytest.raises(ValueError, match=why):
+            parse_autoscale(bad)
+    opts = ReplicaOptions("c", max_batch=6)
+    fixed = deployment_options(opts, 3, None, 1.0)
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed and fixed["max_ongoing_requests"] == 12
+    ranged = deployment_options(opts, 2, (1, 4), 0.5)
+    assert "num_replicas" not in ranged
+    assert ranged["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 6}
+    with pytest.raises(ValueError, match="--replicas must be at least 1"):
+        deployment_options(opts, 0, None, 1.0)
+
+
+def test_the_cli_refuses_replicas_with_autoscale_and_a_bad_range(corpus: Path) -> None:
+    both = cli("serve", "--corpus", corpus, "--ray", "--replicas", "2", "--autoscale", "1:3", timeout=60)
+    assert both.returncode == 1 and "--replicas and --autoscale exclude each other" in both.stderr, both.stderr
+    bad = cli("serve", "--corpus", corpus, "--ray", "--autoscale", "3:1", timeout=60)
+    assert bad.returncode == 1 and "--autoscale 3:1: MIN must be at most MAX" in bad.stderr, bad.stderr
+    alone = cli("serve", "--corpus", corpus, "--autoscale", "1:3", timeout=60)  # without --ray: not silently ignored
+    assert alone.returncode == 1 and "need --ray" in alone.stderr, alone.stderr
+    assert "Traceback" not in both.stderr + bad.stderr + alone.stderr
+
+
+def test_a_cut_response_ends_with_an_openai_error() -> None:
+    """The proxy's middleware over a stand-in for the proxy that stops as Ray Serve's does when the
+    replica dies: after a stream's first event, before any response, and after a whole response."""
+    import asyncio
+
+    from rag_promptcache.server.ray_serve import CUT_MESSAGE, EndCutResponses
+
+    def run(messages: list[dict]) -> list[dict]:
+        async def app(scope, receive, send) -> None:
+            for m in messages:
+                await send(m)
+
+        sent: list[dict] = []
+
+        async def send(m: dict) -> None:
+            sent.append(m)
+
+        asyncio.run(EndCutResponses(app)({"type": "http"}, None, send))
+        return sent
+
+    sse = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
+    first = {"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True}
+    cut = run([sse, first])
+    assert cut[:2] == [sse, first] and len(cut) == 3 and not cut[2].get("more_body", False)
+    events = cut[2]["body"].decode().split("\n\n")
+    assert json.loads(events[0].removeprefix("data: "))["error"]["message"] == CUT_MESSAGE and events[1] == "data: [DONE]"
+    nothing = run([])
+    assert nothing[0]["status"] == 500 and json.loads(nothing[1]["body"])["error"]["code"] == "replica_stopped"
+    whole = [sse, {"type": "http.response.body", "body": b"data: [DONE]\n\n"}]
+    assert run(whole) == whole
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_deployment_runs_ray_serves_autoscaler_with_the_range(cluster: str) -> None:
+    import ray
+
+    controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    details = ray.get(controller.get_serve_instance_details.remote(), timeout=60)
+    deployment = details["applications"]["rag-promptcache"]["deployments"]["PromptCacheReplica"]
+    config = deployment["deployment_config"]
+    assert config["autoscaling_config"]["min_replicas"] == 2 and config["autoscaling_config"]["max_replicas"] == 3
+    assert config["autoscaling_config"]["target_ongoing_requests"] == 8  # max_batch: one full batch per replica
+    assert config["max_ongoing_requests"] == 16
+    assert len([r for r in deployment["replicas"] if r["state"] == "RUNNING"]) >= 2
+
+
+def _replicas() -> set[str]:
+    import ray
+
+    return {a["name"].rpartition("#")[2] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::rag-promptcache#")}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_and_is_replaced(cluster: str, redis_server) -> None:
+    """Last in the file: it kills a replica of the module's deployment."""
+    import ray
+    import redis
+    from ray import serve
+
+    openai = pytest.importorskip("openai")
+    _ask(cluster, QUESTION)  # its modules are in Redis (either replica encoded them)
+    store = redis.Redis.from_url(redis_server.url)
+    before = set(store.keys("*"))
+    assert before
+    running = _replicas()
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0)
+    pieces = []
+    with pytest.raises(openai.APIError) as raised:
+        with client.chat.completions.with_streaming_response.create(
+                model="c", messages=[{"role": "user", "content": QUESTION}], max_tokens=1500, stream=True,
+                extra_body={"ignore_eos": True}) as response:
+            victim = response.headers["x-replica"]
+            for chunk in response.parse():
+                pieces.append(chunk)
+                if len(pieces) == 3:
+                    ray.kill(ray.get_actor(f"SERVE_REPLICA::rag-promptcache#PromptCacheReplica#{victim}",
+                                           namespace="serve"), no_restart=True)
+    assert "stopped before finishing" in str(raised.value)
+    assert 3 <= len(pieces) < 1500 and pieces[-1].choices[0].finish_reason is None  # cut, not finished
+    for _ in range(4):  # at once: the proxy sends nothing more to the dead replica
+        assert _ask(cluster, QUESTION)[0] != victim
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # Ray Serve starts a replacement (its health check finds the dead one)
+        status = serve.status().applications["rag-promptcache"].deployments["PromptCacheReplica"]
+        if victim not in _replicas() and len(_replicas() - running) >= 1 and status.replica_states.get("RUNNING") == 2:
+            break
+        time.sleep(1)
+    new = _replicas() - running
+    assert new and victim not in _replicas(), (running, _replicas())
+    assert before <= set(store.keys("*"))  # the store lost nothing
+    for _ in range(30):  # the replacement's first answer: its memory tier is empty, so a hit is Redis's
+        replica, body = _ask(cluster, QUESTION)
+        if replica in new:
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            break
+    else:
+        pytest.fail(f"the replacement {new} answered none of 30 requests")

@@ -76,7 +76,7 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
     try:
         for chunk in prefill_chunks:  # an idle batcher waits on its condition: the others cost nothing
             batcher = Batcher(engine, max_batch=MAX_BATCH, max_queue=64, prefill_chunk=chunk)
-            port = _free_port()
+            port = free_port()
             server = uvicorn.Server(uvicorn.Config(create_app(chat, batcher, model_id="demo", k=K), host="127.0.0.1",
                                                    port=port, log_level="warning"))
             thread = threading.Thread(target=server.run, daemon=True)
@@ -201,7 +201,7 @@ def _demo_corpus(bench: Bench, engine):
     return Corpus.build(sample_documents(), path, engine=engine, progress=False), str(path)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -41,7 +41,11 @@ def register(app: typer.Typer) -> None:
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info (one access line per request), warning or error.")] = "info",
         log_format: Annotated[str, typer.Option("--log-format", help="text, or json (one object per line).")] = "text",
         ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of --replicas replicas over the shared Redis tier.")] = False,
-        replicas: Annotated[int, typer.Option("--replicas", help="With --ray: replicas, each with its own engine.")] = 2,
+        replicas: Annotated[int | None, typer.Option("--replicas", show_default=False, help="With --ray: replicas, each with its own engine [default: 2].")] = None,
+        autoscale: Annotated[str | None, typer.Option(
+            "--autoscale", metavar="MIN:MAX",
+            help="With --ray, instead of --replicas: let Ray Serve's autoscaler keep MIN to MAX replicas, aiming at "
+                 "--max-batch requests in flight per replica.")] = None,
         ray_address: Annotated[str | None, typer.Option(
             "--ray-address", help="With --ray: join this cluster (HOST:PORT, ray://HOST:PORT or auto) [default: start a local one].")] = None,
     ) -> None:
@@ -62,13 +66,19 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--log-format {log_format!r}: valid: {', '.join(FORMATS)}")
         if api_key is not None and not api_key.strip():
             raise ValueError("--api-key is empty; pass a key or leave it unset")
+        if not ray and (replicas is not None or autoscale is not None or ray_address is not None):
+            raise ValueError("--replicas, --autoscale and --ray-address need --ray")
         if ray:
-            from rag_promptcache.server.ray_serve import ReplicaOptions, serve_ray
+            from rag_promptcache.server.ray_serve import ReplicaOptions, parse_autoscale, serve_ray
 
+            if replicas is not None and autoscale is not None:
+                raise ValueError("--replicas and --autoscale exclude each other: a fixed count, or a range")
+            bounds = parse_autoscale(autoscale) if autoscale is not None else None
             opts = ReplicaOptions(str(corpus.resolve()), k=k, max_batch=max_batch, max_queue=max_queue,
                                   redis_url=redis_url, dtype=dtype, api_key=api_key, prefill_chunk=prefill_chunk,
                                   min_score=min_score, adapter=adapter)
-            serve_ray(corpus, replicas=replicas, ray_address=ray_address, host=host, port=port, opts=opts, log=typer.echo)
+            serve_ray(corpus, replicas=2 if replicas is None else replicas, autoscale=bounds, ray_address=ray_address,
+                      host=host, port=port, opts=opts, log=typer.echo)
             return
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
             api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, min_score=min_score,

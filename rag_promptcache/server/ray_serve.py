@@ -1,4 +1,5 @@
-"""`serve --ray`: the same OpenAI app as `serve`, as a Ray Serve deployment of N replicas.
+"""`serve --ray`: the same OpenAI app as `serve`, as a Ray Serve deployment of N replicas, or of a range
+that Ray Serve's own autoscaler moves within.
 
 Each replica is one Ray actor that opens the corpus, loads its own engine (memory tier, then the
 shared Redis tier when one is configured: no disk tier, so replicas on one machine do not contend
@@ -11,12 +12,21 @@ Without `--ray-address` a local cluster is started here and stopped on exit; wit
 is probed first, so an unreachable cluster fails in seconds instead of Ray's own minute of retries.
 The corpus path must be readable at the same path on every node, with the package installed there.
 
-Not here: autoscaling policy, the shutdown of a replica's open streams (Ray Serve's own).
+A replica takes up to two batches of requests at once (`max_ongoing_requests`; Ray Serve's router
+queues the rest and hands each to the first replica with room), and with `autoscale` Ray Serve aims at
+one full batch per replica. A replica that dies mid-response cannot end its response; Ray Serve's
+proxy then cuts the connection. `EndCutResponses`, installed in the proxies of a Serve instance
+started here, ends such a response instead: an OpenAI error event and `[DONE]` for a stream, a 500 with
+an OpenAI error body for a response not yet begun. Ray Serve replaces the dead replica.
+
+Not here: an autoscaling policy of our own, the shutdown of a replica's open streams (Ray Serve's own).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import signal
 import socket
 import threading
@@ -26,9 +36,16 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from starlette.middleware import Middleware
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 INSTALL_HINT = "serve --ray needs Ray Serve: pip install 'rag-promptcache[ray]'"
 APP_NAME = "rag-promptcache"
+DEPLOYMENT = "PromptCacheReplica"
+# read by Ray Serve's proxies when they start: a function returning the middlewares they wrap themselves in
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+CUT_MESSAGE = ("the replica answering this request stopped before finishing it (Ray Serve replaces it); "
+               "send the request again")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +120,48 @@ def probe(address: str, timeout_s: float = 3.0) -> None:
                          "`ray start --head`, or leave out --ray-address to start a local one") from e
 
 
-def serve_ray(corpus: str | Path, *, replicas: int = 2, ray_address: str | None = None, host: str = "127.0.0.1",
-              port: int = 8000, cpus_per_replica: float = 1.0, opts: ReplicaOptions | None = None,
+def parse_autoscale(text: str) -> tuple[int, int]:
+    """"MIN:MAX" (--autoscale) → (MIN, MAX), 1 <= MIN <= MAX; else a ValueError naming the rule."""
+    low, sep, high = text.partition(":")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError(f"--autoscale {text!r} is not MIN:MAX (two whole numbers, e.g. 1:4)")
+    return check_autoscale((int(low), int(high)))
+
+
+def check_autoscale(bounds: tuple[int, int]) -> tuple[int, int]:
+    low, high = bounds
+    if low < 1:
+        raise ValueError(f"--autoscale {low}:{high}: MIN must be at least 1 (a replica loads its model before "
+                         "it answers, so none at all would make the first request wait for that)")
+    if low > high:
+        raise ValueError(f"--autoscale {low}:{high}: MIN must be at most MAX")
+    return bounds
+
+
+def deployment_options(opts: ReplicaOptions, replicas: int, autoscale: tuple[int, int] | None,
+                       cpus_per_replica: float) -> dict[str, object]:
+    """`serve.deployment`'s options: a fixed count, or Ray Serve's autoscaler between autoscale's bounds."""
+    if autoscale is None:
+        if replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {replicas}")
+        scale: dict[str, object] = {"num_replicas": replicas}
+    else:
+        low, high = check_autoscale(autoscale)
+        scale = {"autoscaling_config": {"min_replicas": low, "max_replicas": high,
+                                        "target_ongoing_requests": opts.max_batch}}
+    return scale | {"name": DEPLOYMENT, "max_ongoing_requests": 2 * opts.max_batch,
+                    "ray_actor_options": {"num_cpus": cpus_per_replica}}
+
+
+def serve_ray(corpus: str | Path, *, replicas: int = 2, autoscale: tuple[int, int] | None = None,
+              ray_address: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+              cpus_per_replica: float = 1.0, opts: ReplicaOptions | None = None,
               log: Callable[[str], None] = print, ready: threading.Event | None = None,
               stop: threading.Event | None = None) -> None:
-    """Deploy and block until SIGTERM, Ctrl-C or `stop`; then delete the deployment (and stop the
-    cluster if it was started here)."""
-    if replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {replicas}")
+    """Deploy `replicas` replicas, or `autoscale` = (min, max) under Ray Serve's autoscaler, and block
+    until SIGTERM, Ctrl-C or `stop`; then delete the deployment (and stop the cluster if it was started here)."""
+    opts = opts or ReplicaOptions(str(Path(corpus).resolve()))
+    options = deployment_options(opts, replicas, autoscale, cpus_per_replica)
     ray, serve = _require()
     from rag_promptcache.rag import Corpus, corpus_store
     from rag_promptcache.rag.distributed import RayOptions, connect
@@ -119,16 +170,19 @@ def serve_ray(corpus: str | Path, *, replicas: int = 2, ray_address: str | None 
     if ray_address is not None:
         probe(ray_address)
     # the driver's environment decides the Redis tier, not each node's: replicas get the URL itself
-    opts = opts or ReplicaOptions(str(Path(corpus).resolve()))
     opts = dataclasses.replace(opts, redis_url=corpus_store.redis_url(opts.redis_url) or "")
-    started = connect(ray, RayOptions(address=ray_address, workers=replicas, cpus_per_worker=cpus_per_replica))
+    most = autoscale[1] if autoscale else replicas
+    started = connect(ray, RayOptions(address=ray_address, workers=most, cpus_per_worker=cpus_per_replica))
     try:
-        serve.start(http_options={"host": host, "port": port})
-        deployment = serve.deployment(
-            serve.ingress(lambda: build_replica_app(opts))(type("PromptCacheReplica", (), {})),
-            name="PromptCacheReplica", num_replicas=replicas, ray_actor_options={"num_cpus": cpus_per_replica})
+        # the proxies inherit the controller's environment; ignored by a Serve instance already running,
+        # and a callback of the user's own (set in this environment) is kept
+        callback = {} if PROXY_CALLBACK_ENV in os.environ else {PROXY_CALLBACK_ENV: f"{__name__}.proxy_middlewares"}
+        serve.start(http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": callback}})
+        deployment = serve.deployment(serve.ingress(lambda: build_replica_app(opts))(type(DEPLOYMENT, (), {})),
+                                      **options)
         serve.run(deployment.bind(), name=APP_NAME, route_prefix="/")
-        log(f"serving corpus {opts.corpus} on {replicas} Ray Serve replica(s) at http://{host}:{port}/ "
+        count = f"{autoscale[0]} to {autoscale[1]} autoscaled" if autoscale else str(replicas)
+        log(f"serving corpus {opts.corpus} on {count} Ray Serve replica(s) at http://{host}:{port}/ "
             f"and http://{host}:{port}/v1 (cluster {ray_address or 'started here'})")
         _wait(stop or threading.Event(), ready)
     finally:
@@ -148,3 +202,47 @@ def _wait(stop: threading.Event, ready: threading.Event | None) -> None:
         ready.set()
     while not stop.wait(0.5):
         pass
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """What Ray Serve's proxies wrap themselves in (named by PROXY_CALLBACK_ENV)."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(EndCutResponses)]
+
+
+class EndCutResponses:
+    """ASGI middleware for Ray Serve's proxy: a response its replica stopped sending (the replica died)
+    ends with an OpenAI error instead of a cut connection: an error event and `[DONE]` when it is a
+    stream whose headers are sent, a 500 with an OpenAI error body when nothing was sent yet. A client
+    that hung up (the proxy is cancelled) gets nothing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "done": False, "stream": False}
+
+        async def watch(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                kind = dict(message.get("headers", ())).get(b"content-type", b"")
+                state.update(started=True, stream=kind.startswith(b"text/event-stream"))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["done"] = True
+            await send(message)
+
+        await self.app(scope, receive, watch)
+        if state["done"] or (state["started"] and not state["stream"]):
+            return  # finished, or a plain body cut mid-way: no way to say more in it
+        # protocol.error's shape, written here: importing protocol would load the engine into every proxy
+        body = json.dumps({"error": {"message": CUT_MESSAGE, "type": "server_error", "param": None,
+                                     "code": "replica_stopped"}})
+        if not state["started"]:
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body.encode()})
+            return
+        await send({"type": "http.response.body", "body": f"data: {body}\n\ndata: [DONE]\n\n".encode()})
