@@ -40,7 +40,7 @@ def test_every_answer_is_in_its_document_and_in_no_look_alike(seed_offset):
     for d, q in zip(data.documents, data.questions):
         assert q.source == d.metadata["source"] and q.is_right(d.page_content)
         if q.fact == "step":  # every guide numbers its steps: the asked action's step differs between look-alikes
-            line = f"\n{q.answer}. {PROCEDURES[kind(q.source)][1]}\n"
+            line = f"Step {q.answer}: {PROCEDURES[kind(q.source)][1]}"
             look_alikes = [t for s, t in texts.items() if kind(s) == kind(q.source) and s != q.source]
             assert line in d.page_content and len(look_alikes) == 5 and all(line not in t for t in look_alikes)
         else:  # a flag, a port, a wait or a cell: in this document and no other
@@ -53,20 +53,20 @@ def test_every_answer_is_in_its_document_and_in_no_look_alike(seed_offset):
 def test_look_alikes_share_their_layout_and_differ_in_values():
     data = generate()
     mixers = [d.page_content for d in data.documents if kind(d.metadata["source"]) == "mixer"]
-    assert len(mixers) == 6 and {t.split("\n")[4] for t in mixers} == {"| part | order no. | weight (g) | pack size |"}
-    cells = [re.findall(r"\| (\d+)", t) for t in mixers]
-    assert all(len(c) == 15 for c in cells) and len({v for c in cells for v in c}) == 6 * 15
+    rows = [re.findall(r"^\| ([a-z ]+) \| (\d+) \| ", t, re.M) for t in mixers]
+    assert len(mixers) == 6 and len({tuple(spec for spec, _ in r) for r in rows}) == 1  # the same rows, in order
+    assert all(len(r) == 6 for r in rows) and len({v for r in rows for _, v in r}) == 6 * 6  # every value differs
     guides = [d.page_content for d in data.documents if kind(d.metadata["source"]) == "printer"]
     # the same steps in the same words, around the values and the product: only those and the step order differ
     masked = {tuple(sorted(re.sub(r"--[\w-]+|\d+|[A-Z][a-z]+ [A-Z][a-z]+", "#", t).split("\n"))) for t in guides}
     assert len(guides) == 6 and len(masked) == 1
-    assert len({t.index(PROCEDURES["printer"][1]) for t in guides}) > 1
+    assert len({t.index(PROCEDURES["printer"][1]) for t in guides}) == 6
 
 
 def test_its_own_entities_and_templates():
     assert not set(fidelity_manuals.SYLLABLES) & (set(fidelity_data.SYLLABLES) | set(fidelity_heldout.SYLLABLES))
     mine = {s for _, action, steps, _, qs in PROCEDURES.values() for s in (action, *steps, *qs.values())}
-    mine |= {q for _, _, _, columns in TABLES.values() for *_, q in columns}
+    mine |= {q for _, q, _ in TABLES.values()}
     theirs = {s for _, facts in fidelity_data.KINDS.values() for _, s, q in facts for s in (s, q)}
     theirs |= {s for facts in fidelity_heldout.KINDS.values() for _, s, q in facts for s in (s, q)}
     theirs |= {*fidelity_data.FILLER, *fidelity_heldout.FILLER}
@@ -83,4 +83,4 @@ def test_documents_chunk_to_one_module_of_a_few_hundred_tokens(tokenizer):
         assert len(chunks) == 1, d.metadata["source"]
         sizes.append(chunker.count(module_text(d.metadata["source"], d.page_content)))
     mean = sum(sizes) / len(sizes)
-    assert 140 <= mean <= 200 and max(sizes) <= 256  # k = 4, 8, 12: about 600 / 1.2k / 2k context tokens
+    assert 140 <= mean <= 170 and max(sizes) <= 200  # k = 4, 8, 12: about 600 / 1.2k / 2k context tokens

@@ -91,6 +91,7 @@ def tiny_base_run(tmp_path_factory):
     return args, lora, out
 
 
+@pytest.mark.slow  # the scenario's command twice, over a real embedder and corpus
 def test_tuned_rows_against_the_base_run_end_to_end(tiny_base_run, capsys):
     args, lora, out = tiny_base_run
     base = json.loads((out / "base" / "fidelity.json").read_text())

@@ -3,13 +3,13 @@ How-to procedures and specification tables of fictional devices, so a recovery c
 split and confirmed on the held-out one is confirmed again on text laid out differently.
 
 Two shapes, generated from a seed (no download, the same on every machine):
-- `procedure`: numbered step-by-step guides (~170 tokens) of four kinds (updating a label printer,
-  pairing a weather station, resetting an irrigation controller, calibrating a drone dock). The
-  guides of a kind are for models of one fictional brand, in the same steps; they differ in a flag, a
-  port, a wait in seconds and the step at which one action comes. One question per guide asks one.
-- `table`: a markdown table (~170 tokens) of one device's parts, three kinds (stand-mixer spare
-  parts, centrifuge cables, bike-trailer bolts); the tables of a kind have the same rows and columns
-  and differ in every cell. One question per table asks one cell.
+- `procedure`: step-by-step guides (~150 tokens) of four kinds (updating a label printer, pairing a
+  weather station, resetting an irrigation controller, calibrating a drone dock). The guides of a
+  kind are for models of one fictional brand, in the same steps; they differ in a flag, a port, a
+  wait in seconds and the step at which one action comes. One question per guide asks one.
+- `table`: a markdown specification table (~130 tokens) of one device, three kinds (stand mixers,
+  lab centrifuges, bike trailers); the tables of a kind have the same rows and columns and differ in
+  every value. One question per table asks one cell.
 Every number in a draw is unique to the document it is in, so an answer taken from a look-alike is
 wrong; the step numbers, which every guide has, are the exception (the step of the asked action
 differs between the guides of a kind).
@@ -42,10 +42,10 @@ PROCEDURES: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], dict[str
          "When the progress bar is full, wait {seconds} seconds before you unplug the cable.",
          "Put the label roll back and print a test label."),
         ("keep-layouts", "safe-flash", "slow-write", "verify-blocks", "no-reboot", "hold-queue", "skip-fonts", "dual-bank"),
-        {"flag": "Which flag must the updater be started with for the {p} label printer?",
+        {"flag": "Which flag do you start the updater with for the {p} label printer?",
          "port": "On which port does the updater reach the {p} label printer?",
-         "seconds": "How many seconds do you wait after the progress bar of the {p} label printer is full?",
-         "step": "In which step of the {p} label printer firmware update do you hold the FEED button?"},
+         "seconds": "How many seconds do you wait after the progress bar is full when updating the {p} label printer?",
+         "step": "In which step of updating the firmware of the {p} label printer do you press and hold the FEED button?"},
     ),
     "weather": (
         "Pairing the {p} weather station with its base unit",
@@ -57,9 +57,9 @@ PROCEDURES: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], dict[str
          "Wait {seconds} seconds until the first temperature reading appears.",
          "Mount the sensor outside, out of direct sunlight."),
         ("pair-once", "low-power", "channel-scan", "keep-history", "fast-link", "rf-boost", "metric-units", "strict-id"),
-        {"flag": "Which flag does the pairing tool need for the {p} weather station?",
+        {"flag": "Which flag do you run the pairing tool with for the {p} weather station?",
          "port": "On which port does the base unit of the {p} weather station listen for the sensor?",
-         "seconds": "How many seconds does the first reading of the {p} weather station take to appear?",
+         "seconds": "How many seconds do you wait for the first temperature reading of the {p} weather station?",
          "step": "In which step of pairing the {p} weather station do you press the SYNC key?"},
     ),
     "irrigation": (
@@ -72,9 +72,9 @@ PROCEDURES: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], dict[str
          "Wait {seconds} seconds while the controller erases its memory.",
          "Reconnect the hoses and open the main valve again."),
         ("keep-zones", "wipe-logs", "soft-reset", "zone-test", "skip-sensors", "dry-run", "save-plan", "valve-check"),
-        {"flag": "Which flag keeps the watering plan when the {p} irrigation controller is reset?",
+        {"flag": "Which flag do you launch the service tool with for the {p} irrigation controller?",
          "port": "On which port does the service tool connect to the {p} irrigation controller?",
-         "seconds": "How many seconds does the {p} irrigation controller take to erase its memory?",
+         "seconds": "How many seconds do you wait while the {p} irrigation controller erases its memory?",
          "step": "In which step of resetting the {p} irrigation controller do you hold the RAIN DELAY button?"},
     ),
     "dock": (
@@ -87,42 +87,36 @@ PROCEDURES: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], dict[str
          "Wait {seconds} seconds while the pad is levelled.",
          "Close the roof and land the drone once to check the result."),
         ("level-only", "grid-fine", "keep-offsets", "motor-test", "cold-start", "lidar-sync", "pad-heat", "slow-tilt"),
-        {"flag": "Which flag is the calibration tool run with for the {p} drone dock?",
+        {"flag": "Which flag do you run the calibration tool with for the {p} drone dock?",
          "port": "On which port does the calibration tool reach the {p} drone dock?",
-         "seconds": "How many seconds does levelling the pad of the {p} drone dock take?",
+         "seconds": "How many seconds do you wait while the pad of the {p} drone dock is levelled?",
          "step": "In which step of calibrating the {p} drone dock do you turn the lock key to SERVICE?"},
     ),
 }
 PROCEDURE_FACTS = ("flag", "port", "seconds", "step")
 INTRO = "This guide is for the {p} only; other {brand} models use other settings."
-CLOSING = "If the status light stays red, start again from the first step."
 
-# kind: (title, row label header, rows, [(column header, low, high, question)]); {p}: the
-# product, {row}: the row's label
-TABLES: dict[str, tuple[str, str, tuple[str, ...], tuple[tuple[str, int, int, str], ...]]] = {
+# kind: (title, question, [(specification, unit, lowest, highest)]); {p}: the product, {spec} and {unit}: the row's
+TABLES: dict[str, tuple[str, str, tuple[tuple[str, str, int, int], ...]]] = {
     "mixer": (
-        "Spare parts of the {p} stand mixer", "part",
-        ("drive belt", "motor brush", "wire whisk", "dough hook", "bowl seal"),
-        (("order no.", 10000, 99999, "What is the order number of the {row} for the {p} stand mixer?"),
-         ("weight (g)", 100, 999, "How much does the {row} of the {p} stand mixer weigh, in grams?"),
-         ("pack size", 10, 99, "How many pieces are in a pack of the {row} for the {p} stand mixer?")),
+        "Specifications of the {p} stand mixer", "What is the {spec} of the {p} stand mixer, in {unit}?",
+        (("motor power", "W", 300, 1500), ("bowl volume", "ml", 2000, 6999), ("net weight", "g", 3000, 9999),
+         ("top speed", "rpm", 100, 999), ("cable length", "mm", 600, 1999), ("whisk diameter", "mm", 100, 599)),
     ),
     "centrifuge": (
-        "Cable set of the {p} lab centrifuge", "cable",
-        ("power cable", "rotor sensor cable", "lid switch cable", "display ribbon", "fan cable"),
-        (("length (mm)", 1000, 4999, "How long, in millimetres, is the {row} of the {p} lab centrifuge?"),
-         ("current (mA)", 100, 999, "What current, in mA, is the {row} of the {p} lab centrifuge rated for?"),
-         ("part no.", 10000, 99999, "What is the part number of the {row} of the {p} lab centrifuge?")),
+        "Specifications of the {p} lab centrifuge", "What is the {spec} of the {p} lab centrifuge, in {unit}?",
+        (("maximum speed", "rpm", 2000, 9999), ("rotor capacity", "ml", 100, 999), ("timer limit", "minutes", 100, 999),
+         ("rated current", "mA", 100, 999), ("net weight", "g", 5000, 9999),
+         ("braking time", "ms", 1000, 4999)),
     ),
     "trailer": (
-        "Bolt chart of the {p} bike trailer", "bolt",
-        ("axle bolt", "hitch bolt", "frame screw", "wheel nut", "canopy clip"),
-        (("torque (N cm)", 150, 950, "What torque, in N cm, is the {row} of the {p} bike trailer tightened to?"),
-         ("stock code", 10000, 99999, "What is the stock code of the {row} of the {p} bike trailer?"),
-         ("weight per 100 (g)", 1000, 4999, "How much do 100 of the {row} of the {p} bike trailer weigh, in grams?")),
+        "Specifications of the {p} bike trailer", "What is the {spec} of the {p} bike trailer, in {unit}?",
+        (("load limit", "N", 300, 999), ("wheel diameter", "mm", 300, 599), ("frame weight", "g", 4000, 9999),
+         ("hitch torque", "N cm", 150, 950), ("track width", "mm", 600, 899),
+         ("tyre pressure", "kPa", 150, 450)),
     ),
 }
-TABLE_NOTE = "The values below apply to the {p} only; other {brand} models take other parts."
+TABLE_NOTE = "The values below apply to the {p} only; other {brand} models have other values."
 PORTS = (1024, 9999)
 SECONDS = (12, 95)
 
@@ -157,16 +151,15 @@ def _procedure(kind: str, product: str, brand: str, values: dict[str, str], step
     ordered = [s.format(**values) for s in steps]
     ordered.insert(step - 1, action)
     lines = [title.format(p=product), "", INTRO.format(p=product, brand=brand), ""]
-    lines += [f"{i}. {s}" for i, s in enumerate(ordered, 1)]
-    return "\n".join([*lines, "", CLOSING])
+    lines += [f"Step {i}: {s}" for i, s in enumerate(ordered, 1)]
+    return "\n".join(lines)
 
 
-def _table(kind: str, product: str, brand: str, cells: list[list[str]]) -> str:
-    title, label, rows, columns = TABLES[kind]
-    header = [label, *(c[0] for c in columns)]
+def _table(kind: str, product: str, brand: str, values: list[str]) -> str:
+    title, _, rows = TABLES[kind]
     lines = [title.format(p=product), "", TABLE_NOTE.format(p=product, brand=brand), "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join([row, *values]) + " |" for row, values in zip(rows, cells)]
+             "| specification | value | unit |", "|---|---|---|"]
+    lines += [f"| {spec} | {value} | {unit} |" for (spec, unit, _, _), value in zip(rows, values)]
     return "\n".join(lines)
 
 
@@ -196,16 +189,16 @@ def generate(per_kind: int = PER_KIND, tables: int = PER_KIND, seed: int = SEED)
                          Question(questions[fact].format(p=product), values[fact], source, "procedure", fact)))
             i += 1
         by_kind.append(rows)
-    for b, (kind, (_, _, row_names, columns)) in enumerate(TABLES.items(), len(PROCEDURES)):
+    for b, (kind, (_, question, specs)) in enumerate(TABLES.items(), len(PROCEDURES)):
         rows = []
         for j in range(tables):
             product = f"{brands[b]} {models[i]}"
-            cells = [[number(lo, hi) for _, lo, hi, _ in columns] for _ in row_names]
-            r, c = (i + j) % len(row_names), i % len(columns)
+            values = [number(lo, hi) for _, _, lo, hi in specs]
+            r = (i + 3 * j) % len(specs)
             source = f"{kind}/{models[i].lower()}"
-            question = columns[c][3].format(row=row_names[r], p=product)
-            rows.append((SampleDocument(_table(kind, product, brands[b], cells), {"source": source}),
-                         Question(question, cells[r][c], source, "table", columns[c][0])))
+            rows.append((SampleDocument(_table(kind, product, brands[b], values), {"source": source}),
+                         Question(question.format(spec=specs[r][0], unit=specs[r][1], p=product), values[r], source,
+                                  "table", specs[r][0])))
             i += 1
         by_kind.append(rows)
     pairs = [rows[j] for j in range(max(len(r) for r in by_kind)) for rows in by_kind if j < len(rows)]
