@@ -1,13 +1,13 @@
 """Answer fidelity: does the cached prompt give the answers full prefill of the same tokens gives?
 
-Two splits, each built into a real corpus (real embedder, FAISS) on the loaded model, so retrieval
+Three splits, each built into a real corpus (real embedder, FAISS) on the loaded model, so retrieval
 is real:
 - `bench`: bench/fidelity_data.py's confusable documents (same templates, different entities) and
   long reports, one module per document (`CHUNK_TOKENS`);
 - `heldout`: bench/fidelity_heldout.py (issue 26 §3: other templates, facts and seed, ~250-token
   records and reports), chunked at the corpus's default chunk size;
-- `manuals`: bench/fidelity_manuals.py (another shape: ~170-token how-to procedures and markdown
-  parts tables of look-alike products), chunked at the corpus's default chunk size.
+- `manuals`: bench/fidelity_manuals.py (another shape: ~160-token how-to procedures and
+  specification tables of look-alike products), chunked at the corpus's default chunk size.
 Per split, k and (encoding mode, recovery) setting, over the same questions and prompts: full
 prefill's accuracy (the engine's own, `use_cache=False`), cached accuracy, retained = cached / full,
 kept (paired: of full prefill's right answers, the share the setting also gets right; what the rules use),
@@ -17,17 +17,18 @@ run back to back, so a change of load shows in both). The engines run with
 `fallback="never"`: this measures a recovery, not the planner's choice of path. Then, optionally, one
 timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies the rule at ~2k context,
 `choose_across_splits` across splits (kept >= 0.95 on every split at every measured k), and
-`choose_then_confirm` chosen on the bench split, then confirmed, or not, on the held-out one.
+`choose_then_confirm` chosen on the bench split, then confirmed, or not, on the others.
+
+    python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 \
+        --settings none,last:1,last:2,last:3,question:0.05 --questions 42 --new-tokens 32 \
+        --threads 2 --dtype bfloat16 --out docs/bench/fidelity-quiet-2026-11-25/tokens32
+
 Rows say which adapter the model carried (`--adapter`). With `--reference FIDELITY_JSON` (a run of the
 base model over the same questions), `retained` and `kept` are judged against that run's full-prefill
 answers (bench/fidelity_reference.py) while speed-ups stay against this model's own full prefill:
 
     python -m rag_promptcache.bench.fidelity --split all --adapter none --out base
     python -m rag_promptcache.bench.fidelity --split all --adapter TUNED --reference base/fidelity.json --out tuned
-
-    python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 \
-        --settings none,last:1,last:2,last:3,question:0.05 --questions 42 --new-tokens 32 \
-        --threads 2 --dtype bfloat16 --out docs/bench/fidelity-quiet-2026-11-25/tokens32
 
 Not here: the evaluation logic (rag/fidelity.py, shared with `rag-promptcache eval`).
 """
@@ -82,7 +83,8 @@ def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = 
     judged = {} if reference is None else {
         "reference": {"path": reference.path, "adapter": reference.adapter},
         "full_prefill_against_reference": fidelity_reference.full_prefill_against(rows)}
-    return {**judged, "adapter": fidelity_reference.adapter_label(bench.model), "rows": rows, "ttft_at_context": timing, "chosen": choose_default(rows, timing) if timing else None,
+    return {**judged, "adapter": fidelity_reference.adapter_label(bench.model), "rows": rows, "ttft_at_context": timing,
+            "chosen": choose_default(rows, timing) if timing else None,
             "across_splits": choose_across_splits(rows), "chosen_then_confirmed": choose_then_confirm(rows),
             "splits": list(splits),
             "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": questions,
