@@ -143,21 +143,29 @@ def serve(run: dict) -> tuple[str, str | None]:
     return _table(header, out), None
 
 
+def _fidelity_setting(r: dict) -> str:
+    """A fidelity row's setting: the recovery (after its mode where not shared_prefix, after the adapter
+    where the model carried one)."""
+    name = r["recovery"] if r["mode"] == "shared_prefix" else f"{r['mode']}/{r['recovery']}"
+    adapter = r.get("adapter", "none")
+    return name if adapter == "none" else f"{adapter.split('@')[0]}: {name}"
+
+
 def fidelity(run: dict) -> tuple[str, str | None]:
-    """Retained share of full prefill's right answers and TTFT speed-up, per setting, split and k."""
+    """Retained share of full prefill's right answers and TTFT speed-up, per setting, split and k (split
+    order: bench, heldout, manuals)."""
     rows = run["rows"]
-    cols = sorted({(r["split"], r["k"]) for r in rows}, key=lambda c: (c[0] != "bench", c[1]))
-    settings = list(dict.fromkeys(r["recovery"] if r["mode"] == "shared_prefix" else f"{r['mode']}/{r['recovery']}"
-                                  for r in rows))
-    chosen = (run.get("across_splits") or run.get("chosen") or {}).get("recovery")
+    cols = sorted({(r["split"], r["k"]) for r in rows}, key=lambda c: (c[0] != "bench", c[0], c[1]))
+    settings = list(dict.fromkeys(_fidelity_setting(r) for r in rows))
+    picked = run.get("across_splits") or run.get("chosen")
+    chosen = None if not picked else _fidelity_setting(picked)
     ctx = {c: round(next(r["context_tokens"] for r in rows if (r["split"], r["k"]) == c)) for c in cols}
     header = ["setting"] + [f"{s} k={k} ({ctx[(s, k)]} tok)" for s, k in cols]
     out = []
     for name in settings:
         cells = []
         for c in cols:
-            r = next((r for r in rows if (r["split"], r["k"]) == c and
-                      (r["recovery"] if r["mode"] == "shared_prefix" else f"{r['mode']}/{r['recovery']}") == name), None)
+            r = next((r for r in rows if (r["split"], r["k"]) == c and _fidelity_setting(r) == name), None)
             cells.append("-" if r is None else f"{r['retained']:.2f} · {r['speedup']:.1f}x")
         label = f"`{name}`" + (" (chosen)" if name == chosen else "")
         out.append([f"**{label}**" if name == chosen else label] + cells)

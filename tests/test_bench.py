@@ -122,7 +122,7 @@ def test_fidelity_rows_and_files(fidelity_report):
     result, out = fidelity_report
     fid = result["fidelity"]
     rows = fid["rows"]
-    assert FIDELITY.fidelity_splits == ("bench", "heldout")  # both by default: chosen on one, confirmed on the other
+    assert FIDELITY.fidelity_splits == ("bench", "heldout", "manuals")  # all by default: chosen on one, confirmed on the others
     assert [(r["split"], r["k"], r["mode"], r["recovery"]) for r in rows] == [
         (s, k, m, r) for s in FIDELITY.fidelity_splits for k in (2, 3) for m, r in FIDELITY.fidelity_settings]
     for r in rows:

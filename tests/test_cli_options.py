@@ -64,4 +64,4 @@ def test_info_lists_documents_in_the_table_style(built: Path, capsys) -> None:
 
 def test_a_bad_fidelity_split_is_a_user_error_before_the_model_loads(capsys) -> None:
     assert_user_error(run(capsys, "bench", "--scenarios", "fidelity", "--fidelity-split", "nope"),
-                      "unknown --fidelity-split 'nope'; valid: bench, heldout, both")
+                      "unknown --fidelity-split 'nope'; valid: bench, heldout, manuals, both, all")

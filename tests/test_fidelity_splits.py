@@ -8,7 +8,7 @@ import pytest
 
 from rag_promptcache.bench import report
 from rag_promptcache.bench.common import Bench, BenchConfig
-from rag_promptcache.bench.fidelity import choose_across_splits, choose_then_confirm, pool, run
+from rag_promptcache.bench.fidelity import SPLITS, choose_across_splits, choose_then_confirm, pool, run
 from tests.tiny import build
 
 CONFIG = BenchConfig(fidelity_per_kind=1, fidelity_questions=2, fidelity_ks=(2,), fidelity_new_tokens=2,
@@ -16,14 +16,15 @@ CONFIG = BenchConfig(fidelity_per_kind=1, fidelity_questions=2, fidelity_ks=(2,)
                                         ("shared_prefix", "last:9")))
 
 
-def test_both_splits_rows_share_and_front(tokenizer, tmp_path):
+def test_every_split_rows_share_and_front(tokenizer, tmp_path):
     bench = Bench(build("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-llama", CONFIG, log=lambda _: None)
-    out = run(bench, ("bench", "heldout"), ttft_point=False)
+    out = run(bench, SPLITS, ttft_point=False)
     rows = out["rows"]
-    assert [(r["split"], r["recovery"]) for r in rows] == [
-        (s, r) for s in ("bench", "heldout") for r in ("none", "question:0.1@1", "last:9")]
+    assert SPLITS == ("bench", "heldout", "manuals") and out["adapter"] == "none"
+    assert [(r["split"], r["adapter"], r["recovery"]) for r in rows] == [
+        (s, "none", r) for s in SPLITS for r in ("none", "question:0.1@1", "last:9")]
     share = {(r["split"], r["recovery"]): r["recomputed_share"] for r in rows}
-    for split in ("bench", "heldout"):
+    for split in SPLITS:
         assert share[(split, "none")] == 0.0
         # k = 2: the first module is exact already (shared_prefix, not moved), so the one stale module is all
         # either recomputes, whole: about half the context
@@ -32,7 +33,7 @@ def test_both_splits_rows_share_and_front(tokenizer, tmp_path):
     png = report.fidelity_front(out, tmp_path / "front.png")
     assert png.stat().st_size > 0
     assert "question:0.1@1" in report.fidelity_splits_markdown(out)
-    with pytest.raises(ValueError, match="valid: bench, heldout"):
+    with pytest.raises(ValueError, match="valid: bench, heldout, manuals"):
         run(bench, ("other",))
 
 

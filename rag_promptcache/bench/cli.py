@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
         fidelity_settings: Annotated[str | None, typer.Option("--fidelity-settings", help="Comma-separated settings the fidelity scenario compares with full prefill, each RECOVERY or MODE/RECOVERY (mode: shared_prefix, the default, or isolated), e.g. none,last:2 [default: the sweep in bench/common.py].")] = None,
-        fidelity_split: Annotated[str | None, typer.Option("--fidelity-split", help="bench, heldout (other templates and facts, the default chunk size) or both: the fidelity scenario's documents [default: both].")] = None,
+        fidelity_split: Annotated[str | None, typer.Option("--fidelity-split", help="bench, heldout (other templates and facts, the default chunk size), manuals (how-to procedures and parts tables), both (bench and heldout) or all: the fidelity scenario's documents [default: all].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
         adapter: AdapterOpt = "default",
     ) -> None:
@@ -68,11 +68,11 @@ def register(app: typer.Typer) -> None:
         if recovery is not None:
             config = dataclasses.replace(config, recovery=str(Recovery.parse(recovery)))
         if fidelity_split is not None:
-            from rag_promptcache.bench.fidelity import SPLITS
+            from rag_promptcache.bench.fidelity import GROUPS, SPLITS
 
-            splits = SPLITS if fidelity_split == "both" else (fidelity_split,)
+            splits = GROUPS.get(fidelity_split, (fidelity_split,))
             if not set(splits) <= set(SPLITS):
-                raise ValueError(f"unknown --fidelity-split {fidelity_split!r}; valid: {', '.join(SPLITS)}, both")
+                raise ValueError(f"unknown --fidelity-split {fidelity_split!r}; valid: {', '.join((*SPLITS, *GROUPS))}")
             config = dataclasses.replace(config, fidelity_splits=splits)
         if fidelity_settings is not None:
             config = dataclasses.replace(config, fidelity_settings=_settings(fidelity_settings))

@@ -1,11 +1,13 @@
 """Answer fidelity: does the cached prompt give the answers full prefill of the same tokens gives?
 
-Two splits, each built into a real corpus (real embedder, FAISS) on the loaded model, so retrieval
+Three splits, each built into a real corpus (real embedder, FAISS) on the loaded model, so retrieval
 is real:
 - `bench`: bench/fidelity_data.py's confusable documents (same templates, different entities) and
   long reports, one module per document (`CHUNK_TOKENS`);
 - `heldout`: bench/fidelity_heldout.py (issue 26 §3: other templates, facts and seed, ~250-token
-  records and reports), chunked at the corpus's default chunk size.
+  records and reports), chunked at the corpus's default chunk size;
+- `manuals`: bench/fidelity_manuals.py (another shape: ~160-token how-to procedures and
+  specification tables of look-alike products), chunked at the corpus's default chunk size.
 Per split, k and (encoding mode, recovery) setting, over the same questions and prompts: full
 prefill's accuracy (the engine's own, `use_cache=False`), cached accuracy, retained = cached / full,
 kept (paired: of full prefill's right answers, the share the setting also gets right; what the rules use),
@@ -15,11 +17,18 @@ run back to back, so a change of load shows in both). The engines run with
 `fallback="never"`: this measures a recovery, not the planner's choice of path. Then, optionally, one
 timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies the rule at ~2k context,
 `choose_across_splits` across splits (kept >= 0.95 on every split at every measured k), and
-`choose_then_confirm` chosen on the bench split, then confirmed, or not, on the held-out one.
+`choose_then_confirm` chosen on the bench split, then confirmed, or not, on the others.
 
     python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 \
         --settings none,last:1,last:2,last:3,question:0.05 --questions 42 --new-tokens 32 \
         --threads 2 --dtype bfloat16 --out docs/bench/fidelity-quiet-2026-11-25/tokens32
+
+Rows say which adapter the model carried (`--adapter`). With `--reference FIDELITY_JSON` (a run of the
+base model over the same questions), `retained` and `kept` are judged against that run's full-prefill
+answers (bench/fidelity_reference.py) while speed-ups stay against this model's own full prefill:
+
+    python -m rag_promptcache.bench.fidelity --split all --adapter none --out base
+    python -m rag_promptcache.bench.fidelity --split all --adapter TUNED --reference base/fidelity.json --out tuned
 
 Not here: the evaluation logic (rag/fidelity.py, shared with `rag-promptcache eval`).
 """
@@ -34,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rag_promptcache.bench import fidelity_data, fidelity_heldout
+from rag_promptcache.bench import fidelity_data, fidelity_heldout, fidelity_manuals, fidelity_reference
 from rag_promptcache.bench.common import Bench, BenchConfig, median
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
@@ -46,36 +55,54 @@ from rag_promptcache.store import MemoryStore
 CHUNK_TOKENS = 320  # every document is one module
 TARGET_SPEEDUP, FALLBACK_SPEEDUP = 5.0, 3.0
 STOP = (".",)  # the answer is its first sentence; the rest only costs decode time
-SPLITS = ("bench", "heldout")
+# split: (its generator, its chunk size; None: the corpus's default, as a user's)
+SOURCES = {"bench": (fidelity_data, CHUNK_TOKENS), "heldout": (fidelity_heldout, None), "manuals": (fidelity_manuals, None)}
+SPLITS = tuple(SOURCES)
+GROUPS = {"both": ("bench", "heldout"), "all": SPLITS}  # names `--split` takes for several splits
 
 
-def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = True) -> dict[str, object]:
+def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = True,
+        reference: fidelity_reference.ReferenceRun | None = None) -> dict[str, object]:
     """Rows for every split (default: the config's), k and setting; with `ttft_point`, the first
-    split's TTFT at ~2k context."""
+    split's TTFT at ~2k context; with `reference`, answers judged against its full prefill (`check`ed
+    first, before any model work)."""
     splits = bench.config.fidelity_splits if splits is None else splits
     if unknown := set(splits) - set(SPLITS):
         raise ValueError(f"unknown fidelity split(s) {sorted(unknown)}; valid: {', '.join(SPLITS)}")
+    if reference is not None:
+        check_reference(reference, bench.config, splits)
     rows: list[dict[str, object]] = []
     timing: list[dict[str, object]] = []
     questions = 0
     for i, split in enumerate(splits):
-        out = _run_split(bench, split, ttft_point and i == 0)
+        out = _run_split(bench, split, ttft_point and i == 0, reference)
         rows += out["rows"]
         timing += out["timing"]
         questions = max(questions, out["questions"])
     cfg = bench.config
-    return {"rows": rows, "ttft_at_context": timing, "chosen": choose_default(rows, timing) if timing else None,
+    judged = {} if reference is None else {
+        "reference": {"path": reference.path, "adapter": reference.adapter},
+        "full_prefill_against_reference": fidelity_reference.full_prefill_against(rows)}
+    return {**judged, "adapter": fidelity_reference.adapter_label(bench.model), "rows": rows, "ttft_at_context": timing,
+            "chosen": choose_default(rows, timing) if timing else None,
             "across_splits": choose_across_splits(rows), "chosen_then_confirmed": choose_then_confirm(rows),
             "splits": list(splits),
             "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": questions,
             "new_tokens": cfg.fidelity_new_tokens}
 
 
-def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
+def check_reference(reference: fidelity_reference.ReferenceRun, cfg: BenchConfig, splits: tuple[str, ...]) -> None:
+    """Refuse a reference that did not ask the questions this configuration asks (ValueError)."""
+    questions = {s: [(q.question, (q.answer,)) for q in split_data(s, cfg.fidelity_per_kind, cfg.fidelity_seed_offset)[0]
+                     .questions[: cfg.fidelity_questions]] for s in splits}
+    fidelity_reference.check(reference, questions, cfg.fidelity_ks)
+
+
+def _run_split(bench: Bench, split: str, ttft_point: bool,
+               reference: fidelity_reference.ReferenceRun | None = None) -> dict[str, object]:
     cfg, model, tok = bench.config, bench.model, bench.tokenizer
-    source = fidelity_data if split == "bench" else fidelity_heldout
-    data = source.generate(cfg.fidelity_per_kind, cfg.fidelity_per_kind, seed=source.SEED + cfg.fidelity_seed_offset)
-    chunk = CHUNK_TOKENS if split == "bench" else None  # held-out: the corpus's default chunk size, as a user's
+    adapter = fidelity_reference.adapter_label(model)
+    data, chunk = split_data(split, cfg.fidelity_per_kind, cfg.fidelity_seed_offset)
     questions = [EvalQuestion(q.question, (q.answer,)) for q in data.questions[: cfg.fidelity_questions]]
     engines: dict[str, PromptCache] = {}
     rows: list[dict[str, object]] = []
@@ -101,17 +128,25 @@ def _run_split(bench: Bench, split: str, ttft_point: bool) -> dict[str, object]:
             for mode, rec in cfg.fidelity_settings:
                 report = summarize(str(Recovery.parse(rec)), k, refs, outcomes[(mode, rec)])
                 share = recomputed_share(engines[mode], refs, rec)
-                rows.append({"split": split, "mode": mode, "codec": cfg.fidelity_codec, **report.as_dict(),
-                             "recomputed_share": share,
+                rows.append({"split": split, "adapter": adapter, "mode": mode, "codec": cfg.fidelity_codec,
+                             **report.as_dict(), "recomputed_share": share,
                              "answers": [r.as_dict() for r in report.results]})
-                r = rows[-1]
-                bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}, "
+                r = rows[-1] if reference is None else fidelity_reference.apply(rows[-1], reference)
+                against = "" if reference is None else f" (reference full {r['reference_full_correct']})"
+                bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}{against}, "
                           f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "
                           f"speed-up {r['speedup']:.1f}x over the engine's full prefill")
         if ttft_point:
             timing = _ttft_point(bench, corpus, engines, questions)
         corpus.close()
     return {"rows": rows, "timing": timing, "questions": len(questions)}
+
+
+def split_data(split: str, per_kind: int = fidelity_data.PER_KIND, seed_offset: int = 0) -> tuple[fidelity_data.Dataset, int | None]:
+    """A split's documents and questions, its generator seeded `seed_offset` above its own seed, and the
+    chunk size its corpus is built with."""
+    source, chunk = SOURCES[split]
+    return source.generate(per_kind, per_kind, seed=source.SEED + seed_offset), chunk
 
 
 # A recovery is measured, not the planner's choice of path, and every prompt is computed as it
@@ -185,21 +220,27 @@ def _kept(row: dict[str, object]) -> float:
     return 0.0 if value is None else value
 
 
+def _setting(row: dict[str, object]) -> tuple[str, str, str]:
+    """What a rule compares: the adapter the model carried (rows from before adapters: the base), the
+    encoding mode and the recovery."""
+    return row.get("adapter", fidelity_reference.BASE), row["mode"], row["recovery"]
+
+
 def choose_across_splits(rows: list[dict[str, object]]) -> dict[str, object] | None:
     """The fastest setting (its slowest speed-up at the largest k, over the splits) that keeps >= 0.95
     of full prefill's right answers (paired) on every split at every measured k; None when none does."""
     largest = max((r["k"] for r in rows), default=0)
-    worst: dict[tuple[str, str], float] = {}
-    speed: dict[tuple[str, str], float] = {}
+    worst: dict[tuple[str, str, str], float] = {}
+    speed: dict[tuple[str, str, str], float] = {}
     for r in rows:
-        key = (r["mode"], r["recovery"])
+        key = _setting(r)
         worst[key] = min(worst.get(key, math.inf), _kept(r))
         if r["k"] == largest:
             speed[key] = min(speed.get(key, math.inf), r["speedup"])
     best = fastest_retaining(worst, {s: speed.get(s, 0.0) for s in worst}, target=TARGET_RETAINED)
     if best is None:
         return None
-    return {"mode": best[0], "recovery": best[1], "worst_kept": worst[best], "speedup_at_largest_k": speed.get(best),
+    return {"adapter": best[0], "mode": best[1], "recovery": best[2], "worst_kept": worst[best], "speedup_at_largest_k": speed.get(best),
             "rule": f"fastest with kept >= {TARGET_RETAINED} on every split at every k (speed-up at k={largest})"}
 
 
@@ -210,7 +251,7 @@ def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dic
     picked = choose_across_splits([r for r in rows if r.get("split", "bench") == on])
     if picked is None:
         return None
-    mine = [r for r in rows if (r["mode"], r["recovery"]) == (picked["mode"], picked["recovery"])]
+    mine = [r for r in rows if _setting(r) == (picked["adapter"], picked["mode"], picked["recovery"])]
     elsewhere: dict[str, float] = {}
     for r in mine:
         if (split := r.get("split", "bench")) != on:
@@ -222,25 +263,37 @@ def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dic
 def pool(runs: list[dict[str, object]]) -> dict[str, object]:
     """Several runs of this scenario (other seeds: `--seed-offset`) as one: per split, k and setting,
     right answers summed, so retained and kept rest on every question asked; times, shares and
-    agreement averaged over the runs. The rules are applied to the pooled rows."""
+    agreement averaged over the runs. The rules are applied to the pooled rows. Rows judged against a
+    reference (`--reference`) pool against the references' right answers; each adapter's rows stay apart."""
     groups: dict[tuple, list[dict[str, object]]] = {}
     for run_ in runs:
         for r in run_["rows"]:
-            groups.setdefault((r.get("split", "bench"), r["k"], r["mode"], r["recovery"]), []).append(r)
+            groups.setdefault((r.get("split", "bench"), r["k"], *_setting(r)), []).append(r)
     rows = []
-    for (split, k, mode, rec), rs in groups.items():
+    for (split, k, adapter, mode, rec), rs in groups.items():
+        judged = sum("reference_full_correct" in r for r in rs)
+        if judged not in (0, len(rs)):
+            raise ValueError(f"cannot pool {split} k={k} {adapter}:{mode}/{rec}: {judged} of its {len(rs)} runs were "
+                             "judged against a reference (--reference) and the others against their own full prefill")
         mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+        paired = lambda key, of: sum(  # noqa: E731
+            bool(a[key] and a["cached_right"]) for r in rs for a in r.get("answers", ())) / of if of and all(
+            "answers" in r for r in rs) else None
         full, right = sum(r["full_correct"] for r in rs), sum(r["cached_correct"] for r in rs)
-        both = sum(bool(a["full_right"] and a["cached_right"]) for r in rs for a in r.get("answers", ()))
+        ref = sum(r["reference_full_correct"] for r in rs) if judged else full
         full_s, cached_s = mean("full_ttft_s"), mean("cached_ttft_s")
-        rows.append({"split": split, "k": k, "mode": mode, "recovery": rec, "runs": len(rs),
+        rows.append({"split": split, "k": k, "adapter": adapter, "mode": mode, "recovery": rec, "runs": len(rs),
                      "questions": sum(r["questions"] for r in rs), "with_answer": sum(r["with_answer"] for r in rs),
-                     "full_correct": full, "cached_correct": right, "retained": right / full if full else None,
-                     "kept": both / full if full and all("answers" in r for r in rs) else None,
+                     "full_correct": full, "cached_correct": right, "retained": right / ref if ref else None,
+                     "kept": paired("reference_right" if judged else "full_right", ref),
                      "agreement": mean("agreement"), "recomputed_share": mean("recomputed_share"),
                      "context_tokens": mean("context_tokens"), "full_ttft_s": full_s, "cached_ttft_s": cached_s,
                      "speedup": full_s / cached_s})
-    return {"rows": rows, "ttft_at_context": [], "chosen": None, "across_splits": choose_across_splits(rows),
+        if judged:
+            rows[-1].update({"reference_full_correct": ref, "own_retained": right / full if full else None,
+                             "own_kept": paired("full_right", full)})
+    against = fidelity_reference.full_prefill_against(rows)
+    return {**({"full_prefill_against_reference": against} if against else {}), "rows": rows, "ttft_at_context": [], "chosen": None, "across_splits": choose_across_splits(rows),
             "chosen_then_confirmed": choose_then_confirm(rows), "splits": list(dict.fromkeys(r["split"] for r in rows)),
             "runs": len(runs), "seed_offsets": [run_.get("seed_offset", 0) for run_ in runs]}
 
@@ -248,11 +301,14 @@ def pool(runs: list[dict[str, object]]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """The fidelity scenario alone, with its split and sizes on the command line (module docstring)."""
     ap = argparse.ArgumentParser(description="Answer fidelity of recovery settings against the engine's full prefill.")
-    ap.add_argument("--split", choices=(*SPLITS, "both"), default="both")
+    ap.add_argument("--split", choices=(*SPLITS, *GROUPS), default="both",
+                    help="one split, both (bench and heldout) or all")
     ap.add_argument("--k", type=int, nargs="+", default=list(BenchConfig().fidelity_ks))
     ap.add_argument("--settings", default="none,last:1,last:2,last:3,question:0.05",
                     help="comma-separated RECOVERY or MODE/RECOVERY")
     ap.add_argument("--questions", type=int, default=BenchConfig().fidelity_questions, help="per split (42: all)")
+    ap.add_argument("--per-kind", type=int, default=BenchConfig().fidelity_per_kind,
+                    help="documents per kind of each split (6: all; fewer make a smaller corpus)")
     ap.add_argument("--new-tokens", type=int, default=BenchConfig().fidelity_new_tokens)
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to each split's seed: other entities and facts in the same templates")
@@ -260,12 +316,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--adapter", default="default", metavar="PATH|default|none",
+                    help="the tuned adapter merged into the model: default (the one shipped for the model, if one "
+                         "ships), none (the base model) or an adapter directory")
+    ap.add_argument("--reference", type=Path, metavar="FIDELITY_JSON",
+                    help="judge retained and kept against this run's full-prefill answers (the base model's, over the "
+                         "same split, k, questions and seed offset); speed-ups stay against this model's own full prefill")
     ap.add_argument("--ttft-point", action="store_true", help="also time the bench split at ~2k context")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="FIDELITY_JSON",
                     help="no model run: pool these runs' fidelity.json (other seeds) into one report")
     ap.add_argument("--out", type=Path, required=True, help="folder for fidelity.json, fidelity.md, the front PNG")
     args = ap.parse_args(argv)
     if args.pool:
+        if args.reference:
+            ap.error("--reference judges a run as it is made; --pool pools runs made with it (or without)")
         return _write(pool([json.loads(f.read_text()) for f in args.pool]), args.out)
     import torch
 
@@ -276,15 +340,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     settings = tuple(dict.fromkeys(
         (check_mode(mode or "shared_prefix"), str(Recovery.parse(rec)))
         for mode, _, rec in (s.strip().rpartition("/") for s in args.settings.split(",") if s.strip())))
+    cfg = dataclasses.replace(BenchConfig(), fidelity_questions=args.questions, fidelity_ks=tuple(args.k),
+                              fidelity_per_kind=args.per_kind,
+                              fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
+                              fidelity_seed_offset=args.seed_offset, fidelity_codec=check_codec(args.codec),
+                              adapter=args.adapter)
+    splits = GROUPS.get(args.split, (args.split,))
+    reference = None
+    if args.reference is not None:
+        try:
+            reference = fidelity_reference.load(args.reference)
+            check_reference(reference, cfg, splits)  # before the model loads
+        except ValueError as e:
+            ap.error(str(e))
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, dtype=args.dtype)
-    cfg = dataclasses.replace(BenchConfig(), fidelity_questions=args.questions, fidelity_ks=tuple(args.k),
-                              fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
-                              fidelity_seed_offset=args.seed_offset, fidelity_codec=check_codec(args.codec))
+    model, tok = load_model(args.model, dtype=args.dtype, adapter=args.adapter)
     bench = Bench(model, tok, args.model, cfg, log=lambda m: print(m, flush=True))
-    splits = SPLITS if args.split == "both" else (args.split,)
-    out = run(bench, splits, ttft_point=args.ttft_point)
+    out = run(bench, splits, ttft_point=args.ttft_point, reference=reference)
     out.update({"codec": args.codec, "dtype": args.dtype, "threads": args.threads, "seed_offset": args.seed_offset,
                 "seconds": round(time.perf_counter() - t0, 1)})
     return _write(out, args.out)

@@ -150,27 +150,50 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
                           f"speed-up at ~{ctx:.0f} tok"], rows), "", rule, ""]
 
 
+def _setting_name(r: dict[str, object]) -> str:
+    """mode/recovery, after the adapter where the model carried one."""
+    adapter = r.get("adapter", "none")
+    return f"{r['mode']}/{r['recovery']}" if adapter == "none" else f"{adapter}: {r['mode']}/{r['recovery']}"
+
+
 def fidelity_splits_markdown(fid: dict[str, object]) -> str:
-    """The fidelity rows per split: retained, share recomputed, speed-up over the engine's full prefill."""
+    """The fidelity rows per split: retained, share recomputed, speed-up over the engine's full prefill.
+    Rows judged against a reference run (`--reference`) show its full-prefill right answers beside this
+    model's own; retained and kept are then against the reference's."""
     pct = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-    rows = [[r.get("split", "bench"), r["k"], f"{r['context_tokens']:.0f}", f"{r['mode']}/{r['recovery']}",
-             f"{r['full_correct']}/{r['with_answer']}", f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]),
+    judged = any("reference_full_correct" in r for r in fid["rows"])
+    rows = [[r.get("split", "bench"), r["k"], f"{r['context_tokens']:.0f}", _setting_name(r),
+             f"{r['full_correct']}/{r['with_answer']}",
+             *([f"{r['reference_full_correct']}/{r['with_answer']}" if "reference_full_correct" in r else ""] if judged else []),
+             f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]),
              pct(r.get("kept")), f"{r.get('recomputed_share', 0.0):.3f}", f"{r['full_ttft_s']:.3f}", f"{r['cached_ttft_s']:.3f}",
              f"{r['speedup']:.1f}x"] for r in fid["rows"]]
     chosen, confirm = fid.get("across_splits"), fid.get("chosen_then_confirmed")
     lines = [
-        table(["split", "k", "context tok", "setting", "full right", "cached right", "retained", "kept (paired)", "recomputed",
+        table(["split", "k", "context tok", "setting", "full right", *(["reference full right"] if judged else []),
+               "cached right", "retained", "kept (paired)", "recomputed",
                 "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
         "the rule (kept >= 0.95 on every split at every k, then the fastest) picks: "
-        + (f"{chosen['mode']}/{chosen['recovery']} (worst kept {chosen['worst_kept']:.2f}, "
+        + (f"{_setting_name(chosen)} (worst kept {chosen['worst_kept']:.2f}, "
            f"{chosen['speedup_at_largest_k']:.1f}x)" if chosen else "nothing"),
     ]
+    if against := fid.get("full_prefill_against_reference"):
+        fewer = [f"{a['split']} k={a['k']}" for a in against if not a["at_least_as_many"]]
+        lines.append("full prefill right, this model against the reference: "
+                     + ", ".join(f"{a['split']} k={a['k']} {a['full_correct']} vs {a['reference_full_correct']}" for a in against)
+                     + (f"; fewer at {', '.join(fewer)}" if fewer else "; at least as many everywhere"))
     if confirm:
         others = ", ".join(f"{s} {v:.2f}" for s, v in confirm["worst_kept_elsewhere"].items()) or "no other split"
-        lines.append(f"chosen on the {confirm['chosen_on']} split: {confirm['mode']}/{confirm['recovery']} (worst kept "
+        lines.append(f"chosen on the {confirm['chosen_on']} split: {_setting_name(confirm)} (worst kept "
                      f"{confirm['worst_kept']:.2f}, {confirm['speedup_at_largest_k']:.1f}x); worst kept elsewhere: "
                      f"{others}: {'confirmed' if confirm['confirmed'] else 'not confirmed'}")
     return "\n".join(lines)
+
+
+def _point_name(r: dict[str, object]) -> str:
+    """A point's label on the front: the recovery, after the adapter's name where the model carried one."""
+    adapter = r.get("adapter", "none")
+    return r["recovery"] if adapter == "none" else f"{adapter.split('@')[0]}: {r['recovery']}"
 
 
 def fidelity_front(fid: dict[str, object], path: str | Path) -> Path:
@@ -187,8 +210,8 @@ def fidelity_front(fid: dict[str, object], path: str | Path) -> Path:
     ks = sorted({r["k"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(ks)), figsize=(5.5 * max(1, len(ks)), 4.5), squeeze=False)
     for ax, k in zip(axes[0], ks):
-        for split, colour in (("bench", "tab:blue"), ("heldout", "tab:orange")):
-            pts = sorted(((r["speedup"], r["retained"], r["recovery"]) for r in rows
+        for split, colour in (("bench", "tab:blue"), ("heldout", "tab:orange"), ("manuals", "tab:green")):
+            pts = sorted(((r["speedup"], r["retained"], _point_name(r)) for r in rows
                           if r["k"] == k and r.get("split", "bench") == split), reverse=True)
             if not pts:
                 continue

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rag_promptcache.bench import fidelity_data, fidelity_heldout
-from rag_promptcache.bench.fidelity import CHUNK_TOKENS, STOP
+from rag_promptcache.bench.fidelity import CHUNK_TOKENS, SPLITS, STOP, split_data
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.decoding.sampling import Sampling
 from rag_promptcache.engine.planning.recovery import split
@@ -81,7 +80,7 @@ def run_one(engine: PromptCache, prompt: str, setting: str, ends: frozenset[int]
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--split", choices=("bench", "heldout"), default="bench")
+    ap.add_argument("--split", choices=SPLITS, default="bench")
     ap.add_argument("--questions", type=int, default=24)
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8, 12])
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for s in settings:
         if s.startswith("sel:"):
             parse_selection(s)
-    data = (fidelity_data.generate() if args.split == "bench" else fidelity_heldout.generate())
+    data = split_data(args.split)[0]
     qs = data.questions[: args.questions]
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,12 +14,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from rag_promptcache.bench import fidelity_data, fidelity_heldout
-from rag_promptcache.bench.fidelity import CHUNK_TOKENS, STOP
+from rag_promptcache.bench.fidelity import SPLITS, STOP, split_data
 from rag_promptcache.rag.fidelity import answer_contains
-
-SPLITS = {"bench": fidelity_data, "heldout": fidelity_heldout}
-
 
 def dump(out: Path, draws: tuple[int, ...] = (0, 1), ks: tuple[int, ...] = (4, 8, 12)) -> list[dict[str, object]]:
     import torch
@@ -35,13 +31,13 @@ def dump(out: Path, draws: tuple[int, ...] = (0, 1), ks: tuple[int, ...] = (4, 8
     torch.manual_seed(0)
     stand_in = AutoModelForCausalLM.from_config(config).eval()
     rows: list[dict[str, object]] = []
-    for split, source in SPLITS.items():
+    for split in SPLITS:
         for draw in draws:
-            data = source.generate(seed=source.SEED + draw)
+            data, chunk = split_data(split, seed_offset=draw)
             with tempfile.TemporaryDirectory() as tmp:
                 engine = PromptCache(stand_in, tok, fallback="never", prefix_cache_bytes=0)
                 corpus = Corpus.build(data.documents, f"{tmp}/c", engine=engine, progress=False,
-                                      chunk_tokens=CHUNK_TOKENS if split == "bench" else None)
+                                      chunk_tokens=chunk)
                 for k in ks:
                     for q in data.questions:
                         ids = corpus.order([m for m, _ in corpus.search(q.question, k)])

@@ -1,0 +1,118 @@
+"""Fidelity rows judged against another run's full prefill: a tuned model's answers against the base
+model's full-prefill answers to the same questions (issue 34's reference: what a user gets without this
+library), while speed-ups stay against the measured model's own full prefill.
+
+`load` reads a run's fidelity.json (`python -m rag_promptcache.bench.fidelity ... --out DIR`, the base
+model: `--adapter none`); `check` refuses a reference that asked other questions (another split, k,
+seed offset or question count); `apply` rewrites one row's `retained` and `kept` against it, keeping
+the row's own in `own_retained` and `own_kept`. Not here: running the model (bench/fidelity.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+BASE = "none"  # the adapter label of the base model
+
+
+def adapter_label(model: torch.nn.Module) -> str:
+    """Which adapter is merged into `model`: its directory's name and digest, or "none" for the base model."""
+    from rag_promptcache.model.adapter import applied
+
+    adapter = applied(model)
+    return BASE if adapter is None else f"{adapter.name}@{adapter.digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceRun:
+    """One run's full-prefill answers, per (split, k): (question, expected answers, right) in question order."""
+
+    path: str
+    adapter: str  # the adapter that run's model carried
+    answers: dict[tuple[str, int], tuple[tuple[str, tuple[str, ...], bool], ...]]
+
+    def held(self) -> str:
+        return ", ".join(f"{s} k={k}" for s, k in sorted(self.answers)) or "nothing"
+
+
+def load(path: str | Path) -> ReferenceRun:
+    """A fidelity.json's full-prefill answers. Raises ValueError for a file that is not one run's report
+    with per-question answers (a pooled report has none)."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"reference {str(path)!r} is not a readable fidelity.json: {e}") from e
+    rows = report.get("rows") if isinstance(report, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"reference {str(path)!r} holds no fidelity rows; pass the fidelity.json of a run of "
+                         "python -m rag_promptcache.bench.fidelity")
+    if "runs" in report or any("answers" not in r for r in rows):
+        raise ValueError(f"reference {str(path)!r} has no per-question answers (a pooled report has none); "
+                         "pass one run's own fidelity.json")
+    answers: dict[tuple[str, int], tuple[tuple[str, tuple[str, ...], bool], ...]] = {}
+    adapters = {r.get("adapter", BASE) for r in rows}
+    if len(adapters) != 1:
+        raise ValueError(f"reference {str(path)!r} mixes adapters {sorted(adapters)}; pass one model's run")
+    for r in rows:
+        per = tuple((a["question"], tuple(a["expected"] or ()), bool(a["full_right"])) for a in r["answers"])
+        key = (r.get("split", "bench"), r["k"])
+        if answers.setdefault(key, per) != per:
+            raise ValueError(f"reference {str(path)!r}: the rows of {key[0]} k={key[1]} disagree on full "
+                             "prefill's answers; it is not one run's report")
+    return ReferenceRun(str(path), adapters.pop(), answers)
+
+
+def check(ref: ReferenceRun, questions: dict[str, list[tuple[str, tuple[str, ...]]]], ks: tuple[int, ...]) -> None:
+    """Refuse a reference that did not ask this run's questions: `questions` maps each split to its
+    (question, expected answers) in order; every split must be in the reference at every k in `ks`."""
+    hint = "run the reference with the same --split, --k, --questions and --seed-offset"
+    for split, mine in questions.items():
+        for k in ks:
+            theirs = ref.answers.get((split, k))
+            if theirs is None:
+                raise ValueError(f"reference {ref.path!r} holds no answers for split {split!r} at k={k} (it holds: "
+                                 f"{ref.held()}); {hint}")
+            theirs_q = [(q, e) for q, e, _ in theirs]
+            if theirs_q != mine:
+                at = next((i for i, (a, b) in enumerate(zip(theirs_q, mine)) if a != b), min(len(mine), len(theirs_q)))
+                what = (f"question {at + 1} is {theirs_q[at][0]!r} there, {mine[at][0]!r} here" if at < min(len(mine), len(theirs_q))
+                        else f"{len(theirs_q)} questions there, {len(mine)} here")
+                raise ValueError(f"reference {ref.path!r} asked other questions for split {split!r} at k={k} "
+                                 f"({what}); {hint}")
+
+
+def apply(row: dict[str, object], ref: ReferenceRun) -> dict[str, object]:
+    """`row` (one setting at one split and k, with its per-question answers) judged against the reference's
+    full prefill: `retained` = cached right / the reference's right, `kept` = of the reference's right
+    answers, the share the setting also gets right. The row's own, against its model's full prefill,
+    move to `own_retained` and `own_kept`; `reference_full_correct` is the reference's count."""
+    theirs = ref.answers[(row.get("split", "bench"), row["k"])]
+    answers = row["answers"]
+    assert [a["question"] for a in answers] == [q for q, _, _ in theirs], f"{row['k']=} {ref.path=}"
+    judged = [(a, right) for a, (_, expected, right) in zip(answers, theirs) if expected]
+    base = sum(right for _, right in judged)
+    for a, (_, _, right) in zip(answers, theirs):
+        a["reference_right"] = right
+    both = sum(bool(a["cached_right"]) and right for a, right in judged)
+    row.update({"own_retained": row["retained"], "own_kept": row["kept"], "reference_full_correct": base,
+                "retained": row["cached_correct"] / base if base else None, "kept": both / base if base else None})
+    return row
+
+
+def full_prefill_against(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Per split and k, this model's full-prefill right answers beside the reference's (the target: at
+    least as many), from rows `apply` judged."""
+    out: dict[tuple[str, int], dict[str, object]] = {}
+    for r in rows:
+        if "reference_full_correct" in r:
+            out.setdefault((r.get("split", "bench"), r["k"]), {
+                "split": r.get("split", "bench"), "k": r["k"], "adapter": r.get("adapter", BASE),
+                "full_correct": r["full_correct"], "reference_full_correct": r["reference_full_correct"],
+                "with_answer": r["with_answer"], "at_least_as_many": r["full_correct"] >= r["reference_full_correct"]})
+    return list(out.values())
