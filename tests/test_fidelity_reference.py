@@ -47,12 +47,22 @@ def test_a_reference_over_other_questions_is_refused():
         ({"manuals": [("q0", ("0",)), ("q1", ("1",))]}, (4, 8), "no answers for split 'manuals' at k=8 .*holds: manuals k=4"),
         ({"bench": [("q0", ("0",))]}, (4,), "no answers for split 'bench'"),
         ({"manuals": [("q0", ("0",)), ("other", ("1",))]}, (4,), "question 2 is 'q1' there, 'other' here"),
-        ({"manuals": [("q0", ("0",)), ("q1", ("7",))]}, (4,), "other questions"),  # the same words, another answer
+        ({"manuals": [("q0", ("0",)), ("q1", ("7",))]}, (4,), r"question 2 expects \['1'\] there, \['7'\] here"),
         ({"manuals": [("q0", ("0",))]}, (4,), "2 questions there, 1 here"),
     ]:
         with pytest.raises(ValueError, match=match) as e:
             check(ref, questions, ks)
         assert "--seed-offset" in str(e.value)
+
+
+def test_a_report_written_when_answers_were_one_string_is_read(tmp_path):
+    old = row(4, [(1, 1), (0, 0)], split="bench", adapter="none")
+    for a in old["answers"]:
+        a["expected"] = a["expected"][0]  # reports before several answers were allowed wrote one string
+    (tmp_path / "old.json").write_text(json.dumps({"rows": [old]}))
+    ref = load(tmp_path / "old.json")
+    assert ref.answers[("bench", 4)] == (("q0", ("0",), True), ("q1", ("1",), False))
+    check(ref, {"bench": [("q0", ("0",)), ("q1", ("1",))]}, (4,))
 
 
 def test_a_pooled_or_unreadable_reference_is_refused(tmp_path):

@@ -60,12 +60,17 @@ def load(path: str | Path) -> ReferenceRun:
     if len(adapters) != 1:
         raise ValueError(f"reference {str(path)!r} mixes adapters {sorted(adapters)}; pass one model's run")
     for r in rows:
-        per = tuple((a["question"], tuple(a["expected"] or ()), bool(a["full_right"])) for a in r["answers"])
+        per = tuple((a["question"], _expected(a["expected"]), bool(a["full_right"])) for a in r["answers"])
         key = (r.get("split", "bench"), r["k"])
         if answers.setdefault(key, per) != per:
             raise ValueError(f"reference {str(path)!r}: the rows of {key[0]} k={key[1]} disagree on full "
                              "prefill's answers; it is not one run's report")
     return ReferenceRun(str(path), adapters.pop(), answers)
+
+
+def _expected(value: str | list[str] | None) -> tuple[str, ...]:
+    """A row's expected answers: a list, or (in reports written before answers could be several) one string."""
+    return (value,) if isinstance(value, str) else tuple(value or ())
 
 
 def check(ref: ReferenceRun, questions: dict[str, list[tuple[str, tuple[str, ...]]]], ks: tuple[int, ...]) -> None:
@@ -81,8 +86,12 @@ def check(ref: ReferenceRun, questions: dict[str, list[tuple[str, tuple[str, ...
             theirs_q = [(q, e) for q, e, _ in theirs]
             if theirs_q != mine:
                 at = next((i for i, (a, b) in enumerate(zip(theirs_q, mine)) if a != b), min(len(mine), len(theirs_q)))
-                what = (f"question {at + 1} is {theirs_q[at][0]!r} there, {mine[at][0]!r} here" if at < min(len(mine), len(theirs_q))
-                        else f"{len(theirs_q)} questions there, {len(mine)} here")
+                if at >= min(len(mine), len(theirs_q)):
+                    what = f"{len(theirs_q)} questions there, {len(mine)} here"
+                elif theirs_q[at][0] == mine[at][0]:
+                    what = f"question {at + 1} expects {list(theirs_q[at][1])} there, {list(mine[at][1])} here"
+                else:
+                    what = f"question {at + 1} is {theirs_q[at][0]!r} there, {mine[at][0]!r} here"
                 raise ValueError(f"reference {ref.path!r} asked other questions for split {split!r} at k={k} "
                                  f"({what}); {hint}")
 
