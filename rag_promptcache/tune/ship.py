@@ -40,7 +40,9 @@ def ship(source: Path, recovery: str, *, model: str | None = None, measured: dic
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shutil.copyfile(source / "adapter_config.json", tmp / "adapter_config.json")
+    config = json.loads((source / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = found.base_model  # not the trainer's local path
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     weights = load_file(str(source / "adapter_model.safetensors"))
     save_file({k: v.to(torch.float16) if v.is_floating_point() else v for k, v in weights.items()},
               str(tmp / "adapter_model.safetensors"))
