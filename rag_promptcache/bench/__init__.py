@@ -71,6 +71,7 @@ def run_loaded(
 
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
+    from rag_promptcache.bench.fidelity_reference import adapter_label
     from rag_promptcache.engine.compute import attention
     from rag_promptcache.model.loading import cpu_flags
 
@@ -87,6 +88,7 @@ def run_loaded(
         "cpu_flags": list(cpu_flags()),
         # model/native.py's kernels (prefill attention, key relocation) ran for this run's bf16 CPU model
         "native_kernels": attention.available(bench.model.dtype, dev),
+        "adapter": adapter_label(bench.model),  # the tuned adapter merged into the model, or "none"
         "ttft": [], "quality": [], "memory": [], "langchain": {"skipped": "not run"},
     }
     seconds: dict[str, float] = {}
