@@ -51,7 +51,7 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     bad = cli("tune", "-c", tmp_path / "c", "--minutes", "0")
     assert bad.returncode == 1 and "--minutes must be > 0" in bad.stderr
     # where an adapter ships for the model, a tune starts from it and is checked against it too
-    shipped = adapters.read(save_random_lora(model, tmp_path / "shipped"))
+    shipped = adapters.read(save_random_lora(model, tmp_path / "shipped", recovery="last:1"))
     monkeypatch.setattr(adapters, "find", lambda spec, name: shipped if spec == adapters.DEFAULT else None)
     corpus = Corpus.open(tmp_path / "c")
     try:
@@ -62,7 +62,15 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
         corpus.close()
     assert {"default/full", "default/none"} <= set(report.check.right)
     meta = json.loads((tmp_path / "from-shipped" / "tune.json").read_text())
-    assert meta["recipe"]["init"] == shipped.path
+    assert meta["recipe"]["init"] == shipped.path and meta["recovery"] == shipped.recovery
+    # another rank cannot start from the shipped weights: a fresh LoRA, still checked against them
+    corpus = Corpus.open(tmp_path / "c")
+    try:
+        tune_corpus(corpus, tmp_path / "rank-8", TuneConfig(rank=8, alpha=16, max_steps=1, tokens_per_batch=2048),
+                    general=False, check=0)
+    finally:
+        corpus.close()
+    assert json.loads((tmp_path / "rank-8" / "tune.json").read_text())["recipe"]["init"] == ""
 
 
 def test_verdict() -> None:

@@ -131,6 +131,12 @@ def verdict(check: Check) -> tuple[bool, str]:
     return True, f"cached answers kept {tuned:.2f} of full prefill's right answers, against {name} {base:.2f}"
 
 
+def starts_from(adapter: adapters.Adapter, cfg: TuneConfig) -> bool:
+    """Whether a run of `cfg` can start from `adapter`'s weights: the same rank on the same projections."""
+    config = json.loads((Path(adapter.path) / "adapter_config.json").read_text())
+    return config.get("r") == cfg.rank and set(config.get("target_modules") or ()) == set(cfg.targets)
+
+
 def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bool = True, check: int = 24, k: int = 4,
                 progress: Callable[[Progress, dict[str, float]], None] | None = None) -> TuneReport:
     """Train an adapter for `corpus`'s model on its modules (and, with `general`, this machine's text)
@@ -155,9 +161,13 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     layouter = Layouter(tokenizer, corpus.manifest.mode)
     right = run_check(model, tokenizer, rows, layouter, "base") if rows else {}
     shipped = adapters.find(adapters.DEFAULT, corpus.manifest.model)
+    recovery = "none"
     if shipped is not None and shipped.mode == corpus.manifest.mode:
-        # what the user runs untuned is the shipped adapter: start from it, and beat it to be applied
-        cfg = replace(cfg, init=cfg.init or shipped.path)
+        # what the user runs untuned is the shipped adapter: start from it where the shapes allow, keep
+        # the recovery it was chosen for, and beat it to be applied
+        recovery = shipped.recovery or recovery
+        if starts_from(shipped, cfg):
+            cfg = replace(cfg, init=cfg.init or shipped.path)
         if rows:
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
             right.update(run_check(merged, tokenizer, rows, layouter, "default"))
@@ -179,7 +189,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     report = TuneReport(out, applied, reason, state.step, state.samples, time.perf_counter() - t0, check_out,
                         state.losses[-50:])
     meta = {"format": FORMAT, "base_model": corpus.manifest.model, "base_fingerprint": base_fingerprint,
-            "mode": corpus.manifest.mode, "recovery": "none", "recipe": {**asdict(cfg), "corpus": str(corpus.path),
+            "mode": corpus.manifest.mode, "recovery": recovery, "recipe": {**asdict(cfg), "corpus": str(corpus.path),
                                                                           "general": general},
             "metrics": {"check": asdict(check_out) if check_out else None, "applied": applied, "reason": reason}}
     (out / "tune.json").write_text(json.dumps(meta, indent=1))

@@ -6,8 +6,8 @@ measured.
     python -m rag_promptcache.tune.ship DIR --recovery none|last:N [--model NAME] [--measured FILE.json]
 
 `DIR` is what `tune.recipe` or `rag-promptcache tune` wrote (peft's files and `tune.json`). The recovery
-becomes the engine's default for the model (model/adapter.py); choose it on the fidelity benchmark's
-bench split, confirm it on the others (docs/FIDELITY.md). `--measured`: a JSON object filed under
+becomes the engine's default for the model (model/adapter.py); choose it by the fidelity benchmark's
+rule, against the base model's full prefill (docs/FIDELITY.md). `--measured`: a JSON object filed under
 `tune.json`'s "metrics" (the benchmark's rows that chose it).
 
 Not here: training (`recipe.py`), loading (`model/adapter.py`).
