@@ -345,7 +345,7 @@ def test_structured_output_from_langchain_and_the_openai_client(client, base_url
     assert raw["parsing_error"] is None and Fruit.model_validate_json(raw["raw"].content) == raw["parsed"]
 
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[2]}],
-                                       response_format={"type": "json_object"}, temperature=0, max_tokens=64)
+                                       response_format={"type": "json_object"}, temperature=0, max_tokens=256)
     assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
     schema = {"type": "object", "properties": {"year": {"type": "integer"}}, "required": ["year"], "additionalProperties": False}
     stream = client.chat.completions.create(
