@@ -23,20 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from rag_promptcache.bench import fidelity_data, fidelity_heldout
-
-SPLITS = {"bench": fidelity_data, "heldout": fidelity_heldout}
+from rag_promptcache.bench.fidelity import SPLITS, split_data
 
 
 def run(split: str, minutes: float, check: int, draw: int, workdir: Path) -> dict[str, object]:
     from rag_promptcache.rag import Corpus
 
-    from rag_promptcache.bench.fidelity import CHUNK_TOKENS
-
-    data = SPLITS[split].generate(seed=SPLITS[split].SEED + draw)
+    data, chunk_tokens = split_data(split, seed_offset=draw)
     t0 = time.perf_counter()
-    corpus = Corpus.build(data.documents, workdir / "corpus", adapter="none", progress=False,
-                          chunk_tokens=CHUNK_TOKENS if split == "bench" else None)
+    corpus = Corpus.build(data.documents, workdir / "corpus", adapter="none", progress=False, chunk_tokens=chunk_tokens)
     modules = len(corpus.table.modules())
     corpus.close()
     built = time.perf_counter() - t0
@@ -71,7 +66,7 @@ def markdown(r: dict[str, object]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--split", choices=sorted(SPLITS), default="heldout")
+    ap.add_argument("--split", choices=SPLITS, default="heldout")
     ap.add_argument("--draw", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--check", type=int, default=24)

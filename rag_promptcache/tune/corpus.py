@@ -28,7 +28,7 @@ from rag_promptcache.tune.layout import Layouter
 from rag_promptcache.tune.recipe import FORMAT, module_text, probe, probe_prompts
 from rag_promptcache.tune.samples import SampleMaker
 from rag_promptcache.tune.texts import Passage, gather, held_out
-from rag_promptcache.tune.train import Progress, TuneConfig, train
+from rag_promptcache.tune.train import Progress, TuneConfig, can_start_from, train
 
 if TYPE_CHECKING:
     from rag_promptcache.rag import Corpus
@@ -131,12 +131,6 @@ def verdict(check: Check) -> tuple[bool, str]:
     return True, f"cached answers kept {tuned:.2f} of full prefill's right answers, against {name} {base:.2f}"
 
 
-def starts_from(adapter: adapters.Adapter, cfg: TuneConfig) -> bool:
-    """Whether a run of `cfg` can start from `adapter`'s weights: the same rank on the same projections."""
-    config = json.loads((Path(adapter.path) / "adapter_config.json").read_text())
-    return config.get("r") == cfg.rank and set(config.get("target_modules") or ()) == set(cfg.targets)
-
-
 def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bool = True, check: int = 24, k: int = 4,
                 progress: Callable[[Progress, dict[str, float]], None] | None = None) -> TuneReport:
     """Train an adapter for `corpus`'s model on its modules (and, with `general`, this machine's text)
@@ -166,7 +160,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
         # what the user runs untuned is the shipped adapter: start from it where the shapes allow, keep
         # the recovery it was chosen for, and beat it to be applied
         recovery = shipped.recovery or recovery
-        if starts_from(shipped, cfg):
+        if can_start_from(shipped.path, cfg):
             cfg = replace(cfg, init=cfg.init or shipped.path)
         if rows:
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)

@@ -186,13 +186,19 @@ def _save(peft_model, opt, state: Progress, ckpt: Path) -> None:
     tmp.rename(ckpt)  # a stop mid-save leaves the previous checkpoint whole
 
 
+def can_start_from(adapter: str | Path, cfg: TuneConfig) -> bool:
+    """Whether a run of `cfg` can start from the adapter's weights: the same rank on the same projections."""
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    return config.get("r") == cfg.rank and set(config.get("target_modules") or ()) == set(cfg.targets)
+
+
 def _start_from(peft_model, adapter: Path, cfg: TuneConfig) -> None:
     """Load another adapter's LoRA weights (a shipped one, maybe in float16) as the starting point."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    if config.get("r") != cfg.rank or set(config.get("target_modules") or ()) != set(cfg.targets):
+    if not can_start_from(adapter, cfg):
+        config = json.loads((adapter / "adapter_config.json").read_text())
         raise ValueError(f"cannot start from {adapter}: rank {config.get('r')} on {config.get('target_modules')}, "
                          f"this run trains rank {cfg.rank} on {list(cfg.targets)}")
     weights = {k: v.float() for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
