@@ -1,6 +1,7 @@
 """`rag-promptcache tune` on a fresh corpus, as a user runs it (a real process, a tiny random Llama
-with SmolLM2's tokenizer, the real embedder and FAISS): it trains, checks, resumes, and refuses to
-apply an adapter that does not help; the verdict's rule on its own."""
+with SmolLM2's tokenizer, the real embedder and FAISS): it trains, checks (on questions it makes, or
+the user's), resumes, and refuses to apply an adapter that does not help; the questions it makes and
+the verdict's rule on their own."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from rag_promptcache.model import adapter as adapters
 from rag_promptcache.rag import Corpus
-from rag_promptcache.tune.corpus import Check, tune_corpus, verdict
+from rag_promptcache.rag.fidelity import EvalQuestion
+from rag_promptcache.tune.check import Check, blanks, judge, made_questions, verdict
+from rag_promptcache.tune.corpus import tune_corpus
 from rag_promptcache.tune.train import TuneConfig
 from tests.tiny_adapter import save_random_lora
 from tests.test_cli_failures import cli
@@ -40,6 +43,7 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     report = json.loads(done.stdout)
     assert report["steps"] == 2 and report["adapter"] == str(tmp_path / "c" / "tuned")
     assert set(report["check"]["right"]) == {"base/full", "base/none", "tuned/full", "tuned/none"}
+    assert set(report["check"]["kinds"]) == {"blank"} and report["check"]["questions"] == 3
     # a random model answers nothing right: there is nothing to keep, so nothing is applied
     assert report["applied"] is False and "nothing to compare" in report["reason"]
     meta = json.loads((tmp_path / "c" / "tuned" / "tune.json").read_text())
@@ -50,17 +54,25 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     assert "trained 3 steps" in again.stdout and "applied unchecked" in again.stdout  # resumed from step 2
     bad = cli("tune", "-c", tmp_path / "c", "--minutes", "0")
     assert bad.returncode == 1 and "--minutes must be > 0" in bad.stderr
-    # where an adapter ships for the model, a tune starts from it and is checked against it too
+    bad = cli("tune", "-c", tmp_path / "c", "--questions", tmp_path / "missing.jsonl")
+    assert bad.returncode == 1 and "no such file" in bad.stderr
+    (tmp_path / "bad.jsonl").write_text('{"question": "Who leads Amber?"}\n{"answer": "x"}\n')
+    bad = cli("tune", "-c", tmp_path / "c", "--questions", tmp_path / "bad.jsonl")
+    assert bad.returncode == 1 and "bad.jsonl:2" in bad.stderr
+    # where an adapter ships for the model, a tune starts from it and is checked against it too; here on
+    # the user's questions, one without an expected answer (right: what the base model's full prefill says)
     shipped = adapters.read(save_random_lora(model, tmp_path / "shipped", recovery="last:1"))
     monkeypatch.setattr(adapters, "find", lambda spec, name: shipped if spec == adapters.DEFAULT else None)
     corpus = Corpus.open(tmp_path / "c")
     try:
         report = tune_corpus(corpus, tmp_path / "from-shipped", TuneConfig(
             rank=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"), max_steps=1, tokens_per_batch=2048),
-            general=False, check=3)
+            general=False, questions=[EvalQuestion("Who leads team Amber?", ("Ines Varga",)),
+                                      EvalQuestion("When does team Birch meet?")])
     finally:
         corpus.close()
     assert {"default/full", "default/none"} <= set(report.check.right)
+    assert report.check.kinds == {"user": 2} and report.check.right["base/full"] >= 1
     meta = json.loads((tmp_path / "from-shipped" / "tune.json").read_text())
     assert meta["recipe"]["init"] == shipped.path and meta["recovery"] == shipped.recovery
     # another rank cannot start from the shipped weights: a fresh LoRA, still checked against them
@@ -73,10 +85,32 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     assert json.loads((tmp_path / "rank-8" / "tune.json").read_text())["recipe"]["init"] == ""
 
 
+def test_check_questions_blank_a_fact_that_tells_look_alikes_apart() -> None:
+    text = ("The Ostsarsar hospital has 780 beds. Its main span is 395 metres long. "
+            "Its first chief physician at Ostsarsar was Dr Kendrick.\nThe team owns the billing service.")
+    assert blanks(text) == [("The Ostsarsar hospital has ___ beds.", "780"),  # 395: nothing says whose span
+                            ("Its first chief physician at Ostsarsar was Dr ___.", "Kendrick")]
+    made = made_questions([text, "Version 2.1 of the tool was released in 2019 by the team."], 4, seed=0)
+    assert sorted((a, kind) for _, a, kind in made) == [("2.1", "blank"), ("780", "blank"), ("Kendrick", "blank")]
+    assert 'this sentence from the documents: "Version ___ of the tool' in made[-1][0]
+    # a text with no such sentence still gets a cloze question; none at all for one too short to ask about
+    made = made_questions(["the quick brown fox jumps over the lazy dog and then runs far away into the woods.", "Hi."], 4, 0)
+    assert [kind for _, _, kind in made] == ["cloze"]
+
+
+def test_judge_without_an_expected_answer_compares_with_the_base_models_full_prefill() -> None:
+    from rag_promptcache.tune.check import CheckQuestion
+
+    rows = [CheckQuestion("q1", ("780",), (), "", "user"), CheckQuestion("q2", (), (), "", "user")]
+    texts = {"base/full": ["It has 780 beds.", "On Monday."], "tuned/none": ["It has 781 beds.", "on monday"]}
+    assert judge(rows, texts) == {"base/full": [True, True], "tuned/none": [False, True]}
+
+
 def test_verdict() -> None:
     def check(base_full: int, tuned_full: int, base_none: float, tuned_none: float) -> Check:
         return Check(10, {"base/full": base_full, "base/none": 3, "tuned/full": tuned_full, "tuned/none": 5},
-                     {"base/full": 1.0, "base/none": base_none, "tuned/full": 1.0, "tuned/none": tuned_none})
+                     {"base/full": 1.0, "base/none": base_none, "tuned/full": 1.0, "tuned/none": tuned_none},
+                     {"blank": 10})
 
     assert verdict(check(8, 8, 0.5, 0.75))[0] is True
     ok, why = verdict(check(8, 7, 0.5, 0.75))

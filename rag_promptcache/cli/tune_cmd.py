@@ -21,7 +21,9 @@ def tune(
     out: Annotated[Path | None, typer.Option("--out", help="Where the adapter goes [default: CORPUS/tuned].")] = None,
     minutes: Annotated[float, typer.Option("--minutes", help="Stop training after this long (a later run resumes).")] = 60.0,
     steps: Annotated[int, typer.Option("--steps", help="Stop training after this many steps.")] = 1000,
-    check: Annotated[int, typer.Option("--check", help="Held-out questions asked before and after (0: no check).")] = 24,
+    check: Annotated[int, typer.Option("--check", help="Questions made from held-out modules, asked before and after (0: no check).")] = 24,
+    questions: Annotated[Path | None, typer.Option("--questions", help='Check on your own questions instead: the JSON lines eval reads, {"question": "...", "answer": "..."} (answer optional).', dir_okay=False)] = None,
+    k: Annotated[int, typer.Option("-k", "--k", help="How many chunks each check question retrieves.")] = 4,
     general: Annotated[bool, typer.Option("--general/--corpus-only", help="Mix in this machine's general text (Python's reference, Debian changelogs).")] = True,
     rank: Annotated[int, typer.Option("--rank", help="LoRA rank.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the samples and the adapter's initialisation.")] = 0,
@@ -30,12 +32,14 @@ def tune(
 ) -> None:
     """Train a LoRA adapter so the corpus's model answers from independently cached modules as it
     answers with full prefill (distilled from its own full prefill under the engine's block mask),
-    then ask held-out questions with and without it. Resumable: run it again to continue."""
+    then ask questions with and without it: fact lookups made from modules kept out of training, or
+    your own (--questions). Resumable: run it again to continue."""
     import shutil
 
     from tqdm import tqdm
 
     from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.fidelity import read_questions
     from rag_promptcache.rag.models import reencode_command
     from rag_promptcache.tune.corpus import tune_corpus
     from rag_promptcache.tune.train import CHECKPOINT, TuneConfig
@@ -44,6 +48,11 @@ def tune(
         raise fail(f"--minutes must be > 0 and --steps >= 1, got {minutes} and {steps}")
     if check < 0 or rank < 1:
         raise fail(f"--check must be >= 0 and --rank >= 1, got {check} and {rank}")
+    if k < 1:
+        raise fail(f"-k must be at least 1, got {k}")
+    if questions is not None and not questions.is_file():
+        raise fail(f"no such file: {questions}")
+    asked = read_questions(questions) if questions is not None else []
     c = Corpus.open(corpus)
     target = out or corpus / "tuned"
     if restart and (target / CHECKPOINT).exists():
@@ -61,7 +70,7 @@ def tune(
         bar.refresh()
 
     try:
-        report = tune_corpus(c, target, cfg, general=general, check=check, progress=progress)
+        report = tune_corpus(c, target, cfg, general=general, check=check, k=k, questions=asked, progress=progress)
         command = reencode_command(c.manifest, corpus, [d.source for d in c.table.documents()], str(report.adapter))
     finally:
         bar.close()
@@ -73,6 +82,7 @@ def tune(
                f"adapter in {report.adapter}")
     if report.check is not None:
         ch = report.check
+        typer.echo("check: " + ", ".join(f"{n} {kind}" for kind, n in ch.kinds.items()) + f" questions, k = {k}")
         for s in ch.right:
             kept = ch.kept.get(s)
             typer.echo(f"  {s:<11} {ch.right[s]:>3}/{ch.questions} right"

@@ -1,12 +1,7 @@
 """Tune a model for one corpus: samples from its own modules and their retrieval neighbours (plus
-general text), a check before and after on questions from modules kept out of training, and the
-verdict: an adapter that does not make cached answers better, or makes full prefill's worse, is not
-applied.
-
-The check asks cloze questions ("how does the sentence that begins ... go on?") about held-out
-modules, retrieved as `Corpus.ask` retrieves, and counts an answer right when it carries the next
-words of that sentence (`rag.fidelity.answer_contains`). `kept`: of the base model's right answers
-with full prefill, the share a setting also gets right. Not here: the CLI (`cli/tune_cmd.py`).
+general text), and a check before and after (`check.py`: questions made from modules kept out of
+training, or the user's own): an adapter that does not make cached answers better, or makes full
+prefill's worse, is not applied. Not here: the CLI (`cli/tune_cmd.py`).
 """
 
 from __future__ import annotations
@@ -15,37 +10,25 @@ import hashlib
 import itertools
 import json
 import math
-import random
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rag_promptcache.model import adapter as adapters
+from rag_promptcache.tune.check import Check, answers, check_questions, judge, summarize, verdict
 from rag_promptcache.tune.layout import Layouter
-from rag_promptcache.tune.recipe import FORMAT, module_text, probe, probe_prompts
+from rag_promptcache.tune.recipe import FORMAT, module_text
 from rag_promptcache.tune.samples import SampleMaker
 from rag_promptcache.tune.texts import Passage, gather, held_out
 from rag_promptcache.tune.train import Progress, TuneConfig, can_start_from, train
 
 if TYPE_CHECKING:
     from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.fidelity import EvalQuestion
 
 CHECK_SHARE = 0.1
-_SENTENCE = re.compile(r"(?<=[.!?])\s+")
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    """Right answers out of `questions` per setting ("base/full", "base/none", "tuned/full", "tuned/none",
-    and "default/full", "default/none" where an adapter ships for the model) and `kept` per setting: of
-    base/full's right answers, the share it also gets right."""
-
-    questions: int
-    right: dict[str, int]
-    kept: dict[str, float | None]
 
 
 @dataclass(slots=True)
@@ -79,69 +62,19 @@ def corpus_passages(corpus: Corpus, neighbours: int = 6) -> tuple[list[Passage],
     return passages, near, check
 
 
-def check_questions(corpus: Corpus, passages: list[Passage], indices: list[int], limit: int, seed: int,
-                    k: int) -> list[dict[str, object]]:
-    """Cloze questions about held-out modules, with the prompt `Corpus.ask` would build for each."""
-    rng = random.Random(seed)
-    out = []
-    per_module = max(1, math.ceil(limit / max(len(indices), 1)))
-    for i in indices:
-        sentences = [s for s in _SENTENCE.split(" ".join(passages[i].text.split())) if 10 <= len(s.split()) <= 60]
-        for sentence in rng.sample(sentences, min(per_module, len(sentences))):
-            words = sentence.split()
-            cut = rng.randint(4, min(8, len(words) - 4))
-            question = f'How does the sentence that begins "{" ".join(words[:cut])}" go on?'
-            ids = corpus.order([m for m, _ in corpus.search(question, k)])
-            out.append({"question": question, "answer": " ".join(words[cut:cut + 3]).strip(",;:()\"'"),
-                        "modules": [corpus.table.module(m)[0] for m in ids], "instructions": corpus.manifest.instructions})
-            if len(out) >= limit:
-                return out
-    return out
-
-
-def run_check(model, tokenizer, rows: list[dict[str, object]], layouter: Layouter, who: str) -> dict[str, list[bool]]:
-    from rag_promptcache.rag.fidelity import answer_contains
-
-    texts = probe(model, tokenizer, probe_prompts(rows, layouter), who, 4, [], {})
-    return {setting: [answer_contains(t, str(r["answer"])) for t, r in zip(answers, rows)]
-            for setting, answers in texts.items()}
-
-
-def summarize(right: dict[str, list[bool]]) -> Check:
-    ref = right["base/full"]
-    kept = {s: (sum(a and b for a, b in zip(ref, r)) / sum(ref) if sum(ref) else None) for s, r in right.items()}
-    return Check(len(ref), {s: sum(r) for s, r in right.items()}, kept)
-
-
-def verdict(check: Check) -> tuple[bool, str]:
-    """Applied only where the tuned model's cached answers keep more than the model's would without this
-    tune (the base model's, and the shipped adapter's where one ships), and its full prefill answers no
-    fewer questions than the base model's."""
-    tuned = check.kept["tuned/none"]
-    before = [(who, check.kept[f"{who}/none"]) for who in ("base", "default") if f"{who}/none" in check.kept]
-    who, base = max(before, key=lambda b: -1.0 if b[1] is None else b[1])
-    if base is None or tuned is None:
-        return False, "the base model answered none of the check questions with full prefill: nothing to compare"
-    if check.right["tuned/full"] < check.right["base/full"]:
-        return False, (f"full prefill got worse with the adapter ({check.right['tuned/full']} against "
-                       f"{check.right['base/full']} of {check.questions} right)")
-    name = "the base model's" if who == "base" else "the shipped adapter's"
-    if tuned <= base:
-        return False, f"cached answers did not get better (kept {tuned:.2f} against {name} {base:.2f})"
-    return True, f"cached answers kept {tuned:.2f} of full prefill's right answers, against {name} {base:.2f}"
-
-
 def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bool = True, check: int = 24, k: int = 4,
+                questions: Sequence[EvalQuestion] = (),
                 progress: Callable[[Progress, dict[str, float]], None] | None = None) -> TuneReport:
     """Train an adapter for `corpus`'s model on its modules (and, with `general`, this machine's text)
-    and check it; the adapter and `tune.json` go to `out`. Applying it is the caller's choice,
-    on `TuneReport.applied`."""
+    and check it on `questions` (all of them), or on `check` questions made from held-out modules,
+    each over `k` retrieved modules; the adapter and `tune.json` go to `out`. Applying it is the
+    caller's choice, on `TuneReport.applied`."""
     from rag_promptcache.model.loading import load_model, model_fingerprint
 
     out = Path(out)
     t0 = time.perf_counter()
     passages, near, held = corpus_passages(corpus)
-    rows = check_questions(corpus, passages, held, check, cfg.seed, k) if check else []
+    rows = check_questions(corpus, [passages[i].text for i in held], check, cfg.seed, k, questions) if check or questions else []
     train_idx = [i for i in range(len(passages)) if i not in set(held)]
     pool = [passages[i] for i in train_idx]
     remap = {old: new for new, old in enumerate(train_idx)}
@@ -153,7 +86,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
     layouter = Layouter(tokenizer, corpus.manifest.mode)
-    right = run_check(model, tokenizer, rows, layouter, "base") if rows else {}
+    texts = answers(model, tokenizer, rows, layouter, "base") if rows else {}
     shipped = adapters.find(adapters.DEFAULT, corpus.manifest.model)
     recovery = "none"
     if shipped is not None and shipped.mode == corpus.manifest.mode:
@@ -164,7 +97,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
             cfg = replace(cfg, init=cfg.init or shipped.path)
         if rows:
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
-            right.update(run_check(merged, tokenizer, rows, layouter, "default"))
+            texts.update(answers(merged, tokenizer, rows, layouter, "default"))
             del merged
     maker = SampleMaker(pool, corpus.manifest.instructions, k=(1, max(2, k + 2)), seed=cfg.seed, neighbors=neighbours)
 
@@ -175,11 +108,14 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
 
     peft_model, state = train(model, stream, out, cfg, progress)
     check_out = None
-    applied, reason = True, "no check questions: applied unchecked"
+    applied, reason = True, "no check asked for: applied unchecked"
     if rows:
-        right.update(run_check(peft_model, tokenizer, rows, layouter, "tuned"))
-        check_out = summarize(right)
+        texts.update(answers(peft_model, tokenizer, rows, layouter, "tuned"))
+        check_out = summarize(rows, judge(rows, texts))
         applied, reason = verdict(check_out)
+    elif check:
+        applied, reason = False, ("no check question could be made from the held-out modules (no sentence long "
+                                  "enough): ask your own with --questions, or apply it unchecked with --check 0")
     report = TuneReport(out, applied, reason, state.step, state.samples, time.perf_counter() - t0, check_out,
                         state.losses[-50:])
     meta = {"format": FORMAT, "base_model": corpus.manifest.model, "base_fingerprint": base_fingerprint,
