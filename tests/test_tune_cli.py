@@ -92,7 +92,9 @@ def test_check_questions_blank_a_fact_that_tells_look_alikes_apart() -> None:
                             ("Its first chief physician at Ostsarsar was Dr ___.", "Kendrick")]
     made = made_questions([text, "Version 2.1 of the tool was released in 2019 by the team."], 4, seed=0)
     assert sorted((a, kind) for _, a, kind in made) == [("2.1", "blank"), ("780", "blank"), ("Kendrick", "blank")]
-    assert 'this sentence from the documents: "Version ___ of the tool' in made[-1][0]
+    assert [q for q, a, _ in made if a == "2.1"][0].endswith('this sentence from the documents: '
+                                                           '"Version ___ of the tool was released in 2019 by the team."')
+    assert made[1][1] == "2.1"  # one from each text in turn
     # a text with no such sentence still gets a cloze question; none at all for one too short to ask about
     made = made_questions(["the quick brown fox jumps over the lazy dog and then runs far away into the woods.", "Hi."], 4, 0)
     assert [kind for _, _, kind in made] == ["cloze"]

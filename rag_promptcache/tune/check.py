@@ -16,7 +16,7 @@ prefill says (`normalize_answer`). Not here: training (`train.py`), the CLI (`cl
 
 from __future__ import annotations
 
-import math
+import itertools
 import random
 import re
 from collections.abc import Sequence
@@ -93,19 +93,20 @@ def _cloze(text: str, rng: random.Random) -> tuple[str, str] | None:
 
 
 def made_questions(texts: Sequence[str], limit: int, seed: int) -> list[tuple[str, str, str]]:
-    """(question, answer, kind) about `texts`, spread evenly over them: blanks first, cloze where a
-    text has none left."""
+    """Up to `limit` (question, answer, kind) about `texts`, taken from each text in turn: its blanks,
+    or one cloze question where it has none."""
     rng = random.Random(seed)
-    per_text = max(1, math.ceil(limit / max(len(texts), 1)))
-    out = []
+    per_text = []
     for text in texts:
         found = blanks(text)
-        picked = [(f'Which word or number fills the blank in this sentence from the documents: "{s}"', a, "blank")
-                  for s, a in rng.sample(found, min(per_text, len(found)))]
-        if not picked and (cloze := _cloze(text, rng)) is not None:
-            picked.append((*cloze, "cloze"))
-        out += picked
-    return out[:limit]
+        rng.shuffle(found)
+        rows = [(f'Which word or number fills the blank in this sentence from the documents: "{s}"', a, "blank")
+                for s, a in found]
+        if not rows and (cloze := _cloze(text, rng)) is not None:
+            rows.append((*cloze, "cloze"))
+        per_text.append(rows)
+    in_turn = itertools.chain.from_iterable(itertools.zip_longest(*per_text))
+    return [row for row in in_turn if row is not None][:limit]
 
 
 def ask_as_corpus(corpus: Corpus, questions: Sequence[tuple[str, tuple[str, ...], str]], k: int) -> list[CheckQuestion]:
