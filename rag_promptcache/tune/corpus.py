@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rag_promptcache.model import adapter as adapters
-from rag_promptcache.tune.check import Check, answers, check_questions, judge, summarize, verdict
+from rag_promptcache.tune.check import Check, answers, check_questions, judge, made_questions, summarize, verdict
 from rag_promptcache.tune.layout import Layouter
 from rag_promptcache.tune.recipe import FORMAT, module_text
 from rag_promptcache.tune.samples import SampleMaker
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.fidelity import EvalQuestion
 
-CHECK_SHARE = 0.1
+CHECK_SHARE = (0.1, 0.25)  # the share of modules kept out of training for the check: at least, at most
 
 
 @dataclass(slots=True)
@@ -48,18 +48,21 @@ class TuneReport:
         return out
 
 
-def corpus_passages(corpus: Corpus, neighbours: int = 6) -> tuple[list[Passage], dict[int, list[int]], list[int]]:
-    """(passages, their retrieval neighbours, the indices kept out of training for the check)."""
+def corpus_passages(corpus: Corpus, check: int, seed: int, neighbours: int = 6
+                    ) -> tuple[list[Passage], dict[int, list[int]], list[int]]:
+    """(passages, their retrieval neighbours, the indices kept out of training for the check: a stable
+    tenth of them, then more, up to a quarter, until `check` questions can be made from them)."""
     modules = corpus.table.modules()
     index = {m: i for i, (m, _) in enumerate(modules)}
     passages = [Passage("corpus", corpus.source(m), "", text) for m, text in modules]
     near = {}
     for i, (_, text) in enumerate(modules):
         near[i] = [index[m] for m, _ in corpus.search(text[:2000], neighbours + 1) if m in index and index[m] != i]
-    # a stable tenth of the modules (one at least), by a hash of their ids, kept for the check
     ranked = sorted(range(len(modules)), key=lambda i: hashlib.sha256(modules[i][0].encode()).digest())
-    check = sorted(ranked[: max(1, math.ceil(CHECK_SHARE * len(modules)))])
-    return passages, near, check
+    held, most = max(1, math.ceil(CHECK_SHARE[0] * len(modules))), max(1, int(CHECK_SHARE[1] * len(modules)))
+    while held < most and len(made_questions([passages[i].text for i in ranked[:held]], check, seed)) < check:
+        held += 1
+    return passages, near, sorted(ranked[:held])
 
 
 def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bool = True, check: int = 24, k: int = 4,
@@ -73,7 +76,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
 
     out = Path(out)
     t0 = time.perf_counter()
-    passages, near, held = corpus_passages(corpus)
+    passages, near, held = corpus_passages(corpus, 0 if questions else check, cfg.seed)
     rows = check_questions(corpus, [passages[i].text for i in held], check, cfg.seed, k, questions) if check or questions else []
     train_idx = [i for i in range(len(passages)) if i not in set(held)]
     pool = [passages[i] for i in train_idx]
