@@ -127,7 +127,7 @@ def check_questions(corpus: Corpus, texts: Sequence[str], limit: int, seed: int,
     return ask_as_corpus(corpus, [(q, (a,), kind) for q, a, kind in made_questions(texts, limit, seed)], k)
 
 
-def answers(model, tokenizer, rows: Sequence[CheckQuestion], layouter: Layouter, who: str) -> dict[str, list[str]]:
+def answers_of(model, tokenizer, rows: Sequence[CheckQuestion], layouter: Layouter, who: str) -> dict[str, list[str]]:
     """`who`'s answers with full prefill and with modules encoded on their own ("who/full", "who/none")."""
     prompts = [layouter.lay(r.instructions, list(r.modules), r.question, "") for r in rows]
     return probe(model, tokenizer, prompts, who, 4, [], {})
@@ -143,7 +143,7 @@ def judge(rows: Sequence[CheckQuestion], texts: dict[str, list[str]]) -> dict[st
             return any(answer_contains(text, a) for a in row.answers)
         return normalize_answer(text) == normalize_answer(ref)
 
-    return {s: [right(r, t, ref) for r, t, ref in zip(rows, answers, reference)] for s, answers in texts.items()}
+    return {s: [right(r, t, ref) for r, t, ref in zip(rows, said, reference)] for s, said in texts.items()}
 
 
 def summarize(rows: Sequence[CheckQuestion], right: dict[str, list[bool]]) -> Check:

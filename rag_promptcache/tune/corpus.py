@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rag_promptcache.model import adapter as adapters
-from rag_promptcache.tune.check import Check, answers, check_questions, judge, made_questions, summarize, verdict
+from rag_promptcache.tune.check import Check, answers_of, check_questions, judge, made_questions, summarize, verdict
 from rag_promptcache.tune.layout import Layouter
 from rag_promptcache.tune.recipe import FORMAT, module_text
 from rag_promptcache.tune.samples import SampleMaker
@@ -77,7 +77,9 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     out = Path(out)
     t0 = time.perf_counter()
     passages, near, held = corpus_passages(corpus, 0 if questions else check, cfg.seed)
-    rows = check_questions(corpus, [passages[i].text for i in held], check, cfg.seed, k, questions) if check or questions else []
+    rows = []
+    if check or questions:
+        rows = check_questions(corpus, [passages[i].text for i in held], check, cfg.seed, k, questions)
     train_idx = [i for i in range(len(passages)) if i not in set(held)]
     pool = [passages[i] for i in train_idx]
     remap = {old: new for new, old in enumerate(train_idx)}
@@ -89,7 +91,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
     layouter = Layouter(tokenizer, corpus.manifest.mode)
-    texts = answers(model, tokenizer, rows, layouter, "base") if rows else {}
+    texts = answers_of(model, tokenizer, rows, layouter, "base") if rows else {}
     shipped = adapters.find(adapters.DEFAULT, corpus.manifest.model)
     recovery = "none"
     if shipped is not None and shipped.mode == corpus.manifest.mode:
@@ -100,7 +102,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
             cfg = replace(cfg, init=cfg.init or shipped.path)
         if rows:
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
-            texts.update(answers(merged, tokenizer, rows, layouter, "default"))
+            texts.update(answers_of(merged, tokenizer, rows, layouter, "default"))
             del merged
     maker = SampleMaker(pool, corpus.manifest.instructions, k=(1, max(2, k + 2)), seed=cfg.seed, neighbors=neighbours)
 
@@ -113,7 +115,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     check_out = None
     applied, reason = True, "no check asked for: applied unchecked"
     if rows:
-        texts.update(answers(peft_model, tokenizer, rows, layouter, "tuned"))
+        texts.update(answers_of(peft_model, tokenizer, rows, layouter, "tuned"))
         check_out = summarize(rows, judge(rows, texts))
         applied, reason = verdict(check_out)
     elif check:
