@@ -13,7 +13,7 @@ import pytest
 from rag_promptcache.model import adapter as adapters
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag.fidelity import EvalQuestion
-from rag_promptcache.tune.check import Check, blanks, judge, made_questions, verdict
+from rag_promptcache.tune.check import Check, CheckQuestion, blanks, judge, made_questions, verdict
 from rag_promptcache.tune.corpus import tune_corpus
 from rag_promptcache.tune.train import TuneConfig
 from tests.tiny_adapter import save_random_lora
@@ -101,8 +101,6 @@ def test_check_questions_blank_a_fact_that_tells_look_alikes_apart() -> None:
 
 
 def test_judge_without_an_expected_answer_compares_with_the_base_models_full_prefill() -> None:
-    from rag_promptcache.tune.check import CheckQuestion
-
     rows = [CheckQuestion("q1", ("780",), (), "", "user"), CheckQuestion("q2", (), (), "", "user")]
     texts = {"base/full": ["It has 780 beds.", "On Monday."], "tuned/none": ["It has 781 beds.", "on monday"]}
     assert judge(rows, texts) == {"base/full": [True, True], "tuned/none": [False, True]}
