@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -72,7 +73,7 @@ def blanks(text: str) -> list[tuple[str, str]]:
             span = numbers[0].span()
         elif names:
             last = names[-1]
-            span = (last.start() + last.group().rfind(" ") + 1 if " " in last.group() else last.start(), last.end())
+            span = (last.start() + last.group().rfind(" ") + 1, last.end())  # its last word (rfind: -1 for one word)
         else:
             continue
         word = sentence[span[0]:span[1]]
@@ -149,10 +150,7 @@ def judge(rows: Sequence[CheckQuestion], texts: dict[str, list[str]]) -> dict[st
 def summarize(rows: Sequence[CheckQuestion], right: dict[str, list[bool]]) -> Check:
     ref = right["base/full"]
     kept = {s: (sum(a and b for a, b in zip(ref, r)) / sum(ref) if sum(ref) else None) for s, r in right.items()}
-    kinds: dict[str, int] = {}
-    for r in rows:
-        kinds[r.kind] = kinds.get(r.kind, 0) + 1
-    return Check(len(ref), {s: sum(r) for s, r in right.items()}, kept, kinds)
+    return Check(len(ref), {s: sum(r) for s, r in right.items()}, kept, dict(Counter(r.kind for r in rows)))
 
 
 def verdict(check: Check) -> tuple[bool, str]:
