@@ -10,7 +10,8 @@ miss (`None`). Importing this package does not import the redis client; `RedisSt
 from .admin import describe, evict_to, verify
 from .base import FORMAT_VERSION, ModuleKV, Store, StoreStats, VerifyReport, module_key
 from .codecs import CODEC_VERSIONS, CODECS, EncodedKV, check_codec, decode, encode
-from .config import DiskConfig, MemoryConfig, RedisConfig, StoreConfig, load_config, make_store
+from .config import DeviceConfig, DiskConfig, MemoryConfig, RedisConfig, StoreConfig, load_config, make_store
+from .device import DeviceStore
 from .disk import DiskStore
 from .eviction import BudgetIndex, CostAwarePolicy, Entry, LRUPolicy, make_policy
 from .memory import MemoryStore
@@ -26,6 +27,8 @@ __all__ = [
     "BudgetIndex",
     "CorruptEntry",
     "CostAwarePolicy",
+    "DeviceConfig",
+    "DeviceStore",
     "DiskConfig",
     "DiskStore",
     "EncodedKV",

@@ -2,6 +2,7 @@
 
 A spec string names the tiers, fastest first, joined by "+":
     "memory" | "disk:/path" | "redis://host:port/db" | "memory+disk:/path" | "memory+redis://…"
+    "gpu+memory" (a device tier, device.py, in front: "gpu" or "gpu:cuda:1")
     "off" (or "none") -> NullStore;  None -> $RAG_PROMPTCACHE_STORE, else "memory".
 Options come from keyword arguments, then `RAG_PROMPTCACHE_STORE_<OPTION>` environment variables,
 then the defaults; the keys are those of `OPTIONS`. An unknown key, as an argument or as a variable
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .base import Store
 from .codecs import check_codec
+from .device import DeviceStore
 from .disk import DiskStore
 from .eviction import make_policy
 from .memory import MemoryStore
@@ -35,6 +37,13 @@ class MemoryConfig:
     max_bytes: int | None = None
     codec: str = "native"
     device: str = "cpu"
+    policy: str = "lru"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    max_bytes: int | None = None  # None: device.DEFAULT_FRACTION of the device's memory
+    device: str = "cuda"
     policy: str = "lru"
 
 
@@ -63,6 +72,7 @@ class StoreConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    gpu: DeviceConfig = field(default_factory=DeviceConfig)
     # the engine's prefix cache of recent requests' KV (engine/prefix/prefix_cache.py), in bytes; 0 turns it off
     prefix_cache_bytes: int = 256 * 2**20
 
@@ -115,6 +125,9 @@ OPTIONS: dict[str, tuple[str, str, Callable[..., object]]] = {
     "redis_chunk_bytes": ("redis", "chunk_bytes", parse_size),
     "redis_retry_after_s": ("redis", "retry_after_s", float),
     "prefix_cache_bytes": ("", "prefix_cache_bytes", _byte_budget),
+    "gpu_max_bytes": ("gpu", "max_bytes", parse_size),
+    "gpu_device": ("gpu", "device", str),
+    "gpu_policy": ("gpu", "policy", str),
 }
 
 
@@ -136,7 +149,7 @@ def load_config(spec: str | None = None, env: Mapping[str, str] | None = None, *
     if spec is not None:
         values["spec"] = spec
     cfg = StoreConfig()
-    parts: dict[str, dict[str, object]] = {"": {}, "memory": {}, "disk": {}, "redis": {}}
+    parts: dict[str, dict[str, object]] = {"": {}, "memory": {}, "disk": {}, "redis": {}, "gpu": {}}
     for option, raw in values.items():
         component, name, parse = OPTIONS[option]
         value = parse(raw)
@@ -152,6 +165,7 @@ def load_config(spec: str | None = None, env: Mapping[str, str] | None = None, *
         memory=dataclasses.replace(cfg.memory, **parts["memory"]),
         disk=dataclasses.replace(cfg.disk, **parts["disk"]),
         redis=dataclasses.replace(cfg.redis, **parts["redis"]),
+        gpu=dataclasses.replace(cfg.gpu, **parts["gpu"]),
     )
 
 
@@ -170,6 +184,11 @@ def _tier(part: str, cfg: StoreConfig) -> Store:
         m = cfg.memory
         make_policy(m.policy)
         return MemoryStore(max_bytes=m.max_bytes, codec=m.codec, device=m.device, policy=m.policy)
+    if part == "gpu" or part.startswith("gpu:"):
+        g = cfg.gpu
+        make_policy(g.policy)
+        return DeviceStore(max_bytes=g.max_bytes, device=part.removeprefix("gpu").removeprefix(":") or g.device,
+                           policy=g.policy)
     if part == "disk" or part.startswith("disk:"):
         d = cfg.disk
         path = part.removeprefix("disk").removeprefix(":") or d.path
@@ -181,7 +200,8 @@ def _tier(part: str, cfg: StoreConfig) -> Store:
         url = r.url if part == "redis" else part
         return RedisStore(url, r.prefix, r.ttl_s, r.codec, r.chunk_bytes, r.retry_after_s)
     raise ValueError(
-        f"unknown store tier {part!r}; valid tiers: memory, disk:/path, redis://host:port/db (joined by '+'), or off"
+        f"unknown store tier {part!r}; valid tiers: gpu[:device], memory, disk:/path, redis://host:port/db "
+        "(joined by '+'), or off"
     )
 
 

@@ -34,6 +34,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from rag_promptcache.engine.compute import attention
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.engine.planning.prefill import Chunk
+from rag_promptcache.engine.compute.graphs import batch_graphs
 from rag_promptcache.engine.compute.runner import forward_batch, forward_logits, lean_forward
 from rag_promptcache.model.positions import KVGeometry
 
@@ -143,9 +144,17 @@ def _begin_step(batch: BatchCache, n: int) -> torch.Tensor:
 def decode_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int], *,
                 lean: bool = True) -> torch.Tensor:
     """One token for each of the first len(ids) rows → next-token logits [n, V] fp32. `lean`: the lean
-    forward's batched step where the model has one (engine/compute/forward.py); False: transformers'."""
+    forward's batched step where the model has one (engine/compute/forward.py), on CUDA a graph of it per
+    number of rows (engine/compute/graphs.py); False: transformers'."""
     n = len(ids)
     device = batch.device
+    batch.reserve(max(batch.lengths[:n]) + 1)  # before the graphs: reserving may move the buffers
+    graphs = batch_graphs(model, batch, batch.keys, batch.values) if lean else None
+    if graphs is not None:
+        logits = graphs(ids, positions, batch.lengths[:n])
+        for r in range(n):
+            batch.lengths[r] += 1
+        return logits
     mask = _begin_step(batch, n)
     input_ids = torch.tensor(ids, device=device)[:, None]  # [n, 1]
     position_ids = torch.tensor(positions, device=device)[:, None]  # [n, 1]

@@ -172,9 +172,12 @@ class LeanLlama:
         if fused and mask is not None:
             visible = attention.visible_prefixes(mask, num_cached)
             fused = visible is not None
-        attn_mask = None if fused else self._mask(mask, n, num_cached, x.dtype, x.device)
+        # a plain prefill with nothing cached on CUDA: SDPA's own causal mask (flash attention), not a
+        # [group * N, N] mask in memory (8 GiB at 32k tokens on an 8B model)
+        causal = mask is None and num_cached == 0 and n > 1 and x.device.type == "cuda"
+        attn_mask = None if fused or causal else self._mask(mask, n, num_cached, x.dtype, x.device)
         for i, (layer, kv) in enumerate(zip(self.layers, layers)):
-            x = self._layer(i, layer, x, cos, sin, kv, attn_mask, (visible, mask) if fused else None)
+            x = self._layer(i, layer, x, cos, sin, kv, attn_mask, (visible, mask) if fused else None, causal)
         return self.head(self.norm(x[:, -keep:]))[0][0].float()
 
     def decode_batch(self, ids: torch.Tensor, positions: torch.Tensor, layers: Sequence[DynamicLayer],
@@ -193,8 +196,8 @@ class LeanLlama:
         return self.head(self.norm(x))[0][:, -1].float()
 
     def _layer(self, i: int, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
-               mask: torch.Tensor | None, fused: Fused | None = None) -> torch.Tensor:
-        x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, mask, fused)
+               mask: torch.Tensor | None, fused: Fused | None = None, causal: bool = False) -> torch.Tensor:
+        x = x + self._attention(i, layer.input_layernorm(x), cos, sin, kv, mask, fused, causal)
         return x + self.mlp(i, layer, x)
 
     def mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
@@ -203,9 +206,10 @@ class LeanLlama:
         return self.down[i](F.silu(gate) * up)[0]
 
     def _attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DynamicLayer,
-                   mask: torch.Tensor | None, fused: Fused | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None, fused: Fused | None = None, causal: bool = False) -> torch.Tensor:
         """`fused`: where the fused kernel may run, (cached keys each new token sees or None for all, the
-        caller's mask) and `mask` is None; else SDPA with `mask`."""
+        caller's mask) and `mask` is None; `causal`: nothing cached, SDPA's causal mask over the KV heads
+        repeated; else SDPA with `mask`."""
         b, n = h.shape[:2]
         d, hkv = self.head_dim, self.num_kv_heads
         q, k, v = self.qkv[i](h)
@@ -214,6 +218,11 @@ class LeanLlama:
         v = v.view(b, n, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = kv.update(k, v)  # [B, Hkv, C + N, D], views of the cache's buffers
+        if causal:  # transformers' repeat_kv order: q head h*g+j reads KV head h
+            out = F.scaled_dot_product_attention(q, keys.repeat_interleave(self.group, dim=1),
+                                                 values.repeat_interleave(self.group, dim=1), is_causal=True,
+                                                 scale=self.scale)
+            return self.o[i](out.transpose(1, 2).reshape(b, n, self.num_heads * d))[0]
         # q heads h*g .. h*g+g-1 share KV head h (transformers' repeat_kv order): fold them into rows
         q = q.reshape(b, hkv, self.group * n, d)
         out = prefill_attention(q, keys, values, n, self.scale, fused[0]) if fused else None

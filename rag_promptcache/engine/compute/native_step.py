@@ -92,7 +92,7 @@ class NativeStep:
         if rc != 0:
             return None
         for layer in layers:
-            layer._set_length(length + n)
+            layer.set_length(length + n)
         return logits
 
     def batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers, lengths: list[int]) -> torch.Tensor | None:

@@ -5,8 +5,8 @@
         ...
 
 What to feed and what to keep is the request's `DecodeState` (engine/decoding/state.py), the same one the
-batcher drives; this loop only runs the forward (engine/compute/runner.py) and crops the cache where a
-prompt lookup draft was rejected. A cache with sliding-window layers cannot be cropped exactly, so it
+batcher drives; this loop only runs the step (engine/compute/graphs.py `step_for`: on CUDA a graph over a
+static buffer, else the forward of engine/compute/runner.py) and drops the KV of a rejected prompt lookup draft. A cache with sliding-window layers cannot be cropped exactly, so it
 gets no drafts (`can_crop`).
 
 Out of scope: planning and prefill (engine/planning/plan.py, engine/planning/prefill.py), batching (engine/batching/batcher.py).
@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from rag_promptcache.engine.kv.assemble import ReservedLayer
-from rag_promptcache.engine.compute.runner import forward_logits
+from rag_promptcache.engine.compute.graphs import step_for
 from rag_promptcache.engine.decoding.state import DecodeState
 
 
@@ -32,16 +32,24 @@ def decode(model: PreTrainedModel, cache: DynamicCache, state: DecodeState, *,
     last) → its text pieces as they come. `lock` is held around each forward, never across a yield
     to the caller. The caller may stop early; it owns (and releases) the cache."""
     device = model.device
-    while not state.finished:
-        fed = state.next_input(draft=can_crop(cache))
-        ids = torch.tensor([fed], device=device)  # [1, 1 + draft]
-        positions = torch.arange(state.position, state.position + len(fed), device=device)[None]
-        with lock if lock is not None else nullcontext():
-            rows = forward_logits(model, ids, positions, cache, keep=len(fed))  # [1 + draft, V]
-        step = state.advance(rows)
-        if step.num_rejected:  # the draft's rejected rest: drop its KV
-            cache.crop(-step.num_rejected)
-        yield from step.pieces
+    lock = lock if lock is not None else nullcontext()
+    draft = can_crop(cache)
+    with lock:
+        run = step_for(model, cache, room=state.sampling.max_new_tokens, width=1 + (state.lookup if draft else 0))
+    try:
+        while not state.finished:
+            fed = state.next_input(draft=draft)
+            ids = torch.tensor([fed], device=device)  # [1, 1 + draft]
+            positions = torch.arange(state.position, state.position + len(fed), device=device)[None]
+            with lock:
+                rows = run(ids, positions)  # [1 + draft, V]
+            step = state.advance(rows)
+            if step.num_rejected:  # the draft's rejected rest: drop its KV
+                run.crop(step.num_rejected)
+            yield from step.pieces
+    finally:  # the answer's KV is in `cache` from here on
+        with lock:
+            run.close()
 
 
 def can_crop(cache: DynamicCache) -> bool:

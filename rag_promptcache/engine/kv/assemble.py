@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +40,18 @@ class ReservedLayer(DynamicLayer):
         self._keys, self._values = keys, values  # [B, H, capacity, D]
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self._set_length(length)
+        # called once before the first write: this layer's KV still on its way in (engine/kv/stream.py)
+        self.pending: Callable[[], None] | None = None
+        self.set_length(length)
 
-    def _set_length(self, n: int) -> None:
+    def set_length(self, n: int) -> None:
         self.length = n
         self.keys, self.values = self._keys[..., :n, :], self._values[..., :n, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
         n, s = self.length, key_states.shape[-2]
         if n + s > self._keys.shape[-2]:  # out of room: double it
             grow = max(n + s, 2 * self._keys.shape[-2]) - self._keys.shape[-2]
@@ -55,12 +60,12 @@ class ReservedLayer(DynamicLayer):
             self._values = torch.cat([self._values, self._values.new_empty(pad)], dim=-2)
         self._keys[..., n : n + s, :] = key_states
         self._values[..., n : n + s, :] = value_states
-        self._set_length(n + s)
+        self.set_length(n + s)
         return self.keys, self.values
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)  # validates the argument as transformers does
-        self._set_length(self.keys.shape[-2])
+        self.set_length(self.keys.shape[-2])
 
 
 def reserved_cache(
@@ -175,8 +180,8 @@ def assemble(
             values[:, :, at : at + n] = kv.values[:, :, p.offset : p.offset + n]
             at += n
         for layer in cache.layers:
-            layer._set_length(num_cached)
-    return Assembled(cache, new_ids, new_pos, _mask(pieces, dtype, device), num_cached)
+            layer.set_length(num_cached)
+    return Assembled(cache, new_ids, new_pos, assembly_mask(pieces, dtype, device), num_cached)
 
 
 def _concatenated(
@@ -200,7 +205,7 @@ def _concatenated(
     return DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)], config=config)
 
 
-def _mask(pieces: Sequence[Piece], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def assembly_mask(pieces: Sequence[Piece], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """None when every new token follows every cached one; else the additive mask for the new tokens."""
     last_cached = max((i for i, p in enumerate(pieces) if p.cached), default=-1)
     first_new = min((i for i, p in enumerate(pieces) if not p.cached), default=len(pieces))

@@ -44,6 +44,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rag_promptcache.engine.kv.assemble import assemble, release
+from rag_promptcache.engine.kv.stream import assemble_for, load_all
 from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.engine.compute.runner import forward_last
 from rag_promptcache.model.loading import cache_home
@@ -156,8 +157,13 @@ def calibrate(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry
     vocab = int(getattr(config.get_text_config(), "vocab_size", 1000))
     ids = torch.randint(3, max(4, vocab), (CONTEXT + SHORT,), generator=torch.Generator().manual_seed(0)).tolist()
     shape = (geometry.num_layers, geometry.num_kv_heads, CONTEXT, geometry.head_dim)
-    kv = ModuleKV(torch.randn(shape, dtype=dtype, device=device) * 0.1, torch.randn(shape, dtype=dtype, device=device),
-                  0, tuple(ids[:CONTEXT]), "calibration", "isolated")
+    # the context where the default store keeps modules: on a GPU, pinned host memory, so assembly's cost is
+    # the host link's (engine/kv/stream.py), measured on the device itself
+    home = torch.device("cpu") if device.type == "cuda" else device
+    keys, values = torch.randn(shape, dtype=dtype, device=home) * 0.1, torch.randn(shape, dtype=dtype, device=home)
+    if device.type == "cuda":
+        keys, values = keys.pin_memory(), values.pin_memory()
+    kv = ModuleKV(keys, values, 0, tuple(ids[:CONTEXT]), "calibration", "isolated")
     # the context moved by a few positions, as a retrieved module is: assembly rotates its keys. Keys of
     # learned absolute positions (GPT-2, OPT) are reused only where they were encoded, so there it stays.
     shift = SHORT if relocator.relocatable else 0
@@ -177,10 +183,14 @@ def calibrate(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry
     def assembled(num: int) -> Callable[[], None]:
         pieces = [Piece(tuple(ids[:num]), shift, "m"), Piece(tuple(ids[CONTEXT:]), num + shift)]
         part = ModuleKV(kv.keys[:, :, :num], kv.values[:, :, :num], 0, tuple(ids[:num]), "calibration", "isolated")
-        return lambda: release(assemble(pieces, {"m": part}, relocator, config, geometry, device, dtype).cache)
+        def go() -> None:  # the whole copy, even where the prefill would wait for it layer by layer
+            cache = assemble_for(pieces, {"m": part}, relocator, config, geometry, device, dtype).cache
+            load_all(cache)
+            release(cache)
+        return go
 
     def run(pieces: list[Piece], kvs: dict[str, ModuleKV]) -> None:
-        asm = assemble(pieces, kvs, relocator, config, geometry, device, dtype)
+        asm = assemble_for(pieces, kvs, relocator, config, geometry, device, dtype)
         forward_last(model, asm.new_ids, asm.new_positions, asm.cache, asm.mask)
         release(asm.cache)
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.kv.assemble import Assembled, assemble
+from rag_promptcache.engine.kv.assemble import Assembled
+from rag_promptcache.engine.kv.stream import assemble_for
 from rag_promptcache.engine.planning.plan import Plan
 from rag_promptcache.engine.prefix.prefix_cache import PrefixUse
 from rag_promptcache.engine.compute.runner import forward_last
@@ -117,6 +118,7 @@ class Prefilling:
 
 
 def start(model: PreTrainedModel, plan: Plan, relocator: Relocator, geometry: KVGeometry, room: int = 0) -> Prefilling:
-    """Assemble `plan`'s KV with `room` tokens to spare (copies KV, runs no model) → its new tokens to run."""
-    asm = assemble(plan.pieces, plan.kvs, relocator, model.config, geometry, model.device, model.dtype, extra=room)
+    """Assemble `plan`'s KV with `room` tokens to spare (copies KV, runs no model; on a GPU from host memory,
+    layer by layer while the forward runs: engine/kv/stream.py) → its new tokens to run."""
+    asm = assemble_for(plan.pieces, plan.kvs, relocator, model.config, geometry, model.device, model.dtype, extra=room)
     return Prefilling(asm, plan.next_position)
