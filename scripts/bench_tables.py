@@ -10,7 +10,8 @@ A table is a marker pair in a Markdown file:
 `python scripts/bench_tables.py` rewrites what lies between the markers in README.md and docs/*.md;
 `--check` exits 1 if any of it differs from what the JSON gives (tests/test_docs.py runs it);
 `python scripts/bench_tables.py RUN.json` prints one run's TTFT and decode tables (make gpu-check).
-Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, headline.
+Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, headline, and
+shape-ttft, shape-decode (the JSON of rag_promptcache/bench/shape.py, which the one-run form prints too).
 """
 
 from __future__ import annotations
@@ -191,9 +192,28 @@ def memory(run: dict) -> tuple[str, str | None]:
     return _table(header, out), None
 
 
+def shape_ttft(run: dict) -> tuple[str, str | None]:
+    """The shape bench (rag_promptcache/bench/shape.py): TTFT per context against transformers' full prefill."""
+    header = ["context tokens", "modules", "transformers full (s)", "engine full (s)", "`none`, GPU tier (s)",
+              "speed-up", "`none`, host (s)", "default, GPU tier (s)", "speed-up", "default, host (s)",
+              "auto (s)", "auto path", "auto speed-up"]
+    out = [[r["context_tokens"], f"{r['modules']} x {r['module_tokens']}", _num(r["full_s"], ".4f"),
+            _num(r["full_engine_s"], ".4f"), _num(r["none_gpu_s"], ".4f"), f"**{_x(r['speedup_none'])}**",
+            _num(r["none_host_s"], ".4f"), _num(r["default_gpu_s"], ".4f"), f"**{_x(r['speedup_default'])}**",
+            _num(r["default_host_s"], ".4f"), _num(r["auto_s"], ".4f"), r["auto_path"], _x(r["speedup_auto"])]
+           for r in run["ttft"]]
+    return _table(header, out), _recovery(run["ttft"])
+
+
+def shape_decode(run: dict) -> tuple[str, str | None]:
+    """The shape bench's decode: tokens/s after its first context's prompt."""
+    return _decode_rows(run["decode"]), None
+
+
 KINDS: dict[str, Callable[[dict], tuple[str, str | None]]] = {
     "ttft": ttft, "ttft-systems": ttft_systems, "decode": decode, "decode-answers": decode_answers, "chat": chat,
-    "serve": serve, "fidelity": fidelity, "quality": quality, "memory": memory,
+    "serve": serve, "fidelity": fidelity, "quality": quality, "memory": memory, "shape-ttft": shape_ttft,
+    "shape-decode": shape_decode,
 }
 
 
@@ -290,6 +310,13 @@ def files() -> list[Path]:
 def main(argv: list[str]) -> int:
     if argv and argv[0].endswith(".json"):
         run = json.loads(Path(argv[0]).read_text())
+        if run.get("kind") == "shape":
+            print(caption(run, f"python -m rag_promptcache.bench.shape --shape {run['shape']} ...",
+                          _recovery(run["ttft"]), argv[0]) + "\n")
+            for kind, table in (("ttft", shape_ttft), ("decode", shape_decode)):
+                if run.get(kind):
+                    print(table(run)[0] + "\n")
+            return 0
         print(caption(run, "rag-promptcache bench ...", _recovery(run.get("ttft", [])), argv[0]) + "\n")
         if run.get("ttft"):
             print(ttft(run)[0] + "\n")

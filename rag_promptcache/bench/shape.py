@@ -46,7 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from rag_promptcache.bench.common import QUESTION, fit_question, interleaved, median, module_texts, schema_pml, timed
 from rag_promptcache.engine import PromptCache
-from rag_promptcache.engine.compute.graphs import GRAPHS_ENV
+from rag_promptcache.engine.compute.graphs import GRAPHS_ENV, graphs_enabled
 from rag_promptcache.engine.decoding.lookup import DEFAULT_LOOKUP
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import DeviceStore, MemoryStore, TieredStore
@@ -189,15 +189,17 @@ def _decode(model, tokenizer, engine: PromptCache, prompt: str, ids: torch.Tenso
     rows = []
 
     def engine_row(pc: PromptCache, graphs: bool) -> dict[str, object]:
+        default = graphs  # the engine's own setting: graphs where they run
         with _graphs_switch(graphs):
             pc.generate(prompt, max_new_tokens=8, ignore_eos=True)  # warm-up: graph capture, buffers
             runs = [pc.generate(prompt, max_new_tokens=n, ignore_eos=True) for _ in range(repeats)]
         decode_s = median([r.total_s - r.ttft_s for r in runs])
         forwards = median([r.num_decode_forwards for r in runs])
+        graphs = graphs and graphs_enabled(model.device)  # on CPU every step is eager
         name = "rag-promptcache" + (" (CUDA graphs)" if graphs else " (eager)")
         return {"system": name, "dtype": str(model.dtype).removeprefix("torch."), "prompt_lookup": pc.prompt_lookup,
                 "graphs": graphs, "tokens_per_s": (n - 1) / decode_s, "tokens_per_forward": (n - 1) / max(forwards, 1),
-                "context_tokens": context, "new_tokens": n, "default": graphs and pc.prompt_lookup == DEFAULT_LOOKUP}
+                "context_tokens": context, "new_tokens": n, "default": default and pc.prompt_lookup == DEFAULT_LOOKUP}
 
     rows += [engine_row(engine, True), engine_row(lookup0, True), engine_row(lookup0, False)]
     rows.append(_hf_row(model, ids, n, repeats, context, "transformers", {}))
