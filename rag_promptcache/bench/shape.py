@@ -42,11 +42,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
+                          StaticCache)
 
 from rag_promptcache.bench.common import QUESTION, fit_question, interleaved, median, module_texts, schema_pml, timed
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.compute.graphs import GRAPHS_ENV, graphs_enabled
+from rag_promptcache.engine.compute.runner import cache_arg
 from rag_promptcache.engine.decoding.lookup import DEFAULT_LOOKUP
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import DeviceStore, MemoryStore, TieredStore
@@ -203,10 +205,9 @@ def _decode(model, tokenizer, engine: PromptCache, prompt: str, ids: torch.Tenso
                 "context_tokens": context, "new_tokens": n, "default": default and pc.prompt_lookup == DEFAULT_LOOKUP}
 
     rows += [engine_row(engine, True), engine_row(lookup0, True), engine_row(lookup0, False)]
-    rows.append(_hf_row(model, ids, n, repeats, context, "transformers", {}))
+    rows.append(_hf_row(model, ids, n, repeats, context, "transformers", static=False))
     if left() > COMPILE_S and model.device.type == "cuda":  # transformers compiles the static-cache step
-        rows.append(_hf_row(model, ids, n, repeats, context, "transformers (static cache, compiled)",
-                            {"cache_implementation": "static"}))
+        rows.append(_hf_row(model, ids, n, repeats, context, "transformers (static cache, compiled)", static=True))
     else:
         log("shape: transformers' static-cache decode not measured (budget spent or not CUDA)")
     for r in rows:
@@ -214,11 +215,16 @@ def _decode(model, tokenizer, engine: PromptCache, prompt: str, ids: torch.Tenso
     return rows
 
 
-def _hf_row(model, ids: torch.Tensor, n: int, repeats: int, context: int, name: str, options: dict) -> dict[str, object]:
+def _hf_row(model, ids: torch.Tensor, n: int, repeats: int, context: int, name: str, *,
+            static: bool) -> dict[str, object]:
+    """transformers' `generate`: its dynamic cache, or (`static`) a fresh `StaticCache` of one length for
+    every call, so its compiled step is compiled once."""
     @torch.inference_mode()
     def go(tokens: int) -> float:
+        length = ids.shape[1] + max(n, 8) + 1  # the warm-up's 8 tokens included
+        cache = cache_arg(model, StaticCache(config=model.config, max_cache_len=length)) if static else {}
         return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                            min_new_tokens=tokens, do_sample=False, **options), model.device)[0]
+                                            min_new_tokens=tokens, do_sample=False, **cache), model.device)[0]
 
     go(8)  # warm-up (and the compilation of a static-cache step)
     one = median([go(1) for _ in range(repeats)])  # the prefill and the first token

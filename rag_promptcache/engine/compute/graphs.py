@@ -127,7 +127,8 @@ class Graphs:
 
     def __init__(self, lean: LeanLlama, kv: StaticKV, *, capture: bool = True) -> None:
         if capture and kv.keys.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need CUDA buffers, got {kv.keys.device}; capture=False runs the step eagerly")
+            raise ValueError(f"CUDA graphs need CUDA buffers, got {kv.keys.device}; "
+                             "capture=False runs the step eagerly")
         self.lean, self.kv, self.capture = lean, kv, capture
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: tuple[int, int] | None = None
