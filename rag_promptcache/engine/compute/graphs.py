@@ -158,7 +158,8 @@ class Graphs:
             static_step(self.lean, self.kv, rows, tokens)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work meanwhile (an assembly, a store's copy) does not void the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = static_step(self.lean, self.kv, rows, tokens)
         self._pool = graph.pool()
         return graph, out
