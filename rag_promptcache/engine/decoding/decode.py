@@ -6,8 +6,8 @@
 
 What to feed and what to keep is the request's `DecodeState` (engine/decoding/state.py), the same one the
 batcher drives; this loop only runs the step (engine/compute/graphs.py `step_for`: on CUDA a graph over a
-static buffer, else the forward of engine/compute/runner.py) and drops the KV of a rejected prompt lookup draft. A cache with sliding-window layers cannot be cropped exactly, so it
-gets no drafts (`can_crop`).
+static buffer, else the forward of engine/compute/runner.py) and drops the KV of a rejected prompt lookup
+draft. A cache with sliding-window layers cannot be cropped exactly, so it gets no drafts (`can_crop`).
 
 Out of scope: planning and prefill (engine/planning/plan.py, engine/planning/prefill.py), batching (engine/batching/batcher.py).
 """
@@ -31,6 +31,8 @@ def decode(model: PreTrainedModel, cache: DynamicCache, state: DecodeState, *,
     """Run `state` to its finish over `cache` (holding the prompt and the answer's tokens but the
     last) → its text pieces as they come. `lock` is held around each forward, never across a yield
     to the caller. The caller may stop early; it owns (and releases) the cache."""
+    if state.finished:  # the prefill's token was the whole answer: no step to set up
+        return
     device = model.device
     lock = lock if lock is not None else nullcontext()
     draft = can_crop(cache)
