@@ -131,16 +131,25 @@ def chat(run: dict) -> tuple[str, str | None]:
     return _table(header, rows), None
 
 
+def _ms(r: dict, key: str) -> str:
+    return "-" if r.get(key) is None else f"{1e3 * r[key]:.0f}"
+
+
 def serve(run: dict) -> tuple[str, str | None]:
-    header = ["clients", "mode", "tokens/s", "TTFT p50 s", "TTFT p95 s", "latency p50 s", "latency p95 s"]
-    best: dict[tuple, dict] = {}
-    for r in run["serve"]["rows"]:  # a level that ran twice: its faster run
-        key = (r["clients"], r["mode"], r.get("prefill_chunk"))
-        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
-            best[key] = r
-    out = [[r["requests"] if r["mode"] != "concurrent" else r["clients"], r["mode"], _num(r["tokens_per_s"], ".1f"),
-            _num(r["ttft_p50_s"], ".2f"), _num(r["ttft_p95_s"], ".2f"), _num(r["latency_p50_s"], ".1f"),
-            _num(r["latency_p95_s"], ".1f")] for r in best.values()]
+    """The serve scenario's rows (bench/serve.py: the faster of a leg's runs), new questions unless the mode says repeats."""
+    header = ["system", "clients", "mode", "prefill", "tokens/s", "TTFT p50 / p95 s", "inter-token p50 / p95 ms",
+              "longest stall s", "latency p50 s", "prompt tokens computed"]
+    out = []
+    for r in run["serve"]["rows"]:
+        system = r.get("system", "rag-promptcache")
+        chunk = r.get("prefill_chunk")
+        prefill = "-" if r["mode"] == "8 one at a time" or system != "rag-promptcache" else str(chunk or "whole")
+        out.append([system, r["clients"], r["mode"], prefill, _num(r["tokens_per_s"], ".1f"),
+                    f"{_num(r['ttft_p50_s'], '.2f')} / {_num(r['ttft_p95_s'], '.2f')}",
+                    _ms(r, "itl_p50_s") + " / " + _ms(r, "itl_p95_s"), _num(r.get("itl_max_s"), ".2f"),
+                    _num(r["latency_p50_s"], ".1f"),
+                    "-" if "computed_tokens_per_request" not in r else  # runs before the count
+                    f"{r['computed_tokens_per_request']:.0f} of {r['prompt_tokens_per_request']:.0f}"])
     return _table(header, out), None
 
 

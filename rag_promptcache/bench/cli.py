@@ -35,6 +35,7 @@ def register(app: typer.Typer) -> None:
         fidelity_split: Annotated[str | None, typer.Option("--fidelity-split", help="bench, heldout (other templates and facts, the default chunk size), manuals (how-to procedures and parts tables), both (bench and heldout) or all: the fidelity scenario's documents [default: all].")] = None,
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
         adapter: AdapterOpt = "default",
+        llama_server: Annotated[Path | None, typer.Option("--llama-server", help="llama.cpp's llama-server binary: the serve scenario times it beside ours on the same token ids (built from the llama-cpp-python sdist; docs/serving.md) [default: that row is skipped].")] = None,
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
@@ -49,7 +50,8 @@ def register(app: typer.Typer) -> None:
 
         config = BenchConfig.quick() if quick else BenchConfig.full()
         parse_dtype(dtype)  # a bad name fails here, before the model loads
-        config = dataclasses.replace(config, dtype=dtype, adapter=adapter)
+        config = dataclasses.replace(config, dtype=dtype, adapter=adapter,
+                                     llama_server=str(llama_server) if llama_server is not None else None)
         if decode_dtypes is not None:
             names = tuple(d.strip() for d in decode_dtypes.split(",") if d.strip())
             for d in names:

@@ -79,6 +79,7 @@ class BenchConfig:
     llamacpp: bool = True  # llama.cpp rows (bench/llamacpp.py) where llama-cpp-python is installed
     llamacpp_flash_attn: bool = False  # llama-cpp-python's default
     llamacpp_threads: int | None = None  # None: torch's (torch.get_num_threads()), as every other system
+    llama_server: str | None = None  # the serve scenario's llama.cpp server binary (bench/llama_server.py); None: skipped
     chat_turns: int = 6  # the chat scenario: turns over the same documents
     chat_context: int = 2048  # its retrieved-context tokens
     chat_answer_tokens: int = 64  # at most this many greedy tokens per answer
