@@ -68,6 +68,10 @@ class BenchConfig:
     fidelity_new_tokens: int = 32  # room for the first sentence: at 20, a quarter of the answers were cut before it ended
     fidelity_splits: tuple[str, ...] = ("bench", "heldout", "manuals")  # bench/fidelity.py SPLITS: chosen on one, confirmed on the others
     fidelity_codec: str = "native"  # the store codec the cached answers' modules pass through
+    # codec rows per split and k: each codec's answers against fp16 modules' (rag/codec_eval.py), with
+    # `fidelity_codec_recovery` (None: the engine's default, the adapter's where one is merged)
+    fidelity_codecs: tuple[str, ...] = ("int8", "int4", "cachegen")
+    fidelity_codec_recovery: str | None = None
     fidelity_seed_offset: int = 0  # added to each split's data seed: the same templates, other entities and facts
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3

@@ -47,6 +47,7 @@ from rag_promptcache.bench import fidelity_data, fidelity_heldout, fidelity_manu
 from rag_promptcache.bench.common import Bench, BenchConfig, median
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.rag.codec_eval import CodecEngines, evaluate_codecs
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Outcome, Reference, answer, fastest_retaining,
                                           references, summarize)
@@ -72,18 +73,21 @@ def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = 
     if reference is not None:
         check_reference(reference, bench.config, splits)
     rows: list[dict[str, object]] = []
+    codec_rows: list[dict[str, object]] = []
     timing: list[dict[str, object]] = []
     questions = 0
     for i, split in enumerate(splits):
         out = _run_split(bench, split, ttft_point and i == 0, reference)
         rows += out["rows"]
+        codec_rows += out["codec_rows"]
         timing += out["timing"]
         questions = max(questions, out["questions"])
     cfg = bench.config
     judged = {} if reference is None else {
         "reference": {"path": reference.path, "adapter": reference.adapter},
         "full_prefill_against_reference": fidelity_reference.full_prefill_against(rows)}
-    return {**judged, "adapter": fidelity_reference.adapter_label(bench.model), "rows": rows, "ttft_at_context": timing,
+    return {**judged, "adapter": fidelity_reference.adapter_label(bench.model), "rows": rows, "codec_rows": codec_rows,
+            "ttft_at_context": timing,
             "chosen": choose_default(rows, timing) if timing else None,
             "across_splits": choose_across_splits(rows), "chosen_then_confirmed": choose_then_confirm(rows),
             "splits": list(splits),
@@ -136,10 +140,36 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
                 bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}{against}, "
                           f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "
                           f"speed-up {r['speedup']:.1f}x over the engine's full prefill")
+        codec_rows = _codec_rows(bench, split, corpus, engines[modes[0]], questions) if cfg.fidelity_codecs else []
         if ttft_point:
             timing = _ttft_point(bench, corpus, engines, questions)
         corpus.close()
-    return {"rows": rows, "timing": timing, "questions": len(questions)}
+    return {"rows": rows, "codec_rows": codec_rows, "timing": timing, "questions": len(questions)}
+
+
+def _codec_rows(bench: Bench, split: str, corpus: Corpus, engine: PromptCache,
+                questions: list[EvalQuestion]) -> list[dict[str, object]]:
+    """Per k, each codec's answers against fp16 modules' (rag/codec_eval.py), with the configured recovery."""
+    cfg = bench.config
+    recovery = str(Recovery.parse(cfg.fidelity_codec_recovery or engine.recovery))
+    engines = CodecEngines(engine, corpus.schema, cfg.fidelity_codecs)
+    rows = []
+    try:
+        for k in cfg.fidelity_ks:
+            for r in evaluate_codecs(corpus, questions, cfg.fidelity_codecs, recovery, k, cfg.fidelity_new_tokens, STOP,
+                                     engines):
+                rows.append({"split": split, "adapter": fidelity_reference.adapter_label(bench.model), "mode": engine.mode,
+                             **r.as_dict(), "answers": [a.as_dict() for a in r.report.results]})
+                bench.log(f"fidelity {split} k={k} codec {r.codec} ({r.bytes_per_token:.0f} B/token), {recovery}: "
+                          f"fp16 modules {r.report.full_correct}/{r.report.num_with_answer}, codec {r.report.cached_correct}, "
+                          f"kept {_fmt(r.report.kept)}, retained {_fmt(r.report.retained)}")
+    finally:
+        engines.close()
+    return rows
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
 
 
 def split_data(split: str, per_kind: int = fidelity_data.PER_KIND, seed_offset: int = 0) -> tuple[fidelity_data.Dataset, int | None]:
@@ -313,6 +343,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to each split's seed: other entities and facts in the same templates")
     ap.add_argument("--codec", default="native", help="store codec of the cached modules (store/codecs.py)")
+    ap.add_argument("--codecs", default=",".join(BenchConfig().fidelity_codecs),
+                    help="comma-separated codecs whose answers are compared with fp16 modules' per split and k "
+                         "('' for none)")
+    ap.add_argument("--codec-recovery", default=None,
+                    help="the recovery of the codec rows [default: the engine's, the adapter's where one is merged]")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -344,7 +379,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                               fidelity_per_kind=args.per_kind,
                               fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
                               fidelity_seed_offset=args.seed_offset, fidelity_codec=check_codec(args.codec),
-                              adapter=args.adapter)
+                              fidelity_codecs=tuple(check_codec(c.strip()) for c in args.codecs.split(",") if c.strip()),
+                              fidelity_codec_recovery=args.codec_recovery, adapter=args.adapter)
     splits = GROUPS.get(args.split, (args.split,))
     reference = None
     if args.reference is not None:

@@ -182,12 +182,25 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
         lines.append("full prefill right, this model against the reference: "
                      + ", ".join(f"{a['split']} k={a['k']} {a['full_correct']} vs {a['reference_full_correct']}" for a in against)
                      + (f"; fewer at {', '.join(fewer)}" if fewer else "; at least as many everywhere"))
+    if fid.get("codec_rows"):
+        lines += ["", codec_markdown(fid["codec_rows"])]
     if confirm:
         others = ", ".join(f"{s} {v:.2f}" for s, v in confirm["worst_kept_elsewhere"].items()) or "no other split"
         lines.append(f"chosen on the {confirm['chosen_on']} split: {_setting_name(confirm)} (worst kept "
                      f"{confirm['worst_kept']:.2f}, {confirm['speedup_at_largest_k']:.1f}x); worst kept elsewhere: "
                      f"{others}: {'confirmed' if confirm['confirmed'] else 'not confirmed'}")
     return "\n".join(lines)
+
+
+def codec_markdown(rows: list[dict[str, object]]) -> str:
+    """The codec rows: each codec's answers against fp16 modules' (rag/codec_eval.py) per split and k."""
+    pct = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    return table(["split", "k", "codec", "bytes/token", "recovery", "fp16 modules right", "codec right", "retained",
+                  "kept (paired)", "agreement", "meets retained >= 0.95, kept >= 0.90"],
+                 [[r["split"], r["k"], r["codec"], f"{r['bytes_per_token']:.0f}", r["recovery"],
+                   f"{r['fp16_correct']}/{r['with_answer']}", f"{r['cached_correct']}/{r['with_answer']}",
+                   pct(r["retained"]), pct(r["kept"]), f"{r['agreement']:.2f}", "yes" if r["meets"] else "no"]
+                  for r in rows])
 
 
 def _point_name(r: dict[str, object]) -> str:

@@ -63,9 +63,11 @@ def ingest(
     dtype: DtypeOpt = None,
     adapter: AdapterOpt = "default",
     instructions: Annotated[str | None, typer.Option(help="The system text every prompt of a new corpus starts with: TEXT, or @FILE to read it from a file [default: answer from the documents, say so when they do not say].", show_default=False)] = None,
+    codec: Annotated[str | None, typer.Option(help=f"How a new corpus stores module KV in memory, on disk and in Redis: {', '.join(SHOWN_CODECS)} [default: fp16]; `eval --codec` measures what one does to answers (docs/stores.md).", show_default=False)] = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
-    files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray)."""
+    files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray).
+    Before a large ingest it prints the store's expected size per codec, and its size when done."""
     from rag_promptcache.model.loading import parse_dtype
     from rag_promptcache.rag import is_corpus
 
@@ -80,6 +82,10 @@ def ingest(
         raise fail("--ray-address needs --ray")
 
     parse_dtype(dtype)  # a bad name fails before anything is created
+    if codec is not None:
+        from rag_promptcache.store.codecs import check_codec
+
+        check_codec(codec)
     instructions = _read_instructions(instructions)
     for p in paths:
         if not p.exists():
@@ -87,18 +93,37 @@ def ingest(
     existed = is_corpus(corpus)
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
-                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions)
+                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions, codec)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
         raise typer.Exit(130) from None
+    from rag_promptcache.cli.output import mib
+
     info = c.info()
     if report is not None:
         typer.echo(report.summary())
     typer.echo(f"{'updated' if existed else 'created'} corpus {corpus}: {info['num_documents']} documents, "
-               f"{info['num_modules']} modules, {info['num_tokens']} tokens")
+               f"{info['num_modules']} modules, {info['num_tokens']} tokens; store {mib(info['store_bytes'])} "
+               f"({info['codec']})")
     c.close()
     if report is not None and report.failed:
         raise fail(f"{len(report.failed)} file(s) failed and are kept incomplete; run the same command again to retry them")
+
+
+# Codec names for --help without importing the store (torch); a test holds them equal to store.CODECS.
+SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
+ESTIMATE_FROM_TOKENS = 10_000  # an ingest this large (new tokens, about) is told its store size per codec first
+
+
+def _print_estimate(estimate) -> None:
+    """Before a large ingest: its expected store size in each codec, the corpus's marked."""
+    from rag_promptcache.cli.output import mib
+
+    if estimate.num_tokens < ESTIMATE_FROM_TOKENS:
+        return
+    sizes = ", ".join(f"{c} {mib(b)}{' (this corpus)' if c == estimate.codec else ''}"
+                      for c, b in estimate.bytes_per_codec)
+    typer.echo(f"about {estimate.num_tokens:,} new tokens; expected store growth per codec: {sizes}", err=True)
 
 
 def _read_instructions(value: str | None) -> str | None:
@@ -127,7 +152,7 @@ def quiet_ray(address: str | None) -> None:
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts, dtype, adapter, instructions):
+            redis_url, ray_opts, dtype, adapter, instructions, codec):
     from rag_promptcache.rag import Corpus, LoaderWarning
 
     with warnings.catch_warnings():
@@ -138,16 +163,20 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
             for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
+            if codec is not None and codec != c.manifest.codec:
+                raise fail(f"corpus {corpus} stores KV as {c.manifest.codec}, not {codec}; ingest into a new corpus "
+                           "with --codec to change it")
             if instructions is not None and instructions != c.manifest.instructions:
                 raise fail(f"corpus {corpus} has other instructions (`info` shows them); every module is encoded after "
                            "them, so changing them means encoding every module again: ingest into a new corpus with "
                            "--instructions")
-            report = c.add(paths, field=field, id_field=id_field, token_budget=max_ingest_tokens, ray=ray_opts)
+            report = c.add(paths, field=field, id_field=id_field, token_budget=max_ingest_tokens, ray=ray_opts,
+                           on_estimate=_print_estimate)
         else:
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
                              redis_url=redis_url, ray=ray_opts, dtype=dtype, adapter=adapter,
-                             instructions=instructions)
+                             instructions=instructions, codec=codec, on_estimate=_print_estimate)
             report = c.last_report
     return c, report
 
@@ -350,7 +379,7 @@ def info(
         ("corpus", str(facts["path"])),
         ("documents", f"{facts['num_documents']}{incomplete}"),
         ("modules", f"{facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)"),
-        ("store", mib(facts["store_bytes"])),
+        ("store", f"{mib(facts['store_bytes'])}, codec {facts['codec']}"),
         ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),
         ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),
         ("adapter", _adapter_line(facts)),

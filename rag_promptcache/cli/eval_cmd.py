@@ -33,6 +33,7 @@ def eval_(
     redis_url: RedisOpt = None,
     dtype: DtypeOpt = None,
     adapter: AdapterOpt = "default",
+    codec: Annotated[str | None, typer.Option("--codec", help="Comma-separated KV codecs, e.g. int8,int4,cachegen: answer the questions over modules decoded from each, against the same modules in fp16, with one recovery (--recovery, else the corpus's), and recommend the smallest that keeps the answers.")] = None,
 ) -> None:
     """Check, per recovery setting, that cached answers match full prefill's: accuracy against the
     expected answers (kept: of full prefill's right answers, the share the setting also gets right), or
@@ -53,6 +54,8 @@ def eval_(
     specs = [s.strip() for s in (recovery or "").split(",") if s.strip()]
     if recovery is not None and not specs:
         raise fail("--recovery names no setting")
+    if codec is not None:
+        return _eval_codecs(questions, corpus, k, codec, specs, max_new_tokens, apply, as_json, redis_url, dtype, adapter)
     qs = read_questions(questions)
     c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
@@ -80,6 +83,61 @@ def eval_(
     if apply and best is None:
         raise fail(f"nothing applied: no setting keeps >= {TARGET_RETAINED:.0%} of full prefill's right answers; "
                    "try more settings (e.g. --recovery last:4,last:6,selective:1.0) or set one with ask/serve --recovery")
+
+
+def _eval_codecs(questions: Path, corpus: Path, k: int, codec: str, specs: list[str], max_new_tokens: int,
+                 apply: bool, as_json: bool, redis_url: str | None, dtype: str | None, adapter: str) -> None:
+    """`eval --codec`: each codec's answers against fp16 modules', and the smallest that keeps them."""
+    from rag_promptcache.engine.planning.recovery import Recovery
+    from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.codec_eval import TARGET_KEPT, TARGET_RETAINED, evaluate_codecs, recommend_codec
+    from rag_promptcache.rag.fidelity import read_questions
+    from rag_promptcache.store import check_codec
+
+    codecs = [check_codec(c.strip()) for c in codec.split(",") if c.strip()]
+    if not codecs:
+        raise fail("--codec names no codec")
+    if len(specs) > 1:
+        raise fail(f"--codec compares codecs under one recovery; --recovery names {len(specs)}: {', '.join(specs)}")
+    if apply:
+        raise fail("--apply sets a recovery; a corpus's codec is set when it is built: ingest into a new corpus with --codec")
+    qs = read_questions(questions)
+    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
+    try:
+        rec = str(Recovery.parse(specs[0])) if specs else str(c.prepare().recovery)
+        reports = evaluate_codecs(c, qs, codecs, rec, k=k, max_new_tokens=max_new_tokens)
+    finally:
+        c.close()
+    best = recommend_codec(reports)
+    rule = (f"the fewest bytes per token that keeps retained >= {TARGET_RETAINED:.2f} and kept >= {TARGET_KEPT:.2f} "
+            "against fp16 modules")
+    if as_json:
+        typer.echo(json.dumps({"corpus": str(corpus), "k": k, "recovery": rec, "rule": rule,
+                               "recommended": None if best is None else best.codec,
+                               "codecs": [{**r.as_dict(), "failures": [f.as_dict() for f in r.report.failures]}
+                                          for r in reports]}))
+        return
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    r0 = reports[0].report
+    typer.echo(f"{len(qs)} questions, k={k}, recovery {rec}; fp16 modules answer {r0.full_correct} of "
+               f"{r0.num_with_answer} with an expected answer right")
+    typer.echo(f"{'codec':<10} {'bytes/token':>11} {'right':>6} {'kept':>6} {'retained':>8} {'agreement':>9} {'TTFT s':>7}")
+    for r in reports:
+        typer.echo(f"{r.codec:<10} {r.bytes_per_token:>11.0f} {r.report.cached_correct:>6} {fmt(r.report.kept):>6} "
+                   f"{fmt(r.report.retained):>8} {r.report.agreement:>9.2f} {r.report.cached_ttft_s:>7.3f}")
+    typer.echo("kept: of fp16 modules' right answers, the share the codec also gets right; retained: codec right / fp16 right")
+    if best is None:
+        typer.echo(f"\nno recommendation: no codec is {rule}")
+    else:
+        typer.echo(f"\nrecommended: {best.codec} ({rule}: {best.bytes_per_token:.0f} bytes per token); a new corpus "
+                   f"takes it with `ingest --codec {best.codec}`")
+    for r in reports:
+        if r.report.failures:
+            typer.echo(f"\n{r.codec}: {len(r.report.failures)} question(s) fail")
+            for f in r.report.failures:
+                expected = f"\n    expected: {_expected(f.expected)}" if f.expected is not None else ""
+                typer.echo(f"  Q: {f.question}{expected}\n    {r.codec + ':':<9} {_one_line(f.cached)}\n"
+                           f"    fp16:     {_one_line(f.full)}")
 
 
 def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) -> None:

@@ -20,12 +20,13 @@ CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus dire
 
 def _disk(corpus: Path):
     from rag_promptcache.rag import is_corpus
-    from rag_promptcache.rag.corpus_store import AT_REST_CODEC
+    from rag_promptcache.rag.layout import read_manifest
     from rag_promptcache.store import DiskStore
 
     if not is_corpus(corpus):
         raise fail(f"{corpus} is not a corpus (no manifest.json)")
-    return DiskStore(corpus / "store", codec=AT_REST_CODEC)  # the codec a corpus writes with, as `store info` says
+    # the codec the corpus writes with (its manifest's), as `store info` says
+    return DiskStore(corpus / "store", codec=read_manifest(corpus).codec)
 
 
 @store_app.command("info")

@@ -33,7 +33,7 @@ from rag_promptcache.rag.embed import EmbedderLike
 from rag_promptcache.rag.encoding import corpus_schema
 from rag_promptcache.rag.index import VectorIndex
 from rag_promptcache.rag.ingest import check_budget, collect
-from rag_promptcache.rag.ingestor import CorpusParts, Ingestor, OnBatch
+from rag_promptcache.rag.ingestor import CorpusParts, Ingestor, OnBatch, OnEstimate
 from rag_promptcache.rag.layout import CorpusWarning, is_corpus
 from rag_promptcache.rag.loaders import Document, LoadReport
 from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, adapter_fields, adapter_to_load,
@@ -47,6 +47,7 @@ from rag_promptcache.rag.records import IngestReport, Manifest
 from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
 from rag_promptcache.rag.retrieval import Conversations, Hit
 from rag_promptcache.rag.table import Dropped
+from rag_promptcache.store.codecs import check_codec
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -134,8 +135,13 @@ class Corpus(Answering):
               dtype: str | None = None, field: str = "text", id_field: str = "id",
               token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
               redis_url: str | None = None, ray: RayOptions | None = None,
-              adapter: str | os.PathLike[str] | None = "default") -> Corpus:
+              adapter: str | os.PathLike[str] | None = "default", codec: str | None = None,
+              on_estimate: OnEstimate | None = None) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
+        `codec` (None: fp16, `corpus_store.DEFAULT_CODEC`; `store.CODECS` lists the valid ones) is how the
+        corpus's memory, disk and Redis tiers hold module KV, recorded in the manifest. `on_estimate` is
+        called once the model is loaded and before anything is encoded, with the store's expected size
+        per codec (`StoreEstimate`).
         `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`). `dtype` ("auto"/None:
         the device's default) and the tuned adapter merged into the model (`adapter`: "default", the one
         shipped for the model if one ships; "none"/None, the base model; or an adapter directory) are
@@ -144,13 +150,16 @@ class Corpus(Answering):
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
         check_caller_engine(engine, adapter)
+        if codec is not None:
+            check_codec(codec)
         if is_corpus(path):
             corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,
-                                                   "max_tokens": max_tokens, "index": index})
+                                                   "max_tokens": max_tokens, "index": index, "codec": codec})
             corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
-                       progress=progress, ray=ray)
+                       progress=progress, ray=ray, on_estimate=on_estimate)
             return corpus
+        codec = codec or corpus_store.DEFAULT_CODEC
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ValueError(f"{path} exists and is not a corpus; pass an empty or new directory to --corpus")
         chunk_tokens = chunk_tokens or 256
@@ -163,7 +172,7 @@ class Corpus(Answering):
         existed = path.exists()
         try:
             if engine is None:
-                store = corpus_store.open_store(path / layout.STORE, 1 << 30, redis_url, name)
+                store = corpus_store.open_store(path / layout.STORE, 1 << 30, redis_url, name, codec)
                 engine = _load_engine(model or DEFAULT_MODEL, store, mode, dtype, adapter)
             emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
         except BaseException:
@@ -176,14 +185,15 @@ class Corpus(Answering):
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=layout.package_version(), created=now,
-            updated=now, dtype=dtype_of(engine), **adapter_fields(engine),
+            updated=now, dtype=dtype_of(engine), codec=codec, **adapter_fields(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
         layout.write_manifest(path, manifest)
         corpus = cls(path, manifest, engine=engine, embedder=emb, redis_url=redis_url,
                      adapter=manifest.adapter_path or "none")
         corpus._owns_engine = owns
-        corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
+        corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray,
+                       on_estimate=on_estimate)
         return corpus
 
     # -- lazily loaded parts -------------------------------------------------------------------------
@@ -249,7 +259,7 @@ class Corpus(Answering):
     def open_store(self) -> Store:
         """A new handle on this corpus's KV store (memory → disk → Redis, as configured)."""
         disk = self.path / layout.STORE if self.disk_tier else None
-        return corpus_store.open_store(disk, self.memory_bytes, self.redis_url, self.manifest.name)
+        return corpus_store.open_store(disk, self.memory_bytes, self.redis_url, self.manifest.name, self.manifest.codec)
 
     @property
     def embedder(self) -> EmbedderLike:
@@ -270,16 +280,18 @@ class Corpus(Answering):
 
     def add(self, inputs: Iterable[str | os.PathLike[str] | object], *, field: str = "text", id_field: str = "id",
             token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
-            ray: RayOptions | None = None) -> IngestReport:
+            ray: RayOptions | None = None, on_estimate: OnEstimate | None = None) -> IngestReport:
         """Ingest new and changed documents; unchanged ones cost a hash. Files gone from an ingested
         directory are removed. Each .jsonl/.json record is a document named by its `id_field`, its
-        text in `field`, its other fields kept as metadata. `on_batch` runs after each committed batch.
+        text in `field`, its other fields kept as metadata. `on_batch` runs after each committed batch;
+        `on_estimate` once before any is encoded, with the store's expected growth per codec.
         `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`); the result is the
         same corpus."""
         inputs = list(inputs)
         docs, report = collect(inputs, field, id_field)
         with self._ingest_lock:
-            return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray)
+            return self._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray,
+                                on_estimate=on_estimate)
 
     def remove(self, source: str | os.PathLike[str]) -> int:
         """Forget a document (by source path, id, or the name `ask` shows in its sources; a .jsonl/.json
@@ -313,9 +325,10 @@ class Corpus(Answering):
         return self.manifest.recovery
 
     def _ingest(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
-                on_batch: OnBatch | None, progress: bool | None, ray: RayOptions | None = None) -> IngestReport:
+                on_batch: OnBatch | None, progress: bool | None, ray: RayOptions | None = None,
+                on_estimate: OnEstimate | None = None) -> IngestReport:
         parts = CorpusParts(self.table, self.manifest, self._loaded_engine, lambda: self.embedder, self._add_vectors, self._forget)
-        ingestor = Ingestor(parts, batch_chunks=BATCH_CHUNKS, on_batch=on_batch, progress=progress)
+        ingestor = Ingestor(parts, batch_chunks=BATCH_CHUNKS, on_batch=on_batch, progress=progress, on_estimate=on_estimate)
         try:
             self.last_report = ingestor.run(docs, report, inputs, token_budget=token_budget, ray=ray,
                                             ray_target=None if ray is None else self._ray_target())
@@ -363,7 +376,7 @@ class Corpus(Answering):
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
             "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
+            "codec": m.codec, "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,

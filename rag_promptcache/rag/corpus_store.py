@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from rag_promptcache.store.base import Store
 
 ENV_REDIS_URL = "RAG_PROMPTCACHE_REDIS_URL"
-# fp16 at rest halves the disk and the network (an fp32 CPU model writes 46 KB per token natively);
-# entries are decoded back to the model's dtype, and the codec is in each entry's header.
-AT_REST_CODEC = "fp16"
+# A corpus's codec (`Manifest.codec`, `ingest --codec`) applies to every tier it opens. The default, fp16,
+# halves an fp32 model's bytes and keeps its answers; entries are decoded back to the model's dtype, and
+# the codec is in each entry's header.
+DEFAULT_CODEC = "fp16"
 _SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -39,18 +40,19 @@ def redis_prefix(corpus_name: str) -> str:
     return f"rpc:{corpus_name}"
 
 
-def open_store(disk: Path | None, memory_bytes: int | None, redis: str | None, corpus_name: str) -> Store:
+def open_store(disk: Path | None, memory_bytes: int | None, redis: str | None, corpus_name: str,
+               codec: str = DEFAULT_CODEC) -> Store:
     """The tiers, fastest first: memory (unless `memory_bytes` is None), disk (unless `disk` is None),
-    Redis (when `redis` names one). Writes go through to every tier."""
+    Redis (when `redis` names one), each holding entries in `codec`. Writes go through to every tier."""
     from rag_promptcache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
     tiers: list[Store] = []
     if memory_bytes is not None:
-        tiers.append(MemoryStore(max_bytes=memory_bytes))
+        tiers.append(MemoryStore(max_bytes=memory_bytes, codec=codec))
     if disk is not None:
-        tiers.append(DiskStore(disk, codec=AT_REST_CODEC))
+        tiers.append(DiskStore(disk, codec=codec))
     if redis is not None:
-        tiers.append(RedisStore(redis, prefix=redis_prefix(corpus_name), codec=AT_REST_CODEC))
+        tiers.append(RedisStore(redis, prefix=redis_prefix(corpus_name), codec=codec))
     if not tiers:
         raise ValueError("a corpus store needs at least one tier: memory, disk or redis")
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)

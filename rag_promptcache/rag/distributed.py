@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rag_promptcache.rag.corpus_store import AT_REST_CODEC, open_store
+from rag_promptcache.rag.corpus_store import DEFAULT_CODEC, open_store
 from rag_promptcache.rag.encoding import Batch, encode_modules
 from rag_promptcache.rag.models import adapter_to_load, load_embedder, load_engine
 from rag_promptcache.rag.records import Manifest
@@ -168,7 +168,7 @@ class EncodeWorker:
         m = spec.manifest
         self.spec = spec
         self.collect = _Collect() if spec.collect else None
-        store = self.collect or open_store(Path(spec.disk) if spec.disk else None, None, spec.redis, m.name)
+        store = self.collect or open_store(Path(spec.disk) if spec.disk else None, None, spec.redis, m.name, m.codec)
         self.engine = load_engine(m.model, store, m.mode, m.dtype, adapter_to_load(m, Path(spec.disk or m.name)))
         if self.engine.fingerprint != m.fingerprint:
             raise ValueError(f"worker on {os.uname().nodename} loaded {m.model!r} with fingerprint "
@@ -183,7 +183,9 @@ class EncodeWorker:
 
         self._fault(modules)
         out = encode_modules(self.engine, self.embedder, self.spec.manifest, modules)
-        kv = tuple((k, encode(v, AT_REST_CODEC)) for k, v in self.collect.take().items()) if self.collect else ()
+        # fp16 on the way to the driver, whose store encodes in the corpus's codec (coding twice would
+        # quantize twice)
+        kv = tuple((k, encode(v, DEFAULT_CODEC)) for k, v in self.collect.take().items()) if self.collect else ()
         return BatchOut(out.vectors, kv, out.encode_seconds)
 
     def _fault(self, modules: list[tuple[str, str]]) -> None:

@@ -44,9 +44,15 @@ def check_names(docs: list[Document]) -> None:
                 "their names differ, or ingest them into separate corpora")
 
 
+def estimate_tokens(docs: list[Document]) -> dict[str, int]:
+    """About how many tokens each text document holds (4 bytes a token), by source; binary kinds
+    (PDF) are not guessed."""
+    return {d.source: d.num_bytes // 4 for d in docs if d.kind in _TEXT_KINDS}
+
+
 def check_budget(docs: list[Document], budget: int) -> None:
     """Refuse, before anything is computed, an ingest whose KV would be absurd (a 50 MB log, say)."""
-    estimate = {d.source: d.num_bytes // 4 for d in docs if d.kind in _TEXT_KINDS}
+    estimate = estimate_tokens(docs)
     if (total := sum(estimate.values())) > budget:
         biggest = max(estimate, key=estimate.__getitem__)
         raise ValueError(

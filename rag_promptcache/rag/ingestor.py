@@ -23,9 +23,9 @@ from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike
 from rag_promptcache.rag.encoding import Batch, encode_modules, store_keys
 from rag_promptcache.rag.index import faiss_id
-from rag_promptcache.rag.ingest import check_budget, progress_bar, stale
+from rag_promptcache.rag.ingest import check_budget, estimate_tokens, progress_bar, stale
 from rag_promptcache.rag.loaders import Document, LoadReport
-from rag_promptcache.rag.records import IngestReport, Manifest
+from rag_promptcache.rag.records import IngestReport, Manifest, StoreEstimate
 from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.distributed import RayOptions, RayTarget
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
+OnEstimate = Callable[[StoreEstimate], None]
 
 
 @dataclass(slots=True)
@@ -61,10 +62,11 @@ class Ingestor:
     """One ingest run over a corpus's parts; `batch_chunks` chunks are embedded and encoded at a time."""
 
     def __init__(self, parts: CorpusParts, *, batch_chunks: int, on_batch: OnBatch | None = None,
-                 progress: bool | None = None) -> None:
+                 progress: bool | None = None, on_estimate: OnEstimate | None = None) -> None:
         self.parts = parts
         self.batch_chunks = batch_chunks
         self.on_batch = on_batch
+        self.on_estimate = on_estimate
         self.progress = progress
         self.stats = IngestStats()
         self._bar = None
@@ -76,6 +78,8 @@ class Ingestor:
         table = self.parts.table
         todo = [d for d in docs if not self.unchanged(d)]
         check_budget(todo, token_budget)
+        if self.on_estimate is not None and todo:
+            self.on_estimate(self.estimate(todo))
         # One document per name: the same one read from another place (a copied folder) replaces it.
         replaced = [(d.identity, r.source) for d in docs for r in table.named(d.identity) if r.source != d.source]
         gone = stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
@@ -106,6 +110,18 @@ class Ingestor:
             seconds=time.perf_counter() - t0, encode_seconds=s.encode_seconds, skipped=tuple(report.skipped),
             replaced=tuple(replaced), **extra,
         )
+
+    def estimate(self, todo: list[Document]) -> StoreEstimate:
+        """The store's expected growth from `todo`, per codec, for this corpus's model."""
+        from rag_promptcache.store.codecs import CODECS, bytes_per_token
+
+        engine = self.parts.engine()
+        g = engine.geometry
+        dtype = next(engine.model.parameters()).dtype
+        tokens = sum(estimate_tokens(todo).values())
+        sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), dtype,
+                                                   self.parts.manifest.chunk_tokens)) for c in CODECS}
+        return StoreEstimate(tokens, self.parts.manifest.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])))
 
     def unchanged(self, doc: Document) -> bool:
         row = self.parts.table.document(doc.source)

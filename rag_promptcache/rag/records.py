@@ -41,6 +41,9 @@ class Manifest:
     adapter: str | None = None
     adapter_digest: str | None = None  # what the adapter's files hash to: a reopen loads only this one
     adapter_path: str | None = None  # where it was loaded from (an adapter that ships is found by digest first)
+    # The KV codec of the corpus's tiers (`ingest --codec`, store/codecs.py); manifests before it: fp16,
+    # the one codec corpora were written with then.
+    codec: str = "fp16"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -57,6 +60,20 @@ class Manifest:
         if unknown := set(data) - known:
             raise ValueError(f"{where}: unknown manifest keys {sorted(unknown)}")
         return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEstimate:
+    """What an ingest is expected to add to the store, told before anything is encoded: about
+    `num_tokens` new tokens (text bytes / 4) and their bytes at rest in each codec
+    (`store.codecs.bytes_per_token`); `codec` is the corpus's own."""
+
+    num_tokens: int
+    codec: str
+    bytes_per_codec: tuple[tuple[str, int], ...]  # (codec, expected bytes), smallest last
+
+    def bytes(self, codec: str | None = None) -> int:
+        return dict(self.bytes_per_codec)[codec or self.codec]
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ from . import cachegen
 from .base import ModuleKV
 from .cachegen import CodecError
 
-__all__ = ["CODECS", "CODEC_VERSIONS", "CodecError", "EncodedKV", "check_codec", "decode", "encode", "layout"]
+__all__ = ["CODECS", "CODEC_VERSIONS", "CodecError", "EncodedKV", "bytes_per_token", "check_codec", "decode", "encode",
+           "layout"]
 
 CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 1}
 CODECS: tuple[str, ...] = tuple(CODEC_VERSIONS)
@@ -79,6 +80,25 @@ def layout(codec: str, shape: tuple[int, int, int, int]) -> dict[str, tuple[int,
         "v_scale": (L, H, S, 1),
         "v_zero": (L, H, S, 1),
     }
+
+
+def bytes_per_token(codec: str, geometry: tuple[int, int, int], dtype: torch.dtype, module_tokens: int = 256) -> float:
+    """About what one token of KV costs at rest in `codec`, for a model of `geometry` (layers, KV heads,
+    head_dim) whose KV is `dtype`, in modules of about `module_tokens` tokens (the per-channel
+    parameters of a module are spread over its tokens). The fixed-width codecs' formula; for
+    "cachegen", its rate on SmolLM2's KV (`cachegen.bits_per_element`)."""
+    L, H, D = geometry
+    elements = 2 * L * H * D  # keys and values
+    check_codec(codec)
+    if codec == "native":
+        return elements * dtype.itemsize
+    if codec in _CASTS:
+        return elements * 2
+    if codec == "cachegen":
+        return elements * cachegen.bits_per_element(geometry) / 8
+    codes = elements * _BITS[codec] // 8
+    # fp16 scale and zero: keys per channel (per module), values per token
+    return codes + 2 * 2 * L * H * D / max(module_tokens, 1) + 2 * 2 * L * H
 
 
 def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
