@@ -112,7 +112,8 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
     rows: list[dict[str, object]] = []
     timing: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="rpc-fidelity-") as tmp:
-        modes = list(dict.fromkeys(m for m, _ in cfg.fidelity_settings))
+        # no settings: the codec rows alone, over modules encoded in the default mode
+        modes = list(dict.fromkeys(m for m, _ in cfg.fidelity_settings)) or ["shared_prefix"]
         engines[modes[0]] = PromptCache(model, tok, store=MemoryStore(codec=cfg.fidelity_codec), mode=modes[0], name=bench.model_name,
                                         **NO_FALLBACK)
         corpus = Corpus.build(data.documents, f"{tmp}/corpus", engine=engines[modes[0]], chunk_tokens=chunk,
@@ -125,8 +126,9 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
             engines[mode].add_schema(corpus.schema)
             engines[mode].encode(corpus.manifest.name)
         corpus.prepare()
-        _warm_up(engines, cfg.fidelity_settings, references(corpus, questions[:1], cfg.fidelity_ks[0], 1)[0].prompt)
-        for k in cfg.fidelity_ks:
+        if cfg.fidelity_settings:
+            _warm_up(engines, cfg.fidelity_settings, references(corpus, questions[:1], cfg.fidelity_ks[0], 1)[0].prompt)
+        for k in cfg.fidelity_ks if cfg.fidelity_settings else ():
             refs, outcomes = _answer_interleaved(corpus, engines, cfg.fidelity_settings, questions, k,
                                                  cfg.fidelity_new_tokens)
             for mode, rec in cfg.fidelity_settings:
@@ -141,7 +143,7 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
                           f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "
                           f"speed-up {r['speedup']:.1f}x over the engine's full prefill")
         codec_rows = _codec_rows(bench, split, corpus, engines[modes[0]], questions) if cfg.fidelity_codecs else []
-        if ttft_point:
+        if ttft_point and cfg.fidelity_settings:
             timing = _ttft_point(bench, corpus, engines, questions)
         corpus.close()
     return {"rows": rows, "codec_rows": codec_rows, "timing": timing, "questions": len(questions)}
@@ -335,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     help="one split, both (bench and heldout) or all")
     ap.add_argument("--k", type=int, nargs="+", default=list(BenchConfig().fidelity_ks))
     ap.add_argument("--settings", default="none,last:1,last:2,last:3,question:0.05",
-                    help="comma-separated RECOVERY or MODE/RECOVERY")
+                    help="comma-separated RECOVERY or MODE/RECOVERY ('' for none: the codec rows alone)")
     ap.add_argument("--questions", type=int, default=BenchConfig().fidelity_questions, help="per split (42: all)")
     ap.add_argument("--per-kind", type=int, default=BenchConfig().fidelity_per_kind,
                     help="documents per kind of each split (6: all; fewer make a smaller corpus)")

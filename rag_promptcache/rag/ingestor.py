@@ -117,9 +117,8 @@ class Ingestor:
 
         engine = self.parts.engine()
         g = engine.geometry
-        dtype = next(engine.model.parameters()).dtype
         tokens = sum(estimate_tokens(todo).values())
-        sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), dtype,
+        sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
                                                    self.parts.manifest.chunk_tokens)) for c in CODECS}
         return StoreEstimate(tokens, self.parts.manifest.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])))
 

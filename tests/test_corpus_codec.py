@@ -1,0 +1,125 @@
+"""A corpus's codec: chosen at ingest (`--codec`, `Corpus.build(codec=)`), recorded in the manifest, used
+by every tier the corpus opens, shown by `info` and `store info`; bad names list the valid ones; an
+ingest is told the store's size per codec before it starts and the size when done; `eval --codec`
+judges codecs against fp16 modules and recommends the smallest that keeps the answers.
+
+Over the fake engine of tests/test_rag_corpus.py, and a tiny random Llama for `evaluate_codecs`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_cli import assert_user_error, run
+from test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
+
+from rag_promptcache.cli import commands
+from rag_promptcache.model.positions import KVGeometry
+from rag_promptcache.rag import corpus as corpus_mod
+from rag_promptcache.rag.codec_eval import CodecReport, recommend_codec
+from rag_promptcache.rag.corpus import Corpus
+from rag_promptcache.rag.fidelity import SettingReport
+from rag_promptcache.rag.records import Manifest
+from rag_promptcache.store import CODECS, DiskStore, MemoryStore, TieredStore
+from rag_promptcache.store.codecs import bytes_per_token
+
+
+class SizedEngine(FakeEngine):
+    """The fake engine with the two facts an ingest's size estimate reads: KV geometry and dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.geometry = KVGeometry(30, 3, 64, ("full_attention",) * 30, None)
+        self.model = SimpleNamespace(dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def fakes(monkeypatch) -> SizedEngine:
+    engine = SizedEngine()
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
+    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    return engine
+
+
+def test_build_records_the_codec_and_every_tier_the_corpus_opens_uses_it(tmp_path: Path, fakes) -> None:
+    c = Corpus.build([write_docs(tmp_path / "docs")], tmp_path / "c", chunk_tokens=32, codec="int8")
+    assert c.manifest.codec == "int8" and c.info()["codec"] == "int8"
+    store = c.open_store()
+    assert isinstance(store, TieredStore) and [t.codec for t in store.tiers] == ["int8", "int8"]
+    c.close()
+    again = Corpus.open(tmp_path / "c")
+    assert again.manifest.codec == "int8"
+    again.close()
+    with pytest.raises(ValueError, match="codec='int8', not 'int4'"):
+        Corpus.build([tmp_path / "docs"], tmp_path / "c", codec="int4")
+
+
+def test_a_bad_codec_name_lists_the_valid_ones(tmp_path: Path, fakes, capsys) -> None:
+    with pytest.raises(ValueError, match="valid codecs: native, fp16"):
+        Corpus.build([write_docs(tmp_path / "docs")], tmp_path / "c", codec="zip")
+    assert not (tmp_path / "c").exists()
+    assert_user_error(run(capsys, "ingest", tmp_path / "docs", "--corpus", tmp_path / "d", "--codec", "zip"),
+                      "unknown codec 'zip'", "cachegen")
+    assert not (tmp_path / "d").exists()
+
+
+def test_manifests_from_before_codecs_read_as_fp16() -> None:
+    m = Manifest("n", "m", "f", "isolated", "e", 4, 32, 4, 64, "flat", "", "0", 0.0, 0.0)
+    data = json.loads(m.to_json())
+    del data["codec"]
+    assert Manifest.from_json(json.dumps(data), "old").codec == "fp16"
+
+
+def test_ingest_tells_the_size_per_codec_before_and_the_store_after(tmp_path: Path, fakes, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(commands, "ESTIMATE_FROM_TOKENS", 1)
+    code, out, err = run(capsys, "ingest", write_docs(tmp_path / "docs"), "--corpus", tmp_path / "c", "--chunk-tokens",
+                         "32", "--codec", "int4")
+    assert code == 0, err
+    assert "expected store growth per codec" in err and "int4" in err and "(this corpus)" in err
+    assert all(c in err for c in CODECS)
+    assert "store " in out and "(int4)" in out
+    code, out, _ = run(capsys, "info", "--corpus", tmp_path / "c", "--json")
+    assert json.loads(out)["codec"] == "int4"
+    code, out, _ = run(capsys, "store", "info", "--corpus", tmp_path / "c")
+    assert "int4" in out
+    # an existing corpus keeps its codec
+    assert_user_error(run(capsys, "ingest", tmp_path / "docs", "--corpus", tmp_path / "c", "--codec", "int8"),
+                      "stores KV as int4")
+
+
+def test_cli_codec_names_match_the_store() -> None:
+    assert commands.SHOWN_CODECS == CODECS
+
+
+def test_bytes_per_token_follows_the_formula_and_orders_the_codecs() -> None:
+    geometry = (30, 3, 64)
+    sizes = {c: bytes_per_token(c, geometry, torch.bfloat16) for c in CODECS}
+    assert sizes["native"] == sizes["fp16"] == 2 * 30 * 3 * 64 * 2
+    assert sizes["fp16"] > sizes["int8"] > sizes["int4"] > sizes["cachegen"]
+    assert sizes["int8"] > 3 * sizes["cachegen"]
+
+
+def _report(codec: str, bytes_: float, fp16_right: int, right: int, both: int) -> CodecReport:
+    from rag_promptcache.rag.fidelity import QuestionResult
+
+    results = tuple(QuestionResult(f"q{i}", ("a",), "", "", i < fp16_right, i < both or fp16_right <= i < fp16_right + right - both,
+                                   True) for i in range(10))
+    return CodecReport(codec, "none", bytes_, SettingReport(codec, 4, 10, 10, fp16_right, right, 1.0, 1.0, 1.0, 100.0, results))
+
+
+def test_the_recommendation_is_the_smallest_codec_that_keeps_the_answers() -> None:
+    reports = [_report("fp16", 23040, 8, 8, 8), _report("int8", 11970, 8, 8, 8), _report("int4", 6200, 8, 8, 7),
+               _report("cachegen", 3900, 8, 6, 6)]
+    assert [r.meets for r in reports] == [True, True, False, False]  # int4 keeps 7/8 < 0.90
+    assert recommend_codec(reports).codec == "int8"
+    assert recommend_codec(reports[2:]) is None
+
+
+def test_memory_and_disk_tiers_hold_the_codec(tmp_path: Path) -> None:
+    from rag_promptcache.rag.corpus_store import open_store
+
+    store = open_store(tmp_path / "s", 1 << 20, None, "n", "cachegen")
+    assert [type(t) for t in store.tiers] == [MemoryStore, DiskStore] and {t.codec for t in store.tiers} == {"cachegen"}
