@@ -3,7 +3,7 @@ entropy-coded (rANS, `constriction`), as CacheGen (Liu et al., SIGCOMM 2024) cod
 deltas between neighbouring tokens.
 
 For each layer, K or V, KV head and channel, over the module's tokens:
-- the channel's mean and standard deviation are kept (fp16);
+- the channel's mean (fp16) and its step (one byte, `step_code`) are kept;
 - every value is stored as its distance from the mean in steps of `STEP[layer] * deviation`, rounded
   and clipped to `SYMBOLS` symbols (a few deviations either side);
 - the symbols are coded with rANS, one frequency table per layer and K/V, kept in the entry.
@@ -72,12 +72,18 @@ def bits_per_element(geometry: tuple[int, int, int]) -> float:
     return BITS_PER_ELEMENT
 
 
-def layout(shape: tuple[int, int, int, int]) -> dict[str, tuple[int, ...] | None]:
+def layout(shape: tuple[int, int, int, int], start: int = 0) -> dict[str, tuple[int, ...] | None]:
     """Tensor names and shapes of a coded entry; None for the stream, whose length varies."""
     L, H, S, D = shape
     if not S:
         return {"stream": None}
-    return {"stream": None, "tables": (2, L, SYMBOLS), "mean": (2, L, H, 1, D), "step": (2, L, H, 1, D)}
+    sink = {"sink": (2, L, H, 1, D)} if _keeps_sink(S, start) else {}
+    return {"stream": None, "tables": (2, L, SYMBOLS), "mean": (2, L, H, 1, D), "step": (2, L, H, 1, D), **sink}
+
+
+def _keeps_sink(tokens: int, start: int) -> bool:
+    """The token at position 0 (the attention sink every later token attends to) is kept in fp16."""
+    return start == 0 and tokens > 1
 
 
 def _table(symbols: np.ndarray) -> np.ndarray:
@@ -97,29 +103,47 @@ def _model(table: np.ndarray):
     return constriction.stream.model.Categorical(probs, perfect=False)
 
 
+def step_code(step: torch.Tensor) -> torch.Tensor:
+    """A step as one byte: its log2 in eighths of an octave (a step is kept within 9% of itself, which
+    only changes how finely a channel is cut, not where: decoding uses the same rounded step)."""
+    return (torch.log2(step.clamp_min(STEP_MIN)) * 8 + 128).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def step_of(code: np.ndarray) -> np.ndarray:
+    return np.exp2((code.astype(np.float32) - 128) / 8)
+
+
+STEP_MIN = 2.0**-16
+
+
 def quantize(x: torch.Tensor, g: Geometry) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-    """x: [L, H, S, D] -> symbols [L, H, S, D] (int32, 0 .. SYMBOLS - 1) and the per-channel mean and
-    step (fp16, as stored)."""
+    """x: [L, H, S, D] -> symbols [L, H, S, D] (int32, 0 .. SYMBOLS - 1) and the per-channel mean (fp16)
+    and step (`step_code`), as stored."""
     x = x.float()
     mean = x.mean(dim=2, keepdim=True).half()
     sd = x.std(dim=2, keepdim=True, correction=0).nan_to_num(0.0)
-    step = (sd * torch.from_numpy(g.steps()).view(-1, 1, 1, 1)).clamp_min(1e-4).half()
+    code = step_code(sd * torch.from_numpy(g.steps()).view(-1, 1, 1, 1))
+    step = torch.from_numpy(step_of(code.numpy()))
     half = SYMBOLS // 2
-    sym = ((x - mean.float()) / step.float()).round_().clamp_(-half, half) + half
-    return sym.to(torch.int32).numpy(), {"mean": mean, "step": step}
+    sym = ((x - mean.float()) / step).round_().clamp_(-half, half) + half
+    return sym.to(torch.int32).numpy(), {"mean": mean, "step": code}
 
 
-def dequantize(sym: np.ndarray, mean: torch.Tensor, step: torch.Tensor) -> np.ndarray:
-    """sym: [H, S, D] integer symbols of one layer; mean, step: [H, 1, D] -> [H, S, D] float32."""
-    return (sym.astype(np.float32) - SYMBOLS // 2) * step.float().numpy() + mean.float().numpy()
+def dequantize(sym: np.ndarray, mean: torch.Tensor, code: torch.Tensor) -> np.ndarray:
+    """sym: [H, S, D] integer symbols of one layer; mean, step code: [H, 1, D] -> [H, S, D] float32."""
+    return (sym.astype(np.float32) - SYMBOLS // 2) * step_of(code.numpy()) + mean.float().numpy()
 
 
-def encode(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-    """keys, values: [L, H, S, D] -> the tensors of a coded entry."""
+def encode(keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> dict[str, torch.Tensor]:
+    """keys, values: [L, H, S, D] encoded from position `start` -> the tensors of a coded entry."""
     L, H, S, D = keys.shape
     if not S:
         return {"stream": torch.zeros(0, dtype=torch.uint8)}
     constriction = _require()
+    sink = {}
+    if _keeps_sink(S, start):
+        sink = {"sink": torch.stack([keys[:, :, :1], values[:, :, :1]]).half()}
+        keys, values, S = keys[:, :, 1:], values[:, :, 1:], S - 1
     g = Geometry(L, H, S, D)
     tables = np.zeros((2, L, SYMBOLS), dtype=np.uint16)
     params: dict[str, list[torch.Tensor]] = {"mean": [], "step": []}
@@ -136,28 +160,32 @@ def encode(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
     for symbols, table in reversed(segments):
         coder.encode_reverse(symbols, _model(table))
     stream = coder.get_compressed().astype("<u4").view(np.uint8)
-    out = {"stream": torch.from_numpy(stream.copy()), "tables": torch.from_numpy(tables.view(np.int16).copy())}
+    out = {"stream": torch.from_numpy(stream.copy()), "tables": torch.from_numpy(tables.view(np.int16).copy()), **sink}
     out.update({name: torch.stack(ts) for name, ts in params.items()})
     return out
 
 
-def decode(t: dict[str, torch.Tensor], shape: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(t: dict[str, torch.Tensor], shape: tuple[int, int, int, int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors of a coded entry -> (keys, values) in float32; raises `CodecError`."""
     L, H, S, D = shape
     if not S:
         empty = torch.zeros(shape)
         return empty, empty.clone()
+    first = int(_keeps_sink(S, start))
+    S -= first
     constriction = _require()
     raw = t["stream"].numpy()
     if raw.size % 4:
         raise CodecError(f"stream of {raw.size} bytes is not whole 32-bit words")
     coder = constriction.stream.stack.AnsCoder(raw.view("<u4").astype(np.uint32))
     tables = t["tables"].numpy().view(np.uint16)
-    out = np.empty((2, L, H, S, D), dtype=np.float32)
+    out = np.empty((2, L, H, first + S, D), dtype=np.float32)
+    if first:
+        out[:, :, :, :1] = t["sink"].float().numpy()
     for kv in range(2):
         for i in range(L):
             sym = coder.decode(_model(tables[kv, i]), H * S * D).reshape(H, S, D)
-            out[kv, i] = dequantize(sym, t["mean"][kv, i], t["step"][kv, i])
+            out[kv, i, :, first:] = dequantize(sym, t["mean"][kv, i], t["step"][kv, i])
     if not coder.is_empty():
         raise CodecError("stream has bytes left after every symbol was decoded")
     return torch.from_numpy(out[0]), torch.from_numpy(out[1])

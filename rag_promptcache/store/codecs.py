@@ -6,6 +6,7 @@
   the outlier channels of post-RoPE keys get their own range), values per token (min/max over
   head_dim). Scale and zero point are kept in fp16 (fp32 if the range overflows fp16). int4 packs two
   codes per byte along head_dim.
+- "cachegen": a step per channel's deviation and per layer, entropy-coded (cachegen.py).
 
 Each codec carries a version, written into every serialized entry: an entry of a codec version this
 code does not know is a miss, never decoded wrongly.
@@ -23,11 +24,14 @@ from . import cachegen
 from .base import ModuleKV
 from .cachegen import CodecError
 
-__all__ = ["CODECS", "CODEC_VERSIONS", "CodecError", "EncodedKV", "bytes_per_token", "check_codec", "decode", "encode",
+__all__ = ["CODECS", "CODEC_VERSIONS", "LOSES_ANSWERS", "CodecError", "EncodedKV", "bytes_per_token", "check_codec", "decode", "encode",
            "layout"]
 
-CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 1}
+CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 2}
 CODECS: tuple[str, ...] = tuple(CODEC_VERSIONS)
+# Codecs measured to lose answers against fp16 modules on the default model (docs/stores.md, "Codecs and
+# answers"): what a corpus that chooses one is warned of.
+LOSES_ANSWERS: dict[str, str] = {}
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"int8": 8, "int4": 4}
 DTYPES: dict[str, torch.dtype] = {
@@ -63,12 +67,12 @@ class EncodedKV:
         return len(self.token_ids)
 
 
-def layout(codec: str, shape: tuple[int, int, int, int]) -> dict[str, tuple[int, ...] | None]:
-    """The tensor names and shapes a codec produces for KV of `shape`; used to validate loads.
-    None: a one-dimensional tensor of any length (a coded stream)."""
+def layout(codec: str, shape: tuple[int, int, int, int], start: int = 0) -> dict[str, tuple[int, ...] | None]:
+    """The tensor names and shapes a codec produces for KV of `shape` encoded from position `start`;
+    used to validate loads. None: a one-dimensional tensor of any length (a coded stream)."""
     L, H, S, D = shape
     if codec == "cachegen":
-        return cachegen.layout(shape)
+        return cachegen.layout(shape, start)
     if codec in ("native", "fp16", "bf16"):
         return {"k": shape, "v": shape}
     width = D if codec == "int8" else (D + 1) // 2
@@ -137,7 +141,7 @@ def encode(kv: ModuleKV, codec: str = "native", device: torch.device | str = "cp
         dtype = _CASTS.get(codec, keys.dtype)
         tensors = {n: x.to(device=device, dtype=dtype, copy=True).contiguous() for n, x in (("k", keys), ("v", values))}
     elif codec == "cachegen":
-        tensors = {n: x.to(device) for n, x in cachegen.encode(keys.cpu(), values.cpu()).items()}
+        tensors = {n: x.to(device) for n, x in cachegen.encode(keys.cpu(), values.cpu(), kv.start).items()}
     else:
         bits = _BITS[codec]
         k, k_scale, k_zero = _quantize(keys, dim=2, bits=bits)  # per channel: range over tokens
@@ -161,7 +165,7 @@ def decode(enc: EncodedKV, dtype: torch.dtype | None = None, device: torch.devic
     if enc.codec in ("native", "fp16", "bf16"):
         keys, values = t["k"], t["v"]
     elif enc.codec == "cachegen":
-        keys, values = cachegen.decode({n: x.cpu() for n, x in t.items()}, enc.shape)
+        keys, values = cachegen.decode({n: x.cpu() for n, x in t.items()}, enc.shape, enc.start)
         device = device or next(iter(t.values())).device
     else:
         bits, D = _BITS[enc.codec], enc.shape[3]

@@ -114,7 +114,7 @@ def _check(key: str, meta: dict[str, str] | None, tensors: dict[str, torch.Tenso
     if meta["dtype"] not in DTYPES:
         raise CorruptEntry(f"dtype {meta['dtype']!r}")
     shape = (int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["num_tokens"]), int(meta["head_dim"]))
-    expected = layout(codec, shape)
+    expected = layout(codec, shape, int(meta["start"]))
     got = {n: tuple(t.shape) if expected.get(n) is not None else len(t.shape) for n, t in tensors.items()}
     if got != {n: 1 if s is None else s for n, s in expected.items()}:
         raise CorruptEntry(f"tensors {got}, expected {expected}")
