@@ -38,11 +38,22 @@ def test_round_trip_at_group_edges(tokens: int) -> None:
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_early_layers_are_closer() -> None:
+def test_the_sink_at_position_zero_is_kept_and_steps_follow_the_table(monkeypatch) -> None:
     kv = make_kv(1, num_tokens=200, shape=(6, 2, 32))
+    at_zero = ModuleKV(kv.keys, kv.values, 0, kv.token_ids, kv.fingerprint, kv.mode)
+    got = decode(encode(at_zero, "cachegen"))
+    assert torch.allclose(got.keys[:, :, 0], kv.keys[:, :, 0].half().float(), atol=0)  # the sink, in fp16
+    assert rel_err(got.keys[:, :, 1:], kv.keys[:, :, 1:]) > 0.01  # the rest, quantized
+    monkeypatch.setattr(cachegen, "STEP", ((0.0, 0.25), (0.5, 2.0)))  # fine in the first half, coarse after
     got = decode(encode(kv, "cachegen"))
     err = (got.values - kv.values).pow(2).mean(dim=(1, 2, 3))  # [layers]
-    assert err[:2].mean() < err[-2:].mean() / 2  # early layers get the finer step
+    assert err[:3].max() < err[3:].min() / 8
+
+
+def test_a_step_survives_its_byte() -> None:
+    steps = torch.tensor([1e-4, 0.013, 0.7, 3.0, 250.0])
+    back = torch.from_numpy(cachegen.step_of(cachegen.step_code(steps).numpy()))
+    assert ((back / steps - 1).abs() < 0.05).all()
 
 
 def test_a_stream_with_words_left_over_or_odd_bytes_is_refused() -> None:

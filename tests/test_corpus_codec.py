@@ -123,3 +123,47 @@ def test_memory_and_disk_tiers_hold_the_codec(tmp_path: Path) -> None:
 
     store = open_store(tmp_path / "s", 1 << 20, None, "n", "cachegen")
     assert [type(t) for t in store.tiers] == [MemoryStore, DiskStore] and {t.codec for t in store.tiers} == {"cachegen"}
+
+
+@pytest.fixture
+def tiny_corpus(tokenizer, tmp_path: Path, monkeypatch) -> Path:
+    """A corpus over a tiny random Llama (real engine, real store) and the fake embedder; the corpus's
+    loader hands out an engine over the same model, so `Corpus.open` and the CLI work offline."""
+    from tests.tiny import build
+
+    from rag_promptcache.engine import PromptCache
+
+    model = build("llama", vocab_size=len(tokenizer))
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda name, store, mode, dtype=None, adapter=None:
+                        PromptCache(model, tokenizer, store=store, mode=mode or "shared_prefix", name="tiny"))
+    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    c = Corpus.build([write_docs(tmp_path / "docs")], tmp_path / "c", model="tiny", chunk_tokens=32, codec="int8",
+                     progress=False)
+    c.close()
+    return tmp_path / "c"
+
+
+def test_evaluate_codecs_judges_against_fp16_modules(tiny_corpus: Path) -> None:
+    from rag_promptcache.rag.codec_eval import evaluate_codecs
+    from rag_promptcache.rag.fidelity import EvalQuestion
+
+    c = Corpus.open(tiny_corpus)
+    questions = [EvalQuestion("What do cats do?"), EvalQuestion("What is lava?", ("rock",))]
+    reports = evaluate_codecs(c, questions, ["int8", "cachegen"], "none", k=2, max_new_tokens=4)
+    c.close()
+    by = {r.codec: r for r in reports}
+    assert list(by) == ["fp16", "int8", "cachegen"]
+    assert by["fp16"].report.agreement == 1.0 and by["fp16"].report.num_questions == 2
+    assert by["fp16"].bytes_per_token > by["int8"].bytes_per_token > by["cachegen"].bytes_per_token > 0
+
+
+def test_eval_codec_prints_each_codec_and_refuses_apply(tiny_corpus: Path, tmp_path: Path, capsys) -> None:
+    qs = tmp_path / "q.jsonl"
+    qs.write_text(json.dumps({"question": "What do cats do?", "answer": "purr"}) + "\n")
+    code, out, err = run(capsys, "eval", qs, "--corpus", tiny_corpus, "--codec", "int4", "-k", "2",
+                         "--max-new-tokens", "4", "--recovery", "none", "--json")
+    assert code in (0, None), err
+    got = json.loads(out)
+    assert [r["codec"] for r in got["codecs"]] == ["fp16", "int4"] and got["recovery"] == "none"
+    assert_user_error(run(capsys, "eval", qs, "--corpus", tiny_corpus, "--codec", "int4", "--apply"), "ingest into a new corpus")
+    assert_user_error(run(capsys, "eval", qs, "--corpus", tiny_corpus, "--codec", "gzip"), "valid codecs")
