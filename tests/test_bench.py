@@ -108,6 +108,7 @@ FIDELITY = BenchConfig(
     repeats_slow=1, fidelity_per_kind=1, fidelity_questions=3, fidelity_ks=(2, 3), fidelity_new_tokens=3, fidelity_ttft_context=200,
     fidelity_ttft_questions=1, fidelity_settings=(("shared_prefix", "none"), ("isolated", "last:1"),
                                                   ("shared_prefix", "last:9")),
+    fidelity_codecs=("int4",), fidelity_codec_recovery="none",
 )
 
 
@@ -133,8 +134,15 @@ def test_fidelity_rows_and_files(fidelity_report):
     assert all(r["agreement"] == 1.0 for r in rows if r["recovery"] == "last:9")
     assert {t["recovery"] for t in fid["ttft_at_context"]} == {"none", "last:1", "last:9"}
     assert all(t["k"] >= 2 and positive(t["speedup"]) for t in fid["ttft_at_context"])
+    # a codec row per split and k, fp16 modules the reference
+    codec_rows = fid["codec_rows"]
+    assert [(r["split"], r["k"], r["codec"]) for r in codec_rows] == [
+        (s, k, c) for s in FIDELITY.fidelity_splits for k in (2, 3) for c in ("fp16", "int4")]
+    assert all(r["recovery"] == "none" and r["questions"] == 3 for r in codec_rows)
+    assert all(r["agreement"] == 1.0 and r["meets"] for r in codec_rows if r["codec"] == "fp16")
     md = (out / "bench.md").read_text()
     assert "## Answer fidelity" in md and "| heldout | 3 |" in md and "on every split at every k" in md
+    assert "fp16 modules right" in md and "| int4 |" in md
     assert (out / "fidelity.png").stat().st_size > 0 and (out / "fidelity_front.png").stat().st_size > 0
     assert json.loads((out / "bench.json").read_text())["fidelity"]["rows"] == json.loads(json.dumps(rows))
 

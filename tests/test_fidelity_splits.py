@@ -13,7 +13,7 @@ from tests.tiny import build
 
 CONFIG = BenchConfig(fidelity_per_kind=1, fidelity_questions=2, fidelity_ks=(2,), fidelity_new_tokens=2,
                      fidelity_settings=(("shared_prefix", "none"), ("shared_prefix", "question:0.1@1"),
-                                        ("shared_prefix", "last:9")))
+                                        ("shared_prefix", "last:9")), fidelity_codecs=())
 
 
 def test_every_split_rows_share_and_front(tokenizer, tmp_path):

@@ -43,11 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rag_promptcache.bench import fidelity_data, fidelity_heldout, fidelity_manuals, fidelity_reference
+from rag_promptcache.bench import fidelity_codecs, fidelity_data, fidelity_heldout, fidelity_manuals, fidelity_reference
 from rag_promptcache.bench.common import Bench, BenchConfig, median
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
-from rag_promptcache.rag.codec_eval import CodecEngines, evaluate_codecs
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Outcome, Reference, answer, fastest_retaining,
                                           references, summarize)
@@ -142,36 +141,11 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
                 bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}{against}, "
                           f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "
                           f"speed-up {r['speedup']:.1f}x over the engine's full prefill")
-        codec_rows = _codec_rows(bench, split, corpus, engines[modes[0]], questions) if cfg.fidelity_codecs else []
+        codec_rows = fidelity_codecs.rows(bench, split, corpus, engines[modes[0]], questions) if cfg.fidelity_codecs else []
         if ttft_point and cfg.fidelity_settings:
             timing = _ttft_point(bench, corpus, engines, questions)
         corpus.close()
     return {"rows": rows, "codec_rows": codec_rows, "timing": timing, "questions": len(questions)}
-
-
-def _codec_rows(bench: Bench, split: str, corpus: Corpus, engine: PromptCache,
-                questions: list[EvalQuestion]) -> list[dict[str, object]]:
-    """Per k, each codec's answers against fp16 modules' (rag/codec_eval.py), with the configured recovery."""
-    cfg = bench.config
-    recovery = str(Recovery.parse(cfg.fidelity_codec_recovery or engine.recovery))
-    engines = CodecEngines(engine, corpus.schema, cfg.fidelity_codecs)
-    rows = []
-    try:
-        for k in cfg.fidelity_ks:
-            for r in evaluate_codecs(corpus, questions, cfg.fidelity_codecs, recovery, k, cfg.fidelity_new_tokens, STOP,
-                                     engines):
-                rows.append({"split": split, "adapter": fidelity_reference.adapter_label(bench.model), "mode": engine.mode,
-                             **r.as_dict(), "answers": [a.as_dict() for a in r.report.results]})
-                bench.log(f"fidelity {split} k={k} codec {r.codec} ({r.bytes_per_token:.0f} B/token), {recovery}: "
-                          f"fp16 modules {r.report.full_correct}/{r.report.num_with_answer}, codec {r.report.cached_correct}, "
-                          f"kept {_fmt(r.report.kept)}, retained {_fmt(r.report.retained)}")
-    finally:
-        engines.close()
-    return rows
-
-
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}"
 
 
 def split_data(split: str, per_kind: int = fidelity_data.PER_KIND, seed_offset: int = 0) -> tuple[fidelity_data.Dataset, int | None]:
