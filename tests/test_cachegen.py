@@ -61,10 +61,10 @@ def test_a_stream_with_words_left_over_or_odd_bytes_is_refused() -> None:
     shape = enc.shape
     longer = dict(enc.tensors, stream=torch.cat([enc.tensors["stream"], torch.tensor([1, 2, 3, 4], dtype=torch.uint8)]))
     with pytest.raises(CodecError, match="left after"):
-        cachegen.decode(longer, shape)
+        cachegen.decode(longer, shape, enc.start)
     odd = dict(enc.tensors, stream=enc.tensors["stream"][:-1])
     with pytest.raises(CodecError, match="32-bit words"):
-        cachegen.decode(odd, shape)
+        cachegen.decode(odd, shape, enc.start)
 
 
 def _flip(data: bytes, at: int) -> bytes:

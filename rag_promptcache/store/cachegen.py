@@ -72,7 +72,7 @@ def bits_per_element(geometry: tuple[int, int, int]) -> float:
     return BITS_PER_ELEMENT
 
 
-def layout(shape: tuple[int, int, int, int], start: int = 0) -> dict[str, tuple[int, ...] | None]:
+def layout(shape: tuple[int, int, int, int], start: int) -> dict[str, tuple[int, ...] | None]:
     """Tensor names and shapes of a coded entry; None for the stream, whose length varies."""
     L, H, S, D = shape
     if not S:
@@ -134,7 +134,7 @@ def dequantize(sym: np.ndarray, mean: torch.Tensor, code: torch.Tensor) -> np.nd
     return (sym.astype(np.float32) - SYMBOLS // 2) * step_of(code.numpy()) + mean.float().numpy()
 
 
-def encode(keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> dict[str, torch.Tensor]:
+def encode(keys: torch.Tensor, values: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
     """keys, values: [L, H, S, D] encoded from position `start` -> the tensors of a coded entry."""
     L, H, S, D = keys.shape
     if not S:
@@ -165,7 +165,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> dict[str
     return out
 
 
-def decode(t: dict[str, torch.Tensor], shape: tuple[int, int, int, int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(t: dict[str, torch.Tensor], shape: tuple[int, int, int, int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors of a coded entry -> (keys, values) in float32; raises `CodecError`."""
     L, H, S, D = shape
     if not S:
