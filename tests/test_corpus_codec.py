@@ -90,6 +90,15 @@ def test_ingest_tells_the_size_per_codec_before_and_the_store_after(tmp_path: Pa
                       "stores KV as int4")
 
 
+def test_choosing_a_codec_not_shown_to_keep_answers_warns(tmp_path: Path, fakes, capsys) -> None:
+    from rag_promptcache.rag.layout import CorpusWarning
+
+    with pytest.warns(CorpusWarning, match="codec 'cachegen' is not shown to keep answers"):
+        Corpus.build([write_docs(tmp_path / "docs")], tmp_path / "c", chunk_tokens=32, codec="cachegen").close()
+    code, _, err = run(capsys, "ingest", tmp_path / "docs", "--corpus", tmp_path / "d", "--codec", "cachegen")
+    assert code == 0 and "warning: codec 'cachegen' is not shown to keep answers" in err
+
+
 def test_cli_codec_names_match_the_store() -> None:
     assert commands.SHOWN_CODECS == CODECS
 

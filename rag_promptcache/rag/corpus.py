@@ -47,7 +47,7 @@ from rag_promptcache.rag.records import IngestReport, Manifest
 from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
 from rag_promptcache.rag.retrieval import Conversations, Hit
 from rag_promptcache.rag.table import Dropped
-from rag_promptcache.store.codecs import LOSES_ANSWERS, check_codec
+from rag_promptcache.store.codecs import CODEC_WARNINGS, check_codec
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -160,8 +160,8 @@ class Corpus(Answering):
                        progress=progress, ray=ray, on_estimate=on_estimate)
             return corpus
         codec = codec or corpus_store.DEFAULT_CODEC
-        if codec in LOSES_ANSWERS:
-            warnings.warn(f"codec {codec!r} {LOSES_ANSWERS[codec]}", CorpusWarning, stacklevel=2)
+        if codec in CODEC_WARNINGS:
+            warnings.warn(f"codec {codec!r} {CODEC_WARNINGS[codec]}", CorpusWarning, stacklevel=2)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ValueError(f"{path} exists and is not a corpus; pass an empty or new directory to --corpus")
         chunk_tokens = chunk_tokens or 256
