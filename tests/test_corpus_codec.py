@@ -19,6 +19,7 @@ from test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
 from rag_promptcache.cli import commands
 from rag_promptcache.model.positions import KVGeometry
 from rag_promptcache.rag import corpus as corpus_mod
+from rag_promptcache.rag import ingest
 from rag_promptcache.rag.codec_eval import CodecReport, recommend_codec
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import SettingReport
@@ -74,7 +75,7 @@ def test_manifests_from_before_codecs_read_as_fp16() -> None:
 
 
 def test_ingest_tells_the_size_per_codec_before_and_the_store_after(tmp_path: Path, fakes, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(commands, "ESTIMATE_FROM_TOKENS", 1)
+    monkeypatch.setattr(ingest, "LARGE_INGEST_TOKENS", 1)
     code, out, err = run(capsys, "ingest", write_docs(tmp_path / "docs"), "--corpus", tmp_path / "c", "--chunk-tokens",
                          "32", "--codec", "int4")
     assert code == 0, err

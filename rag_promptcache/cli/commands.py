@@ -112,15 +112,13 @@ def ingest(
 
 # Codec names for --help without importing the store (torch); a test holds them equal to store.CODECS.
 SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
-ESTIMATE_FROM_TOKENS = 10_000  # an ingest this large (new tokens, about) is told its store size per codec first
 
 
 def _print_estimate(estimate) -> None:
-    """Before a large ingest: its expected store size in each codec, the corpus's marked."""
+    """Before a large ingest (`rag.ingest.LARGE_INGEST_TOKENS`): its expected store size in each codec,
+    the corpus's marked."""
     from rag_promptcache.cli.output import mib
 
-    if estimate.num_tokens < ESTIMATE_FROM_TOKENS:
-        return
     sizes = ", ".join(f"{c} {mib(b)}{' (this corpus)' if c == estimate.codec else ''}"
                       for c, b in estimate.bytes_per_codec)
     typer.echo(f"about {estimate.num_tokens:,} new tokens; expected store growth per codec: {sizes}", err=True)

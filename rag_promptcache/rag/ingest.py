@@ -13,6 +13,7 @@ from rag_promptcache.rag.loaders import Document, LoadReport, load
 from rag_promptcache.rag.records_loader import RECORD_SEPARATOR
 from rag_promptcache.rag.table import DocumentRow
 
+LARGE_INGEST_TOKENS = 10_000  # an ingest about this large (new tokens) is told the store's size per codec first
 _TEXT_KINDS = ("txt", "md", "markdown", "rst", "text", "json", "jsonl", "html", "htm", "object", "record")
 
 

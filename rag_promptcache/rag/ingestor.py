@@ -23,7 +23,7 @@ from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike
 from rag_promptcache.rag.encoding import Batch, encode_modules, store_keys
 from rag_promptcache.rag.index import faiss_id
-from rag_promptcache.rag.ingest import check_budget, estimate_tokens, progress_bar, stale
+from rag_promptcache.rag import ingest
 from rag_promptcache.rag.loaders import Document, LoadReport
 from rag_promptcache.rag.records import IngestReport, Manifest, StoreEstimate
 from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
@@ -77,15 +77,16 @@ class Ingestor:
         t0 = time.perf_counter()
         table = self.parts.table
         todo = [d for d in docs if not self.unchanged(d)]
-        check_budget(todo, token_budget)
-        if self.on_estimate is not None and todo:
-            self.on_estimate(self.estimate(todo))
+        ingest.check_budget(todo, token_budget)
+        tokens = sum(ingest.estimate_tokens(todo).values())
+        if self.on_estimate is not None and tokens >= ingest.LARGE_INGEST_TOKENS:
+            self.on_estimate(self.estimate(tokens))
         # One document per name: the same one read from another place (a copied folder) replaces it.
         replaced = [(d.identity, r.source) for d in docs for r in table.named(d.identity) if r.source != d.source]
-        gone = stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
+        gone = ingest.stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
         gone = [s for s in gone if s not in {old for _, old in replaced}]
         extra: dict[str, object] = {}
-        self._bar = progress_bar(self.progress)
+        self._bar = ingest.progress_bar(self.progress)
         try:
             for source in [*(old for _, old in replaced), *gone]:
                 self.parts.forget(table.remove_document(source))
@@ -111,13 +112,12 @@ class Ingestor:
             replaced=tuple(replaced), **extra,
         )
 
-    def estimate(self, todo: list[Document]) -> StoreEstimate:
-        """The store's expected growth from `todo`, per codec, for this corpus's model."""
+    def estimate(self, tokens: int) -> StoreEstimate:
+        """The store's expected growth from about `tokens` new tokens, per codec, for this corpus's model."""
         from rag_promptcache.store.codecs import CODECS, bytes_per_token
 
         engine = self.parts.engine()
         g = engine.geometry
-        tokens = sum(estimate_tokens(todo).values())
         sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
                                                    self.parts.manifest.chunk_tokens)) for c in CODECS}
         return StoreEstimate(tokens, self.parts.manifest.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])))
