@@ -139,7 +139,8 @@ def test_fidelity_rows_and_files(fidelity_report):
     assert [(r["split"], r["k"], r["codec"]) for r in codec_rows] == [
         (s, k, c) for s in FIDELITY.fidelity_splits for k in (2, 3) for c in ("fp16", "int4")]
     assert all(r["recovery"] == "none" and r["questions"] == 3 for r in codec_rows)
-    assert all(r["agreement"] == 1.0 and r["meets"] for r in codec_rows if r["codec"] == "fp16")
+    # fp16's row is judged against itself (the tiny model's answers are noise: none may be right)
+    assert all(r["agreement"] == 1.0 and r["cached_correct"] == r["fp16_correct"] for r in codec_rows if r["codec"] == "fp16")
     md = (out / "bench.md").read_text()
     assert "## Answer fidelity" in md and "| heldout | 3 |" in md and "on every split at every k" in md
     assert "fp16 modules right" in md and "| int4 |" in md
