@@ -22,35 +22,45 @@ def gqa(model_type: str, **overrides):
     return cfg(model_type, num_key_value_heads=2, **overrides)
 
 
+def windowed(model_type: str, **defaults):
+    """An architecture with sliding-window layers; a test's overrides (a smaller window, other layer
+    types) win over `defaults`."""
+    return lambda **kw: gqa(model_type, **{**defaults, **kw})
+
+
 def llama_scaled(**rope):
     return gqa("llama", rope_parameters={"rope_theta": 10000.0, **rope})
 
 
 HALF = 8  # head_dim 16 -> 8 rotary frequencies
+WINDOW = 16  # the `*_window` architectures' sliding window, in tokens
 ARCHS = {
     "llama": lambda **kw: gqa("llama", **kw),
-    "mistral": lambda **kw: gqa("mistral", sliding_window=4096, **kw),
-    "mixtral": lambda **kw: gqa("mixtral", num_local_experts=2, sliding_window=4096, **kw),
+    "mistral": windowed("mistral", sliding_window=4096),
+    "mixtral": windowed("mixtral", num_local_experts=2, sliding_window=4096),
     "qwen2": lambda **kw: gqa("qwen2", **kw),
     "qwen3": lambda **kw: gqa("qwen3", head_dim=16, **kw),
     "phi3_partial": lambda **kw: gqa("phi3", pad_token_id=0,
                                      rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **kw),
     "phi_partial": lambda **kw: cfg("phi", rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **kw),
     "gemma": lambda **kw: gqa("gemma", head_dim=16, **kw),
-    "gemma2": lambda **kw: gqa("gemma2", head_dim=16, sliding_window=4096,
-                               layer_types=["sliding_attention", "full_attention"], **kw),
-    "gemma3_text": lambda **kw: gqa("gemma3_text", head_dim=16, sliding_window=4096,
-                                    layer_types=["sliding_attention", "full_attention"], **kw),
+    "gemma2": windowed("gemma2", head_dim=16, sliding_window=4096, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": windowed("gemma3_text", head_dim=16, sliding_window=4096,
+                            layer_types=["sliding_attention", "full_attention"]),
     "gpt_neox_pct25": lambda **kw: cfg("gpt_neox", rope_parameters={"rope_theta": 10000.0,
                                                                     "partial_rotary_factor": 0.25}, **kw),
     "stablelm": lambda **kw: gqa("stablelm", **kw),
     "granite": lambda **kw: gqa("granite", **kw),
     "olmo2": lambda **kw: gqa("olmo2", **kw),
-    "starcoder2": lambda **kw: gqa("starcoder2", sliding_window=4096, **kw),
+    "starcoder2": windowed("starcoder2", sliding_window=4096),
     "smollm3_nope": lambda **kw: gqa("smollm3", pad_token_id=0, no_rope_layers=[1, 0], **kw),
     "cohere_interleaved": lambda **kw: gqa("cohere", **kw),
-    "cohere2_interleaved_nope": lambda **kw: gqa("cohere2", sliding_window=4096,
-                                                 layer_types=["sliding_attention", "full_attention"], **kw),
+    "cohere2_interleaved_nope": windowed("cohere2", sliding_window=4096, layer_types=["sliding_attention", "full_attention"]),
+    # windows far shorter than a prompt: Gemma 3's five local layers to one global, kept to two of each
+    "gemma3_window": windowed("gemma3_text", head_dim=16, sliding_window=WINDOW, num_hidden_layers=4,
+                              layer_types=["sliding_attention", "full_attention"] * 2),
+    "mistral_window": windowed("mistral", sliding_window=WINDOW),
+    "qwen2_window": windowed("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "gptj_interleaved": lambda **kw: cfg("gptj", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=2048, **kw),
     "codegen_interleaved": lambda **kw: cfg("codegen", n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                             n_positions=2048, **kw),

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.kv.assemble import ReservedLayer
+from rag_promptcache.engine.kv.assemble import Mask, ReservedLayer
 from rag_promptcache.engine.compute.forward import LeanLlama
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -91,16 +91,17 @@ def forward_logits(
     ids: torch.Tensor,
     positions: torch.Tensor,
     cache: DynamicCache,
-    mask: torch.Tensor | None = None,
+    mask: Mask | None = None,
     *,
     keep: int = 1,
     lean: bool = True,
 ) -> torch.Tensor:
     """Run `ids` [1, N] at `positions` [1, N] against `cache`; return the last `keep` tokens' logits [keep, V] in fp32.
 
-    `lean`: use the lean forward where the model and cache allow it (`lean=False`: transformers')."""
+    `lean`: use the lean forward where the model and cache allow it (`lean=False`: transformers'). A mask
+    per layer type (a model with sliding-window layers) is for transformers' forward, which takes it so."""
     fast = lean_forward(model) if lean else None
-    if fast is not None and all(type(layer) is ReservedLayer for layer in cache.layers):
+    if fast is not None and not isinstance(mask, dict) and all(type(layer) is ReservedLayer for layer in cache.layers):
         return fast(ids, positions, cache, mask, keep=keep)
     with native_gqa(ids.device):
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=keep,
@@ -120,7 +121,7 @@ def cache_arg(model: torch.nn.Module, cache: DynamicCache | None) -> dict[str, D
 
 
 def forward_last(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                 mask: torch.Tensor | None = None, *, lean: bool = True) -> torch.Tensor:
+                 mask: Mask | None = None, *, lean: bool = True) -> torch.Tensor:
     """`forward_logits` of the last token only → logits [V] fp32."""
     return forward_logits(model, ids, positions, cache, mask, lean=lean)[-1]
 
@@ -140,7 +141,7 @@ def forward_batch(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Te
 
 
 def forward_base(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                 mask: torch.Tensor | None = None) -> None:
+                 mask: Mask | None = None) -> None:
     """The model's own decoder layers, no head: `cache` fills with the KV of `ids` [B, N] at `positions`.
     Always transformers' forward: its callers read KV per row or hook its layers (engine/planning/encoder.py,
     engine/planning/recovery.py), which the lean forward does not offer."""

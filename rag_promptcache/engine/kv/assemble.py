@@ -8,7 +8,16 @@ single prefill sees what a causal prefill of the same sequence would.
 The cache has room reserved up front for the prompt and the answer (`ReservedLayer`): module KV is
 written straight into it, relocated on the way, and prefill and decode write in place. A plain
 `DynamicCache` would copy the whole cache on every update, about 100 MB per generated token at 2k
-context on SmolLM2. Models with sliding-window layers keep transformers' own layers.
+context on SmolLM2.
+
+Sliding-window layers (Gemma 2/3, Mistral, Qwen2 with a window) are reserved like the others and
+keep every token: what a token may see is the mask's business, not the cache's. transformers builds
+each layer type's mask itself while the cache is in sequence order; assembly's own mask, where new
+tokens come before cached ones, is one per layer type (`Mask`), the sliding layers' also hiding what
+lies a window or more behind. After such a prefill, `Assembled.to_sequence_order` puts the sliding
+layers' cache in sequence order, so that transformers' window is right for every later token.
+A cache of other layer types (chunked or linear attention, shared KV) keeps transformers' own
+layers, and a prompt that needs assembly's mask over it is refused by name.
 
 The reserved buffers come from a small pool (`_POOL`) and go back to it when their cache is garbage
 collected (or `release`d by its owner, as the engine does when a generation ends): a fresh 2k-context buffer pair is ~190 MB in fp32, and first-touch page faults on it were
@@ -25,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.model.positions import KVGeometry, Relocator
@@ -68,13 +77,39 @@ class ReservedLayer(DynamicLayer):
         self.set_length(self.keys.shape[-2])
 
 
+SLIDING = "sliding_attention"
+_HELD = {"full_attention": DynamicLayer, SLIDING: DynamicSlidingWindowLayer}  # layer type -> transformers' layer
+
+
+def holds_every_layer(cache: DynamicCache, g: KVGeometry) -> bool:
+    """Whether each of `cache`'s layers (transformers' own, for this model) is one a reserved layer can
+    stand for: full attention, or a sliding window of the model's one `sliding_window`."""
+    return len(cache.layers) == g.num_layers and all(
+        type(layer) is _HELD.get(kind) and getattr(layer, "sliding_window", g.sliding_window) == g.sliding_window
+        for layer, kind in zip(cache.layers, g.layer_types))
+
+
+def full_cache(config: PretrainedConfig, g: KVGeometry,
+               data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
+    """transformers' cache for the model, its sliding-window layers keeping every token as full ones do
+    (transformers still builds their window into the mask), optionally filled with `data` per layer
+    ([B, H, S, D] keys and values). Every layer then covers the same tokens: module encoding reads a
+    module longer than the window from each layer, recovery's probes index them by sequence."""
+    cache = DynamicCache(config=config)
+    if holds_every_layer(cache, g):
+        cache.layers[:] = [DynamicLayer() for _ in cache.layers]
+    for layer, (k, v) in zip(cache.layers, data or ()):
+        layer.update(k, v)
+    return cache
+
+
 def reserved_cache(
     config: PretrainedConfig, g: KVGeometry, capacity: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor] | None:
     """An empty cache with `capacity` tokens reserved, and its key/value buffers [L, H, capacity, D];
-    None when the model's cache needs transformers' own layer types (sliding windows)."""
+    None when the model's cache needs transformers' own layer types (chunked or linear attention)."""
     cache = DynamicCache(config=config)
-    if len(cache.layers) != g.num_layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if not holds_every_layer(cache, g):
         return None
     keys, values = _POOL.take((g.num_layers, g.num_kv_heads, g.head_dim), capacity, dtype, device)
     cache.layers[:] = [ReservedLayer(k[None], v[None], 0) for k, v in zip(keys, values)]
@@ -141,13 +176,47 @@ class _BufferPool:
 _POOL = _BufferPool()
 
 
+# [1, 1, N, C + N] additive; per layer type ("full_attention", "sliding_attention") where the model
+# mixes sliding-window and full layers, as transformers' models with both take it
+Mask = torch.Tensor | dict[str, torch.Tensor]
+
+
+def mask_rows(mask: Mask | None, start: int, end: int, columns: int) -> Mask | None:
+    """Rows start..end-1 (new tokens) and the first `columns` columns of each of a mask's tensors."""
+    if mask is None:
+        return None
+    if isinstance(mask, dict):
+        return {kind: m[:, :, start:end, :columns] for kind, m in mask.items()}
+    return mask[:, :, start:end, :columns]
+
+
 @dataclass(slots=True)
 class Assembled:
     cache: DynamicCache
     new_ids: torch.Tensor  # [1, N]
     new_positions: torch.Tensor  # [1, N]
-    mask: torch.Tensor | None  # [1, 1, N, C + N] additive, or None when plain causal is exact
+    mask: Mask | None  # None when plain causal (and transformers' own window) is exact
     num_cached: int
+    # [C + N]: the sequence index of each token the cache holds once the new ones are in, where the
+    # model has sliding-window layers and the mask puts new tokens before cached ones; else None
+    order: torch.Tensor | None = None
+    sliding: tuple[int, ...] = ()  # the sliding-window layers
+
+    @torch.inference_mode()  # the reserved buffers may be inference tensors
+    def to_sequence_order(self) -> None:
+        """Once every new token has run: put the sliding layers' KV in sequence order, so that a later
+        token's window (transformers': the last `sliding_window` tokens of the cache) is the right one.
+        Full layers see every token and are left as they are. Idempotent."""
+        if self.order is None:
+            return
+        num = self.order.shape[0]
+        perm = torch.argsort(self.order)
+        for i in self.sliding:
+            layer = self.cache.layers[i]
+            assert layer.keys.shape[-2] == num, f"{layer.keys.shape=} {num=}: run every new token first"
+            layer.keys[...] = layer.keys[..., perm, :]  # the view writes through to the reserved buffer
+            layer.values[...] = layer.values[..., perm, :]
+        self.order = None
 
 
 def assemble(
@@ -168,7 +237,13 @@ def assemble(
     new_pos = torch.tensor([[p.position + i for p in new for i in range(len(p.token_ids))]], device=device)
     num_cached = sum(len(p.token_ids) for p in cached)
     reserved = reserved_cache(config, geometry, num_cached + new_ids.shape[1] + extra, dtype, device)
+    mask = assembly_mask(pieces, geometry, dtype, device)
     if reserved is None:
+        if mask is not None:
+            kinds = ", ".join(sorted(set(geometry.layer_types)))
+            raise ValueError(f"this model's cache has layer types {kinds}: only full_attention and sliding_attention "
+                             "layers (one window) can hold tokens recomputed before cached ones; use recovery none or "
+                             "last:N, or full prefill (use_cache=False)")
         cache = _concatenated(cached, kvs, relocator, config, device, dtype)
     else:
         cache, keys, values = reserved
@@ -181,7 +256,7 @@ def assemble(
             at += n
         for layer in cache.layers:
             layer.set_length(num_cached)
-    return Assembled(cache, new_ids, new_pos, assembly_mask(pieces, dtype, device), num_cached)
+    return assembled(cache, new_ids, new_pos, num_cached, pieces, geometry, mask=mask)
 
 
 def _concatenated(
@@ -205,21 +280,50 @@ def _concatenated(
     return DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)], config=config)
 
 
-def assembly_mask(pieces: Sequence[Piece], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """None when every new token follows every cached one; else the additive mask for the new tokens."""
-    last_cached = max((i for i, p in enumerate(pieces) if p.cached), default=-1)
-    first_new = min((i for i, p in enumerate(pieces) if not p.cached), default=len(pieces))
-    if first_new > last_cached:
-        return None
-    cached_seq: list[int] = []  # sequence index of each cached token, in cache order
+def assembled(cache: DynamicCache, new_ids: torch.Tensor, new_positions: torch.Tensor, num_cached: int,
+              pieces: Sequence[Piece], g: KVGeometry, *, mask: Mask | None) -> Assembled:
+    """The `Assembled` of a reserved cache holding `pieces`' cached tokens (or about to: engine/kv/stream.py),
+    with `mask` (`assembly_mask`), and where sliding-window layers need it the order that
+    `to_sequence_order` puts them back in once the new tokens have run."""
+    sliding = tuple(i for i, kind in enumerate(g.layer_types) if kind == SLIDING)
+    order = _sequence_order(pieces, new_ids.device) if mask is not None and sliding else None
+    return Assembled(cache, new_ids, new_positions, mask, num_cached, order, sliding)
+
+
+def _sequence_order(pieces: Sequence[Piece], device: torch.device) -> torch.Tensor:
+    """[C + N]: the sequence index of each token in cache order (the cached pieces', then the new ones')."""
+    cached_seq: list[int] = []
     new_seq: list[int] = []
     seq = 0
     for p in pieces:
         (cached_seq if p.cached else new_seq).extend(range(seq, seq + len(p.token_ids)))
         seq += len(p.token_ids)
-    c = torch.tensor(cached_seq, device=device)
-    n = torch.tensor(new_seq, device=device)
-    allowed = torch.cat([c[None, :] < n[:, None], n[None, :] <= n[:, None]], dim=1)  # [N, C + N]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return torch.tensor(cached_seq + new_seq, device=device)
+
+
+def assembly_mask(pieces: Sequence[Piece], g: KVGeometry, dtype: torch.dtype, device: torch.device) -> Mask | None:
+    """None when every new token follows every cached one; else the additive mask for the new tokens:
+    one tensor where every layer sees the same, else one per layer type."""
+    last_cached = max((i for i, p in enumerate(pieces) if p.cached), default=-1)
+    first_new = min((i for i, p in enumerate(pieces) if not p.cached), default=len(pieces))
+    if first_new > last_cached:
+        return None
+    kv = _sequence_order(pieces, device)  # [C + N]
+    q = kv[sum(len(p.token_ids) for p in pieces if p.cached):]  # [N]
+    # a new token sees the cached tokens before it in the sequence and the new ones up to itself; the cache
+    # holds the new tokens in sequence order, so for them both rules are the same
+    allowed = kv[None, :] <= q[:, None]  # [N, C + N]
+    kinds = set(g.layer_types)
+    if SLIDING not in kinds or not g.sliding_window:
+        return _additive(allowed, dtype)
+    # as transformers' sliding_window_overlay: the last `sliding_window` tokens, itself included
+    near = allowed & (kv[None, :] > q[:, None] - g.sliding_window)
+    if kinds == {SLIDING}:
+        return _additive(near, dtype)
+    return {kind: _additive(near if kind == SLIDING else allowed, dtype) for kind in kinds}
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]

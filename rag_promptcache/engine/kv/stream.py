@@ -21,7 +21,7 @@ streamed cache still has pending (a caller that reads the cache without running 
 On CPU `assemble_streamed` runs the same per-layer steps synchronously, each when its turn comes, so
 the tests hold its cache exactly equal to plain assembly's (tests/test_stream.py).
 
-Out of scope: caches that are not reserved buffers (sliding windows: plain assembly), codecs decoded
+Out of scope: caches that are not reserved buffers (chunked or linear attention: plain assembly), codecs decoded
 on the device, several requests' loads sharing one link.
 """
 
@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import PretrainedConfig
 
-from rag_promptcache.engine.kv.assemble import Assembled, ReservedLayer, assemble, assembly_mask, reserved_cache
+from rag_promptcache.engine.kv.assemble import (Assembled, ReservedLayer, assemble, assembled, assembly_mask,
+                                                reserved_cache)
 from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.model.positions import KVGeometry, Relocator, RopeRelocator
 from rag_promptcache.store.base import ModuleKV
@@ -60,7 +61,7 @@ def assemble_streamed(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], relo
                       config: PretrainedConfig, geometry: KVGeometry, device: torch.device, dtype: torch.dtype,
                       extra: int = 0) -> Assembled | None:
     """`assemble`'s result with each layer's KV loaded when the forward first needs it (see above);
-    None where the cache needs transformers' own layers (sliding windows)."""
+    None where the cache needs transformers' own layers (chunked or linear attention)."""
     cached = [p for p in pieces if p.cached]
     new = [p for p in pieces if not p.cached]
     new_ids = torch.tensor([[t for p in new for t in p.token_ids]], device=device)
@@ -75,7 +76,8 @@ def assemble_streamed(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], relo
         layer.set_length(num_cached)
         layer.pending = lambda i=i: loader.wait(i)
     loader.start()
-    return Assembled(cache, new_ids, new_pos, assembly_mask(pieces, dtype, device), num_cached)
+    return assembled(cache, new_ids, new_pos, num_cached, pieces, geometry,
+                     mask=assembly_mask(pieces, geometry, dtype, device))
 
 
 def load_all(cache) -> None:

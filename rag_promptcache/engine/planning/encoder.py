@@ -17,8 +17,10 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from rag_promptcache.engine.kv.assemble import full_cache
 from rag_promptcache.engine.prompt.compiler import Unit
 from rag_promptcache.engine.compute.runner import forward_base
+from rag_promptcache.model.positions import kv_geometry
 from rag_promptcache.store.base import ModuleKV
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")
@@ -68,7 +70,7 @@ def encode_units(
 def _prefix_kv(model: PreTrainedModel, context: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     device = model.device
     ids = torch.tensor([context], device=device)
-    cache = DynamicCache(config=model.config)
+    cache = full_cache(model.config, kv_geometry(model))
     forward_base(model, ids, torch.arange(len(context), device=device)[None], cache)
     return [(layer.keys, layer.values) for layer in cache.layers]  # each [1, H, C, D]
 
@@ -89,15 +91,14 @@ def _encode_batch(
         ids[r, :n] = torch.tensor(u.token_ids, device=device)
         ids[r, n:] = u.token_ids[-1]
         pos[r] = torch.arange(u.encode_start, u.encode_start + width, device=device)
+    # every layer keeps every token (a module may be longer than a sliding window): full_cache
     if prefix is None:
-        cache = DynamicCache(config=model.config)
+        cache = full_cache(model.config, kv_geometry(model))
         skip = 0
     else:
         # the shared context, broadcast over the batch: [1, H, C, D] -> [B, H, C, D]
-        cache = DynamicCache(
-            ddp_cache_data=[(k.expand(len(batch), -1, -1, -1), v.expand(len(batch), -1, -1, -1)) for k, v in prefix],
-            config=model.config,
-        )
+        cache = full_cache(model.config, kv_geometry(model),
+                           [(k.expand(len(batch), -1, -1, -1), v.expand(len(batch), -1, -1, -1)) for k, v in prefix])
         skip = prefix[0][0].shape[2]
     forward_base(model, ids, pos, cache)  # a unit after a shared prefix is a masked prefill
     assert cache.layers[0].keys.shape[2] == skip + width, f"{cache.layers[0].keys.shape=} {skip=} {width=}"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.kv.assemble import Assembled
+from rag_promptcache.engine.kv.assemble import Assembled, Mask, mask_rows
 from rag_promptcache.engine.kv.stream import assemble_for
 from rag_promptcache.engine.planning.plan import Plan
 from rag_promptcache.engine.prefix.prefix_cache import PrefixUse
@@ -48,7 +48,7 @@ class Chunk:
 
     ids: torch.Tensor  # [1, m]
     positions: torch.Tensor  # [1, m]
-    mask: torch.Tensor | None  # [1, 1, m, cache length + m] additive; None: causal, the whole cache visible
+    mask: Mask | None  # [1, 1, m, cache length + m] additive (per layer type: assemble.py); None: causal
     last: bool  # the prefill's last chunk: its last token's logits are the answer's first
 
 
@@ -91,7 +91,7 @@ class Prefilling:
         # mask: [1, 1, N, C + N] over (new tokens) x (cached, then new tokens). The chunk's rows, and the
         # columns of what the cache holds once the chunk is in: the C cached tokens and new tokens 0..b-1,
         # which sit in the cache in that same order (earlier chunks wrote new tokens 0..a-1 after the C)
-        mask = None if asm.mask is None else asm.mask[:, :, a:b, : asm.num_cached + b]
+        mask = mask_rows(asm.mask, a, b, asm.num_cached + b)
         self.num_done = b
         return Chunk(asm.new_ids[:, a:b], asm.new_positions[:, a:b], mask, b == self.num_new)
 
@@ -103,6 +103,7 @@ class Prefilling:
             logits = self.prefix.reuse.logits
         elif self.on_logits is not None:
             self.on_logits(logits)
+        self.asm.to_sequence_order()  # what decoding's window needs (sliding-window layers only)
         return Prefilled(self.asm.cache, logits, self.next_position, self.prefix)
 
     @torch.inference_mode()

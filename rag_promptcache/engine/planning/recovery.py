@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rag_promptcache.engine.kv.assemble import assemble
+from rag_promptcache.engine.kv.assemble import assemble, full_cache
 from rag_promptcache.engine.prompt.compiler import ROOT, Piece
 from rag_promptcache.engine.compute.runner import forward_base
 from rag_promptcache.engine.planning.select import Selection, choose, exact_module, question_mass, stale_tokens
@@ -288,7 +288,7 @@ def _most_deviating(
         return set(cached_seq)
     device = model.device
     asm = assemble(pieces, kvs, relocator, model.config, geometry, device, model.dtype)
-    fresh = _early_cache(model, pieces, layer)
+    fresh = _early_cache(model, pieces, layer, geometry)
     idx = torch.tensor(cached_seq, device=device)
     # each [H, C, D]: the same tokens at the same positions, fresh against cached
     dk = fresh.layers[layer].keys[0, :, idx] - asm.cache.layers[layer].keys[0]
@@ -298,15 +298,16 @@ def _most_deviating(
     return {cached_seq[i] for i in top.tolist()}
 
 
-def _early_cache(model: PreTrainedModel, pieces: Sequence[Piece], layer: int) -> DynamicCache:
-    """A full prefill of the sequence, stopped after decoder layer `layer`: its KV up to there."""
+def _early_cache(model: PreTrainedModel, pieces: Sequence[Piece], layer: int, geometry: KVGeometry) -> DynamicCache:
+    """A full prefill of the sequence, stopped after decoder layer `layer`: its KV up to there, every
+    token's in every layer (`full_cache`), as the assembled cache it is compared with holds them."""
     layers = _decoder_layers(model)
     if layer >= len(layers):
         raise ValueError(f"deviation layer {layer} is past the model's {len(layers)} layers")
     device = model.device
     ids = torch.tensor([[t for p in pieces for t in p.token_ids]], device=device)
     pos = torch.tensor([[p.position + i for p in pieces for i in range(len(p.token_ids))]], device=device)
-    cache = DynamicCache(config=model.config)
+    cache = full_cache(model.config, geometry)
 
     def stop(*_):
         raise _Stop
