@@ -146,11 +146,14 @@ def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) 
     typer.echo(f"{'recovery':<16} {'full acc':>8} {'cached acc':>10} {'kept':>6} {'retained':>8} {'agreement':>9} "
                f"{'speed-up':>8}")
     for r in reports:
+        if r.error is not None:
+            typer.echo(f"{r.recovery:<16} {fmt(r.full_accuracy):>8} failed: {_one_line(r.error)}")
+            continue
         typer.echo(f"{r.recovery:<16} {fmt(r.full_accuracy):>8} {fmt(r.cached_accuracy):>10} {fmt(r.kept):>6} "
                    f"{fmt(r.retained):>8} {r.agreement:>9.2f} {r.speedup:>7.1f}x")
     typer.echo("kept: of full prefill's right answers, the share the setting also gets right (the rule's measure); "
                "retained: cached right / full right")
-    faithful = lambda r: (r.kept or 0.0, r.speedup)  # noqa: E731
+    faithful = lambda r: (r.error is None, r.kept or 0.0, r.speedup if r.error is None else 0.0)  # noqa: E731
     if best is not None:
         typer.echo(f"\nrecommended: {best.recovery} ({rule}: kept {fmt(best.kept)}, {best.speedup:.1f}x); "
                    "`eval --apply` makes it this corpus's")
@@ -159,6 +162,9 @@ def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) 
         typer.echo(f"\nno recommendation: no setting is {rule} (the most faithful, {most.recovery}, keeps "
                    f"{fmt(most.kept)}); try more settings with --recovery")
     for r in reports if verbose else [best or max(reports, key=faithful)]:
+        if r.error is not None:
+            typer.echo(f"\n{r.recovery}: failed, no answers: {_one_line(r.error)}")
+            continue
         if not r.failures:
             typer.echo(f"\n{r.recovery}: every question as full prefill answers it")
             continue

@@ -121,6 +121,7 @@ class SettingReport:
     cached_ttft_s: float
     context_tokens: float  # mean retrieved-module tokens per prompt
     results: tuple[QuestionResult, ...] = ()  # per question, in question order
+    error: str | None = None  # why the setting could not answer (it is then never recommended)
 
     @property
     def failures(self) -> tuple[QuestionResult, ...]:
@@ -137,6 +138,8 @@ class SettingReport:
     @property
     def retained(self) -> float | None:
         """Cached accuracy over full prefill's; agreement when no question has an answer."""
+        if self.error is not None:
+            return None
         if not self.num_with_answer:
             return self.agreement
         return self.cached_correct / self.full_correct if self.full_correct else None
@@ -145,7 +148,10 @@ class SettingReport:
     def kept(self) -> float | None:
         """Paired: of the questions full prefill answers right, the share the cached setting answers right
         too (never above 1, unlike `retained`, which also counts answers only the cache gets right). The
-        rule's measure. Agreement when no question has an answer; None when full prefill got none right."""
+        rule's measure. Agreement when no question has an answer; None when full prefill got none right
+        or the setting failed."""
+        if self.error is not None:
+            return None
         if not self.num_with_answer:
             return self.agreement
         both = sum(bool(r.full_right and r.cached_right) for r in self.results)
@@ -160,8 +166,9 @@ class SettingReport:
                 "with_answer": self.num_with_answer, "full_correct": self.full_correct,
                 "cached_correct": self.cached_correct, "full_accuracy": self.full_accuracy,
                 "cached_accuracy": self.cached_accuracy, "retained": self.retained, "kept": self.kept, "agreement": self.agreement,
-                "full_ttft_s": self.full_ttft_s, "cached_ttft_s": self.cached_ttft_s, "speedup": self.speedup,
-                "context_tokens": self.context_tokens}
+                "full_ttft_s": self.full_ttft_s,
+                "cached_ttft_s": None if self.error else self.cached_ttft_s, "speedup": None if self.error else self.speedup,
+                "context_tokens": self.context_tokens, "error": self.error}
 
 
 _NUMBER_WORDS = {w: str(n) for n, w in enumerate(
@@ -257,6 +264,16 @@ def summarize(recovery: str, k: int, refs: Sequence[Reference], outcomes: Sequen
     )
 
 
+def failed(recovery: str, k: int, refs: Sequence[Reference], error: Exception) -> SettingReport:
+    """The report of a setting that raised instead of answering: its error, no answers, no speed-up."""
+    answered = [r for r in refs if r.question.answers]
+    return SettingReport(
+        recovery=recovery, k=k, num_questions=len(refs), num_with_answer=len(answered),
+        full_correct=sum(bool(r.right) for r in answered), cached_correct=0, agreement=0.0,
+        full_ttft_s=statistics.median(r.ttft_s for r in refs), cached_ttft_s=float("nan"),
+        context_tokens=sum(r.context_tokens for r in refs) / len(refs), error=f"{type(error).__name__}: {error}")
+
+
 def recommend(reports: Sequence[SettingReport]) -> SettingReport | None:
     """The setting `fastest_retaining` picks among these (one k) by `kept`, or None when none keeps the target."""
     best = fastest_retaining({r.recovery: r.kept for r in reports}, {r.recovery: r.speedup for r in reports})
@@ -270,11 +287,21 @@ def evaluate(
     k: int = 4,
     max_new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> list[SettingReport]:
-    """Full prefill once per question, then every recovery setting: one report per setting."""
+    """Full prefill once per question, then every recovery setting: one report per setting. A setting the
+    engine refuses (ValueError) or that fails in the model (RuntimeError) is reported as failed, with its
+    error, and the others still run."""
     from rag_promptcache.engine.planning.recovery import Recovery
 
     if not questions:
         raise ValueError("no questions to evaluate")
     specs = [str(Recovery.parse(r)) for r in recoveries]  # bad specs fail before any model work
     refs = references(corpus, questions, k, max_new_tokens)
-    return [summarize(s, k, refs, cached(corpus.engine, refs, s, max_new_tokens)) for s in specs]
+    reports = []
+    for s in specs:
+        try:
+            outcomes = cached(corpus.engine, refs, s, max_new_tokens)
+        except (ValueError, RuntimeError) as e:  # not swallowed: the report carries it to the user
+            reports.append(failed(s, k, refs, e))
+            continue
+        reports.append(summarize(s, k, refs, outcomes))
+    return reports

@@ -30,7 +30,7 @@ Also the server's batched decode step (`decode_batch`, over engine/batching/batc
 the native kernel's batch call where it runs, these layers where it declines.
 
 Out of scope: other architectures (they keep transformers' forward: `LeanLlama.for_model` returns
-None), caches that are not `ReservedLayer` buffers (sliding windows), batched prefill, training.
+None), caches that are not `ReservedLayer` buffers (chunked or linear attention), batched prefill, training.
 """
 
 from __future__ import annotations

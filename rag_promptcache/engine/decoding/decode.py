@@ -7,7 +7,8 @@
 What to feed and what to keep is the request's `DecodeState` (engine/decoding/state.py), the same one the
 batcher drives; this loop only runs the step (engine/compute/graphs.py `step_for`: on CUDA a graph over a
 static buffer, else the forward of engine/compute/runner.py) and drops the KV of a rejected prompt lookup
-draft. A cache with sliding-window layers cannot be cropped exactly, so it gets no drafts (`can_crop`).
+draft. transformers' own cache of sliding-window layers cannot be cropped exactly, so it gets no drafts
+(`can_crop`); the engine's reserved cache of them keeps every token, and can.
 
 Out of scope: planning and prefill (engine/planning/plan.py, engine/planning/prefill.py), batching (engine/batching/batcher.py).
 """
@@ -55,5 +56,5 @@ def decode(model: PreTrainedModel, cache: DynamicCache, state: DecodeState, *,
 
 
 def can_crop(cache: DynamicCache) -> bool:
-    """Whether dropping a cache's last tokens restores it exactly (not so for sliding windows)."""
+    """Whether dropping a cache's last tokens restores it exactly (not so for transformers' sliding layers)."""
     return all(type(layer) in (DynamicLayer, ReservedLayer) for layer in cache.layers)

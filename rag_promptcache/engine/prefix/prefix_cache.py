@@ -41,8 +41,9 @@ and `unlock`s; the request's owner (the engine's decode loop, the batcher) calls
 request's cache when the answer is done.
 
 Not here: making the plan (engine/planning/plan.py; it runs whole, cache or no cache, so the recovery passes
-that run the model, `selective` and `attend`, still run over the whole prompt), models whose cache
-keeps only a sliding window (`supported` says no: their cache does not hold every token's KV),
+that run the model, `selective` and `attend`, still run over the whole prompt), models with
+sliding-window layers (`supported` says no: transformers' own cache of them keeps only a window; the
+engine's reserved cache keeps every token, but a span kept here was not checked against a window),
 sharing across processes.
 """
 
