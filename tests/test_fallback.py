@@ -9,7 +9,7 @@ import pytest
 
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.planning import costmodel
-from rag_promptcache.engine.planning.costmodel import Costs, Fallback, stored_costs
+from rag_promptcache.engine.planning.costmodel import Costs, Fallback, FixedPace, stored_costs
 from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.store import MemoryStore
 from tests.test_recovery import PROMPT, SCHEMA
@@ -27,7 +27,7 @@ def engine(tokenizer, fallback) -> PromptCache:
 
 
 def test_auto_runs_full_prefill_where_recovery_recomputes_almost_everything(tokenizer):
-    pc = engine(tokenizer, Fallback("auto", lambda: COSTS))
+    pc = engine(tokenizer, Fallback("auto", lambda: COSTS, pace=FixedPace()))  # COSTS are the machine, whatever it runs
     full = pc.generate(PROMPT, use_cache=False, max_new_tokens=6, ignore_eos=True)
     assert full.path == "full" and full.cached_tokens == 0
     pc.generate(PROMPT, max_new_tokens=1)  # every module stored

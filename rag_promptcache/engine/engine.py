@@ -251,7 +251,9 @@ class PromptCache:
         prefix cache instead (`Prefilling.prefix` says how much); hand the request's cache to
         `keep_prefix` when its answer is done, so later requests may reuse this one."""
         if plan.sources is None:  # a full-prefill reference: nothing reused
-            return start(self.model, plan, self.relocator, self.geometry, room)
+            todo = start(self.model, plan, self.relocator, self.geometry, room)
+            todo.on_ran = self.fallback.ran  # its pace counts too: it is the other path's cost
+            return todo
         use = self.prefix_cache.begin(self.prefix_namespace, token_labels(plan.pieces, plan.sources),
                                       plan.pieces, plan.kvs)
         try:
@@ -260,6 +262,7 @@ class PromptCache:
         finally:  # the reused spans are copied into the request's cache (or assembly failed)
             self.prefix_cache.unlock(use)
         todo.prefix = use
+        todo.on_ran = self.fallback.ran
         todo.on_logits = lambda logits: self.prefix_cache.keep_logits(self.prefix_namespace, use, logits)
         return todo
 

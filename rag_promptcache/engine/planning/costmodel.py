@@ -11,6 +11,12 @@ tokens against them; a full prefill pays one forward over every token. `Costs` m
 `calibrate` measures the coefficients with a few tiny timed forwards and assemblies (tenths of a second
 on SmolLM2-135M on an idle CPU), on the first request that needs them, and `stored_costs` keeps them
 under the cache home keyed by model fingerprint, device, dtype and threads, so a machine measures once.
+A calibration is one moment of a machine whose load changes (a busy neighbour, or none any more), so
+the compute coefficients follow the prefills actually run (the request's own, and encoding a module,
+which is what recomputing it costs): `PaceMeter` keeps a moving average of measured over modelled seconds, and `Fallback.costs` scales the forward's coefficients by it,
+as store/link.py's meter follows a link for transfers. Load-or-recompute and the full-prefill fallback
+both read those costs. A sample is a span of prefills at least `MIN_SPAN_S` long (measured or modelled),
+so a clock that steps by tens of milliseconds averages out within it.
 `Fallback.use_full` is the one place the decision is made: policy `auto` runs full prefill when its
 estimate beats the cached plan's by more than `MARGIN` (a noisy calibration must not send cached
 plans to the slow path; within the margin the cached plan is at most that much slower), `never`
@@ -26,19 +32,21 @@ are stored (`use_full`'s `num_new`, `num_reused_full`).
 
 Out of scope: what planning already spent before the decision (fetching KV from the store, encoding
 missed modules, which are written back for later requests, recovery's scoring pass) and decode speed,
-which is the same on both paths.
+which is the same on both paths. Assembly's coefficients stay as calibrated: copies are a small part of
+a cached plan, and a prefill's span does not separate them from its forward.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -57,6 +65,12 @@ ENV = "RAG_PROMPTCACHE_FALLBACK"
 SHORT, LONG, CONTEXT = 32, 256, 512
 MARGIN = 0.05
 VERSION = 1
+# the pace meter: a sample is a span of prefills this long, measured or modelled; the newest sample's
+# weight in the moving average (taken over log-ratios, so a halving and a doubling move it alike);
+# how far one sample may put the machine from its calibration (a clock that did not advance says 0)
+MIN_SPAN_S = 0.25
+PACE_ALPHA = 0.5
+PACE_LIMIT = 32.0
 
 
 def fallback_policy(value: str | None) -> str:
@@ -88,24 +102,99 @@ class Costs:
     def full(self, num_tokens: int) -> float:
         return self.forward(num_tokens, 0)
 
+    def paced(self, factor: float) -> Costs:
+        """These costs on a machine whose forwards take `factor` times as long (assembly unchanged)."""
+        return replace(self, fixed_s=self.fixed_s * factor, token_s=self.token_s * factor,
+                                   pair_s=self.pair_s * factor)
+
+
+class PaceMeter:
+    """How long this machine's prefills take now against the calibrated model of them: a moving average
+    of measured / modelled seconds (1.0: as calibrated). Pure bookkeeping, thread-safe.
+
+    Prefills are summed into a span until its measured or its modelled seconds reach `MIN_SPAN_S`, then the
+    span's ratio is one sample: the first replaces the calibration's 1.0 (the machine as it is now), later
+    ones move a moving average of log-ratios by `PACE_ALPHA`. A span that measured no time at all (a
+    clock that did not step) keeps collecting; a sample is held within `1 / PACE_LIMIT .. PACE_LIMIT`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._log_factor: float | None = None
+        self._measured = self._modelled = 0.0
+        self.num_samples = 0
+
+    @property
+    def factor(self) -> float:
+        with self._lock:
+            return 1.0 if self._log_factor is None else math.exp(self._log_factor)
+
+    def ran(self, modelled_s: float, seconds: float) -> None:
+        """A prefill the calibrated costs put at `modelled_s` took `seconds`."""
+        if modelled_s <= 0 or seconds < 0:
+            return
+        with self._lock:
+            self._measured += seconds
+            self._modelled += modelled_s
+            if max(self._measured, self._modelled) < MIN_SPAN_S or self._measured <= 0:
+                return
+            ratio = min(max(self._measured / self._modelled, 1 / PACE_LIMIT), PACE_LIMIT)
+            self._measured = self._modelled = 0.0
+            sample = math.log(ratio)
+            self._log_factor = (sample if self._log_factor is None
+                                else (1 - PACE_ALPHA) * self._log_factor + PACE_ALPHA * sample)
+            self.num_samples += 1
+
+
+class FixedPace:
+    """Pacing off: the costs stay as measured (a caller that gives costs it knows to be this machine's)."""
+
+    factor = 1.0
+    num_samples = 0
+
+    def ran(self, modelled_s: float, seconds: float) -> None:
+        pass
+
 
 class Fallback:
-    """The engine's path policy; in `auto`, its costs are measured (or read) on the first decision."""
+    """The engine's path policy; in `auto`, its costs are measured (or read) on the first decision and
+    then follow the prefills and encodings this engine runs (`ran`, `encoded`)."""
 
-    def __init__(self, policy: str | None, measure: Callable[[], Costs] | None = None) -> None:
-        """`measure`: called once, on the first `auto` decision (None: keep the cached plan, unmeasured)."""
+    def __init__(self, policy: str | None, measure: Callable[[], Costs] | None = None,
+                 pace: PaceMeter | FixedPace | None = None) -> None:
+        """`measure`: called once, on the first `auto` decision (None: keep the cached plan, unmeasured).
+        `pace`: how the costs follow the machine (None: a new `PaceMeter`; `FixedPace()`: they do not)."""
         self.policy = fallback_policy(policy)
         self._measure = measure if self.policy == "auto" else None
         self._costs: Costs | None = None
         self._lock = threading.Lock()
+        self.pace = PaceMeter() if pace is None else pace
 
     @property
-    def costs(self) -> Costs | None:
+    def calibrated(self) -> Costs | None:
+        """The costs as measured (or read) once, before any pacing."""
         if self._costs is None and self._measure is not None:
             with self._lock:
                 if self._costs is None:
                     self._costs = self._measure()
         return self._costs
+
+    @property
+    def costs(self) -> Costs | None:
+        """The calibrated costs at this machine's present pace (`PaceMeter`)."""
+        costs = self.calibrated
+        return None if costs is None else costs.paced(self.pace.factor)
+
+    def ran(self, num_new: int, num_context: int, seconds: float) -> None:
+        """A prefill forward of `num_new` tokens against `num_context` cached ones took `seconds`: a pace
+        sample, where costs were calibrated already (a prefill never triggers a calibration)."""
+        if self._costs is not None:
+            self.pace.ran(self._costs.forward(num_new, num_context), seconds)
+
+    def encoded(self, lengths: Sequence[int], seconds: float) -> None:
+        """Modules of these token counts were encoded (recomputed) in `seconds`: a pace sample against what
+        the planner expects of recomputing each (`Costs.full`), where costs were calibrated already."""
+        if self._costs is not None:
+            self.pace.ran(sum(self._costs.full(n) for n in lengths), seconds)
 
     def use_full(self, num_tokens: int, num_cached: int, *, num_new: int | None = None,
                  num_reused_full: int = 0) -> bool:

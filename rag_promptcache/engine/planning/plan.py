@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import PreTrainedModel
 
 from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit
@@ -226,8 +228,8 @@ class Planner:
 
     def recompute_sooner(self, key: str, num_tokens: int) -> bool:
         """Whether computing a module from its text is expected to finish before loading it: the store's
-        measured link (a slow Redis) against this machine's calibrated forward cost. Only under the
-        `auto` fallback policy, whose calibration it reuses; a store without estimates always loads."""
+        measured link (a slow Redis) against this machine's forward cost at its present pace. Only under
+        the `auto` fallback policy, whose costs it reuses; a store without estimates always loads."""
         fallback = self.config.fallback
         load_s = getattr(self.store, "load_s", None)
         if fallback is None or load_s is None:
@@ -241,8 +243,15 @@ class Planner:
         if not units:
             return []
         with self.model_lock:
-            return encode_units(self.model, units, mode=self.config.mode, fingerprint=self.config.fingerprint,
-                                batch_size=self.config.batch_size)
+            t0 = time.perf_counter()
+            kvs = encode_units(self.model, units, mode=self.config.mode, fingerprint=self.config.fingerprint,
+                               batch_size=self.config.batch_size)
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            seconds = time.perf_counter() - t0
+        if self.config.fallback is not None:  # what recomputing costs now: the planner's next choices follow it
+            self.config.fallback.encoded([len(u.token_ids) for u in units], seconds)
+        return kvs
 
     def check_window(self, pieces: Sequence[Piece], max_new_tokens: int) -> None:
         # positions, not token counts: the schema layout leaves gaps, and RoPE tables end at the window

@@ -19,6 +19,7 @@ runs (engine/batching/batcher.py), several requests' chunks in one forward.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,13 +57,17 @@ class Prefilling:
     """A prefill under way: the plan's KV assembled, `num_done` of its `num_new` new tokens run so far."""
 
     def __init__(self, asm: Assembled, next_position: int, prefix: PrefixUse | None = None,
-                 on_logits: Callable[[torch.Tensor], None] | None = None) -> None:
+                 on_logits: Callable[[torch.Tensor], None] | None = None,
+                 on_ran: Callable[[int, int, float], None] | None = None) -> None:
         """`on_logits`: called with the answer's first logits [V] when the last chunk has run (the
-        prefix cache keeps them for a repeat)."""
+        prefix cache keeps them for a repeat). `on_ran(num_new, num_context, seconds)`: called after each
+        forward `run` makes, with its tokens, the tokens they attended to before them and its seconds
+        (the engine's cost model follows the machine's pace with it)."""
         self.asm = asm
         self.next_position = next_position
         self.prefix = prefix  # what the prefix cache gave (already copied into the cache), or None
         self.on_logits = on_logits
+        self.on_ran = on_ran
         self.num_new = asm.new_ids.shape[1]
         self.num_done = 0
 
@@ -113,8 +118,14 @@ class Prefilling:
         model lock around it."""
         if self.repeat:
             return self.prefilled()
+        num_context = self.asm.num_cached + self.num_done
         chunk = self.take(tokens)
+        t0 = time.perf_counter()
         logits = forward_last(model, chunk.ids, chunk.positions, self.asm.cache, chunk.mask)
+        if self.on_ran is not None:
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)
+            self.on_ran(chunk.ids.shape[1], num_context, time.perf_counter() - t0)
         return self.prefilled(logits) if chunk.last else None
 
 
