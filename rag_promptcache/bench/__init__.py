@@ -21,9 +21,11 @@ import torch
 
 from rag_promptcache.bench.common import Bench, BenchConfig
 
-SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve", "chat")
-# fidelity (answers on confusable documents), ingest (local vs Ray) and serve (concurrent HTTP clients) build
-# their own corpus and take minutes: only when asked for (--scenarios fidelity,ingest,serve).
+SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve", "chat",
+             "sustained")
+# fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients) and sustained
+# (novel questions against tiers smaller than the corpus) build their own corpus and take minutes: only when asked
+# for (--scenarios fidelity,ingest,serve,sustained).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
 
 
@@ -124,6 +126,10 @@ def run_loaded(
             from rag_promptcache.bench import chat
 
             out["chat"] = chat.run(bench)
+        elif name == "sustained":
+            from rag_promptcache.bench import sustained
+
+            out["sustained"] = sustained.run(bench)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0

@@ -88,6 +88,21 @@ class BenchConfig:
     chat_context: int = 2048  # its retrieved-context tokens
     chat_answer_tokens: int = 64  # at most this many greedy tokens per answer
     chat_repeats: int = 2  # whole conversations, each turn's systems interleaved
+    # sustained (bench/sustained.py): novel questions against tiers smaller than the corpus
+    sustained_tiers: tuple[str, ...] = ("memory", "memory+disk", "memory+redis")
+    sustained_modules: int = 128  # the corpus
+    sustained_module_tokens: int = 128
+    sustained_k: int = 8
+    sustained_questions: int = 300  # measured, after the warm-up
+    sustained_warmup: int = 50
+    sustained_window: int = 100  # the first and the last window compared
+    sustained_full_every: int = 2  # the engine's full prefill of every n-th question
+    sustained_memory_share: float = 0.25  # of the corpus's bytes: the memory tier's budget
+    sustained_shared_share: float = 0.5  # the disk tier's, or Redis' (above what the empty server holds)
+    sustained_prefix_prompts: float = 2.0  # the prefix cache's budget, in prompts
+    sustained_zipf: float = 1.0  # popularity exponent of the simulated retrieval
+    sustained_every: int = 10  # questions per point of the hit-rate plot
+    sustained_judge_s: float = 2.0  # the speed-up check needs windows whose cached TTFT adds up to this
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -96,7 +111,8 @@ class BenchConfig:
             quality_configs=(("isolated", "none"), ("shared_prefix", "none"), ("shared_prefix", "first_k:8"),
                              ("shared_prefix", "last:3")),
             faiss_queries=100, store_repeats=3, ingest_topics=8, fidelity_questions=12, fidelity_ks=(4, 12),
-            fidelity_ttft_questions=1,
+            fidelity_ttft_questions=1, sustained_modules=64, sustained_module_tokens=64, sustained_questions=120,
+            sustained_warmup=20, sustained_window=40,
             fidelity_settings=(("shared_prefix", "none"), ("shared_prefix", "last:1"), ("shared_prefix", "last:2"),
                                ("shared_prefix", "last:3"), ("shared_prefix", "question:0.05")),
         )

@@ -111,6 +111,10 @@ def markdown(report: dict[str, object]) -> str:
         from rag_promptcache.bench import serve
 
         out += serve.markdown(report["serve"])
+    if isinstance(report.get("sustained"), dict):
+        from rag_promptcache.bench import sustained
+
+        out += sustained.markdown(report["sustained"])
     return "\n".join(out)
 
 
@@ -300,6 +304,10 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         from rag_promptcache.bench import serve
 
         written += serve.plots(report["serve"], folder)
+    if isinstance(report.get("sustained"), dict):
+        from rag_promptcache.bench import sustained
+
+        written += sustained.plots(report["sustained"], folder)
     fid = report.get("fidelity")
     if isinstance(fid, dict) and fid.get("rows") and len(fid.get("splits", ())) > 1:
         written.append(fidelity_front(fid, folder / "fidelity_front.png"))
