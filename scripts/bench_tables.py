@@ -10,8 +10,8 @@ A table is a marker pair in a Markdown file:
 `python scripts/bench_tables.py` rewrites what lies between the markers in README.md and docs/*.md;
 `--check` exits 1 if any of it differs from what the JSON gives (tests/test_docs.py runs it);
 `python scripts/bench_tables.py RUN.json` prints one run's TTFT and decode tables (make gpu-check).
-Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, headline, and
-shape-ttft, shape-decode (the JSON of rag_promptcache/bench/shape.py, which the one-run form prints too).
+Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, sustained, headline,
+and shape-ttft, shape-decode (the JSON of rag_promptcache/bench/shape.py, which the one-run form prints too).
 """
 
 from __future__ import annotations
@@ -219,10 +219,33 @@ def shape_decode(run: dict) -> tuple[str, str | None]:
     return _decode_rows(run["decode"]), None
 
 
+def sustained(run: dict) -> tuple[str, str | None]:
+    """Per tier set: the first and last windows' speed-up and served share, peak bytes against budgets, checks."""
+    s = run["sustained"]
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    verdict = lambda c: "pass" if c["passed"] else "not judged" if c["passed"] is None else "**FAIL**"  # noqa: E731
+    header = ["tiers", f"speed-up, questions {s['warmup'] + 1}-{s['warmup'] + s['window']}",
+              f"speed-up, last {s['window']}", "served from caches, first / last", "peak / budget MiB",
+              "prefix cache peak / budget MiB", "checks"]
+    out = []
+    for r in s["runs"]:
+        if "skipped" in r:
+            out.append([r["tiers"], f"skipped: {r['skipped']}", "", "", "", "", ""])
+            continue
+        samples = [r["after_ingest"], *r["rows"]]
+        peaks = ", ".join(f"{n} {mib(max(x['tiers'][n]['bytes'] for x in samples))} / {mib(b)}"
+                          for n, b in r["budgets"].items())
+        out.append([r["tiers"], _x(r["first"]["speedup"]), _x(r["last"]["speedup"]),
+                    f"{r['first']['served_share']:.2f} / {r['last']['served_share']:.2f}", peaks,
+                    f"{mib(max(x['prefix']['bytes'] for x in r['rows']))} / {mib(r['prefix_budget'])}",
+                    ", ".join(f"{n} {verdict(c)}" for n, c in r["checks"].items())])
+    return _table(header, out), None
+
+
 KINDS: dict[str, Callable[[dict], tuple[str, str | None]]] = {
     "ttft": ttft, "ttft-systems": ttft_systems, "decode": decode, "decode-answers": decode_answers, "chat": chat,
     "serve": serve, "fidelity": fidelity, "quality": quality, "memory": memory, "shape-ttft": shape_ttft,
-    "shape-decode": shape_decode,
+    "shape-decode": shape_decode, "sustained": sustained,
 }
 
 
