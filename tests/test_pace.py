@@ -50,13 +50,14 @@ def test_a_clock_that_did_not_step_keeps_collecting_and_samples_are_bounded() ->
     assert m.factor == pytest.approx(math.exp((1 - PACE_ALPHA) * -math.log(PACE_LIMIT) + PACE_ALPHA * math.log(PACE_LIMIT)))
 
 
-def test_the_full_prefill_fallback_follows_the_pace() -> None:
+def test_a_pace_scales_every_cost_and_keeps_the_cached_or_full_choice() -> None:
     # compute 1 ms a token; assembly 0.2 ms a cached token: 900 of 1000 tokens cached
     fb = Fallback("auto", lambda: Costs(fixed_s=0.0, token_s=1e-3, pair_s=0.0, cached_token_s=2e-4))
     assert not fb.use_full(1000, 900)  # 0.28 s cached against 1 s full
-    fb.ran(1000, 0, 0.1)  # a full prefill ran ten times faster than calibrated: compute is cheap now
-    assert fb.costs.token_s == pytest.approx(1e-4) and fb.calibrated.token_s == 1e-3
-    assert fb.use_full(1000, 900)  # 0.19 s cached against 0.1 s full
+    fb.ran(1000, 0, 0.1)  # a full prefill ran ten times faster than calibrated
+    assert fb.costs.token_s == pytest.approx(1e-4) and fb.costs.cached_token_s == pytest.approx(2e-5)
+    assert fb.calibrated.token_s == 1e-3
+    assert not fb.use_full(1000, 900)  # both paths run on this CPU: the choice stays
     never = Fallback("never", lambda: Costs(0.0, 1e-3, 0.0, 2e-4))
     never.ran(1000, 0, 0.1)  # nothing calibrated, nothing paced
     assert never.costs is None and never.pace.num_samples == 0

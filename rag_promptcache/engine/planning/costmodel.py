@@ -12,10 +12,12 @@ tokens against them; a full prefill pays one forward over every token. `Costs` m
 on SmolLM2-135M on an idle CPU), on the first request that needs them, and `stored_costs` keeps them
 under the cache home keyed by model fingerprint, device, dtype and threads, so a machine measures once.
 A calibration is one moment of a machine whose load changes (a busy neighbour, or none any more), so
-the compute coefficients follow the prefills actually run (the request's own, and encoding a module,
-which is what recomputing it costs): `PaceMeter` keeps a moving average of measured over modelled seconds, and `Fallback.costs` scales the forward's coefficients by it,
-as store/link.py's meter follows a link for transfers. Load-or-recompute and the full-prefill fallback
-both read those costs. A sample is a span of prefills at least `MIN_SPAN_S` long (measured or modelled),
+the costs follow the prefills actually run (the request's own, and encoding a module, which is what
+recomputing it costs): `PaceMeter` keeps a moving average of measured over modelled seconds, and
+`Fallback.costs` scales every coefficient by it, as store/link.py's meter follows a link for transfers.
+Both paths of the cached-or-full choice run on this CPU, so a uniform pace leaves that choice as
+calibrated (and two plans of one prompt take the same path); loading a module over a link does not slow
+with the CPU, so load-or-recompute follows the pace. A sample is a span of prefills at least `MIN_SPAN_S` long (measured or modelled),
 so a clock that steps by tens of milliseconds averages out within it.
 `Fallback.use_full` is the one place the decision is made: policy `auto` runs full prefill when its
 estimate beats the cached plan's by more than `MARGIN` (a noisy calibration must not send cached
@@ -32,8 +34,8 @@ are stored (`use_full`'s `num_new`, `num_reused_full`).
 
 Out of scope: what planning already spent before the decision (fetching KV from the store, encoding
 missed modules, which are written back for later requests, recovery's scoring pass) and decode speed,
-which is the same on both paths. Assembly's coefficients stay as calibrated: copies are a small part of
-a cached plan, and a prefill's span does not separate them from its forward.
+which is the same on both paths; a load that slows the forward more than the copies, or the reverse
+(one pace scales both).
 """
 
 from __future__ import annotations
@@ -103,9 +105,12 @@ class Costs:
         return self.forward(num_tokens, 0)
 
     def paced(self, factor: float) -> Costs:
-        """These costs on a machine whose forwards take `factor` times as long (assembly unchanged)."""
+        """These costs on a machine that runs `factor` times as slow: every part, since assembly is CPU work
+        too. The cached-or-full choice, both sides on this machine, stays; loading over a link does not slow
+        with the CPU, so load-or-recompute moves."""
         return replace(self, fixed_s=self.fixed_s * factor, token_s=self.token_s * factor,
-                                   pair_s=self.pair_s * factor)
+                       pair_s=self.pair_s * factor, cached_token_s=self.cached_token_s * factor,
+                       cached_fixed_s=self.cached_fixed_s * factor)
 
 
 class PaceMeter:
