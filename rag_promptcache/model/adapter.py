@@ -7,8 +7,10 @@ An adapter is a directory holding peft's LoRA files (`adapter_config.json`,
      "mode": "shared_prefix", "recovery": "none", "recipe": {...}, "metrics": {...}}
 
 `mode` is the encoding mode it was tuned for; `recovery` the recovery it was tuned and chosen for (the
-engine's default where a request names none). An adapter that ships for a model lies in
-`adapters/<model name>/` beside this file (package data); `spec` "default" picks it up.
+engine's default where a request names none). An adapter trained with link tokens also holds
+`links.safetensors` (model/links.py): their embeddings, installed at the merge and digested with the
+LoRA. An adapter that ships for a model lies in `adapters/<model name>/` beside this file (package
+data); `spec` "default" picks it up.
 
 The adapter is merged into the weights at load (`merge`), so inference runs the plain model and
 costs nothing extra; the model then carries an `Adapter` record (`applied`), from which the weight
@@ -26,13 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rag_promptcache.model import links
+
 if TYPE_CHECKING:
     import torch
 
 TUNE_FILE = "tune.json"
 TUNE_FORMAT = 1
 FILES = ("adapter_config.json", "adapter_model.safetensors", TUNE_FILE)
-DIGESTED = ("adapter_config.json", "adapter_model.safetensors")  # what changes the merged weights
+DIGESTED = ("adapter_config.json", "adapter_model.safetensors", links.FILE)  # what changes the model (links: if any)
 SHIPPED = Path(__file__).resolve().parent / "adapters"
 DEFAULT = "default"  # the adapter shipped for the model, if one ships
 NONE = "none"  # the base model
@@ -56,6 +60,7 @@ class Adapter:
     base_model: str
     base_fingerprint: str
     shipped: bool  # it ships with this package for `base_model`
+    num_links: int = 0  # trained link tokens (model/links.py); 0: none
 
 
 def shipped_dir(model_name: str) -> Path | None:
@@ -105,15 +110,22 @@ def read(directory: Path) -> Adapter:
     if recovery is not None and not isinstance(recovery, str):
         raise AdapterError(f"{where}: recovery must be a string like 'none' or 'last:1', not {recovery!r}")
     resolved = directory.resolve()
+    try:
+        table = links.load(resolved)
+    except Exception as e:  # safetensors raises its own types for a damaged file
+        raise AdapterError(f"{resolved / links.FILE} is not a readable link table: {e}") from e
     return Adapter(name=resolved.name, path=str(resolved), digest=digest(resolved), recovery=recovery,
                    mode=tune["mode"], base_model=tune["base_model"], base_fingerprint=tune["base_fingerprint"],
-                   shipped=resolved.parent == SHIPPED)
+                   shipped=resolved.parent == SHIPPED, num_links=0 if table is None else int(table.shape[0]))
 
 
 def digest(directory: Path) -> str:
-    """16 hex digits over the LoRA's config and weights (not `tune.json`, whose metrics change nothing)."""
+    """16 hex digits over the LoRA's config and weights and the link table where there is one (not
+    `tune.json`, whose metrics change nothing)."""
     h = hashlib.sha256()
     for name in DIGESTED:
+        if name == links.FILE and not (directory / name).is_file():
+            continue  # an adapter without links keeps the digest it always had
         h.update(f"{name}\0".encode())
         with open(directory / name, "rb") as f:
             while chunk := f.read(1 << 20):
@@ -143,6 +155,9 @@ def merge(model: torch.nn.Module, adapter: Adapter, fingerprint: str, model_name
             # peft asks transformers a question transformers 5 renamed: its notice, not the user's to act on
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             merged = PeftModel.from_pretrained(model, adapter.path).merge_and_unload()
+        table = links.load(adapter.path)
+        if table is not None:
+            links.install(merged, table)
     except (ValueError, KeyError, RuntimeError) as e:
         raise AdapterError(f"adapter {adapter.path!r} does not fit this model: {e}") from e
     setattr(merged, _ATTR, adapter)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rag_promptcache.engine.planning.recovery import with_links
 from rag_promptcache.engine.prompt.compiler import Compiler
 from rag_promptcache.engine.prompt.schemas import Schemas
 from rag_promptcache.model.chat import role_markup
@@ -41,21 +42,33 @@ class Laid:
     context: list[int]
     loss_from: int
     answer_from: int
+    num_links: int = 0  # link tokens among the new ones, all before `loss_from` (model/links.py)
+    first_link: int = 0  # the first link token's id; ids from it on are links
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def plain(self) -> Laid:
+        """The same sample without its link tokens: the prompt a full prefill reads."""
+        if not self.num_links:
+            return self
+        keep = [i for i, t in enumerate(self.ids) if t < self.first_link]
+        return Laid([self.ids[i] for i in keep], [self.unit[i] for i in keep], [self.context[i] for i in keep],
+                    self.loss_from - self.num_links, self.answer_from - self.num_links)
+
 
 class Layouter:
-    """Lays out (instructions, module texts, question, answer) as the engine would for a corpus prompt."""
+    """Lays out (instructions, module texts, question, answer) as the engine would for a corpus prompt;
+    with `link_ids`, those link tokens after each module, as recovery `links:N` places them."""
 
-    def __init__(self, tokenizer, mode: str = "shared_prefix") -> None:
+    def __init__(self, tokenizer, mode: str = "shared_prefix", link_ids: Sequence[int] = ()) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown encoding mode {mode!r}; valid: {', '.join(MODES)}")
         self.tokenizer = tokenizer
         self.mode = mode
         self.schemas = Schemas(Compiler(tokenizer, role_markup(tokenizer)), "tune", mode)
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+        self.link_ids = tuple(link_ids)
 
     def lay(self, instructions: str, modules: Sequence[str], question: str, answer: str) -> Laid:
         names = [f"m{i}" for i in range(len(modules))]
@@ -68,7 +81,7 @@ class Layouter:
         unit: list[int] = []
         context: list[int] = []
         numbers = {n: i for i, n in enumerate(out.schema.units)}
-        for p in out.pieces:
+        for p in with_links(out.pieces, self.link_ids):
             assert p.position == len(ids), f"{p.position=} {len(ids)=}: the layout is contiguous"
             u = out.schema.units[p.unit] if p.cached else None
             ctx = len(u.context_ids) if u is not None and self.mode == "shared_prefix" else 0
@@ -77,13 +90,15 @@ class Layouter:
             ids.extend(p.token_ids)
             unit.extend([numbers[p.unit] if p.cached else -1] * len(p.token_ids))
             context.extend([ctx] * len(p.token_ids))
-        first_new = unit.index(-1)
+        links = set(self.link_ids)
+        num_links = sum(1 for t in ids if t in links)
+        first_new = next(i for i, (u, t) in enumerate(zip(unit, ids)) if u == -1 and t not in links)
         answer_ids = self.tokenizer.encode(answer, add_special_tokens=False) + [self.eos]
         answer_from = len(ids)
         ids.extend(answer_ids)
         unit.extend([-1] * len(answer_ids))
         context.extend([0] * len(answer_ids))
-        return Laid(ids, unit, context, first_new, answer_from)
+        return Laid(ids, unit, context, first_new, answer_from, num_links, min(self.link_ids, default=0))
 
 
 def block_mask(laid: Laid, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 
 from rag_promptcache.tune.layout import Laid, Layouter
-from rag_promptcache.tune.samples import SampleMaker
-from rag_promptcache.tune.texts import Passage, gather, held_out
+from rag_promptcache.tune.samples import SampleMaker, shared_fact_neighbors
+from rag_promptcache.tune.texts import FAMILIES, Passage, gather, held_out
 from rag_promptcache.tune.train import TuneConfig, bf16_autocast, train
 
 FORMAT = 1
 _worker: tuple[SampleMaker, Layouter] | None = None
 
 
-def _init(maker: SampleMaker, tokenizer, mode: str) -> None:
+def _init(maker: SampleMaker, tokenizer, mode: str, link_ids: tuple[int, ...] = ()) -> None:
     global _worker
-    _worker = (maker, Layouter(tokenizer, mode))
+    _worker = (maker, Layouter(tokenizer, mode, link_ids))
 
 
 def _lay(index: int) -> tuple[int, Laid]:
@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--mode", default="shared_prefix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--k-max", type=int, default=10, help="most modules in a training prompt")
+    ap.add_argument("--k-min", type=int, default=1, help="fewest modules in a training prompt")
+    ap.add_argument("--links", type=int, default=0, help="link tokens after each module (0: none)")
+    ap.add_argument("--init", default="", help="an adapter directory to start from (same rank and projections)")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="text families to train on")
+    ap.add_argument("--fact-share", type=float, default=0.45, help="samples asking a fact where one can be asked")
+    ap.add_argument("--full-share", type=float, default=0.15, help="samples the student reads with full attention")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--passages", type=Path)
     ap.add_argument("--write-passages", type=Path)
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     else:
         from rag_promptcache.rag.corpus import DEFAULT_INSTRUCTIONS
 
-        instructions, passages = DEFAULT_INSTRUCTIONS, gather()
+        instructions, passages = DEFAULT_INSTRUCTIONS, gather(tuple(f for f in args.families.split(",") if f))
     train_passages = [p for p in passages if not held_out(p.source)]
     check_passages = [p for p in passages if held_out(p.source) and p.family != "changelog"][:60]
     model, tokenizer = load_model(args.model, device=args.device, dtype="float32", adapter="none")
@@ -173,12 +179,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         (args.out / "probe_answers.json").write_text(json.dumps(answers))
     print(f"base probed in {metrics['base_probe_seconds']:.0f}s, text loss {metrics['base_text_loss']:.4f}",
           file=sys.stderr, flush=True)
-    maker = SampleMaker(train_passages, instructions, k=(1, args.k_max), seed=args.seed)
+    maker = SampleMaker(train_passages, instructions, k=(args.k_min, args.k_max), seed=args.seed,
+                        neighbors=shared_fact_neighbors(train_passages, seed=args.seed), fact_share=args.fact_share)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
-                     tokens_per_batch=args.tokens_per_batch, seed=args.seed)
+                     tokens_per_batch=args.tokens_per_batch, seed=args.seed, links=args.links, init=args.init,
+                     full_share=args.full_share)
+    vocab = model.get_input_embeddings().weight.shape[0]  # link ids follow the vocabulary (model/links.py)
+    link_ids = tuple(range(vocab, vocab + args.links))
     pool = None
     if args.workers:
-        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode))
+        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode, link_ids))
 
         def stream(start: int):
             # windows of 256, the next one laid out while this one trains; never `imap` over an endless
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 window, ahead = ahead.get(), pool.map_async(_lay, range(start, start + 256), chunksize=8)
                 yield from window
     else:
-        _init(maker, tokenizer, args.mode)
+        _init(maker, tokenizer, args.mode, link_ids)
 
         def stream(start: int):
             return map(_lay, itertools.count(start))
@@ -209,7 +219,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if answers:
         (args.out / "probe_answers.json").write_text(json.dumps(answers))
     meta = {"format": FORMAT, "base_model": args.model, "base_fingerprint": base_fingerprint, "mode": args.mode,
-            "recovery": "none", "recipe": {**asdict(cfg), "passages": len(train_passages),
+            "recovery": f"links:{args.links}" if args.links else "none",
+            "recipe": {**asdict(cfg), "passages": len(train_passages), "families": args.families,
+                       "k": [args.k_min, args.k_max], "fact_share": args.fact_share,
                                            "device": device.type}, "metrics": metrics}
     (args.out / "tune.json").write_text(json.dumps(meta, indent=1))
     print(json.dumps(metrics), flush=True)

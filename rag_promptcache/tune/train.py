@@ -6,8 +6,10 @@ The teacher is the same model with the adapter off, reading the same tokens with
 attention: what a user gets without this library. The loss is KL(teacher ‖ student) on every
 position the engine computes (the question, its chat markup, the answer) plus a small
 cross-entropy on the answer; a share of samples is read with the causal mask by the student too, so
-the adapter leaves full prefill as it was. Data, model, loop, checkpoint in one file, nothing in
-callbacks (nanoGPT's train.py is the model).
+the adapter leaves full prefill as it was. With `links` > 0 the student also reads that many link
+tokens after each module (model/links.py, laid out by `layout.py` as recovery `links:N` places them),
+whose embeddings train with the LoRA; the teacher and the causal share read the prompt without them.
+Data, model, loop, checkpoint in one file, nothing in callbacks (nanoGPT's train.py is the model).
 
 Resumable: a checkpoint (adapter, optimizer, step, samples seen) is written every `save_every`
 steps and on stop; `train` picks it up from `out`. Stops at `max_steps` or `max_seconds`.
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rag_promptcache.model import links
 from rag_promptcache.tune.layout import Laid, batch_masks
 
 TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -49,6 +52,8 @@ class TuneConfig:
     save_every: int = 50
     autocast: bool = True  # bf16 autocast where the device has it
     init: str = ""  # an adapter directory the LoRA starts from (same rank and targets); empty: a fresh LoRA
+    links: int = 0  # link tokens after each module (the samples must be laid out with as many); 0: none
+    links_lr_scale: float = 5.0  # the link embeddings' learning rate against the LoRA's
 
 
 @dataclass(slots=True)
@@ -75,17 +80,23 @@ def batches(stream: Iterator[tuple[int, Laid]], cfg: TuneConfig) -> Iterator[tup
             yield group, after
 
 
-def loss_terms(student: torch.Tensor, teacher: torch.Tensor, samples: Sequence[Laid]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(KL(teacher ‖ student) per computed position, CE on the answer) for right-padded logits [B, S, V]."""
-    rows, cols, answer = [], [], []
-    for b, s in enumerate(samples):
+def loss_terms(student: torch.Tensor, teacher: torch.Tensor, samples: Sequence[Laid],
+               plain: Sequence[Laid] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL(teacher ‖ student) per computed position, CE on the answer) for right-padded logits [B, S, V];
+    the teacher read `plain[b]` (sample b without its link tokens; None: the samples themselves), whose
+    question and answer are the student's, `num_links` tokens earlier."""
+    plain = samples if plain is None else plain
+    rows, cols, teacher_cols, answer = [], [], [], []
+    for b, (s, p) in enumerate(zip(samples, plain)):
+        shift = s.loss_from - p.loss_from
         for t in range(s.loss_from, len(s) - 1):  # logits at t predict token t + 1
             rows.append(b)
             cols.append(t)
+            teacher_cols.append(t - shift)
             answer.append(t >= s.answer_from - 1)
     r, c = torch.tensor(rows, device=student.device), torch.tensor(cols, device=student.device)
     st = student[r, c].float().log_softmax(-1)  # [N, V]
-    te = teacher[r, c].float().log_softmax(-1)
+    te = teacher[r, torch.tensor(teacher_cols, device=student.device)].float().log_softmax(-1)
     kl = F.kl_div(st, te, log_target=True, reduction="none").sum(-1).mean()
     targets = torch.tensor([samples[b].ids[t + 1] for b, t in zip(rows, cols)], device=student.device)
     keep = torch.tensor(answer, device=student.device)
@@ -101,14 +112,31 @@ def bf16_autocast(device: torch.device) -> bool:
 
 
 def attach(model, cfg: TuneConfig):
-    """The model with a fresh LoRA adapter (peft), only the adapter trainable."""
+    """The model with a fresh LoRA adapter (peft) and, with `cfg.links`, fresh link embeddings; only
+    those trainable."""
     from peft import LoraConfig, get_peft_model
 
     for p in model.parameters():
         p.requires_grad_(False)
+    if cfg.links:
+        links.install(model, links.fresh(model, cfg.links, cfg.seed))
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets), lora_dropout=0.0,
                       bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    peft_model = get_peft_model(model, lora)
+    if cfg.links:
+        links.of(model).links.requires_grad_(True)
+    return peft_model
+
+
+def param_groups(peft_model, cfg: TuneConfig) -> list[dict]:
+    """The LoRA's parameters, and the link embeddings at their own learning rate scale."""
+    table = links.of(peft_model.get_base_model())
+    link_params = [table.links] if table is not None and table.links.requires_grad else []
+    lora = [p for p in peft_model.parameters() if p.requires_grad and all(p is not q for q in link_params)]
+    groups = [{"params": lora, "scale": 1.0}]
+    if link_params:
+        groups.append({"params": link_params, "scale": cfg.links_lr_scale})
+    return groups
 
 
 def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str | Path, cfg: TuneConfig = TuneConfig(),
@@ -121,8 +149,9 @@ def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str |
     torch.manual_seed(cfg.seed)
     device = next(model.parameters()).device
     peft_model = attach(model, cfg)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    groups = param_groups(peft_model, cfg)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     state = Progress()
     ckpt = out / CHECKPOINT
     if (ckpt / "state.json").exists():
@@ -140,15 +169,17 @@ def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str |
             done = min(1.0, max(state.step / cfg.max_steps, (time.perf_counter() - t0) / cfg.max_seconds))
             lr = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * done))
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g.get("scale", 1.0)
             full = (torch.rand(len(group), generator=gen) < cfg.full_share).tolist()
-            ids, pos, block = batch_masks(group, full, device)
-            _, _, causal = batch_masks(group, [True] * len(group), device)
+            plain = [s.plain() for s in group]
+            read = [p if f else s for s, p, f in zip(group, plain, full)]  # a causal read has no links
+            ids, pos, block = batch_masks(read, full, device)
+            plain_ids, plain_pos, causal = batch_masks(plain, [True] * len(group), device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
                 with torch.no_grad(), peft_model.disable_adapter():
-                    teacher = peft_model(input_ids=ids, position_ids=pos, attention_mask=causal).logits
+                    teacher = peft_model(input_ids=plain_ids, position_ids=plain_pos, attention_mask=causal).logits
                 student = peft_model(input_ids=ids, position_ids=pos, attention_mask=block).logits
-            kl, ce = loss_terms(student, teacher, group)
+            kl, ce = loss_terms(student, teacher, read, plain)
             loss = kl + cfg.ce_weight * ce
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -167,6 +198,7 @@ def train(model, stream: Callable[[int], Iterator[tuple[int, Laid]]], out: str |
         raise
     _save(peft_model, opt, state, ckpt)
     peft_model.save_pretrained(str(out))
+    _save_links(peft_model, out)
     (out / "train.json").write_text(json.dumps({"config": asdict(cfg), "step": state.step, "samples": state.samples,
                                                 "seconds": state.seconds, "losses": state.losses[-200:]}, indent=1))
     peft_model.eval()
@@ -177,6 +209,7 @@ def _save(peft_model, opt, state: Progress, ckpt: Path) -> None:
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(str(tmp))
+    _save_links(peft_model, tmp)
     torch.save(opt.state_dict(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(asdict(state)))
     if ckpt.exists():
@@ -184,6 +217,23 @@ def _save(peft_model, opt, state: Progress, ckpt: Path) -> None:
 
         shutil.rmtree(ckpt)
     tmp.rename(ckpt)  # a stop mid-save leaves the previous checkpoint whole
+
+
+def _save_links(peft_model, directory: Path) -> None:
+    table = links.of(peft_model.get_base_model())
+    if table is not None:
+        links.save(table.links, directory)
+
+
+def _load_links(peft_model, directory: Path) -> None:
+    """Take the link embeddings saved in `directory`, where it has as many as this run trains."""
+    table, saved = links.of(peft_model.get_base_model()), links.load(directory)
+    if table is None or saved is None:
+        return
+    if saved.shape != table.links.shape:
+        raise ValueError(f"{directory} holds {saved.shape[0]} link tokens, this run trains {table.num_links}")
+    with torch.no_grad():
+        table.links.copy_(saved)
 
 
 def can_start_from(adapter: str | Path, cfg: TuneConfig) -> bool:
@@ -203,6 +253,7 @@ def _start_from(peft_model, adapter: Path, cfg: TuneConfig) -> None:
                          f"this run trains rank {cfg.rank} on {list(cfg.targets)}")
     weights = {k: v.float() for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
     set_peft_model_state_dict(peft_model, weights)
+    _load_links(peft_model, adapter)
 
 
 def _resume(peft_model, opt, ckpt: Path) -> Progress:
@@ -210,5 +261,6 @@ def _resume(peft_model, opt, ckpt: Path) -> Progress:
     from safetensors.torch import load_file
 
     set_peft_model_state_dict(peft_model, load_file(str(ckpt / "adapter_model.safetensors")))
+    _load_links(peft_model, ckpt)
     opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
     return Progress(**json.loads((ckpt / "state.json").read_text()))

@@ -202,8 +202,9 @@ class Fallback:
             self.pace.ran(sum(self._costs.full(n) for n in lengths), seconds)
 
     def use_full(self, num_tokens: int, num_cached: int, *, num_new: int | None = None,
-                 num_reused_full: int = 0) -> bool:
-        """Whether a full prefill of `num_tokens` beats assembling `num_cached` of them and computing the rest.
+                 num_reused_full: int = 0, num_full: int | None = None) -> bool:
+        """Whether a full prefill beats assembling `num_cached` of the plan's `num_tokens` and computing the rest.
+        The full prefill has `num_full` tokens (None: `num_tokens`; fewer where the plan adds link tokens).
         The prefix cache (engine/prefix/prefix_cache.py) may hold some of either path's tokens: `num_new` is what
         the cached plan computes after taking them (None: `num_tokens - num_cached`), `num_reused_full` how
         many of the full prefill's it holds (those are assembled, not computed)."""
@@ -213,8 +214,9 @@ class Fallback:
         if costs is None or costs.token_s <= 0:
             return False
         new = num_tokens - num_cached if num_new is None else num_new
-        full = (costs.cached(num_reused_full, num_tokens - num_reused_full) if num_reused_full
-                else costs.full(num_tokens))
+        num_full = num_tokens if num_full is None else num_full
+        full = (costs.cached(num_reused_full, num_full - num_reused_full) if num_reused_full
+                else costs.full(num_full))
         return costs.cached(num_tokens - new, new) > (1 + MARGIN) * full
 
 

@@ -200,21 +200,25 @@ class Planner:
             kvs[u.name] = kv
             encoded += kv.num_tokens
         chosen = cfg.recovery if recovery is None else Recovery.parse(recovery)
+        # the full prefill of this prompt: its own tokens, without any link tokens recovery adds
+        full = uncached(Plan(tuple(pieces), {}, (), (), (), 0))
         with self.model_lock:
             pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
+        self.check_window(pieces, max_new_tokens)  # link tokens lengthen the prompt
         missed = {u.name for u in misses}
         plan = Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
                     tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded, keys)
-        if fallback and cfg.fallback is not None and self._full_pays(plan, cfg.fallback):
+        if fallback and cfg.fallback is not None and self._full_pays(plan, full, cfg.fallback):
             # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
             # an earlier full-path request computed of the same tokens (the prefix cache's labels)
-            return dataclasses.replace(uncached(plan), misses=plan.misses, num_encoded_tokens=encoded, sources={})
+            return dataclasses.replace(full, misses=plan.misses, num_encoded_tokens=encoded, sources={})
         return plan
 
-    def _full_pays(self, plan: Plan, fallback: Fallback) -> bool:
-        """The cost model's choice for `plan`, counting what the prefix cache holds of either path."""
+    def _full_pays(self, plan: Plan, full: Plan, fallback: Fallback) -> bool:
+        """The cost model's choice between `plan` and `full`, its full prefill, counting what the prefix
+        cache holds of either path."""
         if self.reusable is None or fallback.policy != "auto":
-            return fallback.use_full(plan.num_tokens, plan.num_cached)
+            return fallback.use_full(plan.num_tokens, plan.num_cached, num_full=full.num_tokens)
         reused = self.reusable(token_labels(plan.pieces, plan.sources or {}))
         seq = num_new = 0
         for p in plan.pieces:  # new tokens past the reused prefix: what the cached plan still computes
@@ -222,8 +226,7 @@ class Planner:
             if not p.cached:
                 num_new += n - min(max(reused - seq, 0), n)
             seq += n
-        full = uncached(plan)
-        return fallback.use_full(plan.num_tokens, plan.num_cached, num_new=num_new,
+        return fallback.use_full(plan.num_tokens, plan.num_cached, num_new=num_new, num_full=full.num_tokens,
                                  num_reused_full=self.reusable(token_labels(full.pieces, {})))
 
     def recompute_sooner(self, key: str, num_tokens: int) -> bool:

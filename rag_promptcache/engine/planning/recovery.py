@@ -17,13 +17,18 @@ strategy picks cached tokens to compute again, in place, against everything befo
 - `attend:N` (query-aware): the N modules the question's tokens attend to most at layer `@L`
   (default 8), found by running the question over the assembled cache up to that layer, recomputed
   whole. Needs attention with a `q_proj` (Llama, Mistral, Qwen, Gemma families).
+- `links:N` (KVLink): recomputes nothing, but places N learned link tokens (model/links.py) after
+  each retrieved module as new tokens, every later token moved along. Computed with the question in
+  the one prefill, each sees the modules and links before it, so the question reads the modules as
+  stored plus what the links carry of how they relate. Only a model whose adapter trained links.
 
-All only split pieces: the chosen tokens become new tokens, and the assembler's mask keeps the
-single prefill causal. Recomputing everything is full prefill; recomputing nothing is `none`.
+The others only split pieces: the chosen tokens become new tokens, and the assembler's mask keeps
+the single prefill causal. Recomputing everything is full prefill; recomputing nothing is `none`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +41,11 @@ from rag_promptcache.engine.kv.assemble import assemble, full_cache
 from rag_promptcache.engine.prompt.compiler import ROOT, Piece
 from rag_promptcache.engine.compute.runner import forward_base
 from rag_promptcache.engine.planning.select import Selection, choose, exact_module, question_mass, stale_tokens
+from rag_promptcache.model import links
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
-KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question")
+KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question", "links")
 DEFAULT_LAYER = {"selective": 1, "attend": 8, "question": 8}
 # Chosen on answers, not logits (docs/FIDELITY.md, `rag-promptcache bench --scenarios fidelity`): the
 # fastest setting keeping >= 95% of full prefill's right answers at k = 4, 8 and 12 on both the bench
@@ -52,8 +58,9 @@ DEFAULT_RECOVERY = "last:3"
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
-    kind: Literal["none", "first_k", "selective", "last", "attend", "question"] = "none"
-    # K tokens for first_k; a fraction R in [0, 1] for selective and question; N modules for last/attend
+    kind: Literal["none", "first_k", "selective", "last", "attend", "question", "links"] = "none"
+    # K tokens for first_k; a fraction R in [0, 1] for selective and question; N modules for last/attend;
+    # N link tokens per module for links
     budget: float = 0.0
     # selective: where deviation is measured; attend: where the question's attention is read; question: L
     # reads it at L/2, L and 3L/2 (the default 8: layers 4, 8, 12, as engine/planning/select.py's probe measured)
@@ -66,6 +73,8 @@ class Recovery:
             raise ValueError(f"first_k needs a whole number of tokens k >= 0, got {self.budget}")
         if self.kind in ("last", "attend") and (self.budget < 0 or self.budget != int(self.budget)):
             raise ValueError(f"{self.kind} needs a whole number of modules n >= 0, got {self.budget}")
+        if self.kind == "links" and (self.budget < 0 or self.budget != int(self.budget)):
+            raise ValueError(f"links needs a whole number of link tokens per module n >= 0, got {self.budget}")
         if self.kind in ("selective", "question") and not 0 <= self.budget <= 1:
             raise ValueError(f"{self.kind} needs a fraction r in [0, 1], got {self.budget}")
         if self.layer < 0:
@@ -73,7 +82,7 @@ class Recovery:
 
     @classmethod
     def parse(cls, spec: str | Recovery | None) -> Recovery:
-        """"none", "first_k:8", "selective:0.15[@2]", "last:1", "attend:1[@8]", "question:0.05[@8]"."""
+        """"none", "first_k:8", "selective:0.15[@2]", "last:1", "attend:1[@8]", "question:0.05[@8]", "links:4"."""
         if spec is None:
             return cls()
         if isinstance(spec, Recovery):
@@ -87,7 +96,7 @@ class Recovery:
             if "valid:" in str(e) or "needs" in str(e) or "layer" in str(e):
                 raise
             raise ValueError(f"bad recovery {spec!r}: write none, first_k:K, selective:R[@layer], last:N, "
-                             "attend:N[@layer] or question:R[@layer]") from e
+                             "attend:N[@layer], question:R[@layer] or links:N") from e
 
     def __str__(self) -> str:
         if self.kind == "none":
@@ -111,6 +120,8 @@ def recover(
         return split(pieces, chosen)
     if recovery.kind == "none" or recovery.budget == 0:
         return list(pieces)
+    if recovery.kind == "links":
+        return with_links(pieces, links.ids(model, int(recovery.budget)))
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
     elif recovery.kind == "last":
@@ -122,6 +133,20 @@ def recover(
     else:
         chosen = _most_deviating(pieces, kvs, model, relocator, geometry, recovery.budget, recovery.layer)
     return split(pieces, chosen)
+
+
+def with_links(pieces: Sequence[Piece], link_ids: Sequence[int]) -> list[Piece]:
+    """The pieces with `link_ids` as new tokens right after each retrieved module's last cached piece,
+    every later piece moved along by the links before it (the schema's own text gets none)."""
+    ends = {i for i in {p.unit: i for i, p in enumerate(pieces) if p.cached and p.unit != ROOT}.values()}
+    out: list[Piece] = []
+    shift = 0
+    for i, p in enumerate(pieces):
+        out.append(dataclasses.replace(p, position=p.position + shift) if shift else p)
+        if i in ends and link_ids:
+            out.append(Piece(tuple(link_ids), p.position + shift + len(p.token_ids)))
+            shift += len(link_ids)
+    return out
 
 
 def question_layers(layer: int) -> tuple[int, ...]:
