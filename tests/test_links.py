@@ -168,3 +168,9 @@ def test_training_with_links_saves_and_resumes_them(tiny_dir, tmp_path):
     _, resumed = train(again, stream, tmp_path / "run", TuneConfig(**{**meta["config"], "targets": tuple(cfg.targets),
                                                                         "max_steps": 3}))
     assert resumed.step == 3
+
+
+def test_an_engine_refuses_links_as_its_default_where_the_model_has_none(tiny_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="links:4 needs an adapter trained with link tokens"):
+        PromptCache(base, AutoTokenizer.from_pretrained(tiny_dir), recovery="links:4")

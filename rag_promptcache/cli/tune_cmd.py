@@ -26,6 +26,7 @@ def tune(
     k: Annotated[int, typer.Option("-k", "--k", help="How many chunks each check question retrieves.")] = 4,
     general: Annotated[bool, typer.Option("--general/--corpus-only", help="Mix in this machine's general text (Python's reference, Debian changelogs).")] = True,
     rank: Annotated[int, typer.Option("--rank", help="LoRA rank.")] = 16,
+    links: Annotated[int, typer.Option("--links", help="Also learn this many link tokens after each module (recovery links:N; 0: none).")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the samples and the adapter's initialisation.")] = 0,
     restart: Annotated[bool, typer.Option("--restart", help="Start over instead of resuming a checkpoint in --out.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -50,6 +51,8 @@ def tune(
         raise fail(f"--check must be >= 0 and --rank >= 1, got {check} and {rank}")
     if k < 1:
         raise fail(f"-k must be at least 1, got {k}")
+    if links < 0:
+        raise fail(f"--links must be >= 0, got {links}")
     if questions is not None and not questions.is_file():
         raise fail(f"no such file: {questions}")
     asked = read_questions(questions) if questions is not None else []
@@ -58,7 +61,7 @@ def tune(
     if restart and (target / CHECKPOINT).exists():
         shutil.rmtree(target / CHECKPOINT)
     cfg = TuneConfig(rank=rank, alpha=2 * rank, max_steps=steps, max_seconds=minutes * 60, seed=seed,
-                     tokens_per_batch=2048)
+                     tokens_per_batch=2048, links=links)
     bar = tqdm(total=steps, desc="tune", unit="step", disable=as_json)
     started = time.perf_counter()
 

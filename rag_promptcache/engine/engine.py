@@ -43,6 +43,7 @@ from rag_promptcache.engine.decoding.sampling import Sampling, eos_token_ids
 from rag_promptcache.engine.prompt.schemas import Schemas
 from rag_promptcache.engine.decoding.state import DecodeState
 from rag_promptcache.engine.decoding.text import TextStream
+from rag_promptcache.model import links
 from rag_promptcache.model.adapter import applied
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.model.loading import load_model, model_fingerprint
@@ -141,13 +142,19 @@ class PromptCache:
 
     def _default_recovery(self, spec: str | Recovery | None) -> Recovery:
         if spec is not None:
-            return Recovery.parse(spec)
+            return self._runnable(Recovery.parse(spec))
         if self.adapter is None or self.adapter.recovery is None:
             return Recovery.parse(DEFAULT_RECOVERY)
         try:
-            return Recovery.parse(self.adapter.recovery)
+            return self._runnable(Recovery.parse(self.adapter.recovery))
         except ValueError as e:
             raise ValueError(f"adapter {self.adapter.path!r}: tune.json's recovery: {e}") from e
+
+    def _runnable(self, recovery: Recovery) -> Recovery:
+        """`recovery`, refused now where this model cannot run it (links:N without trained links)."""
+        if recovery.kind == "links":
+            links.ids(self.model, int(recovery.budget))
+        return recovery
 
     @property
     def recovery(self) -> Recovery:

@@ -129,7 +129,8 @@ def check_questions(corpus: Corpus, texts: Sequence[str], limit: int, seed: int,
 
 
 def answers_of(model, tokenizer, rows: Sequence[CheckQuestion], layouter: Layouter, who: str) -> dict[str, list[str]]:
-    """`who`'s answers with full prefill and with modules encoded on their own ("who/full", "who/none")."""
+    """`who`'s answers with full prefill and with modules encoded on their own ("who/full", "who/none"),
+    the latter with the link tokens `layouter` places, if any."""
     prompts = [layouter.lay(r.instructions, list(r.modules), r.question, "") for r in rows]
     return probe(model, tokenizer, prompts, who, 4, [], {})
 

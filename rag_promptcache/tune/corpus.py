@@ -91,6 +91,8 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
     layouter = Layouter(tokenizer, corpus.manifest.mode)
+    vocab = model.get_input_embeddings().weight.shape[0]  # link ids follow the vocabulary (model/links.py)
+    linked = Layouter(tokenizer, corpus.manifest.mode, range(vocab, vocab + cfg.links)) if cfg.links else layouter
     texts = answers_of(model, tokenizer, rows, layouter, "base") if rows else {}
     shipped = adapters.find(adapters.DEFAULT, corpus.manifest.model)
     recovery = "none"
@@ -102,20 +104,23 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
             cfg = replace(cfg, init=cfg.init or shipped.path)
         if rows:
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
-            texts.update(answers_of(merged, tokenizer, rows, layouter, "default"))
+            shipped_layouter = Layouter(tokenizer, corpus.manifest.mode, range(vocab, vocab + shipped.num_links))
+            texts.update(answers_of(merged, tokenizer, rows, shipped_layouter, "default"))
             del merged
+    if cfg.links:
+        recovery = f"links:{cfg.links}"
     maker = SampleMaker(pool, corpus.manifest.instructions, k=(1, max(2, k + 2)), seed=cfg.seed, neighbors=neighbours)
 
     def stream(start: int):
         for i in itertools.count(start):
             s = maker(i)
-            yield i, layouter.lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, s.answer)
+            yield i, linked.lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, s.answer)
 
     peft_model, state = train(model, stream, out, cfg, progress)
     check_out = None
     applied, reason = True, "no check asked for: applied unchecked"
     if rows:
-        texts.update(answers_of(peft_model, tokenizer, rows, layouter, "tuned"))
+        texts.update(answers_of(peft_model, tokenizer, rows, linked, "tuned"))
         check_out = summarize(rows, judge(rows, texts))
         applied, reason = verdict(check_out)
     elif check:

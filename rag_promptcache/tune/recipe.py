@@ -75,7 +75,8 @@ def answer_all(model, tokenizer, prompts: list[Laid], full: bool, batch: int) ->
     from rag_promptcache.tune.probe import greedy
 
     eos = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if t is not None]
-    out = greedy(model, prompts, full=full, max_new_tokens=32, eos_ids=eos, batch=batch)
+    read = [p.plain() for p in prompts] if full else prompts  # a full prefill reads no link tokens
+    out = greedy(model, read, full=full, max_new_tokens=32, eos_ids=eos, batch=batch)
     return [tokenizer.decode(t, skip_special_tokens=True) for t in out]
 
 

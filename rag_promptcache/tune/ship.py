@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from rag_promptcache.model import adapter as adapters
+from rag_promptcache.model import links
 
 
 def ship(source: Path, recovery: str, *, model: str | None = None, measured: dict[str, object] | None = None,
@@ -46,6 +47,8 @@ def ship(source: Path, recovery: str, *, model: str | None = None, measured: dic
     weights = load_file(str(source / "adapter_model.safetensors"))
     save_file({k: v.to(torch.float16) if v.is_floating_point() else v for k, v in weights.items()},
               str(tmp / "adapter_model.safetensors"))
+    if (source / links.FILE).is_file():  # link embeddings stay float32: a few KB
+        shutil.copyfile(source / links.FILE, tmp / links.FILE)
     tune = json.loads((source / adapters.TUNE_FILE).read_text())
     tune["recovery"] = recovery
     tune["metrics"] = {**tune.get("metrics", {}), **({"shipped": measured} if measured else {})}
