@@ -47,6 +47,7 @@ from rag_promptcache.bench import fidelity_codecs, fidelity_data, fidelity_heldo
 from rag_promptcache.bench.common import Bench, BenchConfig, median
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
+from rag_promptcache.model import links
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Outcome, Reference, answer, fastest_retaining,
                                           references, summarize)
@@ -71,6 +72,11 @@ def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = 
         raise ValueError(f"unknown fidelity split(s) {sorted(unknown)}; valid: {', '.join(SPLITS)}")
     if reference is not None:
         check_reference(reference, bench.config, splits)
+    trained = links.of(bench.model)
+    if trained is not None and not any(r.startswith("links:") for _, r in bench.config.fidelity_settings):
+        # a model with trained links is measured with them too
+        bench.config = dataclasses.replace(bench.config, fidelity_settings=(
+            *bench.config.fidelity_settings, ("shared_prefix", f"links:{trained.num_links}")))
     rows: list[dict[str, object]] = []
     codec_rows: list[dict[str, object]] = []
     timing: list[dict[str, object]] = []

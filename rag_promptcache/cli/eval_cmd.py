@@ -41,6 +41,7 @@ def eval_(
     setting that keeps >= 95% of full prefill's right answers and show the questions it gets wrong, the
     expected, the cached and the full answer side by side."""
     from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
+    from rag_promptcache.model.adapter import read
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.fidelity import TARGET_RETAINED, evaluate, read_questions, recommend
     from rag_promptcache.rag.models import tuned_recovery
@@ -61,7 +62,9 @@ def eval_(
     try:
         if recovery is None:
             default = tuned_recovery(c.adapter_path) or DEFAULT_RECOVERY  # the engine's default with this corpus's adapter
-            specs = [*SHOWN_SETTINGS, default, *([c.manifest.recovery] if c.manifest.recovery else [])]
+            trained = read(Path(c.adapter_path)).num_links if c.adapter_path else 0  # links: measured where trained
+            specs = [*SHOWN_SETTINGS, *([f"links:{trained}"] if trained else []), default,
+                     *([c.manifest.recovery] if c.manifest.recovery else [])]
         specs = list(dict.fromkeys(str(Recovery.parse(s)) for s in specs))  # bad specs fail before any model work
         reports = evaluate(c, qs, specs, k=k, max_new_tokens=max_new_tokens)
         best = recommend(reports)
