@@ -174,3 +174,27 @@ def test_an_engine_refuses_links_as_its_default_where_the_model_has_none(tiny_di
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="links:4 needs an adapter trained with link tokens"):
         PromptCache(base, AutoTokenizer.from_pretrained(tiny_dir), recovery="links:4")
+
+
+@pytest.mark.slow
+def test_tune_learns_links_for_a_corpus(tiny_dir, tmp_path):
+    from rag_promptcache.rag import Corpus
+    from rag_promptcache.tune.corpus import tune_corpus
+    from rag_promptcache.tune.train import TuneConfig
+    from tests.test_cli_failures import cli
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, text in enumerate(MODULES):
+        (docs / f"d{i}.md").write_text(text.split("\n", 1)[1] * 3)
+    built = cli("ingest", docs, "-c", tmp_path / "c", "--model", tiny_dir, timeout=300)
+    assert built.returncode == 0, built.stderr
+    corpus = Corpus.open(tmp_path / "c")
+    try:
+        report = tune_corpus(corpus, tmp_path / "tuned", TuneConfig(rank=2, alpha=4, max_steps=1, tokens_per_batch=2048,
+                                                                    links=3), general=False, check=0)
+    finally:
+        corpus.close()
+    assert report.steps == 1
+    tuned = adapters.read(tmp_path / "tuned")
+    assert tuned.num_links == 3 and tuned.recovery == "links:3"
