@@ -71,18 +71,21 @@ def test_evict_to_and_victims_order():
     assert index.num_bytes == 0
 
 
-def test_explicit_clock_and_load():
-    now = [100.0]
-    index = BudgetIndex(max_bytes=20, clock=lambda: now[0])
-    index.load(Entry("old", 10, 1, last_used=5.0))
+def test_uses_are_numbered_after_every_loaded_one():
+    # recency is a sequence, not a clock: a loaded entry's number moves the sequence past it, so a
+    # later use never ties with it, and an index started from a saved `seq` continues it
+    index = BudgetIndex(max_bytes=20, seq=3)
+    index.load(Entry("old", 10, 1, last_used=5))
     index.add("x", 10, 1)
-    assert index.entries["x"].last_used == 100.0
+    assert index.entries["x"].last_used == 6 and index.seq == 6
     assert keys(index.add("y", 10, 1)) == ["old"]
+    assert index.touch("x") and index.entries["x"].last_used == 8
+    assert keys(index.add("z", 10, 1)) == ["y"]
 
 
 def test_policies_are_one_method_objects_and_names_are_validated():
-    e = Entry("k", 100, 50, last_used=3.0, num_hits=1)
-    assert LRUPolicy().priority(e) == 3.0
+    e = Entry("k", 100, 50, last_used=3, num_hits=1)
+    assert LRUPolicy().priority(e) == 3
     assert CostAwarePolicy().priority(e) == 1.0
     with pytest.raises(ValueError, match="valid policies: lru, cost"):
         make_policy("fifo")

@@ -1,7 +1,7 @@
 """The disk tier: one safetensors file per entry, shared safely by several processes.
 
 Layout under `path`: `ab/<key>.safetensors` (sharded by the key's first two hex digits),
-`index.json` (sizes, last use and hits per key, for the budget), `stats.json` (hits and misses of
+`index.json` (sizes, last use and hits per key, for the budget, and the use sequence), `stats.json` (hits and misses of
 every process that used the store), `.lock` (flock'd around every index or stats change). Why it is safe:
 - a put writes a temp file in the entry's own directory, then `os.replace`s it in: readers see the
   old file or the new one, never half of either;
@@ -9,6 +9,11 @@ every process that used the store), `.lock` (flock'd around every index or stats
   removed;
 - the files are the truth and the index only a cache of their sizes: a missing or unreadable index
   is rebuilt from the files, and an index entry whose file is gone is dropped;
+- recency is a sequence kept in `index.json` beside the entries, never a clock: a put or a hit takes
+  the next number under the lock (a process's hits since its last sync in the order it made them), so
+  no two uses tie however coarse the clock, and the numbers of every process compare. An index
+  rebuilt from the files alone numbers them in the order of their modification times, the only
+  trace of use left;
 - hit and miss counts are kept per process and added into `stats.json` under the lock at most every
   `STATS_FLUSH_S` seconds and on close, so `stats()` in any process (`store info`) counts every
   process's lookups of this tier (those a process's memory tier answered never reach it). A process
@@ -44,7 +49,7 @@ from .eviction import BudgetIndex, Entry, Policy
 from .serialize import CorruptEntry, WarnOnce, dumps, load_file, read_header
 
 log = logging.getLogger(__name__)
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 1: `last_used` in unix seconds (read, renumbered in its order)
 SUFFIX = ".safetensors"
 _STALE_TMP_S = 600.0
 STATS_FLUSH_S = 5.0
@@ -67,12 +72,12 @@ class DiskStore:
         self.codec = check_codec(codec)
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._index = BudgetIndex(max_bytes, policy, clock=time.time)
+        self._index = BudgetIndex(max_bytes, policy)
         self._index_path = self.root / "index.json"
         self._index_stamp: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
         self._error_lock = threading.Lock()
-        self._touched: dict[str, float] = {}  # key -> last use, not yet written to index.json
+        self._touched: dict[str, int] = {}  # key -> hits not yet written to index.json, least recent first
         self._pending = disk_counts.Counts()  # this process's, not yet added into stats.json
         self._stats_path = self.root / "stats.json"
         self._clock = clock  # seconds, for STATS_FLUSH_S; tests pass a fake one instead of sleeping
@@ -121,7 +126,7 @@ class DiskStore:
             return None
         with self._lock:
             self._pending.num_hits += 1
-            self._touched[key] = time.time()
+            self._touched[key] = self._touched.pop(key, 0) + 1  # to the end: the most recent
         self._maybe_flush_counts()
         if enc.codec == "native":  # detach from the file mapping (see serialize.load_file)
             kv = ModuleKV(kv.keys.clone(), kv.values.clone(), kv.start, kv.token_ids, kv.fingerprint, kv.mode)
@@ -270,43 +275,50 @@ class DiskStore:
             self._save_index()
         elif stamp != self._index_stamp:
             try:
-                raw = json.loads(self._index_path.read_bytes())
-                if raw.get("version") != INDEX_VERSION:
-                    raise ValueError(f"index version {raw.get('version')!r}, expected {INDEX_VERSION}")
-                entries = raw["entries"]
-                self._reset_index()
-                for key, (num_bytes, num_tokens, last_used, num_hits) in entries.items():
-                    self._index.load(Entry(key, int(num_bytes), int(num_tokens), float(last_used), int(num_hits)))
+                self._load_index(json.loads(self._index_path.read_bytes()))
                 self._index_stamp = stamp
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 log.warning("disk store %s: unreadable index (%s), rebuilding it from the files", self.root, e)
                 self._rebuild()
                 self._save_index()
-        for key, last_used in self._touched.items():
+        for key, num_hits in self._touched.items():  # least recent first: each takes the next number
             entry = self._index.entries.get(key)
             if entry is not None:
-                entry.last_used = max(entry.last_used, last_used)
-                entry.num_hits += 1
+                entry.last_used = self._index.stamp()
+                entry.num_hits += num_hits
         self._touched.clear()
 
-    def _reset_index(self) -> None:
-        self._index = BudgetIndex(self._index.max_bytes, self._index.policy, clock=time.time)
+    def _load_index(self, raw: dict) -> None:
+        """The index from index.json's contents; ValueError (KeyError, TypeError) when it is not one."""
+        version = raw.get("version")
+        if version not in (1, INDEX_VERSION):
+            raise ValueError(f"index version {version!r}, expected {INDEX_VERSION}")
+        rows = [(key, int(b), int(t), float(u), int(h)) for key, (b, t, u, h) in raw["entries"].items()]
+        if version == 1:  # unix-time stamps: renumbered in their order, ties by key
+            rows = [(k, b, t, i, h) for i, (k, b, t, _, h) in enumerate(sorted(rows, key=lambda r: (r[3], r[0])), 1)]
+        self._reset_index(int(raw.get("seq", 0)))
+        for key, num_bytes, num_tokens, last_used, num_hits in rows:
+            self._index.load(Entry(key, num_bytes, num_tokens, int(last_used), num_hits))
+
+    def _reset_index(self, seq: int = 0) -> None:
+        self._index = BudgetIndex(self._index.max_bytes, self._index.policy, seq=seq)
 
     def _rebuild(self) -> None:
         """Under the lock: the index from the files themselves; unreadable files and stale temps go."""
-        self._reset_index()
+        self._reset_index(self._index.seq)  # numbers stay above any a process may still hold
         now = time.time()
         for path in self.root.glob("??/.tmp-*"):
             with contextlib.suppress(OSError):  # gone already, or a read-only directory
                 if now - path.stat().st_mtime > _STALE_TMP_S:
                     path.unlink()
+        found = []
         for key, path in self._files():
             try:
                 meta = read_header(path)
                 st = path.stat()
                 if meta.get("key") != key:
                     raise CorruptEntry(f"header names key {meta.get('key')}")
-                self._index.load(Entry(key, st.st_size, int(meta["num_tokens"]), st.st_mtime))
+                found.append((st.st_mtime_ns, key, st.st_size, int(meta["num_tokens"])))
             except FileNotFoundError:
                 continue
             except (CorruptEntry, ValueError, KeyError) as e:
@@ -316,13 +328,15 @@ class DiskStore:
                     path.unlink(missing_ok=True)
                 except OSError as err:
                     self._write_failed(None, err)
+        for _, key, num_bytes, num_tokens in sorted(found):
+            self._index.load(Entry(key, num_bytes, num_tokens, self._index.stamp()))
 
     def _save_index(self) -> None:
         """Under the lock: write index.json atomically. Failing to is harmless (it is rebuildable)."""
         entries = {e.key: [e.num_bytes, e.num_tokens, e.last_used, e.num_hits] for e in self._index.entries.values()}
         tmp = self.root / f".index.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            tmp.write_text(json.dumps({"version": INDEX_VERSION, "entries": entries}))
+            tmp.write_text(json.dumps({"version": INDEX_VERSION, "seq": self._index.seq, "entries": entries}))
             os.replace(tmp, self._index_path)
         except OSError as e:
             self._write_failed(tmp, e)

@@ -4,13 +4,17 @@ Pure Python on keys and sizes, no torch, so it is tested with exact expected ord
 object with one method, `priority(entry)`: the lowest priority is evicted first, ties broken by
 least recent use, then by key (so the order is deterministic).
 
+Recency is a sequence, never a clock: each use takes the index's next number (`stamp`), so two uses
+never tie, however coarse the machine's clock. A tier shared by processes keeps the sequence beside
+its entries and loads it back (`load`, `seq`) under its own lock, so the numbers of every process
+compare.
+
 Out of scope: holding the data itself (the tier does), and locking (the tier holds its lock around
 every call here).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -21,7 +25,7 @@ class Entry:
     key: str
     num_bytes: int
     num_tokens: int
-    last_used: float
+    last_used: int  # the index's sequence number at the entry's last use (or its write)
     num_hits: int = 0
 
 
@@ -65,22 +69,16 @@ def make_policy(policy: str | P, policies: Mapping[str, Callable[[], P]] = POLIC
 class BudgetIndex:
     """Entries of one tier with their sizes; says what to evict to stay within `max_bytes`.
 
-    `clock` gives `last_used` stamps; by default a counter, so orders are exact in tests. A tier
-    shared between processes passes `time.time` so stamps from different processes compare.
+    `seq` is the last sequence number handed out (`stamp`); a tier shared between processes saves it
+    with the entries and sets it back when it reloads them.
     """
 
-    def __init__(
-        self,
-        max_bytes: int | None = None,
-        policy: str | Policy = "lru",
-        clock: Callable[[], float] | None = None,
-    ) -> None:
+    def __init__(self, max_bytes: int | None = None, policy: str | Policy = "lru", seq: int = 0) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self.max_bytes = max_bytes
         self.policy = make_policy(policy)
-        counter = itertools.count(1)
-        self._clock = clock or (lambda: float(next(counter)))
+        self.seq = seq
         self.entries: dict[str, Entry] = {}
         self.num_bytes = 0
         self.num_tokens = 0
@@ -91,6 +89,11 @@ class BudgetIndex:
     def __contains__(self, key: str) -> bool:
         return key in self.entries
 
+    def stamp(self) -> int:
+        """The next sequence number: later than every use this index has seen."""
+        self.seq += 1
+        return self.seq
+
     def fits(self, num_bytes: int) -> bool:
         return self.max_bytes is None or num_bytes <= self.max_bytes
 
@@ -99,7 +102,7 @@ class BudgetIndex:
         key: str,
         num_bytes: int,
         num_tokens: int,
-        last_used: float | None = None,
+        last_used: int | None = None,
         num_hits: int = 0,
     ) -> list[Entry]:
         """Add (or replace) an entry; return the entries evicted to make room, already removed.
@@ -107,7 +110,8 @@ class BudgetIndex:
         An entry larger than the whole budget is not kept: it comes back as the only victim.
         """
         self.remove(key)
-        entry = Entry(key, num_bytes, num_tokens, self._clock() if last_used is None else last_used, num_hits)
+        entry = Entry(key, num_bytes, num_tokens, self.stamp() if last_used is None else last_used, num_hits)
+        self.seq = max(self.seq, entry.last_used)
         if not self.fits(num_bytes):
             return [entry]
         victims = self.victims(self.max_bytes - num_bytes) if self.max_bytes is not None else []
@@ -121,6 +125,7 @@ class BudgetIndex:
     def load(self, entry: Entry) -> None:
         """Insert a known entry (from a saved index) without evicting anything."""
         self.remove(entry.key)
+        self.seq = max(self.seq, entry.last_used)
         self.entries[entry.key] = entry
         self.num_bytes += entry.num_bytes
         self.num_tokens += entry.num_tokens
@@ -130,7 +135,7 @@ class BudgetIndex:
         entry = self.entries.get(key)
         if entry is None:
             return False
-        entry.last_used = self._clock()
+        entry.last_used = self.stamp()
         entry.num_hits += 1
         return True
 
