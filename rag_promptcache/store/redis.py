@@ -10,7 +10,10 @@ Keys under `prefix`:
 
 Redis being down is a miss, not an error: the first failure is logged once, then Redis is skipped
 for `retry_after_s` (so a dead server costs nothing per request), then tried again; its return is
-logged too. Nothing is retried within a request.
+logged too. A refused connection is not retried within a request. A timeout is, once, before it counts
+as a failure: a virtual machine that stalls (its processes and the server's frozen alike) sees its
+clock leap past the deadline on waking, with no reply late at all. A stall eats one wait, not two
+in a row; a server that is really hung costs `timeout_s` twice, then the back-off.
 
 A server that answers but refuses a command (`maxmemory` reached under `noeviction`, a read-only
 replica, an ACL user without write permission) is not down: a refused write is a lost cache entry,
@@ -54,6 +57,7 @@ class RedisStore:
         try:
             import redis
             from redis.backoff import NoBackoff
+            from redis.exceptions import TimeoutError as RedisTimeout
             from redis.retry import Retry
         except ImportError as e:
             raise ImportError(INSTALL_HINT) from e
@@ -66,10 +70,11 @@ class RedisStore:
         self.chunk_bytes = chunk_bytes
         self.retry_after_s = retry_after_s
         self._clock = clock  # seconds, for the backoff; tests pass a fake one instead of sleeping
-        # No client-side retries: a dead server must cost one fast failure, not seconds of backoff.
-        self._client = redis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-        )
+        # No back-off, and only a timeout is tried again (see the module docstring): a dead server must
+        # cost one fast failure, not seconds.
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisTimeout, TimeoutError))
+        self._client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=retry,
+                                            retry_on_error=[RedisTimeout])  # redis-py 5 asks for both
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._refused = redis.exceptions.RedisError  # the server answered with an error: OOM, READONLY, NOPERM
         self._lock = threading.Lock()
@@ -199,7 +204,8 @@ class RedisStore:
         px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
         try:
             if len(data) <= self.chunk_bytes:
-                old = self._client.set(self._k(key), b"V" + data, px=px, get=True)
+                head = b"V" + data
+                old = self._client.set(self._k(key), head, px=px, get=True)
             else:
                 nonce = secrets.token_hex(8)
                 n = -(-len(data) // self.chunk_bytes)
@@ -212,9 +218,11 @@ class RedisStore:
                     pipe.set(f"{self.prefix}:chunk:{key}:{nonce}:{i}", part, px=chunk_px)
                 pipe.execute()
                 manifest = json.dumps({"nonce": nonce, "num_chunks": n, "num_bytes": len(data)}).encode()
-                old = self._client.set(self._k(key), b"M" + manifest, px=px, get=True)
+                head = b"M" + manifest
+                old = self._client.set(self._k(key), head, px=px, get=True)
             self._client.hset(self._index_key, key, f"{len(data)},{kv.num_tokens}")
-            stale = self._chunk_keys(key, old) if old else None
+            # a SET tried again after a timeout may return what its first try wrote: not stale
+            stale = self._chunk_keys(key, old) if old and old != head else None
             if stale:
                 self._client.delete(*stale)
         except self._errors as e:
