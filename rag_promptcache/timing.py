@@ -78,10 +78,10 @@ def repeat(fn: Callable[[], T], min_span_s: float, clock: Callable[[], float] = 
             return Timed(span / calls, calls, span, out)
 
 
-def ratio(num: float, den: float) -> float | None:
+def ratio(num: float | None, den: float | None) -> float | None:
     """num / den; None where the duration `den` measured zero (below the clock's resolution) or is not
-    a number."""
-    return num / den if den > 0 else None
+    a number, or where either is None (a rate that was itself not measurable)."""
+    return None if num is None or den is None or not den > 0 else num / den
 
 
 def describe(value: float | None, spec: str = ".2f", unit: str = "") -> str:

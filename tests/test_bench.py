@@ -37,6 +37,16 @@ def positive(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+def duration(x) -> bool:
+    """One span measured inside a call (a TTFT): never negative, and zero where shorter than the clock's step."""
+    return isinstance(x, float) and math.isfinite(x) and x >= 0
+
+
+def rate(x) -> bool:
+    """A ratio over such a span: positive, or None where the span was below the clock's resolution."""
+    return x is None or positive(x)
+
+
 def test_modules_are_exactly_the_asked_length(tokenizer):
     for text in module_texts(tokenizer, 5, 32):
         assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 32
@@ -97,8 +107,10 @@ def test_memory_and_throughput(report):
     assert all(positive(r["encode_s"]) and positive(r["decode_s"]) for r in by_codec.values())
     assert positive(result["store_tiers"]["recompute_s"]) and positive(result["store_tiers"]["memory_native_s"])
     thr = result["throughput"]
-    assert thr["encode"] and positive(thr["encode"][0]["tokens_per_s"])
-    assert thr["faiss"][0]["vectors"] == 500 and positive(thr["faiss"][0]["search_ms_median"])
+    assert thr["encode"] and rate(thr["encode"][0]["tokens_per_s"])
+    # the mean over repeated searches spans enough of the clock; one search alone may not (then None)
+    assert thr["faiss"][0]["vectors"] == 500 and positive(thr["faiss"][0]["search_ms_mean"])
+    assert rate(thr["faiss"][0]["search_ms_median"])
     assert "skipped" in thr["embed"]
 
 
@@ -129,11 +141,11 @@ def test_fidelity_rows_and_files(fidelity_report):
     for r in rows:
         assert r["questions"] == r["with_answer"] == 3
         assert 0 <= r["cached_correct"] <= 3 and 0 <= r["full_correct"] <= 3 and 0.0 <= r["agreement"] <= 1.0
-        assert positive(r["full_ttft_s"]) and positive(r["cached_ttft_s"]) and positive(r["speedup"])
+        assert duration(r["full_ttft_s"]) and duration(r["cached_ttft_s"]) and rate(r["speedup"])
     # every module recomputed (k <= 9): the same tokens as full prefill, so the same greedy answers
     assert all(r["agreement"] == 1.0 for r in rows if r["recovery"] == "last:9")
     assert {t["recovery"] for t in fid["ttft_at_context"]} == {"none", "last:1", "last:9"}
-    assert all(t["k"] >= 2 and positive(t["speedup"]) for t in fid["ttft_at_context"])
+    assert all(t["k"] >= 2 and rate(t["speedup"]) for t in fid["ttft_at_context"])
     # a codec row per split and k, fp16 modules the reference
     codec_rows = fid["codec_rows"]
     assert [(r["split"], r["k"], r["codec"]) for r in codec_rows] == [

@@ -118,7 +118,8 @@ def test_eval_command_end_to_end(real_parts, tmp_path: Path, capsys, monkeypatch
     assert none["questions"] == 2 and none["with_answer"] == 1
     # k=2 and both modules recomputed: the same tokens as full prefill, the same greedy answers
     assert everything["agreement"] == 1.0 and everything["cached_correct"] == everything["full_correct"]
-    assert everything["speedup"] > 0 and none["speedup"] > 0
+    # positive, or None where a TTFT was below the clock's resolution
+    assert all(s["speedup"] is None or s["speedup"] > 0 for s in (everything, none))
     # the recommendation is the one rule's pick over these rows, and each failure shows both answers
     from rag_promptcache.rag.fidelity import fastest_retaining
 

@@ -133,7 +133,7 @@ def test_openai_chat_usage_sources_and_streaming(client):
     sources = r.model_extra["sources"]
     assert len(sources) == 2 and sources[0]["label"].endswith("zorblat.txt") and sources[0]["score"] > 0
     assert "purple fruit" in sources[0]["snippet"]  # the chunk's text, for a person to check the answer against
-    assert u.model_extra["ttft_s"] > 0
+    assert u.model_extra["ttft_s"] >= 0
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
                                                  stream=True, stream_options={"include_usage": True}, **GREEDY))

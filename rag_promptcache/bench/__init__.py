@@ -78,6 +78,7 @@ def run_loaded(
     from rag_promptcache.model.loading import cpu_flags
 
     dev = bench.device
+    bench.log(f"clock resolution {bench.resolution_s:.3g} s: each timed run spans at least {bench.min_span_s:.3g} s")
     out: dict[str, object] = {
         "model": bench.model_name,
         "device": f"cuda: {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else dev.type,
@@ -91,6 +92,8 @@ def run_loaded(
         # model/native.py's kernels (prefill attention, key relocation) ran for this run's bf16 CPU model
         "native_kernels": attention.available(bench.model.dtype, dev),
         "adapter": adapter_label(bench.model),  # the tuned adapter merged into the model, or "none"
+        # the clock's step when the run started, and the span every timed run covers (bench/common.py)
+        "clock_resolution_s": bench.resolution_s, "clock_min_span_s": bench.min_span_s,
         "ttft": [], "quality": [], "memory": [], "langchain": {"skipped": "not run"},
     }
     seconds: dict[str, float] = {}

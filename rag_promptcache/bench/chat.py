@@ -29,6 +29,7 @@ from rag_promptcache.bench.common import Bench, median, module_texts, schema_pml
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import MemoryStore
+from rag_promptcache.timing import describe, ratio
 
 SCHEMA = "bench_chat"
 ENGINE = "engine"
@@ -122,14 +123,14 @@ def _summary(bench: Bench, turns: list[dict[str, object]], weights: list[str], m
     for w in weights:
         out[f"llamacpp_{w}_median_s"] = median([t[f"llamacpp_{w}_s"] for t in later])
         out[f"llamacpp_{w}_turn1_median_s"] = median([t[f"llamacpp_{w}_s"] for t in turns if t["turn"] == 1])
-        out[f"x_llamacpp_{w}"] = out[f"llamacpp_{w}_median_s"] / out["engine_median_s"]
+        out[f"x_llamacpp_{w}"] = ratio(out[f"llamacpp_{w}_median_s"], out["engine_median_s"])
     if weights:
         out["llamacpp"] = llamacpp.info(bench)
     out["rows"] = turns
     bench.log(f"chat turns 2-{bench.config.chat_turns} median TTFT: engine {out['engine_median_s']:.3f} s "
               f"(without the prefix cache {out['engine_no_prefix_median_s']:.3f} s; answers equal "
               f"{out['answers_equal_prefix_off']}/{out['num_answers']})"
-              + "".join(f", llama.cpp {w} {out[f'llamacpp_{w}_median_s']:.3f} s ({out[f'x_llamacpp_{w}']:.2f}x ours)"
+              + "".join(f", llama.cpp {w} {out[f'llamacpp_{w}_median_s']:.3f} s ({describe(out[f'x_llamacpp_{w}'], '.2f', 'x')} ours)"
                         for w in weights))
     return out
 

@@ -3,7 +3,11 @@
 The corpus is CPython's own `pydoc_data.topics` (on every machine, no download), cut into modules of
 exactly N tokens so every system times the same token sequence. Timing is wall-clock around the
 whole call, synchronised on CUDA, median of several runs after a warm-up; systems are interleaved
-run by run so a noisy neighbour slows all of them alike and the ratios stay meaningful.
+run by run so a noisy neighbour slows all of them alike and the ratios stay meaningful. The clock's
+resolution is measured when the `Bench` is made (`resolution_s`, in the JSON), and one timed run
+repeats its call until the span covers `timing.MIN_STEPS` steps of it (`timed`), so a call shorter
+than a coarse clock's step is timed as a mean, not as zero. A duration measured inside a call (a
+TTFT) can still be zero: ratios of those are None, written "below the clock's resolution".
 
 Not here: any scenario's logic, or output formatting (report.py).
 """
@@ -11,7 +15,6 @@ Not here: any scenario's logic, or output formatting (report.py).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.pml.parser import escape
 from rag_promptcache.rag.sample import topic_texts
+from rag_promptcache.timing import MIN_STEPS, repeat, resolution
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents below.\n\n"
 QUESTION = (
@@ -132,6 +136,12 @@ class Bench:
     config: BenchConfig
     log: Callable[[str], None] = print
     extras: dict[str, object] = field(default_factory=dict)  # scenario results later ones may reuse
+    resolution_s: float = field(default_factory=resolution)  # the clock's step, measured when the run starts
+
+    @property
+    def min_span_s(self) -> float:
+        """The shortest span one timed run covers: `MIN_STEPS` steps of the clock."""
+        return MIN_STEPS * self.resolution_s
 
     @property
     def engine_options(self) -> dict[str, object]:
@@ -149,18 +159,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
+def timed(fn: Callable[[], object], device: torch.device, min_span_s: float = 0.0) -> tuple[float, object]:
+    """Seconds per call of `fn` and its last result: called until the calls span `min_span_s` (once at
+    least; `Bench.min_span_s`: enough steps of the clock)."""
+    t = repeat(fn, min_span_s, before=lambda: sync(device))
+    return t.seconds, t.result
 
 
 def interleaved(
-    systems: dict[str, tuple[Callable[[], object], int, int]], device: torch.device
+    systems: dict[str, tuple[Callable[[], object], int, int]], device: torch.device, min_span_s: float = 0.0,
 ) -> dict[str, list[float]]:
-    """Time each system (fn, repeats, warm-ups) round-robin after its untimed warm-up calls → seconds per run."""
+    """Time each system (fn, repeats, warm-ups) round-robin after its untimed warm-up calls → seconds per run
+    (each run: `timed`, so a short call is called again until the run spans `min_span_s`)."""
     for fn, _, warmup in systems.values():
         for _ in range(warmup):
             fn()
@@ -168,7 +178,7 @@ def interleaved(
     for r in range(max(n for _, n, _ in systems.values())):
         for name, (fn, n, _) in systems.items():
             if r < n:
-                times[name].append(timed(fn, device)[0])
+                times[name].append(timed(fn, device, min_span_s)[0])
     return times
 
 

@@ -23,7 +23,9 @@ lookup drafts well. So `answers` measures decoding on answers as a user gets the
 the same documents, the corpus's defaults (no 6-gram of the answer twice, so no verbatim loop),
 ended by EOS or 128 tokens; the engine with and without lookup, and transformers in fp32. Warm-up: one short run per system. `end_to_end_s` is the whole call, TTFT included. Rows follow the issue's
 contract: `system`, `dtype`, `tokens_per_s`, and `default: true` on the engine's default row; each
-also has its ratio to transformers in fp32 (the user's baseline) and in its own dtype.
+also has its ratio to transformers in fp32 (the user's baseline) and in its own dtype. A rate or ratio
+whose seconds measured zero (a run shorter than the clock's step) is None, logged as "below the
+clock's resolution".
 
 Not here: TTFT against context size (ttft.py), batched throughput (the serve scenario).
 """
@@ -45,6 +47,7 @@ from rag_promptcache.engine.decoding.lookup import DEFAULT_LOOKUP
 from rag_promptcache.model.loading import dtype_name, parse_dtype, resolve_device_dtype
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import MemoryStore
+from rag_promptcache.timing import describe, ratio
 
 SCHEMA = "bench_decode"
 ENGINE = "rag-promptcache"
@@ -116,13 +119,13 @@ def run(bench: Bench) -> list[dict[str, object]]:
         bench.log(f"decode: {d} prompt of {ids.shape[1]} tokens, {n} new tokens")
     for name in systems:
         results[name] = []
-    interleaved(systems, bench.device)
+    interleaved(systems, bench.device, bench.min_span_s)
     rows = []
     for name, runs in results.items():
         system, dt, lookup = meta[name]
         decode_s = median([r[0] for r in runs])
         rows.append({
-            "system": system, "dtype": dtype_name(dt), "prompt_lookup": lookup, "tokens_per_s": (n - 1) / decode_s,
+            "system": system, "dtype": dtype_name(dt), "prompt_lookup": lookup, "tokens_per_s": ratio(n - 1, decode_s),
             "decode_s": decode_s, "end_to_end_s": median([r[1] for r in runs]), "new_tokens": n,
             "context_tokens": m * cfg.module_tokens, "runs": len(runs),
             "default": system == ENGINE and dt == default_dtype and lookup == DEFAULT_LOOKUP,
@@ -133,11 +136,12 @@ def run(bench: Bench) -> list[dict[str, object]]:
     baseline = {r["dtype"]: r["tokens_per_s"] for r in rows if r["system"] == BASELINE and not r["prompt_lookup"]}
     for r in rows:
         # fp32: the user's baseline (transformers loads the default model, a dequantized GGUF, in fp32)
-        r["x_transformers_fp32"] = r["tokens_per_s"] / baseline.get("float32", math.nan)
-        r["x_transformers_same_dtype"] = r["tokens_per_s"] / baseline[r["dtype"]]
-        bench.log(f"decode {r['system']:>15} {r['dtype']:>8} lookup {r['prompt_lookup']}: {r['tokens_per_s']:.1f} "
-                  f"tokens/s ({r['x_transformers_fp32']:.2f}x transformers fp32, {r['x_transformers_same_dtype']:.2f}x "
-                  f"in {r['dtype']}), end to end {r['end_to_end_s']:.2f} s" + (" [default]" if r["default"] else ""))
+        r["x_transformers_fp32"] = ratio(r["tokens_per_s"], baseline.get("float32", math.nan))
+        r["x_transformers_same_dtype"] = ratio(r["tokens_per_s"], baseline[r["dtype"]])
+        bench.log(f"decode {r['system']:>15} {r['dtype']:>8} lookup {r['prompt_lookup']}: "
+                  f"{describe(r['tokens_per_s'], '.1f', ' tokens/s')} ({describe(r['x_transformers_fp32'], '.2f', 'x')} "
+                  f"transformers fp32, {describe(r['x_transformers_same_dtype'], '.2f', 'x')} in {r['dtype']}), "
+                  f"end to end {r['end_to_end_s']:.2f} s" + (" [default]" if r["default"] else ""))
     rows += llamacpp.decode_rows(bench, ids[0].tolist(), rows)  # [] where llama.cpp cannot run
     return rows
 
@@ -187,27 +191,28 @@ def answers(bench: Bench) -> dict[str, object]:
         for fn in systems.values():
             fn()
     interleaved({str(key): (lambda key=key: runs[key].append(systems[key]()), cfg.repeats_slow, 0) for key in systems},
-                bench.device)
+                bench.device, bench.min_span_s)
     rows = []
     for (system, dtype, lookup), rounds in runs.items():
         # the median round by seconds per token; its answers' decode seconds and tokens summed
         _, median_round = sorted((sum(a[0] for a in r) / max(1, sum(a[1] for a in r)), r) for r in rounds)[len(rounds) // 2]
         tokens = sum(a[1] for a in median_round)
         rows.append({"system": system, "dtype": dtype, "prompt_lookup": lookup,
-                     "tokens_per_s": tokens / sum(a[0] for a in median_round),
+                     "tokens_per_s": ratio(tokens, sum(a[0] for a in median_round)),
                      "tokens_per_forward": tokens / max(1, sum(a[2] for a in median_round)),
                      "answer_tokens": [a[1] + 1 for a in median_round], "rounds": len(rounds),
                      "default": system == ENGINE and lookup == DEFAULT_LOOKUP})
     fast, plain, hf = rows
     for r in rows:
-        r["x_transformers_fp32"] = r["tokens_per_s"] / hf["tokens_per_s"]
+        r["x_transformers_fp32"] = ratio(r["tokens_per_s"], hf["tokens_per_s"])
     same = [a[3] == b[3] for a, b in zip(runs[(ENGINE, dtype_name(dt), DEFAULT_LOOKUP)][-1], runs[(ENGINE, dtype_name(dt), 0)][-1])]
     out = {"dtype": dtype_name(dt), "questions": len(prompts), "rows": rows,
-           "lookup_speedup": fast["tokens_per_s"] / plain["tokens_per_s"], "answers_identical": sum(same)}
-    bench.log(f"decode answers: engine {out['dtype']} lookup {DEFAULT_LOOKUP} {fast['tokens_per_s']:.1f} tokens/s "
-              f"({fast['tokens_per_forward']:.2f} per forward), lookup 0 {plain['tokens_per_s']:.1f}, transformers fp32 "
-              f"{hf['tokens_per_s']:.1f}: {out['lookup_speedup']:.2f}x from lookup, {fast['x_transformers_fp32']:.2f}x "
-              f"transformers fp32; {sum(same)}/{len(same)} answers identical with and without lookup")
+           "lookup_speedup": ratio(fast["tokens_per_s"], plain["tokens_per_s"]), "answers_identical": sum(same)}
+    bench.log(f"decode answers: engine {out['dtype']} lookup {DEFAULT_LOOKUP} {describe(fast['tokens_per_s'], '.1f')} "
+              f"tokens/s ({fast['tokens_per_forward']:.2f} per forward), lookup 0 {describe(plain['tokens_per_s'], '.1f')}, "
+              f"transformers fp32 {describe(hf['tokens_per_s'], '.1f')}: {describe(out['lookup_speedup'], '.2f', 'x')} "
+              f"from lookup, {describe(fast['x_transformers_fp32'], '.2f', 'x')} transformers fp32; "
+              f"{sum(same)}/{len(same)} answers identical with and without lookup")
     return out
 
 

@@ -52,6 +52,7 @@ from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Outcome, Reference, answer, fastest_retaining,
                                           references, summarize)
 from rag_promptcache.store import MemoryStore
+from rag_promptcache.timing import describe, ratio
 
 CHUNK_TOKENS = 320  # every document is one module
 TARGET_SPEEDUP, FALLBACK_SPEEDUP = 5.0, 3.0
@@ -146,7 +147,7 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
                 against = "" if reference is None else f" (reference full {r['reference_full_correct']})"
                 bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}{against}, "
                           f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "
-                          f"speed-up {r['speedup']:.1f}x over the engine's full prefill")
+                          f"speed-up {describe(r['speedup'], '.1f', 'x')} over the engine's full prefill")
         codec_rows = fidelity_codecs.rows(bench, split, corpus, engines[modes[0]], questions) if cfg.fidelity_codecs else []
         if ttft_point and cfg.fidelity_settings:
             timing = _ttft_point(bench, corpus, engines, questions)
@@ -219,9 +220,10 @@ def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
     for (mode, rec), times in per.items():
         out.append({"mode": mode, "recovery": str(Recovery.parse(rec)), "k": k, "context_tokens": context,
                     "full_ttft_s": median(full), "cached_ttft_s": median(times),
-                    "speedup": median(full) / median(times)})
+                    "speedup": ratio(median(full), median(times))})
         bench.log(f"fidelity TTFT at {context:.0f} tokens (k={k}) {mode}/{out[-1]['recovery']}: "
-                  f"{out[-1]['cached_ttft_s']:.3f} s vs full {out[-1]['full_ttft_s']:.3f} s, {out[-1]['speedup']:.1f}x")
+                  f"{out[-1]['cached_ttft_s']:.3f} s vs full {out[-1]['full_ttft_s']:.3f} s, "
+                  f"{describe(out[-1]['speedup'], '.1f', 'x')}")
     return out
 
 
@@ -248,7 +250,7 @@ def choose_across_splits(rows: list[dict[str, object]]) -> dict[str, object] | N
         key = _setting(r)
         worst[key] = min(worst.get(key, math.inf), _kept(r))
         if r["k"] == largest:
-            speed[key] = min(speed.get(key, math.inf), r["speedup"])
+            speed[key] = min(speed.get(key, math.inf), r["speedup"] or 0.0)  # None: not measured, no evidence of speed
     best = fastest_retaining(worst, {s: speed.get(s, 0.0) for s in worst}, target=TARGET_RETAINED)
     if best is None:
         return None
@@ -300,7 +302,7 @@ def pool(runs: list[dict[str, object]]) -> dict[str, object]:
                      "kept": paired("reference_right" if judged else "full_right", ref),
                      "agreement": mean("agreement"), "recomputed_share": mean("recomputed_share"),
                      "context_tokens": mean("context_tokens"), "full_ttft_s": full_s, "cached_ttft_s": cached_s,
-                     "speedup": full_s / cached_s})
+                     "speedup": ratio(full_s, cached_s)})
         if judged:
             rows[-1].update({"reference_full_correct": ref, "own_retained": right / full if full else None,
                              "own_kept": paired("full_right", full)})
@@ -377,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     bench = Bench(model, tok, args.model, cfg, log=lambda m: print(m, flush=True))
     out = run(bench, splits, ttft_point=args.ttft_point, reference=reference)
     out.update({"codec": args.codec, "dtype": args.dtype, "threads": args.threads, "seed_offset": args.seed_offset,
+                "clock_resolution_s": bench.resolution_s,
                 "seconds": round(time.perf_counter() - t0, 1)})
     return _write(out, args.out)
 
@@ -407,7 +410,7 @@ def choose_default(rows: list[dict[str, object]], timing: list[dict[str, object]
     if best is not None:
         rule = f"fastest with kept >= {TARGET_RETAINED} at k={sorted(ends)} and >= {TARGET_SPEEDUP}x"
     else:
-        fallback = [s for s in worst if speed.get(s, 0) >= FALLBACK_SPEEDUP]
+        fallback = [s for s in worst if (speed.get(s) or 0.0) >= FALLBACK_SPEEDUP]
         if not fallback:
             return None
         best = max(fallback, key=lambda s: (worst[s], speed[s]))

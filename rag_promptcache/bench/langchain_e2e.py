@@ -19,6 +19,7 @@ from rag_promptcache.bench.quality import TEMPLATES
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.rag.sample import topic_texts
 from rag_promptcache.store import MemoryStore
+from rag_promptcache.timing import describe, ratio
 
 TOPICS = ("break", "continue", "pass", "return", "yield", "global", "nonlocal", "del", "assert", "raise")
 TEMPLATE = "Answer from the context.\n\nContext:\n{context}\n\nQuestion: {question}\nAnswer:"
@@ -69,10 +70,10 @@ def run(bench: Bench) -> dict[str, object]:
     s = {name: median(ts) for name, ts in times.items()}
     out = {"questions": len(questions), "k": k, "documents": len(docs), "ingest_s": ingest_s,
            **{f"{name}_first_token_s": v for name, v in s.items()},
-           "speedup": s["huggingface_pipeline"] / s["promptcache"],
+           "speedup": ratio(s["huggingface_pipeline"], s["promptcache"]),
            "runs": {name: [round(x, 4) for x in ts] for name, ts in times.items()}}
     bench.log(f"langchain: first streamed token HuggingFacePipeline {s['huggingface_pipeline']:.3f} s, "
-              f"PromptCacheLLM {s['promptcache']:.3f} s ({out['speedup']:.1f}x)")
+              f"PromptCacheLLM {s['promptcache']:.3f} s ({describe(out['speedup'], '.1f', 'x')})")
     return out
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from rag_promptcache.model.loading import cache_home, smollm2_gguf_path
+from rag_promptcache.timing import describe, ratio
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -321,19 +322,19 @@ def decode_rows(bench: Bench, ids: Sequence[int], rows: Sequence[dict[str, objec
     for w in rs:  # warm-up
         go(w)
         runs[w].clear()
-    interleaved({w: (lambda w=w: go(w), cfg.repeats_slow, 0) for w in rs}, bench.device)
+    interleaved({w: (lambda w=w: go(w), cfg.repeats_slow, 0) for w in rs}, bench.device, bench.min_span_s)
     hf = {r["dtype"]: r["tokens_per_s"] for r in rows if r.get("system") == "transformers" and not r.get("prompt_lookup")}
     engine = next((r["tokens_per_s"] for r in rows if r.get("default")), math.nan)
     out = []
     for w, rr in runs.items():
         decode_s = median([r[0] for r in rr])
-        tps = (n - 1) / decode_s
+        tps = ratio(n - 1, decode_s)
         dtype = "bfloat16" if w == "bf16" else w
         out.append({"system": SYSTEM, "dtype": dtype, "weights": f"{w} GGUF", "prompt_lookup": 0, "tokens_per_s": tps,
                     "decode_s": decode_s, "end_to_end_s": median([r[1] for r in rr]), "new_tokens": n,
                     "context_tokens": len(ids), "runs": len(rr), "default": False, "tokens_per_forward": 1.0,
-                    "x_transformers_fp32": tps / hf.get("float32", math.nan),
-                    "x_transformers_same_dtype": tps / hf.get(dtype, math.nan), "x_engine_default": tps / engine,
+                    "x_transformers_fp32": ratio(tps, hf.get("float32", math.nan)),
+                    "x_transformers_same_dtype": ratio(tps, hf.get(dtype, math.nan)), "x_engine_default": ratio(tps, engine),
                     "threads": rs[w].threads})
-        bench.log(f"decode {SYSTEM} {w}: {tps:.1f} tokens/s, end to end {out[-1]['end_to_end_s']:.2f} s")
+        bench.log(f"decode {SYSTEM} {w}: {describe(tps, '.1f', ' tokens/s')}, end to end {out[-1]['end_to_end_s']:.2f} s")
     return out

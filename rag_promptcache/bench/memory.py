@@ -82,7 +82,7 @@ def _codec_times(bench: Bench, codec: str, kv: ModuleKV) -> tuple[float, float]:
     """Median seconds to encode, and to decode, one module in `codec`."""
     coded = encode(kv, codec)
     times = interleaved({"encode": (lambda: encode(kv, codec), bench.config.store_repeats, 1),
-                         "decode": (lambda: decode(coded), bench.config.store_repeats, 1)}, bench.device)
+                         "decode": (lambda: decode(coded), bench.config.store_repeats, 1)}, bench.device, bench.min_span_s)
     return median(times["encode"]), median(times["decode"])
 
 
@@ -102,7 +102,8 @@ def _tier_loads(bench: Bench, engine: PromptCache, key: str, root: Path) -> dict
     recompute = PromptCache(bench.model, bench.tokenizer, store=NullStore(), name=bench.model_name, prefix_cache_bytes=0)
     recompute.add_schema(engine.schema(schema))
     tiers["recompute"] = lambda: recompute.encode(schema, [module])
-    times = interleaved({name: (fn, bench.config.store_repeats, 1) for name, fn in tiers.items()}, bench.device)
+    times = interleaved({name: (fn, bench.config.store_repeats, 1) for name, fn in tiers.items()}, bench.device,
+                        bench.min_span_s)
     out: dict[str, object] = {f"{name}_s": median(ts) for name, ts in times.items()}
     out["module_tokens"] = kv.num_tokens
     for name in [n for n in out if n.endswith("_s") and n != "recompute_s"]:

@@ -33,6 +33,7 @@ from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag.sample import TOPICS, topic_texts
 from rag_promptcache.store import MemoryStore
+from rag_promptcache.timing import ratio
 
 SCHEMA = "bench_quality"
 TEMPLATES = (
@@ -206,7 +207,7 @@ def _row(mode: str, rec: str, codec: str, k: int, per_q: list[dict[str, float]],
         "nll_full": nll_full, "nll_cached": mean("nll"),
         "nll_rel_change": (mean("nll") - nll_full) / nll_full if nll_full else 0.0,
         "default": default,
-        "ttft_s": ttft, "full_ttft_s": full, "speedup": full / ttft,
+        "ttft_s": ttft, "full_ttft_s": full, "speedup": ratio(full, ttft),
         "new_tokens": mean("new_tokens"), "cached_tokens": mean("cached_tokens"),
         "continuation_tokens": sum(len(r.tokens) for r in refs) / len(refs),
     }

@@ -1,7 +1,9 @@
 """The benchmark's outputs: the JSON report, a Markdown summary (printed and saved as bench.md), and
 PNG plots (TTFT against context per system; quality against TTFT, the Pareto plot of issue 7).
 
-Only formats what the scenarios measured; computes nothing new.
+Only formats what the scenarios measured; computes nothing new. A ratio whose duration measured zero
+(below the clock's resolution, recorded as `clock_resolution_s`) is None in the JSON and "n/a" in a
+table, and left out of the plots.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 from pathlib import Path
 
 from rag_promptcache.bench.tables import table
+from rag_promptcache.timing import describe
 
 SYSTEMS = ("full", "full_engine", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
 LLAMACPP = ("llamacpp_bf16_full", "llamacpp_q4_1_full")  # bench/llamacpp.py's TTFT rows, where it ran
@@ -27,6 +30,9 @@ def markdown(report: dict[str, object]) -> str:
            f"{report.get('dtype', '')}, torch {report.get('torch', '')}, CPU flags "
            f"{' '.join(report.get('cpu_flags', [])) or 'n/a'}, native kernels "
            f"{'on' if report.get('native_kernels') else 'off'}, {report.get('date', '')}", ""]
+    if "clock_resolution_s" in report:
+        out += [f"Clock resolution {report['clock_resolution_s']:.3g} s; each timed run spans at least "
+                f"{report['clock_min_span_s']:.3g} s; n/a: a ratio whose duration was below the clock's resolution.", ""]
     if report.get("ttft"):
         llama = [s for s in LLAMACPP if f"{s}_s" in report["ttft"][0]]
         ratios = [f"x_{s.removesuffix('_full')}" for s in llama]  # llama.cpp's full prefill over our cached
@@ -36,10 +42,11 @@ def markdown(report: dict[str, object]) -> str:
             [[r["context_tokens"], r["modules"], *(r[f"{s}_s"] for s in SYSTEMS), *(r[f"{s}_s"] for s in llama),
               r["speedup"], r["speedup_engine"], *(r[x] for x in ratios), r["overhead_vs_lower_bound"],
               r["miss_over_full"], r["disk_over_memory"]] for r in report["ttft"]]), ""]
-        worst = min(report["ttft"], key=lambda r: r["speedup_engine"])
+        measured = [r for r in report["ttft"] if r["speedup_engine"] is not None]
+        worst = min(measured, key=lambda r: r["speedup_engine"]) if measured else report["ttft"][0]
         out += [f"Worst cached/full ratio over these {len(report['ttft'])} prompts (the engine's own full prefill "
                 f"over the default's cached TTFT; never slower than not caching means at least 0.95x): "
-                f"**{worst['speedup_engine']:.2f}x** at {worst['context_tokens']} context tokens, "
+                f"**{describe(worst['speedup_engine'], '.2f', 'x')}** at {worst['context_tokens']} context tokens, "
                 f"{worst.get('cached_path', 'cached')} path.", ""]
     if isinstance(report.get("chat"), dict):
         out += _chat_markdown(report["chat"])
@@ -80,13 +87,14 @@ def markdown(report: dict[str, object]) -> str:
                        [[n, tiers[f"{n}_s"], tiers[f"{n}_vs_recompute"]] for n in names]), ""]
     thr = report.get("throughput")
     if isinstance(thr, dict):
-        rows = [[f"encode ({r.get('what', '')}, {r['mode']})", f"{r['modules_per_s']:.2f} modules/s", f"{r['tokens_per_s']:.0f} tokens/s"]
+        rows = [[f"encode ({r.get('what', '')}, {r['mode']})", describe(r["modules_per_s"], ".2f", " modules/s"),
+                 describe(r["tokens_per_s"], ".0f", " tokens/s")]
                 for r in thr.get("encode", [])]
         emb = thr.get("embed", {})
-        rows.append(["embed", emb.get("skipped") or f"{emb['chunks_per_s']:.1f} chunks/s", "" if "skipped" in emb
+        rows.append(["embed", emb.get("skipped") or describe(emb["chunks_per_s"], ".1f", " chunks/s"), "" if "skipped" in emb
                      else f"{emb['tokens_per_s']:.0f} tokens/s"])
-        rows += [[f"FAISS flat, {f['vectors']} vectors", f"{f['search_ms_median']:.3f} ms median",
-                  f"{f['search_ms_p95']:.3f} ms p95"] for f in thr.get("faiss", [])]
+        rows += [[f"FAISS flat, {f['vectors']} vectors", f"{describe(f['search_ms_median'], '.3f', ' ms')} median",
+                  f"{describe(f['search_ms_p95'], '.3f', ' ms')} p95"] for f in thr.get("faiss", [])]
         out += ["## Throughput", "", table(["what", "rate", ""], rows), ""]
     ing = report.get("ingest")
     if isinstance(ing, dict) and ing.get("runs"):
@@ -106,7 +114,7 @@ def markdown(report: dict[str, object]) -> str:
             out += [table(["chain LLM", "first streamed token s"],
                            [["HuggingFacePipeline", lc["huggingface_pipeline_first_token_s"]],
                             ["PromptCacheLLM", lc["promptcache_first_token_s"]]]),
-                    "", f"speed-up {lc['speedup']:.1f}x over {lc['questions']} questions, k={lc['k']}", ""]
+                    "", f"speed-up {describe(lc['speedup'], '.1f', 'x')} over {lc['questions']} questions, k={lc['k']}", ""]
     if isinstance(report.get("serve"), dict):
         from rag_promptcache.bench import serve
 
@@ -127,7 +135,8 @@ def _chat_markdown(chat: dict[str, object]) -> list[str]:
              *(t[f"llamacpp_{w}_s"] for w in weights), *(t[f"llamacpp_{w}_reused_tokens"] for w in weights)]
             for t in chat["rows"]]
     summary = f"turns 2-{chat['turns']} median TTFT: engine {chat['engine_median_s']:.3f} s" + "".join(
-        f"; llama.cpp {w} {chat[f'llamacpp_{w}_median_s']:.3f} s ({chat[f'x_llamacpp_{w}']:.2f}x ours)" for w in weights)
+        f"; llama.cpp {w} {chat[f'llamacpp_{w}_median_s']:.3f} s ({describe(chat[f'x_llamacpp_{w}'], '.2f', 'x')} ours)"
+        for w in weights)
     return [f"## Chat turns ({chat['turns']} turns over the same {chat['context_tokens']}-token documents, "
             f"{chat['repeats']} conversation(s))", "", table(header, rows), "", summary, ""]
 
@@ -138,8 +147,8 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
     ctx = next(iter(at.values()))["context_tokens"] if at else 0
     rows = [[r["k"], r["mode"], r["recovery"], f"{r['full_correct']}/{r['with_answer']}",
              f"{r['cached_correct']}/{r['with_answer']}", pct(r.get("kept")), pct(r["retained"]), pct(r["agreement"]),
-             f"{r['speedup']:.1f}x",
-             f"{at[(r['mode'], r['recovery'])]['speedup']:.1f}x" if (r["mode"], r["recovery"]) in at else ""]
+             speed(r["speedup"]),
+             speed(at[(r["mode"], r["recovery"])]["speedup"]) if (r["mode"], r["recovery"]) in at else ""]
             for r in fid["rows"]]
     chosen = fid.get("chosen")
     head = ["## Answer fidelity against full prefill", "",
@@ -152,6 +161,11 @@ def _fidelity_markdown(fid: dict[str, object]) -> list[str]:
     return [*head, table(["k", "mode", "recovery", "full right", "cached right", "kept (paired)", "retained", "agreement",
                           "speed-up",
                           f"speed-up at ~{ctx:.0f} tok"], rows), "", rule, ""]
+
+
+def speed(value: float | None) -> str:
+    """A speed-up as a table writes it: "2.5x", or "n/a" below the clock's resolution."""
+    return "n/a" if value is None else f"{value:.1f}x"
 
 
 def _setting_name(r: dict[str, object]) -> str:
@@ -171,7 +185,7 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
              *([f"{r['reference_full_correct']}/{r['with_answer']}" if "reference_full_correct" in r else ""] if judged else []),
              f"{r['cached_correct']}/{r['with_answer']}", pct(r["retained"]),
              pct(r.get("kept")), f"{r.get('recomputed_share', 0.0):.3f}", f"{r['full_ttft_s']:.3f}", f"{r['cached_ttft_s']:.3f}",
-             f"{r['speedup']:.1f}x"] for r in fid["rows"]]
+             speed(r["speedup"])] for r in fid["rows"]]
     chosen, confirm = fid.get("across_splits"), fid.get("chosen_then_confirmed")
     lines = [
         table(["split", "k", "context tok", "setting", "full right", *(["reference full right"] if judged else []),
@@ -179,7 +193,7 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
                 "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
         "the rule (kept >= 0.95 on every split at every k, then the fastest) picks: "
         + (f"{_setting_name(chosen)} (worst kept {chosen['worst_kept']:.2f}, "
-           f"{chosen['speedup_at_largest_k']:.1f}x)" if chosen else "nothing"),
+           f"{speed(chosen['speedup_at_largest_k'])})" if chosen else "nothing"),
     ]
     if against := fid.get("full_prefill_against_reference"):
         fewer = [f"{a['split']} k={a['k']}" for a in against if not a["at_least_as_many"]]
@@ -191,7 +205,7 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
     if confirm:
         others = ", ".join(f"{s} {v:.2f}" for s, v in confirm["worst_kept_elsewhere"].items()) or "no other split"
         lines.append(f"chosen on the {confirm['chosen_on']} split: {_setting_name(confirm)} (worst kept "
-                     f"{confirm['worst_kept']:.2f}, {confirm['speedup_at_largest_k']:.1f}x); worst kept elsewhere: "
+                     f"{confirm['worst_kept']:.2f}, {speed(confirm['speedup_at_largest_k'])}); worst kept elsewhere: "
                      f"{others}: {'confirmed' if confirm['confirmed'] else 'not confirmed'}")
     return "\n".join(lines)
 
@@ -223,7 +237,7 @@ def fidelity_front(fid: dict[str, object], path: str | Path) -> Path:
 
     from matplotlib.ticker import FuncFormatter
 
-    rows = [r for r in fid["rows"] if r["retained"] is not None]
+    rows = [r for r in fid["rows"] if r["retained"] is not None and r["speedup"] is not None]
     ks = sorted({r["k"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(ks)), figsize=(5.5 * max(1, len(ks)), 4.5), squeeze=False)
     for ax, k in zip(axes[0], ks):
@@ -287,7 +301,7 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         for ax, metric, label in ((axes[0], "mean_kl", "mean first-token KL (lower is better)"),
                                   (axes[1], "greedy_exact_match", "greedy exact match (higher is better)")):
             for k in sorted({r["k"] for r in quality}):
-                rows = [r for r in quality if r["k"] == k]
+                rows = [r for r in quality if r["k"] == k and r["speedup"] is not None]
                 ax.scatter([r["speedup"] for r in rows], [r[metric] for r in rows], label=f"k={k}")
                 for r in rows:
                     tag = f"{r['mode']}/{r['recovery']}" + ("" if r["codec"] == "native" else f"/{r['codec']}")
@@ -315,7 +329,8 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         at = {(t["mode"], t["recovery"]): t["speedup"] for t in fid["ttft_at_context"]}
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for k in sorted({r["k"] for r in fid["rows"]}):
-            rows = [r for r in fid["rows"] if r["k"] == k and r["retained"] is not None]
+            rows = [r for r in fid["rows"] if r["k"] == k and r["retained"] is not None
+                    and at.get((r["mode"], r["recovery"]), r["speedup"]) is not None]
             xs = [at.get((r["mode"], r["recovery"]), r["speedup"]) for r in rows]
             ax.scatter(xs, [r["retained"] for r in rows], label=f"k={k}")
             for x, r in zip(xs, rows):

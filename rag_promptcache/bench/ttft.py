@@ -162,7 +162,7 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
         "plan": (plan_only, cfg.repeats_fast, cfg.warmup),
         "assemble": (assemble_only, cfg.repeats_fast, cfg.warmup),
         **llama_systems,
-    }, device)
+    }, device, bench.min_span_s)
     s = {k: median(v) for k, v in times.items()}
     top_full, cached = timed(full, device)[1], mem.generate(prompt, max_new_tokens=1)
     assert not cached.missed_modules, f"{cached.missed_modules=}"

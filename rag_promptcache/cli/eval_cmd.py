@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.timing import describe
 
 # Shown in --help without importing rag (whose package imports torch); a test holds it equal to
 # rag.fidelity.DEFAULT_NEW_TOKENS.
@@ -153,12 +154,12 @@ def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) 
             typer.echo(f"{r.recovery:<16} {fmt(r.full_accuracy):>8} failed: {_one_line(r.error)}")
             continue
         typer.echo(f"{r.recovery:<16} {fmt(r.full_accuracy):>8} {fmt(r.cached_accuracy):>10} {fmt(r.kept):>6} "
-                   f"{fmt(r.retained):>8} {r.agreement:>9.2f} {r.speedup:>7.1f}x")
+                   f"{fmt(r.retained):>8} {r.agreement:>9.2f} {describe(r.speedup, '>7.1f', 'x')}")
     typer.echo("kept: of full prefill's right answers, the share the setting also gets right (the rule's measure); "
                "retained: cached right / full right")
-    faithful = lambda r: (r.error is None, r.kept or 0.0, r.speedup if r.error is None else 0.0)  # noqa: E731
+    faithful = lambda r: (r.error is None, r.kept or 0.0, (r.speedup or 0.0) if r.error is None else 0.0)  # noqa: E731
     if best is not None:
-        typer.echo(f"\nrecommended: {best.recovery} ({rule}: kept {fmt(best.kept)}, {best.speedup:.1f}x); "
+        typer.echo(f"\nrecommended: {best.recovery} ({rule}: kept {fmt(best.kept)}, {describe(best.speedup, '.1f', 'x')}); "
                    "`eval --apply` makes it this corpus's")
     else:
         most = max(reports, key=faithful)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from rag_promptcache.timing import ratio
+
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag.corpus import Corpus
@@ -32,13 +34,15 @@ TARGET_RETAINED = 0.95  # of full prefill's right answers a recommended setting 
 K = TypeVar("K", bound=Hashable)
 
 
-def fastest_retaining(kept: Mapping[K, float | None], speedup: Mapping[K, float], *,
+def fastest_retaining(kept: Mapping[K, float | None], speedup: Mapping[K, float | None], *,
                       target: float = TARGET_RETAINED, min_speedup: float = 0.0) -> K | None:
     """The rule: of the settings whose share kept (`SettingReport.kept`: of full prefill's right answers,
     the share the setting also gets right; None: not measurable) is at least `target` and whose speed-up is at least `min_speedup`, the fastest.
-    None when no setting qualifies. Keys are whatever names a setting (a recovery, or mode and recovery)."""
-    met = [s for s, r in kept.items() if r is not None and r >= target and speedup.get(s, 0.0) >= min_speedup]
-    return max(met, key=lambda s: speedup[s]) if met else None
+    None when no setting qualifies. Keys are whatever names a setting (a recovery, or mode and recovery).
+    A speed-up that could not be measured (None: a TTFT below the clock's resolution) counts as none."""
+    speed = {s: speedup.get(s) or 0.0 for s in kept}
+    met = [s for s, r in kept.items() if r is not None and r >= target and speed[s] >= min_speedup]
+    return max(met, key=lambda s: speed[s]) if met else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +162,10 @@ class SettingReport:
         return both / self.full_correct if self.results and self.full_correct else None
 
     @property
-    def speedup(self) -> float:
-        return self.full_ttft_s / self.cached_ttft_s
+    def speedup(self) -> float | None:
+        """Full prefill's TTFT over the cached one's; None where the cached one measured zero (below the
+        clock's resolution)."""
+        return ratio(self.full_ttft_s, self.cached_ttft_s)
 
     def as_dict(self) -> dict[str, object]:
         return {"recovery": self.recovery, "k": self.k, "questions": self.num_questions,

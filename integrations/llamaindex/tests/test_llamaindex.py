@@ -185,7 +185,7 @@ def test_a_plain_vector_store_index_flow_reuses_the_corpus_kv(corpus, llm, engin
 def test_query_engine_metadata_has_the_engine_statistics_and_one_source_label(corpus, llm):
     response = PromptCacheQueryEngine(corpus=corpus, similarity_top_k=2, llm=llm).query(QUESTION)
     meta = response.metadata
-    assert meta["ttft_s"] > 0 and meta["cached_tokens"] > 0 and meta["path"] == "cached" and len(meta["hit_modules"]) == 2
+    assert meta["ttft_s"] >= 0 and meta["cached_tokens"] > 0 and meta["path"] == "cached" and len(meta["hit_modules"]) == 2
     assert response.source_nodes[0].node.metadata["source"] == "fact0.txt"  # as the CLI and the server name it
 
 
