@@ -176,7 +176,7 @@ def fidelity(run: dict) -> tuple[str, str | None]:
         cells = []
         for c in cols:
             r = next((r for r in rows if (r["split"], r["k"]) == c and _fidelity_setting(r) == name), None)
-            cells.append("-" if r is None else f"{r['retained']:.2f} · {r['speedup']:.1f}x")
+            cells.append("-" if r is None else f"{r['retained']:.2f} · {_x(r['speedup'])}")
         label = f"`{name}`" + (" (chosen)" if name == chosen else "")
         out.append([f"**{label}**" if name == chosen else label] + cells)
     full = ", ".join(f"{s} k={k}: {next(r['full_correct'] for r in rows if (r['split'], r['k']) == (s, k))}/"

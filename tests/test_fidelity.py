@@ -55,7 +55,9 @@ def test_module_recoveries_parse_and_recompute_whole_modules(tokenizer):
                         ("nearest:1", "valid: none, first_k, selective, last, attend")]:
         with pytest.raises(ValueError, match=match):
             Recovery.parse(spec)
-    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none")
+    # the plans recovery makes, not the path the timed cost model picks for them (fallback="never")
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+                     fallback="never")
     pc.add_schema(SCHEMA)
     base = pc.plan(PROMPT)
     sizes = {name: len(kv.token_ids) for name, kv in base.kvs.items()}  # the prompt imports b, a, c

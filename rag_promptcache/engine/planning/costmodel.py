@@ -9,7 +9,8 @@ tokens against them; a full prefill pays one forward over every token. `Costs` m
     full(N)                   = forward(N, 0)
 
 `calibrate` measures the coefficients with a few tiny timed forwards and assemblies (tenths of a second
-on SmolLM2-135M on an idle CPU), on the first request that needs them, and `stored_costs` keeps them
+on SmolLM2-135M on an idle CPU; each repeated until it spans `timing.MIN_STEPS` steps of the clock, so
+seconds where the clock is coarse), on the first request that needs them, and `stored_costs` keeps them
 under the cache home keyed by model fingerprint, device, dtype and threads, so a machine measures once.
 A calibration is one moment of a machine whose load changes (a busy neighbour, or none any more), so
 the costs follow the prefills actually run (the request's own, and encoding a module, which is what
@@ -45,7 +46,6 @@ import json
 import math
 import os
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -60,6 +60,7 @@ from rag_promptcache.engine.compute.runner import forward_last
 from rag_promptcache.model.loading import cache_home
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
+from rag_promptcache.timing import MIN_STEPS, process_resolution, repeat
 
 FALLBACKS = ("auto", "never", "always")
 ENV = "RAG_PROMPTCACHE_FALLBACK"
@@ -248,7 +249,9 @@ def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeome
 @torch.inference_mode()
 def calibrate(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry, repeats: int = 2) -> Costs:
     """Time full prefills of SHORT and LONG tokens, SHORT tokens against CONTEXT cached ones, and the
-    assembly of CONTEXT tokens (each the best of `repeats`, after one warm-up), and solve for `Costs`."""
+    assembly of CONTEXT tokens (each the best of `repeats`, after one warm-up), and solve for `Costs`. One
+    timing is the mean of as many calls as span `MIN_STEPS` steps of the clock: a tiny model's forward
+    is shorter than a coarse clock's step."""
     device, dtype, config = model.device, model.dtype, model.config
     vocab = int(getattr(config.get_text_config(), "vocab_size", 1000))
     ids = torch.randint(3, max(4, vocab), (CONTEXT + SHORT,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -265,16 +268,15 @@ def calibrate(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry
     shift = SHORT if relocator.relocatable else 0
     with_context = [Piece(tuple(ids[:CONTEXT]), shift, "m"), Piece(tuple(ids[CONTEXT:]), CONTEXT + shift)]
 
+    min_span_s = MIN_STEPS * process_resolution()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def best(fn) -> float:
         fn()  # warm-up: buffer pool, packed weights, kernels
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return min(repeat(fn, min_span_s, before=sync).seconds for _ in range(repeats))
 
     def assembled(num: int) -> Callable[[], None]:
         pieces = [Piece(tuple(ids[:num]), shift, "m"), Piece(tuple(ids[CONTEXT:]), num + shift)]
