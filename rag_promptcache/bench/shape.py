@@ -52,6 +52,7 @@ from rag_promptcache.engine.compute.runner import cache_arg
 from rag_promptcache.engine.decoding.lookup import DEFAULT_LOOKUP
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import DeviceStore, MemoryStore, TieredStore
+from rag_promptcache.timing import MIN_STEPS, describe, ratio, resolution
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -102,8 +103,10 @@ def run(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shape: str, 
         "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
         "threads": torch.get_num_threads(), "dtype": str(model.dtype).removeprefix("torch."),
         "torch": torch.__version__, "transformers": transformers.__version__, "ttft": [], "decode": [],
-        "clock_resolution_s": _resolution(),
+        "clock_resolution_s": resolution(),
     }
+    # each timed run spans this much, a mean over repeated calls where one is shorter (bench/common.py)
+    out["clock_min_span_s"] = min_span_s = MIN_STEPS * out["clock_resolution_s"]
     left = lambda: budget_s - (time.perf_counter() - t_start)  # noqa: E731
     prompts = {}
     for context in contexts:
@@ -111,12 +114,12 @@ def run(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shape: str, 
             log(f"shape: budget spent, context {context} not measured")
             out.setdefault("skipped", []).append(f"ttft at {context}")
             continue
-        row, prompts[context] = _ttft(model, tokenizer, context, repeats, log)
+        row, prompts[context] = _ttft(model, tokenizer, context, repeats, log, min_span_s)
         out["ttft"].append(row)
         _write(out, json_path)
     if prompts and left() > 0:
         first = min(prompts)
-        out["decode"] = _decode(model, tokenizer, *prompts[first], first, decode_tokens, repeats, left, log)
+        out["decode"] = _decode(model, tokenizer, *prompts[first], first, decode_tokens, repeats, left, log, min_span_s)
     out["seconds"] = time.perf_counter() - t_start
     _write(out, json_path)
     return out
@@ -136,7 +139,7 @@ def _engines(model, tokenizer, schema: str, gpu_bytes: int) -> dict[str, PromptC
     return engines
 
 
-def _ttft(model, tokenizer, context: int, repeats: int, log) -> tuple[dict[str, object], tuple]:
+def _ttft(model, tokenizer, context: int, repeats: int, log, min_span_s: float) -> tuple[dict[str, object], tuple]:
     k, size = layout(context)
     names = [f"c{context}_{i}" for i in range(k)]
     schema = schema_pml(SCHEMA + str(context), dict(zip(names, module_texts(tokenizer, k, size))))
@@ -168,25 +171,25 @@ def _ttft(model, tokenizer, context: int, repeats: int, log) -> tuple[dict[str, 
         "default_gpu": (cached(engines["gpu"], None), repeats, 1),
         "auto": (cached(engines["auto"], None), repeats, 1),
     }
-    s = {name: median(times) for name, times in interleaved(systems, model.device).items()}
+    s = {name: median(times) for name, times in interleaved(systems, model.device, min_span_s).items()}
     auto = engines["auto"].generate(prompt, max_new_tokens=1)
     row = {
         "context_tokens": k * size, "modules": k, "module_tokens": size, "prompt_tokens": int(ids.shape[1]),
         "recovery": default, "encode_s": encode_s, **{f"{name}_s": v for name, v in s.items()},
         "auto_path": auto.path,
-        "speedup_none": s["full"] / s["none_gpu"], "speedup_none_host": s["full"] / s["none_host"],
-        "speedup_default": s["full"] / s["default_gpu"], "speedup_default_host": s["full"] / s["default_host"],
-        "speedup_auto": s["full"] / s["auto"], "speedup_engine_full": s["full"] / s["full_engine"],
+        "speedup_none": ratio(s["full"], s["none_gpu"]), "speedup_none_host": ratio(s["full"], s["none_host"]),
+        "speedup_default": ratio(s["full"], s["default_gpu"]), "speedup_default_host": ratio(s["full"], s["default_host"]),
+        "speedup_auto": ratio(s["full"], s["auto"]), "speedup_engine_full": ratio(s["full"], s["full_engine"]),
     }
     log(f"shape ttft {row['context_tokens']:>6} tok ({k} x {size}): full {s['full']:.4f} s, engine full "
         f"{s['full_engine']:.4f}, none {s['none_gpu']:.4f} (gpu tier) / {s['none_host']:.4f} (host), {default} "
         f"{s['default_gpu']:.4f} / {s['default_host']:.4f}, auto {s['auto']:.4f} ({auto.path} path): "
-        f"{row['speedup_none']:.1f}x none, {row['speedup_default']:.1f}x {default}")
+        f"{describe(row['speedup_none'], '.1f', 'x')} none, {describe(row['speedup_default'], '.1f', 'x')} {default}")
     return row, (engines["host"], prompt, ids, schema)
 
 
 def _decode(model, tokenizer, engine: PromptCache, prompt: str, ids: torch.Tensor, schema: str, context: int, n: int,
-            repeats: int, left, log) -> list[dict[str, object]]:
+            repeats: int, left, log, min_span_s: float) -> list[dict[str, object]]:
     lookup0 = PromptCache(model, tokenizer, store=engine.store, fallback="never", prompt_lookup=0, prefix_cache_bytes=0)
     lookup0.add_schema(schema)
     rows = []
@@ -201,22 +204,23 @@ def _decode(model, tokenizer, engine: PromptCache, prompt: str, ids: torch.Tenso
         graphs = graphs and graphs_enabled(model.device)  # on CPU every step is eager
         name = "rag-promptcache" + (" (CUDA graphs)" if graphs else " (eager)")
         return {"system": name, "dtype": str(model.dtype).removeprefix("torch."), "prompt_lookup": pc.prompt_lookup,
-                "graphs": graphs, "tokens_per_s": (n - 1) / decode_s, "tokens_per_forward": (n - 1) / max(forwards, 1),
+                "graphs": graphs, "tokens_per_s": ratio(n - 1, decode_s), "tokens_per_forward": (n - 1) / max(forwards, 1),
                 "context_tokens": context, "new_tokens": n, "default": default and pc.prompt_lookup == DEFAULT_LOOKUP}
 
     rows += [engine_row(engine, True), engine_row(lookup0, True), engine_row(lookup0, False)]
-    rows.append(_hf_row(model, ids, n, repeats, context, "transformers", static=False))
+    rows.append(_hf_row(model, ids, n, repeats, context, "transformers", static=False, min_span_s=min_span_s))
     if left() > COMPILE_S and model.device.type == "cuda":  # transformers compiles the static-cache step
-        rows.append(_hf_row(model, ids, n, repeats, context, "transformers (static cache, compiled)", static=True))
+        rows.append(_hf_row(model, ids, n, repeats, context, "transformers (static cache, compiled)", static=True,
+                            min_span_s=min_span_s))
     else:
         log("shape: transformers' static-cache decode not measured (budget spent or not CUDA)")
     for r in rows:
-        log(f"shape decode {r['system']:>40} lookup {r['prompt_lookup']}: {r['tokens_per_s']:.1f} tokens/s")
+        log(f"shape decode {r['system']:>40} lookup {r['prompt_lookup']}: {describe(r['tokens_per_s'], '.1f', ' tokens/s')}")
     return rows
 
 
 def _hf_row(model, ids: torch.Tensor, n: int, repeats: int, context: int, name: str, *,
-            static: bool) -> dict[str, object]:
+            static: bool, min_span_s: float = 0.0) -> dict[str, object]:
     """transformers' `generate`: its dynamic cache, or (`static`) a fresh `StaticCache` of one length for
     every call, so its compiled step is compiled once."""
     @torch.inference_mode()
@@ -224,13 +228,13 @@ def _hf_row(model, ids: torch.Tensor, n: int, repeats: int, context: int, name: 
         length = ids.shape[1] + max(n, 8) + 1  # the warm-up's 8 tokens included
         cache = cache_arg(model, StaticCache(config=model.config, max_cache_len=length)) if static else {}
         return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                            min_new_tokens=tokens, do_sample=False, **cache), model.device)[0]
+                                            min_new_tokens=tokens, do_sample=False, **cache), model.device, min_span_s)[0]
 
     go(8)  # warm-up (and the compilation of a static-cache step)
     one = median([go(1) for _ in range(repeats)])  # the prefill and the first token
     total = median([go(n) for _ in range(repeats)])
     return {"system": name, "dtype": str(model.dtype).removeprefix("torch."), "prompt_lookup": 0,
-            "tokens_per_s": (n - 1) / max(total - one, 1e-9), "tokens_per_forward": 1.0, "context_tokens": context,
+            "tokens_per_s": ratio(n - 1, total - one), "tokens_per_forward": 1.0, "context_tokens": context,
             "new_tokens": n, "default": False}
 
 
@@ -246,13 +250,6 @@ def _graphs_switch(on: bool) -> Iterator[None]:
             os.environ.pop(GRAPHS_ENV)
         else:
             os.environ[GRAPHS_ENV] = old
-
-
-def _resolution() -> float:
-    """The smallest step time.perf_counter() took in a short spin (the clock these timings stand on)."""
-    seen = {time.perf_counter() for _ in range(20000)}
-    steps = sorted(b - a for a, b in zip(sorted(seen), sorted(seen)[1:]))
-    return steps[0] if steps else float("nan")
 
 
 def _write(out: dict[str, object], path: Path | None) -> None:
