@@ -23,9 +23,11 @@ TOL = 1e-5  # fp32: a chunk's matmuls and softmax run over fewer rows and column
 
 def _engine(arch: str, tokenizer, recovery: str = "none", device: str = "cpu") -> PromptCache:
     # no prefix cache: these tests count the prefill's forwards, which a prefix reused from an earlier
-    # request of the same prompt would shorten (tests/test_prefix_cache.py covers the two together)
+    # request of the same prompt would shorten (tests/test_prefix_cache.py covers the two together);
+    # the cached plan always (fallback="never"): they chunk its new tokens, whichever path the timed
+    # cost model would pick on this machine (tests/test_fallback.py covers that choice)
     pc = PromptCache(build(arch, device, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery=recovery,
-                     prefix_cache_bytes=0)
+                     prefix_cache_bytes=0, fallback="never")
     pc.add_schema(SCHEMA)
     return pc
 
