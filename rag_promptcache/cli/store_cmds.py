@@ -25,8 +25,13 @@ def _disk(corpus: Path):
 
     if not is_corpus(corpus):
         raise fail(f"{corpus} is not a corpus (no manifest.json)")
-    # the codec the corpus writes with (its manifest's), as `store info` says
-    return DiskStore(corpus / "store", codec=read_manifest(corpus).codec)
+    # the codec the corpus writes with (its manifest's), as `store info` says; a manifest this version
+    # cannot read still leaves its store open to inspection, with the store's default codec
+    try:
+        codec = read_manifest(corpus).codec
+    except ValueError:
+        return DiskStore(corpus / "store")
+    return DiskStore(corpus / "store", codec=codec)
 
 
 @store_app.command("info")
