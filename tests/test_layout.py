@@ -168,3 +168,40 @@ def test_the_engine_packages_import_one_way():
             g.setdefault(package(m), set()).update(
                 package(d) for d in deps if d.startswith("rag_promptcache.engine.") and package(d) != package(m))
     assert cycles(g) == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(path: Path, modules: set[str]) -> list[str]:
+    """`from pkg.mod import _name` and `mod._name` in `path` where `mod` is another of the package's
+    modules: a private name used across modules."""
+    tree = ast.parse(path.read_text())
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rsplit(".", 1)[0]
+    aliases: dict[str, str] = {}  # local name → the package module it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in modules})
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                if f"{base}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+                elif _private(a.name) and base in modules and base != here:
+                    found.append(f"{here}: from {base} import {a.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr)
+                and aliases.get(node.value.id, here) != here):
+            found.append(f"{here}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A name another module needs is public API, named and documented (STYLE.md)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    assert [u for p in files.values() for u in private_uses(p, set(files))] == []

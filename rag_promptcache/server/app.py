@@ -148,14 +148,14 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
                                             "max_model_len": window, "schema": schema,
                                             "embedder": embeddings.name, "adapter": adapter}]}
 
-    def check(body: p._Generation | p.EmbeddingRequest, *extra: str) -> None:
+    def check(body: p.GenerationRequest | p.EmbeddingRequest, *extra: str) -> None:
         if body.model not in aliases | set(extra):
             raise ApiError(404, f"unknown model {body.model!r}; this server serves {model_id!r}",
                            param="model", code="model_not_found")
         if refused := body.refused():
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
-    async def submit(build: Callable[[], ChatPrompt], body: p._Generation,
+    async def submit(build: Callable[[], ChatPrompt], body: p.GenerationRequest,
                      max_tokens: int | None) -> tuple[Handle | NotFound, ChatPrompt, list[dict[str, object]]]:
         def work() -> tuple[Handle | NotFound, ChatPrompt, list[dict[str, object]]]:
             built = build()

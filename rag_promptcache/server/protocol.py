@@ -72,7 +72,10 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Generation(_Body):
+class GenerationRequest(_Body):
+    """What a chat and a completion request share: the sampling fields, `refused` and `include_usage`
+    (`app.py` checks and submits either through these)."""
+
     # extras are kept so that `refused` can name them; see the module docstring
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -130,7 +133,7 @@ class _Generation(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class ChatRequest(_Generation):
+class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     k: int | None = Field(None, ge=1, le=64)
@@ -141,7 +144,7 @@ class ChatRequest(_Generation):
         return [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
 
     def text(self) -> str:
