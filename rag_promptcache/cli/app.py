@@ -19,6 +19,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -27,11 +28,31 @@ from typing import Annotated, TypeVar
 
 import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 # command → (module with `register(app)`, the one line `--help` lists; test_cli_startup holds it true)
 LAZY = {"bench": ("rag_promptcache.bench.cli", "Measure TTFT, quality, memory and throughput against full prefill; "
                   "write JSON, Markdown and plots.")}
+
+
+class PlainUsage(TyperCommand):
+    """A usage line in click's own style, `ask [OPTIONS] QUESTION`: typer writes a required argument
+    as `{question}`, which reads like a template left unfilled."""
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [re.sub(r"\{([^{}]+)\}|\[([a-z][\w-]*)\]", _upper, p) for p in super().collect_usage_pieces(ctx)]
+
+
+def _upper(m: re.Match[str]) -> str:
+    return m.group(1).upper() if m.group(1) is not None else f"[{m.group(2).upper()}]"
+
+
+class App(typer.Typer):
+    """The typer app whose commands print plain usage lines (`PlainUsage`); every command group and
+    plugin registers on one."""
+
+    def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = None, **kwargs: object):  # type: ignore[override]
+        return super().command(name, cls=cls or PlainUsage, **kwargs)  # type: ignore[arg-type]
 
 
 class LazyGroup(TyperGroup):
@@ -56,7 +77,7 @@ class LazyGroup(TyperGroup):
         module, short_help = LAZY[cmd_name]
         if self.listing:
             return click.Command(cmd_name, help=short_help)
-        plugin = typer.Typer(rich_markup_mode=None, pretty_exceptions_enable=False, add_completion=False)
+        plugin = App(rich_markup_mode=None, pretty_exceptions_enable=False, add_completion=False)
         if not _register(module, plugin):
             return None
         command = typer.main.get_group(plugin).get_command(ctx, cmd_name)
@@ -65,7 +86,7 @@ class LazyGroup(TyperGroup):
         return command
 
 
-app = typer.Typer(
+app = App(
     cls=LazyGroup,
     name="rag-promptcache",
     help="Answer questions over your documents fast: each chunk's KV cache is computed once and reused.",

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.cli.output import cut_off
 
 # Help shows the corpus default (rag_promptcache.rag.repetition.DEFAULT_NO_REPEAT_NGRAM; a test holds
 # them equal) without importing rag, whose package imports torch: `--help` stays fast.
@@ -251,18 +252,11 @@ def ask(
     else:
         if not stream:
             typer.echo(answer.answer)
-        if cut := _cut_off(answer, max_new_tokens):
+        if cut := cut_off(answer.finish_reason, max_new_tokens):
             typer.echo(cut)
         typer.echo(f"\nsources: {', '.join(dict.fromkeys(answer.sources)) or 'none (nothing scored --min-score)'}")
         typer.echo(_stats(answer))
     c.close()
-
-
-def _cut_off(answer, max_new_tokens: int) -> str:
-    """The mark under an answer the token budget cut off (empty for a finished one)."""
-    if answer.finish_reason != "length":
-        return ""
-    return f"[cut off: the answer reached --max-new-tokens {max_new_tokens}; raise it for the rest]"
 
 
 def _stats(answer) -> str:
@@ -343,7 +337,7 @@ def chat(
             continue
         last = s.answer
         shown = list(zip(last.module_ids, last.sources, last.scores))
-        if cut := _cut_off(last, max_new_tokens):
+        if cut := cut_off(last.finish_reason, max_new_tokens):
             typer.echo(f"\n  {cut}", nl=False)
         typer.echo(f"\n  [{_stats(last)}]")
         history.append((line, last.answer))

@@ -6,7 +6,8 @@ size and asked at a user's k (4 by default). Per answer it prints the answer's o
 engine's own full prefill of the same prompt (the fastest full prefill this library has; the best of
 two runs, so the baseline is never flattered down), which path the planner ran (`cached`, or `full`
 where its cost model found a plain prefill faster, engine/planning/costmodel.py) and how many prompt tokens
-were computed rather than taken from the cache. One untimed request warms the model first, as a
+were computed rather than taken from the cache; an answer the token budget cut off is marked, as `ask`
+marks it. One untimed request warms the model first, as a
 running server would be. The first run ingests into `$RAG_PROMPTCACHE_HOME/demo-corpus`; later runs
 find every document unchanged and go straight to the questions.
 """
@@ -20,6 +21,7 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import DtypeOpt, app, handle_errors
+from rag_promptcache.cli.output import cut_off
 
 
 @app.command()
@@ -27,7 +29,7 @@ from rag_promptcache.cli.app import DtypeOpt, app, handle_errors
 def demo(
     corpus: Annotated[Path | None, typer.Option(help="Where the demo corpus lives [default: $RAG_PROMPTCACHE_HOME/demo-corpus].")] = None,
     k: Annotated[int, typer.Option("-k", help="Chunks retrieved per question.")] = 4,
-    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 96,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens (one cut off is marked).")] = 192,
     dtype: DtypeOpt = None,
 ) -> None:
     """Ingest a slice of the Python reference (first run only), then answer questions from it."""
@@ -74,6 +76,8 @@ def demo(
         for piece in stream:
             typer.echo(piece, nl=False)
         answer = stream.answer
+        if cut := cut_off(answer.finish_reason, max_new_tokens):
+            typer.echo(f"\n   {cut}", nl=False)
         full = min(c.engine.full_prefill_ttft(answer.prompt) for _ in range(2))
         ratio = full / max(answer.ttft_s, 1e-9)
         slower += ratio < 1

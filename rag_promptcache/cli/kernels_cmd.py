@@ -10,9 +10,9 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import app, handle_errors
+from rag_promptcache.cli.app import App, app, handle_errors
 
-kernels_app = typer.Typer(help="Build or check the native CPU kernels (AVX512-BF16).", no_args_is_help=True)
+kernels_app = App(help="Build or check the native CPU kernels (AVX512-BF16).", no_args_is_help=True)
 app.add_typer(kernels_app, name="kernels")
 
 

@@ -1,5 +1,6 @@
 """One output style for the inspecting commands (`info`, `store info`): an aligned two-column table
-for people, or `--json` (one object) for scripts. Formatting only."""
+for people, or `--json` (one object) for scripts; and the mark under an answer the token budget cut
+off (`ask`, `chat`, `demo`). Formatting only."""
 
 from __future__ import annotations
 
@@ -30,3 +31,10 @@ def echo_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
 
 def mib(num_bytes: object) -> str:
     return f"{int(num_bytes) / 2**20:.1f} MiB"  # type: ignore[arg-type]
+
+
+def cut_off(finish_reason: str, max_new_tokens: int) -> str:
+    """The mark under an answer the token budget cut off (docs/answers.md); empty for a finished one."""
+    if finish_reason != "length":
+        return ""
+    return f"[cut off: the answer reached --max-new-tokens {max_new_tokens}; raise it for the rest]"

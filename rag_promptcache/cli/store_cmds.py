@@ -10,9 +10,9 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import app, fail, handle_errors
+from rag_promptcache.cli.app import App, app, fail, handle_errors
 
-store_app = typer.Typer(help="Inspect, verify or shrink a corpus's module store.", no_args_is_help=True)
+store_app = App(help="Inspect, verify or shrink a corpus's module store.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
 
 CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]

@@ -1,0 +1,94 @@
+"""Rough edges a fourth trial found (issue 43, section 3), each held shut: the demo marks a cut-off
+answer, usage lines carry no brace placeholders, the packaging metadata gives setuptools nothing to
+warn about, the docs point to what is there, and the README says where the tuned adapter's full
+prefill was measured. CLI tests run over the fake engine of test_rag_corpus."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_cli import fakes, run  # noqa: F401 - fakes is a fixture
+
+from rag_promptcache.engine.result import Result, Stream
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_demo_marks_an_answer_the_budget_cut_off(tmp_path: Path, fakes, capsys) -> None:  # noqa: F811
+    def cut(prompt, **sampling):
+        def gen():
+            yield "The yield statement"
+            return Result("The yield statement", (1, 2), "length", 0.01, 0.02, 100, 90, 10, (), (), ())
+        return Stream(gen())
+
+    fakes.stream = cut
+    code, out, err = run(capsys, "demo", "--corpus", tmp_path / "demo", "--max-new-tokens", "2")
+    assert code == 0, err
+    assert out.count("[cut off: the answer reached --max-new-tokens 2; raise it for the rest]") == 3
+
+
+def test_the_demo_leaves_a_finished_answer_unmarked(tmp_path: Path, fakes, capsys) -> None:  # noqa: F811
+    code, out, err = run(capsys, "demo", "--corpus", tmp_path / "demo")
+    assert code == 0, err
+    assert "cut off" not in out
+
+
+COMMANDS = (("ask",), ("eval",), ("ingest",), ("remove",), ("chat",), ("tune",), ("store", "info"), ("serve",))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_usage_lines_name_arguments_without_braces(command: tuple[str, ...], capsys) -> None:
+    code, out, _ = run(capsys, *command, "--help")
+    usage = out.splitlines()[0]
+    assert code == 0 and usage.startswith(f"Usage: rag-promptcache {' '.join(command)} [OPTIONS]")
+    assert "{" not in usage and "}" not in usage, usage
+
+
+def test_a_bad_option_value_shows_the_argument_in_capitals(tmp_path: Path, capsys) -> None:
+    code, _, err = run(capsys, "ask", "-k", "many", "Where?", "-c", tmp_path)
+    assert code == 1 and "Usage: rag-promptcache ask [OPTIONS] QUESTION" in err, err
+    code, _, err = run(capsys, "ingest", "--chunk-tokens", "x", tmp_path, "-c", tmp_path / "c")
+    assert code == 1 and "Usage: rag-promptcache ingest [OPTIONS] PATHS..." in err, err
+
+
+@pytest.mark.parametrize("pyproject", ["pyproject.toml", "integrations/langchain/pyproject.toml",
+                                       "integrations/llamaindex/pyproject.toml"])
+def test_the_license_is_an_spdx_expression(pyproject: str) -> None:
+    # a TOML table makes setuptools (>= 77) print "project.license as a TOML table is deprecated" at
+    # every build; the SPDX string needs a setuptools that reads it
+    meta = tomllib.loads((ROOT / pyproject).read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert not any(c.startswith("License ::") for c in meta["project"].get("classifiers", ()))
+    setuptools = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    assert setuptools and tuple(map(int, re.search(r">=\s*([\d.]+)", setuptools[0]).group(1).split("."))) >= (77,)
+
+
+def test_the_cli_page_says_where_its_reference_lives_and_the_site_gets_the_reference() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    source = (ROOT / "docs" / "cli.md").read_text()
+    pointer = source.split(hooks.PLACEHOLDER, 1)[1].split(hooks.END, 1)[0]
+    assert "make docs" in pointer and "rag-promptcache COMMAND --help" in pointer  # what a reader of the source sees
+    built = hooks.on_page_markdown(source, None, None, None)
+    assert pointer.strip() not in built and hooks.END not in built
+    assert "## `rag-promptcache`" in built and "`rag-promptcache ask`" in built and "QUESTION" in built
+
+
+def test_the_server_page_describes_response_format_where_it_says_it_does() -> None:
+    text = (ROOT / "docs" / "server.md").read_text()
+    described = text.index("`response_format`")
+    assert described < text.index("Refused, not ignored") < text.index("is supported: the chat completion fields above")
+    assert "json_object" in text[described: described + 300] and "concepts.md#structured-output" in text
+
+
+def test_the_readme_says_where_the_tuned_full_prefill_was_measured() -> None:
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "answers more questions with full prefill than the base model does" not in text
+    assert "417 of the fidelity benchmark's 468 questions against the base model's 389" in text
+    assert "measured there only" in text and "5 against 6 of 15" in text
