@@ -16,11 +16,14 @@ import pytest
 from test_cli import run
 from test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
 
-from rag_promptcache.cli.eval_cmd import SHOWN_NEW_TOKENS
+from rag_promptcache.cli.eval_cmd import SHOWN_NEW_TOKENS, SHOWN_ROUNDS
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
-from rag_promptcache.engine.result import Result
+from rag_promptcache.engine.result import Result, Stream
 from rag_promptcache.rag import corpus as corpus_mod
-from rag_promptcache.rag.fidelity import DEFAULT_NEW_TOKENS, fastest_retaining
+from rag_promptcache.rag import Corpus
+from rag_promptcache.rag.evaluation import TIMING_ROUNDS
+from rag_promptcache.rag.fidelity import DEFAULT_NEW_TOKENS, fastest_retaining, interval
+from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
 from rag_promptcache.rag.records import Manifest
 
 PADDING = " ".join(["Looking at the documents"] * 8)  # 32 words before the fact: past the old 20-token cut
@@ -45,6 +48,17 @@ class FidelityEngine(FakeEngine):
         fact = next(v for key, v in facts.items() if key in prompt.rsplit("<user>", 1)[-1])
         words = f"{PADDING} the answer is {fact}.".split()[:max_new_tokens]
         return Result(" ".join(words), tuple(range(len(words))), "eos", ttft, ttft + 0.1, 100, 90, 10, (), (), ())
+
+    def stream(self, prompt: str, **sampling) -> Stream:  # what Corpus.ask calls: the same answers
+        self.prompts.append(prompt)
+        self.sampling = sampling
+        result = self.generate(prompt, **sampling)
+
+        def gen():
+            yield result.text
+            return result
+
+        return Stream(gen())
 
 
 @pytest.fixture
@@ -73,6 +87,7 @@ def test_the_rule_is_one_function() -> None:
     assert fastest_retaining(retained, speed, target=0.99) == "last:2"
     assert fastest_retaining({("isolated", "none"): 0.97}, {("isolated", "none"): 5.0}) == ("isolated", "none")
     assert DEFAULT_NEW_TOKENS == SHOWN_NEW_TOKENS == 64  # --help shows the library's default
+    assert TIMING_ROUNDS == SHOWN_ROUNDS
 
 
 def test_eval_recommends_shows_failures_and_judges_the_whole_answer(setup, capsys) -> None:
@@ -80,13 +95,23 @@ def test_eval_recommends_shows_failures_and_judges_the_whole_answer(setup, capsy
     code, out, err = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1")
     assert code == 0, err
     table = out.splitlines()
-    assert table[0] == "3 questions, k=1, 3 with an expected answer" and table[1].startswith("recovery")
+    assert table[0] == "3 questions, k=1, 3 with an expected answer; full prefill answers 3 of them right"
+    assert table[1].split() == ["recovery", "full", "right", "cached", "right", "kept", "95%", "interval", "retained",
+                                "agreement", "speed-up", "rounds"]
     rows = {line.split()[0]: line.split() for line in table[2:5]}
     assert table[5].startswith("kept: of full prefill's right answers") and table[6] == ""
-    assert list(rows) == ["none", "last:1", DEFAULT_RECOVERY] and rows["none"][1:5] == ["1.00", "0.67", "0.67", "0.67"]
+    # counts beside every share, and kept's interval: 2 of 3 says little
+    assert list(rows) == ["none", "last:1", DEFAULT_RECOVERY]
+    assert rows["none"][1:10] == ["3/3", "2/3", "2/3", "=", "0.67", "0.21-0.94", "2/3", "2/3", "50.0x"]
     # the fact comes 35 words in: judged on the whole answer (64 tokens), full prefill is right on all 3
-    assert rows["last:1"][1:5] == ["1.00", "1.00", "1.00", "1.00"]
-    assert re.search(r"recommended: last:1 \(the fastest setting that keeps >= 95% of full prefill's right answers", out)
+    assert rows["last:1"][1:7] == ["3/3", "3/3", "3/3", "=", "1.00", "0.44-1.00"]
+    assert rows["last:1"][9:] == ["10.0x", "10.0-10.0x"]  # the median over the timing rounds, and their range
+    # a plain warning: 3 right answers are too few for a share of them to mean much
+    assert "warning: full prefill answered only 3 question(s) right, fewer than 30: kept moves by 0.33" in out
+    assert re.search(r"recommended: last:1 \(the fastest setting that keeps >= 95% of full prefill's right answers\): "
+                     r"it keeps 3/3 = 1.00 \(95% interval 0.44-1.00\) at 10.0x\. It rests on 3 right answers of full "
+                     r"prefill, too few to be sure \(see the warning\); the speed-up ranged 10.0-10.0x over 3 timing rounds", out)
+    assert "moved between timing rounds" not in out
     assert "last:1: every question as full prefill answers it" in out and "none: 1 question(s) fail" not in out
     code, out, _ = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--verbose")
     assert "none: 1 question(s) fail" in out and 'Q: Which way does the Nile flow? [wrong]\n    expected: "north"' in out
@@ -169,7 +194,7 @@ def test_the_rule_uses_the_paired_share_not_the_totals(tmp_path: Path, monkeypat
     assert (by["none"]["retained"], round(by["none"]["kept"], 2)) == (1.0, 0.5)  # 2 of full's 2 rights, 1 of them kept
     assert json.loads(out)["recommended"] == "last:1"  # none is fastest and "retains" 1.0, but loses the Nile
     code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "none", "--apply")
-    assert code == 1 and "no recommendation" in out and "keeps 0.50" in out
+    assert code == 1 and "no recommendation" in out and "keeps 1/2 = 0.50" in out
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["recovery"] is None
 
 
@@ -208,3 +233,76 @@ def test_every_miss_shows_the_expected_and_the_given_strings(tmp_path: Path, mon
     code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "last:1", "--json")
     assert json.loads(out)["full_prefill_wrong"] == [
         {"question": "What cools into rock?", "expected": ["lava"], "full": "the answer is ice."}]
+
+
+def test_eval_judges_the_answers_ask_gives(setup, engine: FidelityEngine, capsys) -> None:
+    # the same prompt and the same repetition control as `ask`: not the bare engine's loops
+    corpus, questions = setup
+    calls = []
+    real = engine.stream
+    engine.stream = lambda prompt, **sampling: calls.append((prompt, sampling)) or real(prompt, **sampling)
+    code, _, err = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--recovery", "none")
+    assert code == 0, err
+    judged = {(p, s.get("use_cache", True)): s for p, s in calls if p.endswith("Which way does the Nile flow?</user></prompt>")}
+    c = Corpus.open(corpus)
+    try:
+        asked = c.ask("Which way does the Nile flow?", 1, max_new_tokens=DEFAULT_NEW_TOKENS)
+    finally:
+        c.close()
+    assert set(judged) == {(asked.prompt, False), (asked.prompt, True)}  # full prefill's answer and none's
+    for sampling in judged.values():
+        assert sampling["no_repeat_ngram"] == DEFAULT_NO_REPEAT_NGRAM and sampling["stop_when"] is repeated_sentence
+        assert sampling["max_new_tokens"] == DEFAULT_NEW_TOKENS
+
+
+def test_enough_right_answers_give_no_warning_and_the_json_has_the_counts(setup, capsys) -> None:
+    corpus, questions = setup
+    many = questions.parent / "many.jsonl"
+    many.write_text(questions.read_text() * 10)  # 30 questions, all right under full prefill
+    code, out, err = run(capsys, "eval", many, "--corpus", corpus, "-k", "1", "--recovery", "last:1", "--repeats", "2")
+    assert code == 0, err
+    assert "warning" not in out and "It rests on 30 right answers of full prefill; the speed-up ranged" in out
+    assert "over 2 timing rounds" in out
+    code, out, _ = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--json")
+    report = json.loads(out)
+    assert report["few_answers"] is True and report["timing_rounds"] == TIMING_ROUNDS
+    none = next(s for s in report["settings"] if s["recovery"] == "none")
+    assert none["kept_counts"] == [2, 3] and [round(x, 2) for x in none["kept_interval"]] == [0.21, 0.94]
+    assert none["speedup_rounds"] == [50.0] * TIMING_ROUNDS
+    assert run(capsys, "eval", questions, "--corpus", corpus, "--repeats", "0")[0] == 1
+
+
+class ShakyEngine(FidelityEngine):
+    """`none`'s one-token timings alternate between two speeds from one call to the next."""
+
+    calls = 0
+
+    def generate(self, prompt: str, *, use_cache: bool = True, recovery: str | None = None, max_new_tokens: int = 20,
+                 **sampling) -> Result:
+        out = super().generate(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=max_new_tokens, **sampling)
+        if use_cache and recovery == "none" and max_new_tokens == 1:
+            ShakyEngine.calls += 1
+            ttft = 0.01 if ShakyEngine.calls % 2 else 0.03
+            out = Result(out.text, out.token_ids, out.finish_reason, ttft, ttft, 100, 90, 10, (), (), ())
+        return out
+
+
+def test_timings_that_move_between_rounds_are_flagged(tmp_path: Path, monkeypatch, capsys) -> None:
+    engine = ShakyEngine()
+    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
+    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    assert run(capsys, "ingest", write_docs(tmp_path / "docs"), "--corpus", tmp_path / "c", "--chunk-tokens", "32")[0] == 0
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))
+    code, out, err = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "none,last:1")
+    assert code == 0, err
+    # warm-up call 1; rounds of 3 prompts: calls 2-4 (median 0.03), 5-7 (0.01), 8-10 (0.03)
+    assert "warning: the speed-ups moved between timing rounds (none 16.7-50.0x)" in out
+
+
+def test_the_interval_is_honest_at_the_edges() -> None:
+    low, high = interval(5, 5)
+    assert high == 1.0 and 0.56 < low < 0.57  # 5 of 5 does not mean 1.00 for sure
+    assert interval(0, 0) is None and interval(0, 4)[0] == 0.0
+    low, high = interval(30, 30)
+    assert 0.88 < low < 0.89

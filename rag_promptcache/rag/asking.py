@@ -14,7 +14,7 @@ from rag_promptcache.engine.result import fixed_stream
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag import retrieval
 from rag_promptcache.rag.records import Answer, AnswerStream, Manifest
-from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
+from rag_promptcache.rag.repetition import answer_options
 from rag_promptcache.rag.retrieval import Conversations, Hit, Retrieved
 
 if TYPE_CHECKING:
@@ -115,9 +115,7 @@ class Answering:
         (`Answer.path` "none"). `sampling`: the engine's (temperature,
         stop, recovery, repetition_penalty, ...); no_repeat_ngram defaults to DEFAULT_NO_REPEAT_NGRAM, and the
         answer ends at a repeated sentence unless `stop_repeats=False`."""
-        sampling.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
-        if sampling.pop("stop_repeats", True):  # the answer ends before a whole sentence repeats an earlier one
-            sampling.setdefault("stop_when", repeated_sentence)
+        sampling = answer_options(sampling)
         if sampling.get("recovery") is None and self.manifest.recovery is not None:
             sampling["recovery"] = self.manifest.recovery  # the corpus's (eval --apply), also with a caller's engine
         # a follow-up over the same modules keeps the earlier turns' import order: its prompt then

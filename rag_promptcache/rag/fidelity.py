@@ -9,13 +9,16 @@ is the one rule a setting is recommended by (`eval`) and the engine default is c
 `fidelity` scenario, docs/FIDELITY.md): the fastest that keeps >= 95% of full prefill's right answers,
 paired (`SettingReport.kept`: a question full prefill answers right and the cache wrong is lost even
 when another question only the cache answers right would make the totals match).
-`rag-promptcache eval` and the bench both use this module. Not here: reading question files (cli/),
+`rag-promptcache eval` (through `rag.evaluation`) and the bench both use this module. `interval` and
+`MIN_RIGHT` say how much a share measured on few answers tells. Not here: eval's run (`rag.evaluation`:
+answers as `Corpus.ask` gives them, TTFT timed in rounds), printing (cli/),
 generating benchmark data (bench/fidelity_data.py), writing the choice into a corpus (`Corpus.set_recovery`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 
 DEFAULT_NEW_TOKENS = 64  # the answer judged: long enough for a sentence or two, not just its first words
 TARGET_RETAINED = 0.95  # of full prefill's right answers a recommended setting keeps
+# Fewer right answers than this under full prefill and a share of them says little (`interval` says how little).
+MIN_RIGHT = 30
 K = TypeVar("K", bound=Hashable)
 
 
@@ -126,6 +131,7 @@ class SettingReport:
     context_tokens: float  # mean retrieved-module tokens per prompt
     results: tuple[QuestionResult, ...] = ()  # per question, in question order
     error: str | None = None  # why the setting could not answer (it is then never recommended)
+    speedup_rounds: tuple[float, ...] = ()  # the speed-up of each timing round (`eval`); empty: timed once
 
     @property
     def failures(self) -> tuple[QuestionResult, ...]:
@@ -162,6 +168,20 @@ class SettingReport:
         return both / self.full_correct if self.results and self.full_correct else None
 
     @property
+    def kept_counts(self) -> tuple[int, int]:
+        """`kept` as (kept, out of): full prefill's right answers the setting also gets right, and full
+        prefill's right answers; without expected answers, the answers that agree, and the questions."""
+        if not self.num_with_answer:
+            return sum(r.agrees for r in self.results), self.num_questions
+        return sum(bool(r.full_right and r.cached_right) for r in self.results), self.full_correct
+
+    @property
+    def kept_interval(self) -> tuple[float, float] | None:
+        """The 95% (Wilson) interval of `kept`, from `kept_counts`; None when there is nothing to keep or
+        the setting failed."""
+        return None if self.error is not None else interval(*self.kept_counts)
+
+    @property
     def speedup(self) -> float | None:
         """Full prefill's TTFT over the cached one's; None where the cached one measured zero (below the
         clock's resolution)."""
@@ -174,7 +194,20 @@ class SettingReport:
                 "cached_accuracy": self.cached_accuracy, "retained": self.retained, "kept": self.kept, "agreement": self.agreement,
                 "full_ttft_s": self.full_ttft_s,
                 "cached_ttft_s": None if self.error else self.cached_ttft_s, "speedup": None if self.error else self.speedup,
-                "context_tokens": self.context_tokens, "error": self.error}
+                "context_tokens": self.context_tokens, "error": self.error, "kept_counts": list(self.kept_counts),
+                "kept_interval": None if self.kept_interval is None else list(self.kept_interval),
+                "speedup_rounds": list(self.speedup_rounds)}
+
+
+def interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """The Wilson score interval of the share `successes / n` (95% at the default z), which stays
+    inside [0, 1] and is honest at 5/5 (0.57-1.00), where the normal approximation claims 1.00-1.00.
+    None for n = 0."""
+    if n <= 0:
+        return None
+    p, z2 = successes / n, z * z
+    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 _NUMBER_WORDS = {w: str(n) for n, w in enumerate(
@@ -241,13 +274,6 @@ def references(
     return out
 
 
-def cached(engine: PromptCache, refs: Sequence[Reference], recovery: str, max_new_tokens: int = DEFAULT_NEW_TOKENS,
-           stop: tuple[str, ...] = ()) -> list[Outcome]:
-    """Each reference's prompt answered from the cache with `recovery`."""
-    engine.generate(refs[0].prompt, recovery=recovery, max_new_tokens=1)  # warm-up: no cold first timing
-    return [answer(engine, r, recovery, max_new_tokens, stop) for r in refs]
-
-
 def answer(engine: PromptCache, ref: Reference, recovery: str, max_new_tokens: int = DEFAULT_NEW_TOKENS,
            stop: tuple[str, ...] = ()) -> Outcome:
     """One reference's prompt answered from the cache with `recovery`, judged against full prefill's answer."""
@@ -284,30 +310,3 @@ def recommend(reports: Sequence[SettingReport]) -> SettingReport | None:
     """The setting `fastest_retaining` picks among these (one k) by `kept`, or None when none keeps the target."""
     best = fastest_retaining({r.recovery: r.kept for r in reports}, {r.recovery: r.speedup for r in reports})
     return next((r for r in reports if r.recovery == best), None)
-
-
-def evaluate(
-    corpus: Corpus,
-    questions: Sequence[EvalQuestion],
-    recoveries: Sequence[str],
-    k: int = 4,
-    max_new_tokens: int = DEFAULT_NEW_TOKENS,
-) -> list[SettingReport]:
-    """Full prefill once per question, then every recovery setting: one report per setting. A setting the
-    engine refuses (ValueError) or that fails in the model (RuntimeError) is reported as failed, with its
-    error, and the others still run."""
-    from rag_promptcache.engine.planning.recovery import Recovery
-
-    if not questions:
-        raise ValueError("no questions to evaluate")
-    specs = [str(Recovery.parse(r)) for r in recoveries]  # bad specs fail before any model work
-    refs = references(corpus, questions, k, max_new_tokens)
-    reports = []
-    for s in specs:
-        try:
-            outcomes = cached(corpus.engine, refs, s, max_new_tokens)
-        except (ValueError, RuntimeError) as e:  # not swallowed: the report carries it to the user
-            reports.append(failed(s, k, refs, e))
-            continue
-        reports.append(summarize(s, k, refs, outcomes))
-    return reports

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.pml.parser import escape, unescape
-from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence  # noqa: F401 - DEFAULT_NO_REPEAT_NGRAM: the adapters' default, re-exported
+from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, answer_options  # noqa: F401 - DEFAULT_NO_REPEAT_NGRAM: the adapters' default, re-exported
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import Result
@@ -121,9 +121,7 @@ def generation_options(defaults: Mapping[str, Any], overrides: Mapping[str, Any]
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     out = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in merged.items() if v is not None}
     out["stop"] = merged.get("stop") or ()  # Sampling makes it a tuple: a bare string is one stop string
-    if out.pop("stop_repeats", True):  # the answer ends before a whole sentence that repeats an earlier one
-        out["stop_when"] = repeated_sentence
-    return out
+    return answer_options(out)
 
 
 def result_stats(result: Result | None) -> dict[str, Any]:

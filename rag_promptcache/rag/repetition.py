@@ -10,6 +10,10 @@
   shown). The n-gram ban alone lets a loop through with one token changed; this catches the loops
   it lets through only when they are exact, and is cheap (one pass over an answer of a few KB).
 
+`answer_options(sampling)` puts both over a caller's options, the one place they are applied: what
+`Corpus.ask` (and so `ask`, `chat`, `eval`) and the adapters (`rag.prompts.generation_options`) pass
+the engine.
+
 Out of scope: tokens and logits (the engine's), near-repeats (paraphrases), and which requests get
 these defaults (the callers: Corpus.ask, the adapters, the server).
 """
@@ -17,6 +21,7 @@ these defaults (the callers: Corpus.ask, the adapters, the server).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import NamedTuple
 
 DEFAULT_NO_REPEAT_NGRAM = 6
@@ -56,3 +61,14 @@ def repeated_sentence(text: str, final: bool = False) -> Repeat:
     if tail and any(s.startswith(tail) for s in earlier):
         return Repeat(None, len(text[:start].rstrip()) if start else 0)
     return Repeat(None, len(text))
+
+
+def answer_options(sampling: Mapping[str, object]) -> dict[str, object]:
+    """`sampling` (engine keyword arguments) with the repetition control every answer path shares:
+    `no_repeat_ngram` defaults to DEFAULT_NO_REPEAT_NGRAM (0 is off), and the answer ends before a
+    repeated sentence (`stop_when=repeated_sentence`) unless `stop_repeats=False`, which is consumed."""
+    out = dict(sampling)
+    out.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
+    if out.pop("stop_repeats", True):
+        out.setdefault("stop_when", repeated_sentence)
+    return out
