@@ -44,7 +44,11 @@ def test_generation_options():
 
     assert generation_options(defaults, {"max_tokens": 8, "stop": None}) == {
         "max_new_tokens": 8, "temperature": 0.0, "stop": ["\n\n"],  # Sampling makes a tuple of it
-        "stop_when": repeated_sentence}  # every entry point ends at a repeated sentence (stop_repeats=False: off)
+        # every entry point ends at a repeated sentence (stop_repeats=False: off) and bans repeated n-grams
+        # (rag.repetition.answer_options, the one place both are applied)
+        "stop_when": repeated_sentence, "no_repeat_ngram": 6}
+    assert generation_options(defaults, {"no_repeat_ngram": 0, "stop_repeats": False})["no_repeat_ngram"] == 0
+    assert "stop_when" not in generation_options(defaults, {"stop_repeats": False})
     assert generation_options(defaults, {"stop": ["END"]})["stop"] == ["END"]
     assert generation_options(defaults, {"stop": "END"})["stop"] == "END"  # one stop string, never its characters
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
