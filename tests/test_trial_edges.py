@@ -92,3 +92,43 @@ def test_the_readme_says_where_the_tuned_full_prefill_was_measured() -> None:
     assert "answers more questions with full prefill than the base model does" not in text
     assert "417 of the fidelity benchmark's 468 questions against the base model's 389" in text
     assert "measured there only" in text and "5 against 6 of 15" in text
+
+
+def test_a_chats_first_turn_is_asks_prompt_and_a_follow_up_carries_its_own_modules(tmp_path: Path, fakes, capsys,  # noqa: F811
+                                                                                     monkeypatch) -> None:
+    from test_rag_corpus import write_docs
+
+    from rag_promptcache.cli import commands
+    from rag_promptcache.rag import Corpus
+
+    corpus = tmp_path / "c"
+    assert run(capsys, "ingest", write_docs(tmp_path / "docs"), "--corpus", corpus, "--chunk-tokens", "32")[0] == 0
+    first, follow_up = "Which way does the Nile flow?", "What cools into rock?"
+    assert run(capsys, "ask", first, "--corpus", corpus, "-k", "2")[0] == 0
+    asked, asked_with = fakes.prompts[-1], fakes.sampling
+    lines = iter([first, follow_up])
+
+    def typed(_: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(commands, "_prompt", typed)
+    code, out, err = run(capsys, "chat", "--corpus", corpus, "-k", "2")
+    assert code == 0, err
+    turn1, turn2 = fakes.prompts[-2:]
+    assert turn1 == asked and fakes.sampling.keys() == asked_with.keys()  # the same prompt and options as ask
+    c = Corpus.open(corpus)
+    try:
+        own = [h.module_id for h in c.retrieve(follow_up, 2)]
+        earlier = [h.module_id for h in c.retrieve(first, 2)]
+    finally:
+        c.close()
+    assert set(own) != set(earlier)  # the follow-up retrieves other modules ...
+    imports = re.findall(r"<(m[0-9a-f]{16})/>", turn2)
+    assert sorted(imports) == sorted(own)  # ... and imports those, not the first turn's
+    answer1 = re.search(r"bot> (.*?)\n", out).group(1).strip()
+    # modules first, then the earlier turn, and the question last
+    assert turn2.rindex(f"<{imports[-1]}/>") < turn2.index(first) < turn2.index(answer1) < turn2.rindex(follow_up)
+    assert turn2.endswith(f"<user>{follow_up}</user></prompt>")
