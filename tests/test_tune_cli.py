@@ -66,13 +66,17 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     shipped = adapters.read(save_random_lora(model, tmp_path / "shipped", recovery="last:1"))
     monkeypatch.setattr(adapters, "find", lambda spec, name: shipped if spec == adapters.DEFAULT else None)
     corpus = Corpus.open(tmp_path / "c")
+    heard = []
     try:
         report = tune_corpus(corpus, tmp_path / "from-shipped", TuneConfig(
             rank=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"), max_steps=1, tokens_per_batch=2048),
             general=False, questions=[EvalQuestion("Who leads team Amber?", ("Ines Varga",)),
-                                      EvalQuestion("When does team Birch meet?")])
+                                      EvalQuestion("When does team Birch meet?")],
+            phase=lambda name, models: heard.append((name, models)))
     finally:
         corpus.close()
+    # the progress bar hears each phase: the base model and the shipped adapter checked before, the tuned one after
+    assert heard == [("checking before", 2), ("training", 0), ("checking after", 1)]
     assert {"default/full", "default/none"} <= set(report.check.right)
     assert report.check.kinds == {"user": 2} and report.check.right["base/full"] >= 1
     meta = json.loads((tmp_path / "from-shipped" / "tune.json").read_text())

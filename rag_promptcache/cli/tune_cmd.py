@@ -1,6 +1,7 @@
 """`rag-promptcache tune`: teach the corpus's model to read its modules encoded on their own, check
 the result on held-out questions, and keep it only if cached answers got better. Parsing, the
-progress bar and printing only; the work is in `rag_promptcache.tune`."""
+progress bar (its phases and time left: cli/tune_progress.py) and printing only; the work is in
+`rag_promptcache.tune`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import app, fail, handle_errors
+from rag_promptcache.cli.tune_progress import Meter
 
 
 @app.command("tune")
@@ -19,7 +21,7 @@ from rag_promptcache.cli.app import app, fail, handle_errors
 def tune(
     corpus: Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)],
     out: Annotated[Path | None, typer.Option("--out", help="Where the adapter goes [default: CORPUS/tuned].")] = None,
-    minutes: Annotated[float, typer.Option("--minutes", help="Stop training after this long (a later run resumes).")] = 60.0,
+    minutes: Annotated[float, typer.Option("--minutes", help="Stop training after this long, in all across resumed runs (a later run resumes); the checks before and after training come on top.")] = 60.0,
     steps: Annotated[int, typer.Option("--steps", help="Stop training after this many steps.")] = 1000,
     check: Annotated[int, typer.Option("--check", help="Questions made from held-out modules, asked before and after (0: no check).")] = 24,
     questions: Annotated[Path | None, typer.Option("--questions", help='Check on your own questions instead: the JSON lines eval reads, {"question": "...", "answer": "..."} (answer optional).', dir_okay=False)] = None,
@@ -62,18 +64,26 @@ def tune(
         shutil.rmtree(target / CHECKPOINT)
     cfg = TuneConfig(rank=rank, alpha=2 * rank, max_steps=steps, max_seconds=minutes * 60, seed=seed,
                      tokens_per_batch=2048, links=links)
-    bar = tqdm(total=steps, desc="tune", unit="step", disable=as_json)
-    started = time.perf_counter()
+    meter = Meter(cfg.max_seconds, steps)
+    bar = tqdm(total=None, desc="tune", unit="s", disable=as_json, bar_format="{desc}: {elapsed} {postfix}")
+
+    def phase(name: str, models: int) -> None:
+        meter.phase(name, models)
+        bar.reset(total=round(cfg.max_seconds) if name == "training" else None)
+        bar.bar_format = ("{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget, {postfix}"
+                          if name == "training" else "{desc}: {elapsed} {postfix}")
+        bar.set_description(name, refresh=False)
+        bar.set_postfix_str(meter.check_line() if name != "training" else "starting", refresh=True)
 
     def progress(state, terms):
-        bar.n = state.step
-        left = max(0.0, min(cfg.max_seconds - state.seconds,
-                            (steps - state.step) * state.seconds / max(state.step, 1)))
-        bar.set_postfix(kl=f"{terms['kl']:.3f}", left=f"{left / 60:.0f} min", refresh=False)
+        bar.n = min(state.seconds, cfg.max_seconds)
+        bar.set_postfix_str(f"{meter.training_line(state.step, state.seconds)}; kl {terms['kl']:.3f}", refresh=False)
         bar.refresh()
 
     try:
-        report = tune_corpus(c, target, cfg, general=general, check=check, k=k, questions=asked, progress=progress)
+        report = tune_corpus(c, target, cfg, general=general, check=check, k=k, questions=asked, progress=progress,
+                             phase=phase)
+        meter.finish()
         command = reencode_command(c.manifest, corpus, [d.source for d in c.table.documents()], str(report.adapter))
     finally:
         bar.close()
@@ -81,8 +91,8 @@ def tune(
     if as_json:
         typer.echo(json.dumps({**report.as_dict(), "apply_with": command if report.applied else None}))
         return
-    typer.echo(f"trained {report.steps} steps on {report.samples} samples in {time.perf_counter() - started:.0f} s; "
-               f"adapter in {report.adapter}")
+    typer.echo(f"trained {report.steps} steps on {report.samples} samples; {time.perf_counter() - meter.started:.0f} s "
+               f"in all, of which the checks {meter.checked_s:.0f} s (on top of --minutes); adapter in {report.adapter}")
     if report.check is not None:
         ch = report.check
         typer.echo("check: " + ", ".join(f"{n} {kind}" for kind, n in ch.kinds.items()) + f" questions, k = {k}")

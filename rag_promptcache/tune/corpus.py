@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.fidelity import EvalQuestion
 
 CHECK_SHARE = (0.1, 0.25)  # the share of modules kept out of training for the check: at least, at most
+# What `tune_corpus` is doing, in order, as its `phase` callback hears it: (name, models whose answers
+# the phase asks for; none while training). The checks come on top of the training budget.
+PHASES = ("checking before", "training", "checking after")
 
 
 @dataclass(slots=True)
@@ -67,11 +70,13 @@ def corpus_passages(corpus: Corpus, check: int, seed: int, neighbours: int = 6
 
 def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bool = True, check: int = 24, k: int = 4,
                 questions: Sequence[EvalQuestion] = (),
-                progress: Callable[[Progress, dict[str, float]], None] | None = None) -> TuneReport:
+                progress: Callable[[Progress, dict[str, float]], None] | None = None,
+                phase: Callable[[str, int], None] | None = None) -> TuneReport:
     """Train an adapter for `corpus`'s model on its modules (and, with `general`, this machine's text)
     and check it on `questions` (all of them), or on `check` questions made from held-out modules,
     each over `k` retrieved modules; the adapter and `tune.json` go to `out`. Applying it is the
-    caller's choice, on `TuneReport.applied`."""
+    caller's choice, on `TuneReport.applied`. `phase(name, models)` hears each of PHASES as it starts
+    (a check phase only where there is a check)."""
     from rag_promptcache.model.loading import load_model, model_fingerprint
 
     out = Path(out)
@@ -93,8 +98,10 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     layouter = Layouter(tokenizer, corpus.manifest.mode)
     vocab = model.get_input_embeddings().weight.shape[0]  # link ids follow the vocabulary (model/links.py)
     linked = Layouter(tokenizer, corpus.manifest.mode, range(vocab, vocab + cfg.links)) if cfg.links else layouter
-    texts = answers_of(model, tokenizer, rows, layouter, "base") if rows else {}
     shipped = adapters.find(adapters.DEFAULT, corpus.manifest.model)
+    if rows and phase is not None:
+        phase(PHASES[0], 2 if shipped is not None and shipped.mode == corpus.manifest.mode else 1)
+    texts = answers_of(model, tokenizer, rows, layouter, "base") if rows else {}
     recovery = "none"
     if shipped is not None and shipped.mode == corpus.manifest.mode:
         # what the user runs untuned is the shipped adapter: start from it where the shapes allow, keep
@@ -116,10 +123,14 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
             s = maker(i)
             yield i, linked.lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, s.answer)
 
+    if phase is not None:
+        phase(PHASES[1], 0)
     peft_model, state = train(model, stream, out, cfg, progress)
     check_out = None
     applied, reason = True, "no check asked for: applied unchecked"
     if rows:
+        if phase is not None:
+            phase(PHASES[2], 1)
         texts.update(answers_of(peft_model, tokenizer, rows, linked, "tuned"))
         check_out = summarize(rows, judge(rows, texts))
         applied, reason = verdict(check_out)
