@@ -36,10 +36,12 @@ SCHEMA = f"""<schema name="s">
 
 
 def engine(arch: str, tokenizer, device: str = "cpu", **kwargs) -> PromptCache:
-    """Raw assembly (no recovery) unless a test asks otherwise: these tests look at the pieces. The
-    tests that take the `device` fixture run on RAG_PROMPTCACHE_TEST_DEVICE (tests/conftest.py)."""
+    """Raw assembly (no recovery) on the cached path unless a test asks otherwise: these tests look at
+    the pieces, so the timed choice of a full prefill (a calibration on a loaded machine) must not
+    take them away. The tests that take the `device` fixture run on RAG_PROMPTCACHE_TEST_DEVICE
+    (tests/conftest.py)."""
     model = build(arch, device, vocab_size=len(tokenizer))
-    pc = PromptCache(model, tokenizer, store=MemoryStore(), **{"recovery": "none", **kwargs})
+    pc = PromptCache(model, tokenizer, store=MemoryStore(), **{"recovery": "none", "fallback": "never", **kwargs})
     pc.add_schema(SCHEMA)
     return pc
 
