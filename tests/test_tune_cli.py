@@ -56,6 +56,8 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     assert bad.returncode == 1 and "--minutes must be > 0" in bad.stderr
     bad = cli("tune", "-c", tmp_path / "c", "-k", "0")
     assert bad.returncode == 1 and "-k must be at least 1" in bad.stderr
+    bad = cli("tune", "-c", tmp_path / "c", "--links", "-1")
+    assert bad.returncode == 1 and "--links must be >= 0, got -1" in bad.stderr
     bad = cli("tune", "-c", tmp_path / "c", "--questions", tmp_path / "missing.jsonl")
     assert bad.returncode == 1 and "no such file" in bad.stderr
     (tmp_path / "bad.jsonl").write_text('{"question": "Who leads Amber?"}\n{"answer": "x"}\n')
