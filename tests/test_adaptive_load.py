@@ -51,6 +51,19 @@ def test_meter_sums_calls_until_they_span_enough_of_a_coarse_clock() -> None:
     assert m.link().bytes_per_s == pytest.approx(4e6 / (1.05 - 2 * 0.025))
 
 
+def test_decodes_below_the_clock_count_as_their_mean_so_far() -> None:
+    # an fp16 entry decodes in no measurable time: the link is still known (the decode's mean so far,
+    # here zero), not None for ever
+    m = LinkMeter(resolution_s=1e-6)
+    m.round_trip(0.010)
+    m.fetch(1_000_000, 100, 0.110)
+    m.decoded(100, 0.0)
+    assert m.link().decode_s_per_token == 0.0
+    assert m.link().load_s(100) == pytest.approx(0.010 + 100 * 1e4 / 1e7)
+    m.decoded(100, 0.004)  # the span reached: a measured decode
+    assert m.link().decode_s_per_token == pytest.approx(2e-5)
+
+
 class Gate:
     """A tier whose gets wait for the test to open a gate, counting the gets that reach it."""
 

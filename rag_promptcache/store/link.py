@@ -125,4 +125,9 @@ class LinkMeter:
 
     def link(self) -> Link:
         with self._lock:
-            return Link(self._latency, self._bandwidth, self._per_token, self._decode, self._num_samples)
+            decode = self._decode
+            if decode is None and self._decodes.amount:
+                # decodes too quick to span the clock yet (a codec that only reinterprets the bytes):
+                # their mean so far, zero included, rather than no link at all
+                decode = self._decodes.seconds / self._decodes.amount
+            return Link(self._latency, self._bandwidth, self._per_token, decode, self._num_samples)
