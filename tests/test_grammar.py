@@ -94,6 +94,43 @@ def test_stop_tokens_only_once_the_json_is_complete(tokenizer):
     assert allowed.nonzero()[:, 0].tolist() == list(STOP)
 
 
+def test_a_json_object_nests_at_most_json_object_depth_levels(tokenizer):
+    # a small model under a token limit opened object after object; the grammar closes them in time
+    from rag_promptcache.engine.decoding.grammar import JSON_OBJECT_DEPTH
+
+    state = Grammar.json_object(tokenizer, STOP).start()
+    deepest = '{"a": ' * JSON_OBJECT_DEPTH + "1" + "}" * JSON_OBJECT_DEPTH
+    for token in tokenizer.encode(deepest):
+        state.accept(token)
+    assert state.is_terminated()
+    state = Grammar.json_object(tokenizer, STOP).start()
+    for token in tokenizer.encode('{"a": ' * JSON_OBJECT_DEPTH):  # the deepest object's first value
+        state.accept(token)
+    allowed = torch.isfinite(state.mask(torch.zeros(len(tokenizer)))).nonzero()[:, 0].tolist()
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert not any(t.strip().startswith(("{", "[")) for t in texts)  # a level past the bound cannot open
+    assert any(t.strip().startswith('"') for t in texts) and "1" in texts  # a scalar can
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_object_schema_bounds_the_nesting(depth):
+    from rag_promptcache.engine.decoding.grammar import object_schema
+
+    def nested(levels: int) -> dict:
+        """An object whose containers nest `levels` deep, arrays and objects taking turns."""
+        value: object = 1
+        for i in range(levels - 1):
+            value = [value] if i % 2 else {"a": value}
+        return {"x": value, "n": None}
+
+    schema = object_schema(depth)
+    jsonschema.validate(nested(depth), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(nested(depth + 1), schema)
+    with pytest.raises(ValueError, match="at least one level"):
+        object_schema(0)
+
+
 def test_a_forbidden_token_is_refused(tokenizer):
     state = Grammar.json_schema(tokenizer, PERSON, STOP).start()
     with pytest.raises(ValueError, match="not allowed here by the grammar: Parser Error: token \"hello\""):

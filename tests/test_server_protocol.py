@@ -60,6 +60,23 @@ def test_response_format_reaches_the_sampling_options():
     assert "response_format" not in p.ChatRequest.model_validate(CHAT).sampling()
 
 
+def test_the_server_answers_with_the_repetition_control_of_ask_and_chat():
+    from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
+
+    plain = p.ChatRequest.model_validate(CHAT).sampling()
+    assert plain["no_repeat_ngram"] == DEFAULT_NO_REPEAT_NGRAM and plain["stop_when"] is repeated_sentence
+    off = p.ChatRequest.model_validate({**CHAT, "no_repeat_ngram": 0, "stop_repeats": False}).sampling()
+    assert off["no_repeat_ngram"] == 0 and "stop_when" not in off
+    # exactly max_tokens tokens: no repeated sentence ends it early
+    assert "stop_when" not in p.ChatRequest.model_validate({**CHAT, "ignore_eos": True}).sampling()
+    # a JSON answer ends by its grammar: a cut at a repeated sentence would not parse; the n-gram ban stays
+    json_mode = p.ChatRequest.model_validate({**CHAT, "response_format": {"type": "json_object"}}).sampling()
+    assert "stop_when" not in json_mode and json_mode["no_repeat_ngram"] == DEFAULT_NO_REPEAT_NGRAM
+    text = p.ChatRequest.model_validate({**CHAT, "response_format": {"type": "text"}}).sampling()
+    assert text["stop_when"] is repeated_sentence
+    assert Sampling(**plain).no_repeat_ngram == DEFAULT_NO_REPEAT_NGRAM
+
+
 def test_completion_only_fields_are_refused_too():
     body = {"model": "m", "prompt": "hi"}
     assert p.CompletionRequest.model_validate({**body, "echo": False, "best_of": 1}).refused() is None

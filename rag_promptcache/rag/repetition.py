@@ -66,9 +66,19 @@ def repeated_sentence(text: str, final: bool = False) -> Repeat:
 def answer_options(sampling: Mapping[str, object]) -> dict[str, object]:
     """`sampling` (engine keyword arguments) with the repetition control every answer path shares:
     `no_repeat_ngram` defaults to DEFAULT_NO_REPEAT_NGRAM (0 is off), and the answer ends before a
-    repeated sentence (`stop_when=repeated_sentence`) unless `stop_repeats=False`, which is consumed."""
+    repeated sentence (`stop_when=repeated_sentence`) unless `stop_repeats=False`, which is consumed,
+    or the answer is JSON (`response_format`)."""
     out = dict(sampling)
     out.setdefault("no_repeat_ngram", DEFAULT_NO_REPEAT_NGRAM)
-    if out.pop("stop_repeats", True):
+    # a JSON answer is ended by its grammar: cut at a repeated sentence it would not parse, and the
+    # n-gram ban stops its loops (the grammar wins where it allows nothing else)
+    if out.pop("stop_repeats", True) and not _is_json(out.get("response_format")):
         out.setdefault("stop_when", repeated_sentence)
     return out
+
+
+def _is_json(response_format: object) -> bool:
+    """Whether a `response_format` (a ResponseFormat, an OpenAI dict or None) asks for JSON."""
+    if response_format is None:
+        return False
+    return not (isinstance(response_format, Mapping) and response_format.get("type") == "text")

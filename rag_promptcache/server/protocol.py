@@ -11,7 +11,9 @@ for, failing far from the cause. `response_format` is implemented: `json_object`
 use when the request is submitted.
 
 Our extra request fields: `k`, `module_ids`, `min_score` (chat: no chunk scoring it, the answer is
-"Not found in the documents." without generating, `usage.path` "none"), `recovery`, `ignore_eos`. Our extra response fields:
+"Not found in the documents." without generating, `usage.path` "none"), `recovery`, `ignore_eos`,
+`no_repeat_ngram` and `stop_repeats` (the repetition control every answer path shares, on by default:
+rag/repetition.py). Our extra response fields:
 `sources`, a list of {module_id, label, score, snippet} (in the response, and in the first stream
 chunk), and `usage.ttft_s` (the server's time to the first token).
 Not here: routing and generation (`app.py`).
@@ -32,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rag_promptcache.engine.decoding.grammar import ResponseFormat
 from rag_promptcache.engine.result import Result
 from rag_promptcache.rag.chat import Source
+from rag_promptcache.rag.repetition import answer_options
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours → OpenAI's
 DEFAULT_MAX_TOKENS = 256
@@ -91,6 +94,9 @@ class GenerationRequest(_Body):
     recovery: str | None = None
     ignore_eos: bool = False
     response_format: dict[str, object] | None = None  # checked in `refused`, parsed by Sampling
+    # the repetition control `ask`, `chat` and the adapters apply (rag/repetition.py): None keeps its default
+    no_repeat_ngram: int | None = Field(None, ge=0)
+    stop_repeats: bool | None = None
 
     def sampling(self, max_tokens: int | None = None) -> dict[str, object]:
         stop = self.stop if isinstance(self.stop, list) else [self.stop] if self.stop else []
@@ -104,7 +110,13 @@ class GenerationRequest(_Body):
             out["seed"] = self.seed
         if self.response_format is not None:
             out["response_format"] = self.response_format
-        return out
+        if self.no_repeat_ngram is not None:
+            out["no_repeat_ngram"] = self.no_repeat_ngram
+        if self.stop_repeats is not None:
+            out["stop_repeats"] = self.stop_repeats
+        elif self.ignore_eos:  # exactly max_tokens tokens (benchmarks): no sentence ends the answer early
+            out["stop_repeats"] = False
+        return answer_options(out)
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for the first field this server cannot honour, or None."""

@@ -17,7 +17,8 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, UsageMetadata
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.exceptions import OutputParserException
+from langchain_core.runnables import Runnable, RunnableLambda
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from rag_promptcache.engine.result import AsyncStream, fixed_stream
@@ -29,6 +30,17 @@ from rag_promptcache.rag.retrieval import NOT_FOUND
 from langchain_rag_promptcache.modules import engine_of
 
 ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
+
+
+def _complete_json(message: AIMessage) -> AIMessage:
+    """The answer, unless the token budget cut its JSON off: then say so, rather than let the parser
+    report JSON it cannot read."""
+    if message.response_metadata.get("finish_reason") == "length":
+        used = (message.usage_metadata or {}).get("output_tokens", "its")
+        raise OutputParserException(f"the answer reached max_tokens ({used} tokens) before its JSON was "
+                                    "complete (finish_reason 'length'); raise max_tokens",
+                                    llm_output=message.text)
+    return message
 
 
 def _turn(message: BaseMessage) -> tuple[str, str]:
@@ -147,7 +159,7 @@ class ChatPromptCache(BaseChatModel):
         js = schema.model_json_schema() if pydantic else dict(schema)
         fmt = {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
-        return self.bind(response_format=fmt) | parser
+        return self.bind(response_format=fmt) | RunnableLambda(_complete_json) | parser
 
     def _chat_result(self, result: Any, sources: list[dict[str, Any]]) -> ChatResult:
         info = {**result_stats(result), "sources": sources}

@@ -67,3 +67,9 @@ def test_with_structured_output_returns_a_validated_object(engine):
     assert set(as_dict) == {"name", "country"}
     with pytest.raises(ValueError, match="method='json_schema' only"):
         ChatPromptCache(engine=engine).with_structured_output(City, method="function_calling")
+    # a budget that cuts the JSON off is named as the cause, not reported as JSON the parser cannot read
+    from langchain_core.exceptions import OutputParserException
+
+    with pytest.raises(OutputParserException, match=r"reached max_tokens \(3 tokens\) before its JSON was complete"):
+        ChatPromptCache(engine=engine, max_tokens=3).with_structured_output(City).invoke(
+            "Give the name and the country of the capital of France.")

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 KINDS = ("json_object", "json_schema")
+# How deep the containers of a `json_object` answer may nest, the object itself counted (OpenAI's
+# structured outputs allow as many levels). Unbounded, a small model can open object after object
+# until the token budget cuts the answer off, and no closing brace ever comes.
+JSON_OBJECT_DEPTH = 5
+_SCALARS = ["string", "number", "boolean", "null"]
 # Whitespace between JSON tokens, bounded: llguidance's default allows any amount, and a small model
 # that likes "\n" after "{" can then spend its whole token budget on indentation.
 WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
@@ -49,12 +54,14 @@ class ResponseFormat:
     order the schema declares them (a pydantic model's field order)."""
 
     kind: str
-    schema: str = '{"type": "object"}'
+    schema: str = ""  # empty for json_object: any object, its nesting bounded (`object_schema`)
     name: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"response format kind must be one of {KINDS}, got {self.kind!r}")
+        if not self.schema:
+            object.__setattr__(self, "schema", json.dumps(object_schema(JSON_OBJECT_DEPTH)))
 
     @classmethod
     def json_object(cls) -> ResponseFormat:
@@ -92,6 +99,20 @@ class ResponseFormat:
                              f"got {spec!r}")
         # `strict` is honoured either way: the output always matches the schema.
         return cls.json_schema(spec["schema"], str(spec.get("name", "")))
+
+
+def object_schema(depth: int) -> dict:
+    """A JSON schema for any JSON object whose containers nest at most `depth` deep (the object itself
+    is one). `$defs` level d is a value holding containers at most d deep: a scalar (level 0), or an
+    array or an object of level d - 1's values; the object's values are level depth - 1's."""
+    if depth < 1:
+        raise ValueError(f"a JSON object nests at least one level deep, got depth {depth}")
+    defs: dict[str, dict] = {"level0": {"type": _SCALARS}}
+    for d in range(1, depth):
+        inner = {"$ref": f"#/$defs/level{d - 1}"}
+        defs[f"level{d}"] = {"anyOf": [{"type": _SCALARS}, {"type": "array", "items": inner},
+                                       {"type": "object", "additionalProperties": inner}]}
+    return {"type": "object", "additionalProperties": {"$ref": f"#/$defs/level{depth - 1}"}, "$defs": defs}
 
 
 class Grammar:
