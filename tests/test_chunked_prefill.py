@@ -94,7 +94,7 @@ def test_a_step_carrying_a_chunk_gives_the_logits_of_both_apart(tokenizer, recov
         rows = decode_step(pc.model, apart, ids, positions)
         last_ref = ref.run(pc.model, 5)
         chunk = todo.take(5)
-        rows_mixed, last = mixed_step(pc.model, mixed, ids, positions, todo.cache, chunk)
+        rows_mixed, (last,) = mixed_step(pc.model, mixed, ids, positions, [(todo.cache, chunk)])
         assert float((rows_mixed - rows).abs().max()) < TOL
         assert (last_ref is not None) == chunk.last
         if chunk.last:
@@ -124,7 +124,7 @@ def test_batcher_interleaves_a_new_prefill_with_the_running_decode(tokenizer, mo
                         lambda m, b, ids, *a, **k: log.append(("step", len(ids))) or step(m, b, ids, *a, **k))
     monkeypatch.setattr(batcher_module, "decode_row", lambda *a, **k: log.append(("step", 1)) or row(*a, **k))
     monkeypatch.setattr(batcher_module, "mixed_step",
-                        lambda m, b, i, p, c, chunk: log.append(("mixed", chunk.ids.shape[1])) or mixed(m, b, i, p, c, chunk))
+                        lambda m, b, i, p, todo: log.append(("mixed", todo[0][1].ids.shape[1])) or mixed(m, b, i, p, todo))
     with pc.scheduler(max_batch=2) as s:
         assert s.prefill_chunk == batcher_module.DEFAULT_PREFILL_CHUNK
     with Batcher(pc, max_batch=2, prefill_chunk=4) as s:

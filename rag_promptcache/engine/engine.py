@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine.compute import attention
 from rag_promptcache.engine.kv.assemble import release
-from rag_promptcache.engine.batching.batcher import DEFAULT_PREFILL_CHUNK, Batcher
+from rag_promptcache.engine.batching.batcher import DEFAULT_ADMISSION, DEFAULT_PREFILL_CHUNK, Batcher
 from rag_promptcache.engine.prompt.compiler import LAYOUTS, Compiler, Layout
 from rag_promptcache.engine.planning.costmodel import Costs, Fallback, stored_costs
 from rag_promptcache.engine.decoding.decode import can_crop, decode
@@ -356,10 +356,12 @@ class PromptCache:
         return AsyncStream(lambda: self.stream(prompt, **kwargs))
 
     def scheduler(self, *, max_batch: int = 8, max_queue: int = 64,
-                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> Batcher:
+                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, admission: str = DEFAULT_ADMISSION) -> Batcher:
         """A continuous-batching scheduler over this engine (a thread; `close()` it, or use `with`).
-        `prefill_chunk`: new prefill tokens run with each decode step (None: each prefill whole)."""
-        return Batcher(self, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk)
+        `prefill_chunk`: new prefill tokens run with each decode step (None: each prefill whole);
+        `admission`: how whole prefills are admitted between decode steps (batcher.py `ADMISSIONS`)."""
+        return Batcher(self, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                       admission=admission)
 
     def generate_batch(self, prompts: Sequence[str | ast.Prompt], *, max_batch: int = 8, **kwargs) -> list[Result]:
         """Generate for several prompts decoded together (one forward per token for all of them);

@@ -11,18 +11,22 @@ first n rows (the scheduler keeps them packed), so the step uses views, never a 
 `decode_row` runs several tokens of one row alone through the single-sequence forward: the
 batcher's prompt lookup check for a request running alone.
 
-`mixed_step` is a decode step that also carries one chunk of a new request's prefill (engine/planning/prefill.py
-`Chunk`, against that request's own assembled cache), Sarathi/vLLM style: the running rows' tokens and
-the chunk's go through every linear map as the rows of one matrix, and only attention is per sequence
-(the rows against the batch cache, the chunk against its cache). A decode step alone is bound by
-reading the weights; riding on a chunk that reads them anyway, it costs about its share of the
-arithmetic. Lean Llama forward only (`can_mix`); other models run the chunk and the step apart.
+`mixed_step` is a decode step that also carries a chunk of each of several new requests' prefills
+(engine/planning/prefill.py `Chunk`, each against that request's own assembled cache; a whole prefill
+is one chunk), Sarathi/vLLM style: the running rows' tokens and the chunks' go through every linear
+map as the rows of one matrix, and only attention is per sequence (the rows against the batch cache,
+each chunk against its cache). With no running rows it is several prefills in one forward. A decode
+step alone is bound by reading the weights; riding on chunks that read them anyway, it costs about
+its share of the arithmetic. Lean Llama forward only (`can_mix`); other models run the chunks and the
+step apart.
 
 Not here: who runs when (`scheduler.py`, `batcher.py`), sampling (`sampling.py`), which forward runs
 (`runner.py`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
@@ -188,20 +192,64 @@ def can_mix(model: PreTrainedModel) -> bool:
 
 @torch.inference_mode()
 def mixed_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positions: list[int],
-               cache: DynamicCache, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_step` of the first len(ids) rows and `chunk` of a prefill against `cache` (a reserved
-    cache: it takes the chunk's KV) in one forward → (the rows' next-token logits [n, V], the chunk's
-    last token's [V]), fp32."""
+               prefills: Sequence[tuple[DynamicCache, Chunk]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`decode_step` of the first len(ids) rows (none: no decode step) and one chunk of each prefill in
+    `prefills`, each against its own cache (a reserved cache: it takes the chunk's KV), in one forward
+    → (the rows' next-token logits [n, V], each chunk's last token's [V]), fp32."""
     lean = lean_forward(model)
     assert lean is not None, f"{type(model).__name__} has no lean forward: check can_mix"
+    assert ids or prefills, "a step with neither rows nor prefills"
     lean.refresh()
-    n, m = len(ids), chunk.ids.shape[1]
+    n, sizes = len(ids), [chunk.ids.shape[1] for _, chunk in prefills]
+    total = n + sum(sizes)
     g, d, hkv, hq = lean.group, lean.head_dim, lean.num_kv_heads, lean.num_heads
     device, dtype = batch.device, batch.dtype
-    row_mask = _begin_step(batch, n)  # [n, 1, 1, span]
+    row_mask = _begin_step(batch, n) if n else None  # [n, 1, 1, span]
+    attends = [_chunk_attention(cache, chunk, g, dtype, device) for cache, chunk in prefills]
+    # the rows' tokens then each chunk's, as one sequence through the linear maps
+    tokens = torch.cat([torch.tensor(ids, dtype=torch.long, device=device), *(c.ids[0] for _, c in prefills)])[None]
+    at = torch.cat([torch.tensor(positions, dtype=torch.long, device=device),
+                    *(c.positions[0] for _, c in prefills)])[None]  # [1, total]
+    x = lean.embed(tokens)  # [1, total, E]
+    cos, sin = lean.rotary(x, at)
+    for i, (layer, row_kv) in enumerate(zip(lean.layers, batch.cache.layers)):
+        q, k, v = lean.qkv[i](layer.input_layernorm(x))
+        q = q.view(1, total, hq, d).transpose(1, 2)  # [1, Hq, total, D]
+        k = k.view(1, total, hkv, d).transpose(1, 2)  # [1, Hkv, total, D]
+        v = v.view(1, total, hkv, d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outs = []
+        if n:  # the rows: one token each, [n, H, 1, D], against their rows of the batch cache
+            keys, values = row_kv.update(k[0, :, :n, None].transpose(0, 1), v[0, :, :n, None].transpose(0, 1))
+            qr = q[0, :, :n].transpose(0, 1).reshape(n, hkv, g, d)  # q heads sharing a KV head folded into rows
+            rows = F.scaled_dot_product_attention(qr, keys, values, attn_mask=row_mask, scale=lean.scale)
+            outs.append(rows.reshape(n, hq * d))
+        a = n
+        for (cache, _), m, (visible, fused, folded_mask) in zip(prefills, sizes, attends):
+            # a chunk: [1, H, m, D] against its own cache
+            keys, values = cache.layers[i].update(k[:, :, a : a + m], v[:, :, a : a + m])
+            qc = q[:, :, a : a + m].reshape(1, hkv, g * m, d)
+            out = attention.prefill_attention(qc, keys, values, m, lean.scale, visible) if fused else None
+            if out is None:
+                out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=folded_mask, scale=lean.scale)
+            outs.append(out.reshape(hq, m, d).transpose(0, 1).reshape(m, hq * d))
+            a += m
+        x = x + lean.o[i](torch.cat(outs)[None])[0]
+        x = x + lean.mlp(i, layer, x)
+    ends = [n + sum(sizes[: j + 1]) - 1 for j in range(len(sizes))]
+    logits = lean.head(lean.norm(x[:, [*range(n), *ends]]))[0][0].float()  # [n + len(prefills), V]
+    for r in range(n):
+        batch.lengths[r] += 1
+    return logits[:n], list(logits[n:])
+
+
+def _chunk_attention(cache: DynamicCache, chunk: Chunk, g: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor | None, bool, torch.Tensor]:
+    """How a chunk's attention runs: (the fused kernel's visible prefixes, whether it runs, the SDPA
+    mask per folded query row [1, 1, g * m, cached + m])."""
+    m = chunk.ids.shape[1]
     num_cached = cache.layers[0].length  # before the chunk
-    # the chunk's attention: the fused kernel where it reads the mask (engine/compute/attention.py), else SDPA
-    # with the mask per folded query row [1, 1, g * m, cached + m]
+    # the fused kernel where it reads the mask (engine/compute/attention.py), else SDPA
     fused = attention.available(dtype, device) and m > 1
     visible = None
     if fused and chunk.mask is not None:
@@ -213,32 +261,4 @@ def mixed_step(model: PreTrainedModel, batch: BatchCache, ids: list[int], positi
         mask = torch.zeros(m, num_cached + m, dtype=dtype, device=device)
         mask.masked_fill_(col > num_cached + torch.arange(m, device=device)[:, None], torch.finfo(dtype).min)
         mask = mask[None, None]
-    folded_mask = mask.to(dtype).repeat(1, 1, g, 1)
-    # the rows' tokens then the chunk's, as one sequence through the linear maps
-    tokens = torch.cat([torch.tensor(ids, device=device), chunk.ids[0]])[None]  # [1, n + m]
-    at = torch.cat([torch.tensor(positions, device=device), chunk.positions[0]])[None]  # [1, n + m]
-    x = lean.embed(tokens)  # [1, n + m, E]
-    cos, sin = lean.rotary(x, at)
-    for i, (layer, row_kv, chunk_kv) in enumerate(zip(lean.layers, batch.cache.layers, cache.layers)):
-        q, k, v = lean.qkv[i](layer.input_layernorm(x))
-        q = q.view(1, n + m, hq, d).transpose(1, 2)  # [1, Hq, n + m, D]
-        k = k.view(1, n + m, hkv, d).transpose(1, 2)  # [1, Hkv, n + m, D]
-        v = v.view(1, n + m, hkv, d).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        # the rows: one token each, [n, H, 1, D], against their rows of the batch cache
-        keys, values = row_kv.update(k[0, :, :n, None].transpose(0, 1), v[0, :, :n, None].transpose(0, 1))
-        qr = q[0, :, :n].transpose(0, 1).reshape(n, hkv, g, d)  # q heads sharing a KV head folded into rows
-        rows = F.scaled_dot_product_attention(qr, keys, values, attn_mask=row_mask, scale=lean.scale)
-        # the chunk: [1, H, m, D] against its own cache
-        keys, values = chunk_kv.update(k[:, :, n:], v[:, :, n:])
-        qc = q[:, :, n:].reshape(1, hkv, g * m, d)
-        out = attention.prefill_attention(qc, keys, values, m, lean.scale, visible) if fused else None
-        if out is None:
-            out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=folded_mask, scale=lean.scale)
-        out = torch.cat([rows.reshape(n, hq * d), out.reshape(hq, m, d).transpose(0, 1).reshape(m, hq * d)])
-        x = x + lean.o[i](out[None])[0]
-        x = x + lean.mlp(i, layer, x)
-    logits = lean.head(lean.norm(x[:, [*range(n), n + m - 1]]))[0][0].float()  # [n + 1, V]
-    for r in range(n):
-        batch.lengths[r] += 1
-    return logits[:n], logits[n]
+    return visible, fused, mask.to(dtype).repeat(1, 1, g, 1)

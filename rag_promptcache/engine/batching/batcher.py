@@ -7,9 +7,13 @@
 
 A submitted request waits in a bounded queue (`QueueFull` past `max_queue`). Between decode steps
 the thread admits waiting requests while rows are free (an admitted request holds its row while it
-prefills). By default each admitted request's prefill runs whole before the next step. With
-`prefill_chunk=N` it is chunked (engine/planning/prefill.py `start` → `Prefilling`, as vLLM and SGLang
-schedule it): while rows decode, each of their steps carries the next N new tokens of the oldest
+prefills). Prefills run whole by default, admitted as `admission` says (`ADMISSIONS`): "all" (the
+default) runs every admitted request's prefill, one after another, before the next decode step, so a
+running stream waits for all of them; "one" runs one admitted prefill between two decode steps while
+rows decode, so a running stream waits for one at most, and with no row decoding runs the prefills
+waiting together in one batched forward (`batch.mixed_step` with no rows, Llama's lean forward; other
+models one after another), stalling nobody. With `prefill_chunk=N` it is chunked
+(engine/planning/prefill.py `start` → `Prefilling`, as vLLM and SGLang schedule it): while rows decode, each of their steps carries the next N new tokens of the oldest
 admitted request in the same forward (`batch.mixed_step`, Llama's lean forward), or, for other
 models, runs them in a forward of their own just before the step; with no row decoding, the oldest
 prefill runs whole (nobody waits on it). A running stream then waits one chunk per step instead of
@@ -26,7 +30,8 @@ The batcher knows the engine only through the `Engine` protocol below: engine.py
 module, never the other way round.
 
 Not here: retrieval or HTTP (rag/, server/); the bookkeeping itself (`scheduler.py`); chunks of
-several prefills in one step (the oldest prefill's chunk only), a budget in seconds rather than tokens.
+several prefills in one decode step (the oldest prefill's chunk only), an admission policy for chunked
+prefills (their chunk bounds the stall), a budget in seconds rather than tokens.
 """
 
 from __future__ import annotations
@@ -95,18 +100,28 @@ class _Running:
 # time between the steps rather than hiding it. It bounds the longest stall of a running stream but costs
 # burst throughput and median time between tokens (docs/serving.md, "Mixed batches": run_serve.py).
 DEFAULT_PREFILL_CHUNK: int | None = None
+# How whole prefills are admitted between decode steps (the module docstring): "all", the batcher as it
+# was, stays the default until `rag-promptcache bench --scenarios serve --serve-admission one` measures better
+ADMISSIONS = ("all", "one")
+DEFAULT_ADMISSION = "all"
 
 
 class Batcher:
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64,
-                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
-        """`prefill_chunk`: new tokens of prefill run with each decode step (None: every admitted request's
-        prefill whole before the next step, as before chunked prefill)."""
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, admission: str = DEFAULT_ADMISSION) -> None:
+        """`prefill_chunk`: new tokens of prefill run with each decode step (None: whole prefills, run as
+        `admission` says: one of `ADMISSIONS`, the module docstring)."""
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a number of tokens >= 1, or None for whole prefills; "
                              f"got {prefill_chunk!r}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"unknown admission {admission!r}; valid: {', '.join(ADMISSIONS)}")
+        if admission != DEFAULT_ADMISSION and prefill_chunk is not None:
+            raise ValueError(f"admission={admission!r} admits whole prefills: it needs prefill_chunk=None, got "
+                             f"{prefill_chunk!r} (a chunk already bounds a running stream's stall)")
         self.engine = engine
         self.prefill_chunk = prefill_chunk
+        self.admission = admission
         self.rows = Rows(max_batch, max_queue)
         model = engine.model
         self.batch = BatchCache(model.config, engine.geometry, max_batch, 256, model.dtype, model.device)
@@ -114,8 +129,9 @@ class Batcher:
         self._running: dict[int, _Running] = {}
         self._prefilling: deque[int] = deque()  # admitted (each holds a row), oldest first, not yet prefilled
         self._partial: dict[int, Prefilling] = {}  # the ones whose prefill has started: KV assembled
-        # a chunk rides in the decode step's forward (batch.mixed_step) where the model allows it
-        self._mix = prefill_chunk is not None and can_mix(model)
+        # chunks ride in the decode step's forward, or waiting prefills share one (batch.mixed_step), where
+        # the model allows it
+        self._mix = can_mix(model) and (prefill_chunk is not None or admission == "one")
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -182,9 +198,13 @@ class Batcher:
                     break
             self._drop_cancelled()
             self._admit()
-            if self._mix and self.rows.num_running and self._prefilling:
-                self._step(carry=True)
-                continue
+            if self._mix and self._prefilling:
+                if self.prefill_chunk is not None and self.rows.num_running:
+                    self._step(carry=1)
+                    continue
+                if self.admission == "one" and not self.rows.num_running and len(self._prefilling) > 1:
+                    self._step(carry=len(self._prefilling))  # nobody decodes: the waiting prefills in one forward
+                    continue
             self._prefill()
             if self.rows.num_running:
                 self._step()
@@ -210,7 +230,8 @@ class Batcher:
 
     def _prefill(self) -> None:
         """Run up to `prefill_chunk` new tokens of the queued prefills while rows decode (their streams
-        wait for this), else the oldest one whole; a request whose prefill ends joins the batch."""
+        wait for this), else whole ones: every queued one (`admission` "all"), or the oldest (chunked, or
+        "one": the rows step before another whole prefill runs); a request whose prefill ends joins the batch."""
         budget = self.prefill_chunk if self.rows.num_running else None
         while budget is None or budget > 0:
             head = self._head_prefill()
@@ -228,35 +249,41 @@ class Batcher:
                 return  # the budget is spent mid-prefill
             self._join(rid, first)
             if budget is None:
-                if self.prefill_chunk is not None:
-                    return  # a row decodes now: the next prefill goes in chunks with its steps
-                continue  # whole prefills: every admitted one before the next step
+                if self.prefill_chunk is not None or self.admission == "one":
+                    return  # a row decodes now: it steps before the next prefill, so it waits for one at most
+                continue  # "all": every admitted one before the next step
             budget -= tokens
 
     def _head_prefill(self) -> tuple[int, Prefilling] | None:
-        """The oldest admitted request's prefill, its KV assembled now if it was not yet (a request
-        whose assembly fails fails, and the next one is tried; a repeat joins the batch at once); None
-        when no prefill waits."""
-        while self._prefilling:
-            rid = self._prefilling[0]
+        """The oldest admitted request's prefill (`_ready`), None when no prefill waits."""
+        ready = self._ready(1)
+        return ready[0] if ready else None
+
+    def _ready(self, limit: int) -> list[tuple[int, Prefilling]]:
+        """The prefills of up to `limit` of the oldest admitted requests, oldest first, each one's KV
+        assembled now if it was not yet (a request whose assembly fails fails, and the next one is
+        tried; a repeat joins the batch at once)."""
+        out: list[tuple[int, Prefilling]] = []
+        for rid in list(self._prefilling):
+            if len(out) == limit:
+                break
             todo = self._partial.get(rid)
             if todo is None:  # assembly copies module KV, runs no model: outside the lock
-                eng = self.engine
                 try:
-                    todo = self._partial[rid] = eng.start_prefill(self._handles[rid].plan)
+                    todo = self._partial[rid] = self.engine.start_prefill(self._handles[rid].plan)
                 except Exception as e:  # noqa: BLE001 - this request fails; the others go on
                     self._finish(rid, e)
                     continue
             if todo.repeat:  # an exact repeat: its first token's logits are known, no forward to run
                 self._join(rid, todo.prefilled())
                 continue
-            return rid, todo
-        return None
+            out.append((rid, todo))
+        return out
 
     def _join(self, rid: int, first: Prefilled) -> None:
-        """The oldest prefill, `rid`, is done: into its row, and its first token."""
-        assert self._prefilling[0] == rid, f"{self._prefilling=} {rid=}"
-        self._prefilling.popleft()
+        """The prefill of `rid` is done: into its row, and its first token."""
+        assert rid in self._prefilling, f"{self._prefilling=} {rid=}"
+        self._prefilling.remove(rid)
         del self._partial[rid]
         handle = self._handles[rid]
         with self._cv:
@@ -268,34 +295,39 @@ class Batcher:
                                       first.prefix)
         self._advance(rid, first.logits[None])
 
-    def _step(self, carry: bool = False) -> None:
-        """One token for every running row; `carry`: with the next chunk of the oldest prefill in the
-        same forward (`mixed_step`), which joins the batch when that chunk was its last."""
-        head = self._head_prefill() if carry else None
+    def _step(self, carry: int = 0) -> None:
+        """One token for every running row; `carry`: with the next chunk (`prefill_chunk` tokens, or
+        all that are left) of up to that many of the oldest prefills in the same forward (`mixed_step`);
+        a prefill whose chunk was its last joins the batch."""
+        heads = self._ready(carry) if carry else []
         order = self.rows.running
+        if not order and not heads:
+            return
         # only a request decoding alone checks a prompt lookup draft
-        alone = len(order) == 1 and not self.rows.num_waiting and head is None
+        alone = len(order) == 1 and not self.rows.num_waiting and not heads
         fed = [self._running[rid].state.next_input(draft=alone) for rid in order]
         if alone and len(fed[0]) > 1:
             self._step_row(order[0], fed[0])
             return
         ids = [f[0] for f in fed]
         positions = [self._running[rid].state.position for rid in order]
+        chunks = [todo.take(self.prefill_chunk) for _, todo in heads]
         try:
             with self.engine.model_lock:
-                if head is None:
+                if not heads:
                     logits = decode_step(self.engine.model, self.batch, ids, positions)  # [n, V]
                 else:
-                    chunk = head[1].take(self.prefill_chunk)
-                    logits, last = mixed_step(self.engine.model, self.batch, ids, positions, head[1].cache, chunk)
+                    logits, lasts = mixed_step(self.engine.model, self.batch, ids, positions,
+                                               [(todo.cache, chunk) for (_, todo), chunk in zip(heads, chunks)])
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the thread serves the next ones
-            for rid in [*order, *([head[0]] if head is not None else [])]:
+            for rid in [*order, *(rid for rid, _ in heads)]:
                 self._finish(rid, e)
             return
         for r, rid in enumerate(order):
             self._advance(rid, logits[r : r + 1])
-        if head is not None and chunk.last:
-            self._join(head[0], head[1].prefilled(last))
+        for (rid, todo), chunk, last in zip(heads, chunks, lasts if heads else []):
+            if chunk.last:
+                self._join(rid, todo.prefilled(last))
 
     def _step_row(self, rid: int, fed: list[int]) -> None:
         """The one running request with a prompt lookup draft: check it in a forward of its row alone

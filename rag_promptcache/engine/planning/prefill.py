@@ -14,7 +14,8 @@ Callers own the cache afterwards: the engine's decode loop decodes into it, the 
 into a row of its batch cache; both `release` it when done.
 
 Out of scope: planning (engine/planning/plan.py), decoding (engine/decoding/decode.py, engine/batching/batcher.py), when a chunk
-runs (engine/batching/batcher.py), several requests' chunks in one forward.
+runs (engine/batching/batcher.py), several requests' chunks in one forward (engine/batching/batch.py
+`mixed_step`).
 """
 
 from __future__ import annotations
