@@ -143,7 +143,8 @@ def serve(run: dict) -> tuple[str, str | None]:
     for r in run["serve"]["rows"]:
         system = r.get("system", "rag-promptcache")
         chunk = r.get("prefill_chunk")
-        prefill = "-" if r["mode"] == "8 one at a time" or system != "rag-promptcache" else str(chunk or "whole")
+        admitted = "" if r.get("admission") in (None, "all") else f", admission {r['admission']}"  # bench/serve.py
+        prefill = "-" if r["mode"] == "8 one at a time" or system != "rag-promptcache" else str(chunk or "whole" + admitted)
         out.append([system, r["clients"], r["mode"], prefill, _num(r["tokens_per_s"], ".1f"),
                     f"{_num(r['ttft_p50_s'], '.2f')} / {_num(r['ttft_p95_s'], '.2f')}",
                     _ms(r, "itl_p50_s") + " / " + _ms(r, "itl_p95_s"), _num(r.get("itl_max_s"), ".2f"),

@@ -136,6 +136,18 @@ def test_summary_keeps_the_best_run_and_compares_with_llama_server():
     assert "llama-server: not run (no llama-server given" in "\n".join(serve.markdown(skipped))
 
 
+def test_rows_and_tables_name_an_admission_other_than_the_default():
+    runs = [_row(serve.OURS, 1, serve.SEQUENTIAL, 20.0) | {"admission": None},
+            _row(serve.OURS, 8, serve.CONCURRENT, 50.0) | {"admission": "one"}]
+    out = serve._summary(runs, 1, (None,), "corpus", "skipped", "one")
+    assert out["admission"] == "one"
+    text = "\n".join(serve.markdown(out))
+    assert "2.50x tokens/s (whole prefills, admission one)" in text and "| whole, admission one |" in text
+    assert serve._line(runs[1]).startswith("serve, rag-promptcache, 8 at once, whole prefills, admission one:")
+    default = serve._summary(runs[:1] + [runs[1] | {"admission": "all"}], 1, (None,), "corpus", "skipped")
+    assert default["admission"] == "all" and "admission" not in "\n".join(serve.markdown(default))
+
+
 @pytest.mark.slow
 def test_the_scenario_times_new_questions_and_the_peer_on_our_token_ids(smollm, tmp_path, monkeypatch):
     from rag_promptcache.bench import llamacpp

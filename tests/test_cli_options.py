@@ -65,3 +65,16 @@ def test_info_lists_documents_in_the_table_style(built: Path, capsys) -> None:
 def test_a_bad_fidelity_split_is_a_user_error_before_the_model_loads(capsys) -> None:
     assert_user_error(run(capsys, "bench", "--scenarios", "fidelity", "--fidelity-split", "nope"),
                       "unknown --fidelity-split 'nope'; valid: bench, heldout, manuals, both, all")
+
+
+def test_serve_admission_reaches_the_bench_config_and_a_bad_one_is_a_user_error(capsys, monkeypatch) -> None:
+    import rag_promptcache.bench as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda **kw: seen.append(kw["config"]))
+    code, _, err = run(capsys, "bench", "--scenarios", "serve", "--serve-admission", "one")
+    assert code == 0 and seen[-1].serve_admission == "one", err
+    code, _, err = run(capsys, "bench", "--scenarios", "serve")
+    assert code == 0 and seen[-1].serve_admission == "all", err
+    assert_user_error(run(capsys, "bench", "--scenarios", "serve", "--serve-admission", "each"),
+                      "unknown --serve-admission 'each'; valid: all, one")

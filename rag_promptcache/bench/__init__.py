@@ -124,7 +124,7 @@ def run_loaded(
         elif name == "serve":
             from rag_promptcache.bench import serve
 
-            out["serve"] = serve.run(bench, llama_server=bench.config.llama_server)
+            out["serve"] = serve.run(bench, llama_server=bench.config.llama_server, admission=bench.config.serve_admission)
         elif name == "chat":  # chat turns over the same documents, against llama.cpp's prefix reuse where installed
             from rag_promptcache.bench import chat
 

@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
         adapter: AdapterOpt = "default",
         llama_server: Annotated[Path | None, typer.Option("--llama-server", help="llama.cpp's llama-server binary: the serve scenario times it beside ours on the same token ids (built from the llama-cpp-python sdist; docs/serving.md) [default: that row is skipped].")] = None,
+        serve_admission: Annotated[str, typer.Option("--serve-admission", help="How the serve scenario's batcher admits whole prefills: all (every waiting prefill before the next decode step) or one (one prefill between decode steps while rows run; waiting prefills in one batched forward when none runs). Run the scenario once per policy to compare them.")] = "all",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
@@ -50,7 +51,11 @@ def register(app: typer.Typer) -> None:
 
         config = BenchConfig.quick() if quick else BenchConfig.full()
         parse_dtype(dtype)  # a bad name fails here, before the model loads
-        config = dataclasses.replace(config, dtype=dtype, adapter=adapter,
+        from rag_promptcache.engine.batching.batcher import ADMISSIONS
+
+        if serve_admission not in ADMISSIONS:
+            raise ValueError(f"unknown --serve-admission {serve_admission!r}; valid: {', '.join(ADMISSIONS)}")
+        config = dataclasses.replace(config, dtype=dtype, adapter=adapter, serve_admission=serve_admission,
                                      llama_server=str(llama_server) if llama_server is not None else None)
         if decode_dtypes is not None:
             names = tuple(d.strip() for d in decode_dtypes.split(",") if d.strip())

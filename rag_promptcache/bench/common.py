@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rag_promptcache.engine.batching.batcher import DEFAULT_ADMISSION
 from rag_promptcache.pml.parser import escape
 from rag_promptcache.rag.sample import topic_texts
 from rag_promptcache.timing import MIN_STEPS, repeat, resolution
@@ -88,6 +89,7 @@ class BenchConfig:
     llamacpp_flash_attn: bool = False  # llama-cpp-python's default
     llamacpp_threads: int | None = None  # None: torch's (torch.get_num_threads()), as every other system
     llama_server: str | None = None  # the serve scenario's llama.cpp server binary (bench/llama_server.py); None: skipped
+    serve_admission: str = DEFAULT_ADMISSION  # how the serve scenario's batcher admits whole prefills (batcher.py ADMISSIONS)
     chat_turns: int = 6  # the chat scenario: turns over the same documents
     chat_context: int = 2048  # its retrieved-context tokens
     chat_answer_tokens: int = 64  # at most this many greedy tokens per answer

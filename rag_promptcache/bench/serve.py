@@ -22,6 +22,10 @@ The 8-client pair (at once, one at a time) runs `repeats` times, interleaved, ea
 questions, and the table keeps each one's faster run: on a shared machine that is the run other
 processes disturbed least; the JSON keeps every run.
 
+`admission`: how our batcher admits whole prefills (engine/batching/batcher.py `ADMISSIONS`; bench CLI
+`--serve-admission`), the same for every batcher setting compared: one process per policy, their JSONs
+side by side (scripts/bench_tables.py serve), compares them.
+
 `llama_server=PATH`: llama.cpp's server (bench/llama_server.py) over the bf16 GGUF of the same weights,
 `--parallel 8`, the same threads, fed each question's prompt as our engine's own token ids (the prompt
 the chat route builds: `CorpusChat.chat_prompt`, `plan(use_cache=False)`), warmed with the same
@@ -47,7 +51,7 @@ from rag_promptcache.bench import llama_server as llama
 from rag_promptcache.bench.common import Bench
 from rag_promptcache.bench.serve_questions import TIMED, WARM, legs
 from rag_promptcache.bench.tables import table
-from rag_promptcache.engine.batching.batcher import DEFAULT_PREFILL_CHUNK
+from rag_promptcache.engine.batching.batcher import DEFAULT_ADMISSION, DEFAULT_PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -64,18 +68,20 @@ SEQUENTIAL, CONCURRENT, REPEATED = "8 one at a time", "concurrent", "8 at once, 
 
 @dataclass(frozen=True, slots=True)
 class _System:
-    """One timed server: its label, the prefill setting of its batcher, how to send a question to it."""
+    """One timed server: its label, the prefill settings of its batcher, how to send a question to it."""
 
     system: str
     prefill_chunk: int | None
     send: Callable[[str, int], llama.Timed]
+    admission: str | None = None  # None: not our batcher
 
 
 def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEATS,
         prefill_chunks: tuple[int | None, ...] = (DEFAULT_PREFILL_CHUNK,),
-        llama_server: str | Path | None = None) -> dict[str, object]:
-    """`prefill_chunks`: the batcher settings to compare (None: each prefill whole), each behind its own
-    server and engine over the same corpus; the 8 one at a time run on a server of their own.
+        llama_server: str | Path | None = None, admission: str = DEFAULT_ADMISSION) -> dict[str, object]:
+    """`prefill_chunks`: the batcher settings to compare (None: each prefill whole, admitted as `admission`
+    says), each behind its own server and engine over the same corpus; the 8 one at a time run on a server
+    of their own.
     `llama_server`: the path of llama.cpp's `llama-server` binary (None: that row is skipped)."""
     others = [n for n in levels if n != MAX_BATCH]
     sets = legs([MAX_BATCH] * repeats + others, TIMED)
@@ -89,7 +95,7 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
     with ExitStack() as stack:
         where: list[str] = []
         one_by_one = _serve(stack, bench, DEFAULT_PREFILL_CHUNK, where)
-        served = [_serve(stack, bench, chunk, where)[0] for chunk in prefill_chunks]
+        served = [_serve(stack, bench, chunk, where, admission)[0] for chunk in prefill_chunks]
         peer, skipped = _llama_peer(stack, bench, one_by_one[1], one_by_one[2], llama_server,
                                     [*WARM, *(q for qs in sets for q in qs)])
         for s in [one_by_one[0], *served] + ([peer] if peer else []):
@@ -105,10 +111,11 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
         if repeats:
             last = served[-1]
             record(_level(last.send, pair_sets[-1], concurrent=True) | _labels(last, MAX_BATCH, REPEATED))
-    return _summary(runs, repeats, prefill_chunks, where[0], skipped)
+    return _summary(runs, repeats, prefill_chunks, where[0], skipped, admission)
 
 
-def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str]) -> tuple[_System, CorpusChat, PromptCache]:
+def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str],
+           admission: str = DEFAULT_ADMISSION) -> tuple[_System, CorpusChat, PromptCache]:
     """Our server with its own engine (so its own prefix cache) over the demo corpus, closed with `stack`."""
     import uvicorn
 
@@ -125,7 +132,7 @@ def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str]) 
     corpus = _demo_corpus(bench, engine, where)
     stack.callback(corpus.close)
     chat = CorpusChat(corpus)
-    batcher = Batcher(engine, max_batch=MAX_BATCH, max_queue=64, prefill_chunk=chunk)
+    batcher = Batcher(engine, max_batch=MAX_BATCH, max_queue=64, prefill_chunk=chunk, admission=admission)
     stack.callback(batcher.close)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(chat, batcher, model_id="demo", k=K), host="127.0.0.1",
@@ -141,7 +148,7 @@ def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str]) 
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    return _System(OURS, chunk, lambda q, n: _chat(url, q, n)), chat, engine
+    return _System(OURS, chunk, lambda q, n: _chat(url, q, n), admission), chat, engine
 
 
 def _llama_peer(stack: ExitStack, bench: Bench, chat: CorpusChat, engine: PromptCache, binary: str | Path | None,
@@ -170,11 +177,12 @@ def _llama_peer(stack: ExitStack, bench: Bench, chat: CorpusChat, engine: Prompt
 
 def _labels(s: _System, clients: int, mode: str) -> dict[str, object]:
     return {"system": s.system, "clients": clients, "mode": mode,
-            "prefill_chunk": s.prefill_chunk if mode != SEQUENTIAL else None, "new_questions": mode != REPEATED}
+            "prefill_chunk": s.prefill_chunk if mode != SEQUENTIAL else None,
+            "admission": s.admission if mode != SEQUENTIAL else None, "new_questions": mode != REPEATED}
 
 
 def _summary(runs: list[dict[str, object]], repeats: int, chunks: tuple[int | None, ...], where: str,
-             skipped: str | None) -> dict[str, object]:
+             skipped: str | None, admission: str = DEFAULT_ADMISSION) -> dict[str, object]:
     best: dict[tuple[object, ...], dict[str, object]] = {}
     for r in runs:  # best of the repeats: the run the other tenants of the machine disturbed least
         key = (r["system"], r["clients"], r["mode"], r["prefill_chunk"])
@@ -184,7 +192,8 @@ def _summary(runs: list[dict[str, object]], repeats: int, chunks: tuple[int | No
                                                 r["clients"], str(r["prefill_chunk"])))
     out: dict[str, object] = {
         "via": "HTTP server (uvicorn, in process) + scheduler", "corpus": where, "k": K, "max_tokens": MAX_TOKENS,
-        "max_batch": MAX_BATCH, "repeats_8": repeats, "prefill_chunks": list(chunks), "questions": "new in every leg",
+        "max_batch": MAX_BATCH, "repeats_8": repeats, "prefill_chunks": list(chunks), "admission": admission,
+        "questions": "new in every leg",
         "rows": rows, "runs": runs, "llama_server": {"skipped": skipped} if skipped else {"ran": True}}
     seq = best.get((OURS, 1, SEQUENTIAL, None))
     if seq is not None:
@@ -281,8 +290,8 @@ def _leg(r: dict[str, object]) -> str:
 
 
 def _line(r: dict[str, object]) -> str:
-    chunk = r.get("prefill_chunk")
-    setting = "" if r["mode"] == SEQUENTIAL or r["system"] != OURS else f", prefill chunk {chunk}" if chunk else ", whole prefills"
+    chunk, whole = r.get("prefill_chunk"), ", whole prefills" + _admitted(r.get("admission"))
+    setting = "" if r["mode"] == SEQUENTIAL or r["system"] != OURS else f", prefill chunk {chunk}" if chunk else whole
     return (f"serve, {r['system']}, {_leg(r)}{setting}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f}s "
             f"p95 {r['ttft_p95_s']:.2f}s, inter-token p50 {1e3 * r['itl_p50_s']:.0f}ms p95 {1e3 * r['itl_p95_s']:.0f}ms, "
             f"longest stall {r['itl_max_s']:.2f}s, latency p50 {r['latency_p50_s']:.2f}s p95 {r['latency_p95_s']:.2f}s, "
@@ -328,7 +337,7 @@ def markdown(serve: dict[str, object]) -> list[str]:
          for r in rows]), ""]
     if "speedup_8_by_prefill_chunk" in serve:
         out += ["8 at once vs 8 one at a time, new questions: " + ", ".join(
-            f"{x:.2f}x tokens/s ({'prefill chunk ' + c if c != 'None' else 'whole prefills'})"
+            f"{x:.2f}x tokens/s ({'prefill chunk ' + c if c != 'None' else 'whole prefills' + _admitted(serve.get('admission'))})"
             for c, x in serve["speedup_8_by_prefill_chunk"].items() if x is not None)
             + f" (best of {serve.get('repeats_8', 1)} interleaved runs each; k={serve['k']}, max_tokens "
             f"{serve['max_tokens']} with ignore_eos, max batch {serve['max_batch']}; {serve['via']})", ""]
@@ -344,7 +353,12 @@ def markdown(serve: dict[str, object]) -> list[str]:
 def _chunk_label(r: dict[str, object]) -> str:
     if r["mode"] == SEQUENTIAL or r.get("system", OURS) != OURS:
         return "-"
-    return str(r["prefill_chunk"]) if r.get("prefill_chunk") else "whole"
+    return str(r["prefill_chunk"]) if r.get("prefill_chunk") else "whole" + _admitted(r.get("admission"))
+
+
+def _admitted(admission: str | None) -> str:
+    """The batcher's admission of whole prefills where it is not the default (None: a run before it)."""
+    return "" if admission in (None, DEFAULT_ADMISSION) else f", admission {admission}"
 
 
 def plots(serve: dict[str, object], folder: Path) -> list[Path]:
