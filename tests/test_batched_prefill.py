@@ -149,3 +149,28 @@ def test_admission_names_its_options(tokenizer):
         Batcher(pc, admission="each")
     with pytest.raises(ValueError, match="prefill_chunk=None"):
         Batcher(pc, admission="one", prefill_chunk=4)
+
+
+def test_a_repeat_waiting_with_new_prefills_joins_at_once_and_rides_in_their_forward(tokenizer, monkeypatch):
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.store import MemoryStore
+    from tests.test_prefix_cache import CHAT_SCHEMA, chat
+
+    prompts = [chat(["a"], [("user", "Where?")]), chat(["b", "c"], [("user", "And Fuji?")]),
+               chat(["c", "a"], [("user", "Why so?")])]
+    pc = _engine("llama", tokenizer)
+    # the same weights with a prefix cache: the second prompt, asked before, is an exact repeat there
+    on = PromptCache(pc.model, tokenizer, store=MemoryStore(), recovery="none", fallback="never")
+    for engine in (pc, on):
+        engine.add_schema(CHAT_SCHEMA)
+    alone = [pc.generate(p, max_new_tokens=5, ignore_eos=True) for p in prompts]
+    assert on.generate(prompts[1], max_new_tokens=5, ignore_eos=True).token_ids == alone[1].token_ids
+    log = _logged(monkeypatch)
+    armed, gate = _gate(monkeypatch)
+    armed.set()
+    with Batcher(on, max_batch=4, admission="one") as s:
+        handles = [s.submit(p, max_new_tokens=5, ignore_eos=True) for p in prompts]
+        gate.set()
+        assert [h.consume().token_ids for h in handles] == [a.token_ids for a in alone]
+    assert on.prefix_cache.num_repeats == 1
+    assert log[0] == ("mixed", 1, 2), log  # the repeat decodes its second token beside the two prefills
