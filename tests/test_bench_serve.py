@@ -39,7 +39,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with open(record, "a") as f:
-            f.write(json.dumps(body) + "\\n")
+            f.write(json.dumps({{**body, "port": args.port}}) + "\\n")
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -182,6 +182,10 @@ def test_the_scenario_times_new_questions_and_the_peer_on_our_token_ids(smollm, 
     # llama-server got token ids: as many as our server's prompt for the same question
     sent = [json.loads(line) for line in record.read_text().splitlines()]
     assert all(isinstance(t, int) for body in sent for t in body["prompt"])
+    # as ours, llama-server times the one-at-a-time and the concurrent legs of a pair in servers of their
+    # own: no server's prompt cache holds a timed question it was sent before (warm-ups take 1 token)
+    timed = [(body["port"], tuple(body["prompt"])) for body in sent if body["n_predict"] > 1]
+    assert len({port for port, _ in timed}) == 2 and len(set(timed)) == len(timed)
     first, peer = out["runs"][:2]  # the first repeat's one-at-a-time legs: the same questions, ours then the peer's
     assert (first["system"], peer["system"]) == (serve.OURS, serve.LLAMA)
     assert first["prompt_tokens_per_request"] == peer["prompt_tokens_per_request"]

@@ -8,10 +8,10 @@ in a temporary folder). Clients are threads with their own HTTP connections, eac
 completion: greedy, `max_tokens` 64 and `ignore_eos`, so every answer is 64 tokens.
 
 Every timed request is a new question (bench/serve_questions.py): each system (the server taking
-requests one at a time, one server per batcher setting compared) has its own engine, so its own
-prefix cache (on, at the server's default size, unlike the bench's other scenarios), and is warmed with other questions over the same corpus (`WARM`, `max_tokens` 1: the
-code paths and the modules those retrieve; every module's KV is on the corpus's disk already). Within
-a repeat every system gets the same new questions, so their rows compare the same work. An exact
+requests one at a time, one server per batcher setting compared, each llama-server leg) has its own
+engine and prefix cache (on, at the server's default size), over one store holding every module
+before any leg, and is warmed with other questions (`WARM`, `max_tokens` 1). Within a repeat every
+system gets the same new questions, so their rows compare the same work. An exact
 repeat decodes from the prefix cache with no prefill: that is the row "8 at once, exact repeats" (the
 last 8-at-once leg's questions again), never mixed into the others. Per leg: total generated tokens/s
 over the leg's wall time, p50/p95 time to the first content chunk, p50/p95 time between a request's
@@ -23,8 +23,7 @@ questions, and the table keeps each one's faster run: on a shared machine that i
 processes disturbed least; the JSON keeps every run.
 
 `admission`: how our batcher admits whole prefills (engine/batching/batcher.py `ADMISSIONS`; bench CLI
-`--serve-admission`), the same for every batcher setting compared: one process per policy, their JSONs
-side by side (scripts/bench_tables.py serve), compares them.
+`--serve-admission`), the same for every batcher setting compared: one process per policy.
 
 `llama_server=PATH`: llama.cpp's server (bench/llama_server.py) over the bf16 GGUF of the same weights,
 `--parallel 8`, the same threads, fed each question's prompt as our engine's own token ids (the prompt
@@ -42,7 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +51,7 @@ from rag_promptcache.bench.common import Bench
 from rag_promptcache.bench.serve_questions import TIMED, WARM, legs
 from rag_promptcache.bench.tables import table
 from rag_promptcache.engine.batching.batcher import DEFAULT_ADMISSION, DEFAULT_PREFILL_CHUNK
+from rag_promptcache.store import MemoryStore
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -94,14 +94,17 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
 
     with ExitStack() as stack:
         where: list[str] = []
-        one_by_one = _serve(stack, bench, DEFAULT_PREFILL_CHUNK, where)
-        served = [_serve(stack, bench, chunk, where, admission)[0] for chunk in prefill_chunks]
-        peer, skipped = _llama_peer(stack, bench, one_by_one[1], one_by_one[2], llama_server,
-                                    [*WARM, *(q for qs in sets for q in qs)])
-        for s in [one_by_one[0], *served] + ([peer] if peer else []):
+        store = stack.enter_context(closing(MemoryStore()))  # every engine's, as a corpus's store is
+        one_by_one = _serve(stack, bench, DEFAULT_PREFILL_CHUNK, where, store)
+        served = [_serve(stack, bench, chunk, where, store, admission)[0] for chunk in prefill_chunks]
+        # two llama-servers as ours, so no prompt cache holds a timed question it was sent before
+        asked = [*WARM, *(q for qs in sets for q in qs)]
+        peer_one, skipped = _llama_peer(stack, bench, one_by_one[1], one_by_one[2], llama_server, asked)
+        peer = _llama_peer(stack, bench, one_by_one[1], one_by_one[2], llama_server, asked)[0] if peer_one else None
+        for s in [one_by_one[0], *served] + ([peer_one, peer] if peer else []):
             _level(s.send, WARM, concurrent=True, max_tokens=1)  # warm-up: other questions, not timed
         for qs in pair_sets:  # the pair the target is about, interleaved so all see the same load
-            for s in [one_by_one[0]] + ([peer] if peer else []):
+            for s in [one_by_one[0]] + ([peer_one] if peer_one else []):
                 record(_level(s.send, qs, concurrent=False) | _labels(s, 1, SEQUENTIAL))
             for s in served + ([peer] if peer else []):
                 record(_level(s.send, qs, concurrent=True) | _labels(s, MAX_BATCH, CONCURRENT))
@@ -114,23 +117,24 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
     return _summary(runs, repeats, prefill_chunks, where[0], skipped, admission)
 
 
-def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str],
+def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str], store: MemoryStore,
            admission: str = DEFAULT_ADMISSION) -> tuple[_System, CorpusChat, PromptCache]:
-    """Our server with its own engine (so its own prefix cache) over the demo corpus, closed with `stack`."""
+    """Our server with its own engine (its own prefix cache) over the demo corpus and `store`, on `stack`."""
     import uvicorn
 
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.engine.batching.batcher import Batcher
     from rag_promptcache.rag.chat import CorpusChat
     from rag_promptcache.server.app import create_app
-    from rag_promptcache.store import MemoryStore
 
     # the prefix cache as the server runs it (the bench turns it off elsewhere): new questions are what
     # the legs time, and the exact repeats row is what it gives
     options = {**bench.engine_options, "prefix_cache_bytes": None}
-    engine = PromptCache(bench.model, bench.tokenizer, store=MemoryStore(), name=bench.model_name, **options)
+    engine = PromptCache(bench.model, bench.tokenizer, store=store, name=bench.model_name, **options)
     corpus = _demo_corpus(bench, engine, where)
     stack.callback(corpus.close)
+    corpus.prepare()
+    engine.encode(corpus.manifest.name)  # every module stored before any leg, as in a corpus `ingest` built
     chat = CorpusChat(corpus)
     batcher = Batcher(engine, max_batch=MAX_BATCH, max_queue=64, prefill_chunk=chunk, admission=admission)
     stack.callback(batcher.close)
@@ -209,9 +213,7 @@ def _summary(runs: list[dict[str, object]], repeats: int, chunks: tuple[int | No
 
 def _ratio(a: dict[str, object] | None, b: dict[str, object] | None) -> float | None:
     """a's tokens/s over b's, None where either is missing or b measured nothing."""
-    if a is None or b is None or not b["tokens_per_s"]:
-        return None
-    return a["tokens_per_s"] / b["tokens_per_s"]
+    return None if a is None or b is None or not b["tokens_per_s"] else a["tokens_per_s"] / b["tokens_per_s"]
 
 
 def _chat(url: str, question: str, max_tokens: int) -> llama.Timed:
