@@ -32,15 +32,22 @@ from langchain_rag_promptcache.modules import engine_of
 ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 
 
-def _complete_json(message: AIMessage) -> AIMessage:
-    """The answer, unless the token budget cut its JSON off: then say so, rather than let the parser
-    report JSON it cannot read."""
-    if message.response_metadata.get("finish_reason") == "length":
-        used = (message.usage_metadata or {}).get("output_tokens", "its")
-        raise OutputParserException(f"the answer reached max_tokens ({used} tokens) before its JSON was "
-                                    "complete (finish_reason 'length'); raise max_tokens",
-                                    llm_output=message.text)
-    return message
+def _parsed(parser: Runnable) -> Runnable:
+    """`parser` over the answer; where it cannot parse an answer the token budget cut off, the error says
+    that was the cause (LangChain's JSON parsers close a cut object where they can: that still parses)."""
+
+    def parse(message: AIMessage) -> Any:
+        try:
+            return parser.invoke(message)
+        except OutputParserException as e:
+            if message.response_metadata.get("finish_reason") != "length":
+                raise
+            used = (message.usage_metadata or {}).get("output_tokens", "its")
+            raise OutputParserException(f"the answer reached max_tokens ({used} tokens) before its JSON was "
+                                        f"complete (finish_reason 'length'); raise max_tokens. The parser: {e}",
+                                        llm_output=message.text) from e
+
+    return RunnableLambda(parse)
 
 
 def _turn(message: BaseMessage) -> tuple[str, str]:
@@ -159,7 +166,7 @@ class ChatPromptCache(BaseChatModel):
         js = schema.model_json_schema() if pydantic else dict(schema)
         fmt = {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
         parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
-        return self.bind(response_format=fmt) | RunnableLambda(_complete_json) | parser
+        return self.bind(response_format=fmt) | _parsed(parser)
 
     def _chat_result(self, result: Any, sources: list[dict[str, Any]]) -> ChatResult:
         info = {**result_stats(result), "sources": sources}
