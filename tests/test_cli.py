@@ -13,17 +13,32 @@ from test_rag_corpus import TOPICS, FakeEmbedder, FakeEngine, write_docs
 
 from rag_promptcache.cli import main
 from rag_promptcache.cli.store_cmds import parse_size
+from rag_promptcache.engine.result import Result, Stream
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.ingestor import Ingestor
 
 
-@pytest.fixture
-def fakes(monkeypatch):
-    engine = FakeEngine()
+def use_fake_models(monkeypatch, engine):
+    """Corpora opened or built from here on load `engine` and a fake embedder instead of the models."""
     monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
     monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
     return engine
+
+
+def cut_off(text: str):
+    """A fake engine's `stream` whose every answer is `text`, cut off by the token budget."""
+    def stream(prompt, **sampling):
+        def gen():
+            yield text
+            return Result(text, (1, 2), "length", 0.01, 0.02, 100, 90, 10, (), (), ())
+        return Stream(gen())
+    return stream
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    return use_fake_models(monkeypatch, FakeEngine())
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -83,8 +98,6 @@ def test_chat(built: Path, capsys, monkeypatch) -> None:
 
 def test_chat_sources_after_a_stopped_answer_are_that_answers(built: Path, fakes, capsys, monkeypatch) -> None:
     """Ctrl-C mid-answer, then /sources: the stopped answer's sources, not the answer before it."""
-    from rag_promptcache.engine.result import Stream
-
     lines = iter(["tell me about cats", "which river flows north into the Mediterranean?", "/sources", "/quit"])
     monkeypatch.setattr("rag_promptcache.cli.commands._prompt", lambda prompt="": next(lines))
     answer = fakes.stream

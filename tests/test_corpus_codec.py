@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_cli import assert_user_error, run
+from test_cli import assert_user_error, run, use_fake_models
 from test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
 
 from rag_promptcache.cli import commands
@@ -39,10 +39,7 @@ class SizedEngine(FakeEngine):
 
 @pytest.fixture
 def fakes(monkeypatch) -> SizedEngine:
-    engine = SizedEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
-    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
-    return engine
+    return use_fake_models(monkeypatch, SizedEngine())
 
 
 def test_build_records_the_codec_and_every_tier_the_corpus_opens_uses_it(tmp_path: Path, fakes) -> None:

@@ -13,13 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
-from test_cli import run
-from test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
+from test_cli import run, use_fake_models
+from test_rag_corpus import FakeEngine, write_docs
 
 from rag_promptcache.cli.eval_cmd import SHOWN_NEW_TOKENS, SHOWN_ROUNDS
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.engine.result import Result, Stream
-from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag.evaluation import TIMING_ROUNDS
 from rag_promptcache.rag.fidelity import DEFAULT_NEW_TOKENS, fastest_retaining, interval
@@ -63,10 +62,7 @@ class FidelityEngine(FakeEngine):
 
 @pytest.fixture
 def engine(monkeypatch) -> FidelityEngine:
-    engine = FidelityEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
-    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
-    return engine
+    return use_fake_models(monkeypatch, FidelityEngine())
 
 
 @pytest.fixture
@@ -181,9 +177,7 @@ class SwapEngine(FidelityEngine):
 
 
 def test_the_rule_uses_the_paired_share_not_the_totals(tmp_path: Path, monkeypatch, capsys) -> None:
-    engine = SwapEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
-    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    engine = use_fake_models(monkeypatch, SwapEngine())
     docs = write_docs(tmp_path / "docs")
     assert run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32", "--overlap", "8")[0] == 0
     questions = tmp_path / "q.jsonl"
@@ -216,9 +210,7 @@ def test_grading_normalises_and_takes_several_answers(tmp_path: Path) -> None:
 
 
 def test_every_miss_shows_the_expected_and_the_given_strings(tmp_path: Path, monkeypatch, capsys) -> None:
-    engine = SwapEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
-    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    engine = use_fake_models(monkeypatch, SwapEngine())
     docs = write_docs(tmp_path / "docs")
     assert run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32", "--overlap", "8")[0] == 0
     questions = tmp_path / "q.jsonl"
@@ -288,9 +280,7 @@ class ShakyEngine(FidelityEngine):
 
 
 def test_timings_that_move_between_rounds_are_flagged(tmp_path: Path, monkeypatch, capsys) -> None:
-    engine = ShakyEngine()
-    monkeypatch.setattr(corpus_mod, "_load_engine", lambda model, store, mode, dtype=None, adapter=None: engine)
-    monkeypatch.setattr(corpus_mod, "_load_embedder", lambda name: FakeEmbedder())
+    engine = use_fake_models(monkeypatch, ShakyEngine())
     assert run(capsys, "ingest", write_docs(tmp_path / "docs"), "--corpus", tmp_path / "c", "--chunk-tokens", "32")[0] == 0
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))

@@ -10,10 +10,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_cli import fakes, run  # noqa: F401 - fakes is a fixture
+from test_cli import cut_off, fakes, run  # noqa: F401 - fakes is a fixture
 from test_rag_corpus import write_docs
 
-from rag_promptcache.engine.result import Result, Stream
 from rag_promptcache.rag.retrieval import NOT_FOUND
 
 
@@ -70,13 +69,7 @@ def test_min_score_answers_not_found_without_generating(corpus: Path, fakes, cap
 
 
 def test_a_cut_off_answer_is_marked(corpus: Path, fakes, capsys) -> None:  # noqa: F811
-    def cut(prompt, **sampling):
-        def gen():
-            yield "The Nile flows"
-            return Result("The Nile flows", (1, 2), "length", 0.01, 0.02, 100, 90, 10, (), (), ())
-        return Stream(gen())
-
-    fakes.stream = cut
+    fakes.stream = cut_off("The Nile flows")
     code, out, _ = run(capsys, "ask", "Which way does the Nile flow?", "--corpus", corpus, "--max-new-tokens", "2")
     assert code == 0 and "[cut off: the answer reached --max-new-tokens 2; raise it for the rest]" in out
 

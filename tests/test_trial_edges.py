@@ -10,21 +10,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from test_cli import fakes, run  # noqa: F401 - fakes is a fixture
-
-from rag_promptcache.engine.result import Result, Stream
+from test_cli import cut_off, fakes, run  # noqa: F401 - fakes is a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_demo_marks_an_answer_the_budget_cut_off(tmp_path: Path, fakes, capsys) -> None:  # noqa: F811
-    def cut(prompt, **sampling):
-        def gen():
-            yield "The yield statement"
-            return Result("The yield statement", (1, 2), "length", 0.01, 0.02, 100, 90, 10, (), (), ())
-        return Stream(gen())
-
-    fakes.stream = cut
+    fakes.stream = cut_off("The yield statement")
     code, out, err = run(capsys, "demo", "--corpus", tmp_path / "demo", "--max-new-tokens", "2")
     assert code == 0, err
     assert out.count("[cut off: the answer reached --max-new-tokens 2; raise it for the rest]") == 3
