@@ -99,9 +99,9 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
         served = [_serve(stack, bench, chunk, where, store, admission)[0] for chunk in prefill_chunks]
         # two llama-servers as ours, so no prompt cache holds a timed question it was sent before
         asked = [*WARM, *(q for qs in sets for q in qs)]
-        peer_one, skipped = _llama_peer(stack, bench, one_by_one[1], one_by_one[2], llama_server, asked)
-        peer = _llama_peer(stack, bench, one_by_one[1], one_by_one[2], llama_server, asked)[0] if peer_one else None
-        for s in [one_by_one[0], *served] + ([peer_one, peer] if peer else []):
+        peers, skipped = _llama_peers(stack, bench, one_by_one[1], one_by_one[2], llama_server, asked, count=2)
+        peer_one, peer = peers or (None, None)
+        for s in [one_by_one[0], *served, *peers]:
             _level(s.send, WARM, concurrent=True, max_tokens=1)  # warm-up: other questions, not timed
         for qs in pair_sets:  # the pair the target is about, interleaved so all see the same load
             for s in [one_by_one[0]] + ([peer_one] if peer_one else []):
@@ -155,28 +155,29 @@ def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str], 
     return _System(OURS, chunk, lambda q, n: _chat(url, q, n), admission), chat, engine
 
 
-def _llama_peer(stack: ExitStack, bench: Bench, chat: CorpusChat, engine: PromptCache, binary: str | Path | None,
-                questions: Sequence[str]) -> tuple[_System | None, str | None]:
-    """llama-server over the bf16 GGUF, sent each question as the token ids our chat route builds for it;
-    (None, why) where it cannot run."""
+def _llama_peers(stack: ExitStack, bench: Bench, chat: CorpusChat, engine: PromptCache, binary: str | Path | None,
+                 questions: Sequence[str], count: int) -> tuple[list[_System], str | None]:
+    """`count` llama-servers over the bf16 GGUF, each with its own prompt cache, sent each question as the
+    token ids our chat route builds for it; ([], why) where they cannot run."""
     from rag_promptcache.model.loading import DEFAULT_MODEL
 
     reason = llama.skip_reason(binary, gguf_known=bench.model_name == DEFAULT_MODEL)
     if reason is not None:
         bench.log(f"serve: llama-server row skipped: {reason}")
-        return None, reason
+        return [], reason
+    import torch
     from rag_promptcache.bench.llamacpp import default_ggufs
 
     ids: dict[str, list[int]] = {}
     for q in questions:
         prompt = chat.chat_prompt([("user", q)], k=K, max_new_tokens=MAX_TOKENS).prompt
         ids[q] = [i for p in engine.plan(prompt, use_cache=False).pieces for i in p.token_ids]
-    import torch
-
-    server = stack.enter_context(llama.Server(binary, default_ggufs()["bf16"], free_port(), threads=torch.get_num_threads(),
-                                              parallel=MAX_BATCH, ctx_per_slot=max(map(len, ids.values())) + MAX_TOKENS + 16))
-    bench.log(f"serve: llama-server at {server.url} ({' '.join(server.argv)})")
-    return _System(LLAMA, None, lambda q, n: server.stream(ids[q], n)), None
+    ctx = max(map(len, ids.values())) + MAX_TOKENS + 16
+    servers = [stack.enter_context(llama.Server(binary, default_ggufs()["bf16"], free_port(), threads=torch.get_num_threads(),
+                                                parallel=MAX_BATCH, ctx_per_slot=ctx)) for _ in range(count)]
+    for server in servers:
+        bench.log(f"serve: llama-server at {server.url} ({' '.join(server.argv)})")
+    return [_System(LLAMA, None, lambda q, n, server=server: server.stream(ids[q], n)) for server in servers], None
 
 
 def _labels(s: _System, clients: int, mode: str) -> dict[str, object]:
