@@ -75,6 +75,11 @@ def test_the_server_answers_with_the_repetition_control_of_ask_and_chat():
     text = p.ChatRequest.model_validate({**CHAT, "response_format": {"type": "text"}}).sampling()
     assert text["stop_when"] is repeated_sentence
     assert Sampling(**plain).no_repeat_ngram == DEFAULT_NO_REPEAT_NGRAM
+    # bad values: negative is a validation error (422), 1 a ValueError naming the field (app.py: 400)
+    with pytest.raises(ValueError):
+        p.ChatRequest.model_validate({**CHAT, "no_repeat_ngram": -1})
+    with pytest.raises(ValueError, match="no_repeat_ngram must be 0"):
+        Sampling(**p.ChatRequest.model_validate({**CHAT, "no_repeat_ngram": 1}).sampling())
 
 
 def test_completion_only_fields_are_refused_too():
