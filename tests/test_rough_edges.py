@@ -42,6 +42,33 @@ def test_serve_takes_c_and_plain_help(tmp_path: Path, capsys) -> None:
     assert code == 1 and "--port must be at least 0 and at most 65535" in err
 
 
+def test_serve_admission_reaches_the_scheduler_and_bad_values_are_refused(corpus: Path, capsys, monkeypatch) -> None:
+    import rag_promptcache.server as server
+    from rag_promptcache.rag import Corpus
+
+    code, out, _ = run(capsys, "serve", "--help")
+    assert "--admission" in out and "RAG_PROMPTCACHE_ADMISSION" in out
+    code, _, err = run(capsys, "serve", "-c", corpus, "--admission", "some")
+    assert code == 1 and "--admission 'some': valid: all, one" in err, err
+    code, _, err = run(capsys, "serve", "-c", corpus, "--admission", "one", "--prefill-chunk", "64")
+    assert code == 1 and "excludes --prefill-chunk" in err, err
+    served = []
+    monkeypatch.setattr(server, "serve", lambda path, **options: served.append(options))
+    assert run(capsys, "serve", "-c", corpus, "--admission", "one")[0] == 0 and served[0]["admission"] == "one"
+    # and from build to the engine's scheduler (the fake engine has none: one that says what it was asked for)
+    class Asked(Exception):
+        pass
+
+    def scheduler(self, **options):
+        raise Asked(options)
+
+    opened = Corpus.open(corpus)
+    monkeypatch.setattr(type(opened.engine), "scheduler", scheduler, raising=False)
+    with pytest.raises(Asked) as asked:
+        server.build(opened, admission="one")
+    assert asked.value.args[0] == {"max_batch": 8, "max_queue": 64, "prefill_chunk": None, "admission": "one"}
+
+
 def test_ingest_instructions_from_a_file_and_info_shows_them(corpus: Path, tmp_path: Path, capsys) -> None:
     code, out, _ = run(capsys, "info", "--corpus", corpus, "--json")
     assert json.loads(out)["instructions"] == "Answer in one word."

@@ -108,12 +108,12 @@ def run(bench: Bench, *, levels: tuple[int, ...] = LEVELS, repeats: int = REPEAT
                 record(_level(s.send, qs, concurrent=False) | _labels(s, 1, SEQUENTIAL))
             for s in served + ([peer] if peer else []):
                 record(_level(s.send, qs, concurrent=True) | _labels(s, MAX_BATCH, CONCURRENT))
+        if repeats:  # right after the leg it repeats: the later legs' prompts would push it out of the prefix cache
+            last = served[-1]
+            record(_level(last.send, pair_sets[-1], concurrent=True) | _labels(last, MAX_BATCH, REPEATED))
         for n, qs in level_sets.items():
             for s in served + ([peer] if peer else []):
                 record(_level(s.send, qs, concurrent=True) | _labels(s, n, CONCURRENT))
-        if repeats:
-            last = served[-1]
-            record(_level(last.send, pair_sets[-1], concurrent=True) | _labels(last, MAX_BATCH, REPEATED))
     return _summary(runs, repeats, prefill_chunks, where[0], skipped, admission)
 
 

@@ -28,7 +28,7 @@ INSTALL_HINT = "the server needs its extra: pip install 'rag-promptcache[server]
 
 def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_queue: int = 64,
           redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
-          prefill_chunk: int | None = None, min_score: float | None = None,
+          prefill_chunk: int | None = None, admission: str = "all", min_score: float | None = None,
           adapter: str | None = "default") -> tuple[FastAPI, Batcher, CorpusChat]:
     """Open `corpus` (a path, or a corpus already opened), load its model, start its scheduler, and return
     (app, scheduler, chat). Close the scheduler and the corpus when done."""
@@ -48,7 +48,8 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
         c.close()
         raise
     try:
-        batcher = c.engine.scheduler(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk)
+        batcher = c.engine.scheduler(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                                     admission=admission)
     except BaseException:
         c.close()
         raise
@@ -63,7 +64,8 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
 
 def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: int = 4, max_batch: int = 8,
           max_queue: int = 64, redis_url: str | None = None, dtype: str | None = None, api_key: str | None = None,
-          prefill_chunk: int | None = None, shutdown_timeout: float = 30, min_score: float | None = None,
+          prefill_chunk: int | None = None, admission: str = "all", shutdown_timeout: float = 30,
+          min_score: float | None = None,
           log_level: str = "info", log_format: str = "text", adapter: str | None = "default",
           log: Callable[[str], None] = print,
           say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
@@ -90,7 +92,7 @@ def serve(corpus: str | Path, *, host: str = "127.0.0.1", port: int = 8000, k: i
     configure_logging(log_level, log_format)
     try:
         app, batcher, chat = build(opened, k=k, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-                                   prefill_chunk=prefill_chunk, min_score=min_score)
+                                   prefill_chunk=prefill_chunk, admission=admission, min_score=min_score)
     except BaseException:
         sock.close()
         raise

@@ -26,6 +26,11 @@ def register(app: typer.Typer) -> None:
             "--prefill-chunk", envvar="RAG_PROMPTCACHE_PREFILL_CHUNK", show_envvar=True,
             help="Run a new request's prefill N tokens at a time with the running requests' decode steps: bounds how "
                  "long their streams stall, at some cost to throughput on a CPU [default: whole prefills].")] = None,
+        admission: Annotated[str, typer.Option(
+            "--admission", envvar="RAG_PROMPTCACHE_ADMISSION", show_envvar=True,
+            help="How whole prefills join the running requests: 'all' admits every waiting one in one step (best "
+                 "throughput), 'one' runs one prefill between decode steps (streams stall about 0.6 s instead of "
+                 "3 s at 8 clients, at a later first token under load). Not with --prefill-chunk.")] = "all",
         redis_url: RedisOpt = None,
         dtype: DtypeOpt = None,
         adapter: AdapterOpt = "default",
@@ -50,6 +55,7 @@ def register(app: typer.Typer) -> None:
             "--ray-address", help="With --ray: join this cluster (HOST:PORT, ray://HOST:PORT or auto) [default: start a local one].")] = None,
     ) -> None:
         """Serve a corpus over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
+        from rag_promptcache.engine.batching.batcher import ADMISSIONS
         from rag_promptcache.server import serve as run
         from rag_promptcache.server.access_log import FORMATS, LEVELS
 
@@ -60,6 +66,10 @@ def register(app: typer.Typer) -> None:
             if value is not None and (value < low or (high is not None and value > high)):
                 raise ValueError(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else "")
                                  + f", got {value:g}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"--admission {admission!r}: valid: {', '.join(ADMISSIONS)}")
+        if admission != "all" and prefill_chunk is not None:
+            raise ValueError("--admission one admits whole prefills: it excludes --prefill-chunk")
         if log_level not in LEVELS:
             raise ValueError(f"--log-level {log_level!r}: valid: {', '.join(LEVELS)}")
         if log_format not in FORMATS:
@@ -76,10 +86,10 @@ def register(app: typer.Typer) -> None:
             bounds = parse_autoscale(autoscale) if autoscale is not None else None
             opts = ReplicaOptions(str(corpus.resolve()), k=k, max_batch=max_batch, max_queue=max_queue,
                                   redis_url=redis_url, dtype=dtype, api_key=api_key, prefill_chunk=prefill_chunk,
-                                  min_score=min_score, adapter=adapter)
+                                  admission=admission, min_score=min_score, adapter=adapter)
             serve_ray(corpus, replicas=2 if replicas is None else replicas, autoscale=bounds, ray_address=ray_address,
                       host=host, port=port, opts=opts, log=typer.echo)
             return
         run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
-            api_key=api_key, prefill_chunk=prefill_chunk, shutdown_timeout=shutdown_timeout, min_score=min_score,
+            api_key=api_key, prefill_chunk=prefill_chunk, admission=admission, shutdown_timeout=shutdown_timeout, min_score=min_score,
             log_level=log_level, log_format=log_format, adapter=adapter, log=typer.echo)

@@ -60,6 +60,7 @@ class ReplicaOptions:
     dtype: str | None = None
     api_key: str | None = None
     prefill_chunk: int | None = None
+    admission: str = "all"
     min_score: float | None = None
     adapter: str | None = "default"
 
@@ -75,7 +76,7 @@ def build_replica_app(opts: ReplicaOptions) -> FastAPI:
     corpus = Corpus.open(opts.corpus, redis_url=opts.redis_url, dtype=opts.dtype, disk_tier=not opts.redis_url,
                          adapter=opts.adapter)
     app, _, _ = build(corpus, k=opts.k, max_batch=opts.max_batch, max_queue=opts.max_queue, api_key=opts.api_key,
-                      prefill_chunk=opts.prefill_chunk, min_score=opts.min_score)
+                      prefill_chunk=opts.prefill_chunk, admission=opts.admission, min_score=opts.min_score)
     name = _replica_name()
 
     @app.middleware("http")
