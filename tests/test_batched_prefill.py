@@ -131,10 +131,16 @@ def test_prefills_waiting_with_no_row_running_run_in_one_forward(tokenizer, monk
     log = _logged(monkeypatch)
     armed, gate = _gate(monkeypatch)
     armed.set()
+    paced = []  # what the engine's cost model hears of the prefills it ran (its pace, costmodel.py)
+    monkeypatch.setattr(pc.fallback, "ran", lambda new, context, seconds: paced.append((new, context, seconds)))
     with Batcher(pc, max_batch=4, admission="one") as s:
         handles = [s.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in LATE]
         gate.set()
         assert [h.consume().token_ids for h in handles] == [a.token_ids for a in alone]
+    # each prefill is heard once, with its new tokens and what they attended to, whether alone or shared
+    plans = [pc.plan(p) for p, _ in LATE]
+    assert [(n, c) for n, c, _ in paced] == [(p.num_tokens - p.num_cached, p.num_cached) for p in plans], (paced, log)
+    assert all(seconds >= 0 for _, _, seconds in paced)
     if arch == "llama":
         assert log[0] == ("mixed", 0, 3), log
     else:  # no lean forward: one whole prefill, then the rows step, before the next

@@ -17,6 +17,7 @@ from rag_promptcache.tune.check import Check, CheckQuestion, blanks, judge, made
 from rag_promptcache.tune.corpus import tune_corpus
 from rag_promptcache.tune.train import TuneConfig
 from tests.tiny_adapter import save_random_lora
+from tests.test_cli import assert_user_error, run
 from tests.test_cli_failures import cli
 from tests.tiny_llama import save_tiny_llama
 
@@ -30,7 +31,7 @@ DOCS = {f"team-{i}.md": f"Team {name} meets on {day}. Its lead is {lead}, who jo
 
 
 @pytest.mark.slow
-def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_path: Path, monkeypatch) -> None:
+def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_path: Path, monkeypatch, capsys) -> None:
     model = save_tiny_llama(tmp_path / "tiny")
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -52,17 +53,13 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     again = cli("tune", "-c", tmp_path / "c", "--steps", "3", "--check", "0", "--corpus-only", timeout=600)
     assert again.returncode == 0, again.stderr
     assert "trained 3 steps" in again.stdout and "applied unchecked" in again.stdout  # resumed from step 2
-    bad = cli("tune", "-c", tmp_path / "c", "--minutes", "0")
-    assert bad.returncode == 1 and "--minutes must be > 0" in bad.stderr
-    bad = cli("tune", "-c", tmp_path / "c", "-k", "0")
-    assert bad.returncode == 1 and "-k must be at least 1" in bad.stderr
-    bad = cli("tune", "-c", tmp_path / "c", "--links", "-1")
-    assert bad.returncode == 1 and "--links must be >= 0, got -1" in bad.stderr
-    bad = cli("tune", "-c", tmp_path / "c", "--questions", tmp_path / "missing.jsonl")
-    assert bad.returncode == 1 and "no such file" in bad.stderr
+    # bad input, in this process (the same command, without five more start-ups)
     (tmp_path / "bad.jsonl").write_text('{"question": "Who leads Amber?"}\n{"answer": "x"}\n')
-    bad = cli("tune", "-c", tmp_path / "c", "--questions", tmp_path / "bad.jsonl")
-    assert bad.returncode == 1 and "bad.jsonl:2" in bad.stderr
+    for args, why in [(("--minutes", "0"), "--minutes must be > 0"), (("-k", "0"), "-k must be at least 1"),
+                      (("--links", "-1"), "--links must be >= 0, got -1"),
+                      (("--questions", tmp_path / "missing.jsonl"), "no such file"),
+                      (("--questions", tmp_path / "bad.jsonl"), "bad.jsonl:2")]:
+        assert_user_error(run(capsys, "tune", "-c", tmp_path / "c", *args), why)
     # where an adapter ships for the model, a tune starts from it and is checked against it too; here on
     # the user's questions, one without an expected answer (right: what the base model's full prefill says)
     shipped = adapters.read(save_random_lora(model, tmp_path / "shipped", recovery="last:1"))

@@ -13,7 +13,7 @@ engine and prefix cache (on, at the server's default size), over one store holdi
 before any leg, and is warmed with other questions (`WARM`, `max_tokens` 1). Within a repeat every
 system gets the same new questions, so their rows compare the same work. An exact
 repeat decodes from the prefix cache with no prefill: that is the row "8 at once, exact repeats" (the
-last 8-at-once leg's questions again), never mixed into the others. Per leg: total generated tokens/s
+last 8-at-once leg's questions again, right after it), never mixed into the others. Per leg: total generated tokens/s
 over the leg's wall time, p50/p95 time to the first content chunk, p50/p95 time between a request's
 consecutive content chunks (pooled over the leg's requests: what a prefill running between decode steps
 stretches), the longest such gap (a stream stalled while other requests prefill), p50/p95 total

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     from rag_promptcache.engine.decoding.grammar import Grammar
     from rag_promptcache.engine.planning.plan import Plan
-    from rag_promptcache.engine.planning.prefill import Prefilled, Prefilling
+    from rag_promptcache.engine.planning.prefill import Chunk, Prefilled, Prefilling
     from rag_promptcache.engine.prefix.prefix_cache import PrefixUse
     from rag_promptcache.engine.planning.recovery import Recovery
     from rag_promptcache.engine.decoding.state import DecodeState
@@ -311,14 +311,18 @@ class Batcher:
             return
         ids = [f[0] for f in fed]
         positions = [self._running[rid].state.position for rid in order]
+        contexts = [todo.asm.num_cached + todo.num_done for _, todo in heads]
         chunks = [todo.take(self.prefill_chunk) for _, todo in heads]
         try:
             with self.engine.model_lock:
+                t0 = time.perf_counter()
                 if not heads:
                     logits = decode_step(self.engine.model, self.batch, ids, positions)  # [n, V]
                 else:
                     logits, lasts = mixed_step(self.engine.model, self.batch, ids, positions,
                                                [(todo.cache, chunk) for (_, todo), chunk in zip(heads, chunks)])
+                    if not order:
+                        _ran_together(heads, chunks, contexts, t0)
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the thread serves the next ones
             for rid in [*order, *(rid for rid, _ in heads)]:
                 self._finish(rid, e)
@@ -375,3 +379,18 @@ class Batcher:
         if move is not None:
             self.batch.move(move.src, move.dst)
         handle.put(outcome)
+
+
+def _ran_together(heads: Sequence[tuple[int, Prefilling]], chunks: Sequence[Chunk], contexts: Sequence[int],
+                  t0: float) -> None:
+    """Prefills that shared one forward with no running row (`admission` "one") report it to the engine's
+    pace (`Prefilling.on_ran`, as `Prefilling.run` does for one alone): the forward's seconds split by
+    their tokens. The pace meter sums a span of prefills before it takes a sample, so only the totals
+    count. A forward with running rows reports nothing: part of its time is their decode step."""
+    if chunks and chunks[0].ids.device.type == "cuda":
+        torch.cuda.synchronize(chunks[0].ids.device)
+    seconds = time.perf_counter() - t0
+    total = sum(chunk.ids.shape[1] for chunk in chunks)
+    for (_, todo), chunk, context in zip(heads, chunks, contexts):
+        if todo.on_ran is not None:
+            todo.on_ran(chunk.ids.shape[1], context, seconds * chunk.ids.shape[1] / total)
