@@ -58,7 +58,7 @@ docs: venv
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(BIN)/mkdocs build --strict --quiet
 
 test: venv kernels redis browser docs
-	$(BIN)/python -m pytest -q tests integrations/langchain/tests integrations/llamaindex/tests
+	$(BIN)/python -m pytest -q --durations=20 tests integrations/langchain/tests integrations/llamaindex/tests
 
 # Minutes, not tens of them: no SmolLM2 weights, no server, bench, examples, Ray or wheel builds (tests/conftest.py).
 test-fast: venv kernels
