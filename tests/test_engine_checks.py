@@ -46,7 +46,7 @@ def test_prompt_past_the_context_window_is_refused_with_the_numbers(model, token
 
 def test_missed_module_tokens_count_as_computed_not_cached(model, tokenizer):
     # the store's counts alone: with the prefix cache the repeated prompt would come from the first request
-    pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none", prefix_cache_bytes=0)
+    pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none", prefix_cache_bytes=0, fallback="never")
     pc.add_schema(SCHEMA)
     prompt = '<prompt schema="s"><a/><b/> Where?</prompt>'
     units = pc.schemas.compile("s", False).units

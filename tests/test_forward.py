@@ -100,7 +100,7 @@ def test_other_architectures_keep_transformers_forward():
 
 def test_engine_assembly_runs_the_same_on_lean_and_transformers_forward(tokenizer):
     # relocated modules and a parameter value inside a module (a 4D mask): the engine's real inputs
-    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, recovery="none")
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, recovery="none", fallback="never")
     assert lean_forward(pc.model) is not None
     pc.add_schema('<schema name="s"><module name="a">alpha beta gamma delta</module>'
                   '<module name="t">Plan a trip for <param name="d" len="4"/> around it.</module></schema>')

@@ -19,7 +19,8 @@ SCHEMA = """<schema name="s">
 
 @pytest.fixture(scope="module")
 def pc(tokenizer):
-    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none")
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+                     fallback="never")
     pc.add_schema(SCHEMA)
     return pc
 

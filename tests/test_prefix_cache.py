@@ -204,7 +204,7 @@ GREEDY = dict(max_new_tokens=10, ignore_eos=True)
 
 def tiny_engine(tokenizer, **kwargs) -> PromptCache:
     pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(),
-                     **{"recovery": "last:2", **kwargs})
+                     **{"recovery": "last:2", "fallback": "never", **kwargs})
     pc.add_schema(CHAT_SCHEMA)
     return pc
 

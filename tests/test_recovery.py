@@ -18,7 +18,8 @@ PROMPT = '<prompt schema="s"><b/><a/><c/><user>What jumps?</user></prompt>'
 
 
 def engine(arch, tokenizer, device="cpu", **kw) -> PromptCache:
-    pc = PromptCache(build(arch, device, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), **{"recovery": "none", **kw})
+    pc = PromptCache(build(arch, device, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(),
+                     **{"recovery": "none", "fallback": "never", **kw})
     pc.add_schema(SCHEMA)
     return pc
 

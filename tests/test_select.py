@@ -48,7 +48,8 @@ def test_bad_selection_is_refused():
 
 
 def test_question_mass_covers_the_cached_tokens(tokenizer):
-    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none")
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+                     fallback="never")
     pc.add_schema(SCHEMA)
     plan = pc.plan(PROMPT, recovery="none")
     mass = question_mass(plan.pieces, plan.kvs, pc.model, pc.relocator, pc.geometry, (0, 1))
@@ -70,7 +71,8 @@ def test_question_recovery_recomputes_the_nearest_module_and_its_budget(tokenize
     R = 1 is every stale token, so its logits match full prefill's."""
     from rag_promptcache.engine.planning.recovery import Recovery
 
-    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none")
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+                     fallback="never")
     pc.add_schema(SCHEMA)
     base = pc.plan(PROMPT, recovery="none")
     stale = stale_tokens(base.pieces, base.kvs)

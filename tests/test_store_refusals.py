@@ -35,13 +35,13 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def expected(model, tokenizer):
-    pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none")
+    pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none", fallback="never")
     pc.add_schema(SCHEMA)
     return pc.generate(BOTH, max_new_tokens=4).token_ids
 
 
 def engine(model, tokenizer, store) -> PromptCache:
-    pc = PromptCache(model, tokenizer, store=store, recovery="none")
+    pc = PromptCache(model, tokenizer, store=store, recovery="none", fallback="never")
     pc.add_schema(SCHEMA)
     return pc
 

@@ -101,7 +101,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
 def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, disk: PromptCache,
          miss: PromptCache, first: bool, llama: dict[str, llamacpp.Runner] | None = None) -> dict[str, object]:
     cfg, model, device = bench.config, bench.model, bench.device
-    plan = mem.plan(prompt)
+    plan = mem.plan(prompt, fallback=False)  # the cached plan's pieces, whichever path `auto` would run
     assert not plan.misses, f"{plan.misses=}"
     ids = torch.tensor([[t for p in mem.plan(prompt, use_cache=False).pieces for t in p.token_ids]], device=device)
     n = ids.shape[1]
@@ -177,7 +177,7 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
         llama_fields["llamacpp"] = llamacpp.info(bench)
     return {
         # the retrieved modules' tokens, counted before recovery turns some of them into new tokens
-        "context_tokens": sum(len(p.token_ids) for p in mem.plan(prompt, recovery="none").pieces
+        "context_tokens": sum(len(p.token_ids) for p in mem.plan(prompt, recovery="none", fallback=False).pieces
                               if p.unit not in (None, ROOT)),
         "recovery": str(mem.recovery),
         "modules": m,
