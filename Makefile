@@ -90,8 +90,9 @@ gpu-check:
 # Here, before gpu-check goes to a machine that cannot download: the wheels its tests need in the
 # versions this suite runs (cp312, manylinux x86_64), and the default model's tokenizer and config
 # (no weights) in .whl/smollm2.
-# faiss-cpu: the bench imports rag_promptcache.rag, whose index needs it.
-GPU_WHEELS := transformers==5.24.0 pytest-asyncio==1.5.0 faiss-cpu==1.15.1
+# No FAISS: the device tier and benches build no index (rag/index.py imports it when one is made).
+# Every call carries the tree too, 64 MiB in all: scripts/travel.py checks that .whl still fits.
+GPU_WHEELS := transformers==5.24.0 pytest-asyncio==1.5.0
 gpu-wheels: venv
 	rm -rf .whl && mkdir -p .whl
 	for w in $(GPU_WHEELS); do \
@@ -101,7 +102,7 @@ gpu-wheels: venv
 	$(BIN)/python -c "from transformers import AutoConfig; from rag_promptcache.model.loading import load_tokenizer, \
 	  _resolve_directory; load_tokenizer().save_pretrained('.whl/smollm2'); \
 	  AutoConfig.from_pretrained(_resolve_directory('smollm2-135m-instruct')).save_pretrained('.whl/smollm2')"
-	du -sh .whl
+	$(BIN)/python scripts/travel.py --carry .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(LIBRARY) $(LIBRARY).json

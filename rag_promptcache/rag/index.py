@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import faiss
 import numpy as np
+
+if TYPE_CHECKING:
+    import faiss
 
 KINDS = ("flat", "hnsw", "ivf")
 _ID_MASK = (1 << 63) - 1
+
+
+def _faiss():
+    """FAISS, imported when an index is first made or read. Importing the package needs no FAISS: the
+    engine's benches and `make gpu-check` import `rag_promptcache.rag` without building an index, and
+    the GPU machine they run on carries no FAISS wheel."""
+    import faiss
+
+    return faiss
 
 
 def faiss_id(module_id: str) -> int:
@@ -34,6 +46,7 @@ class VectorIndex:
         self.index = self._empty(0)
 
     def _empty(self, num_train: int) -> faiss.Index:
+        faiss = _faiss()
         if self.kind == "flat":
             return faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
         if self.kind == "hnsw":
@@ -62,7 +75,7 @@ class VectorIndex:
         if self.kind != "hnsw":
             return int(self.index.remove_ids(ids))
         # HNSW graphs cannot drop nodes: rebuild from the vectors that stay.
-        all_ids = faiss.vector_to_array(self.index.id_map).astype(np.int64)
+        all_ids = _faiss().vector_to_array(self.index.id_map).astype(np.int64)
         keep = ~np.isin(all_ids, ids)
         vectors = self.index.index.reconstruct_n(0, len(all_ids)) if len(all_ids) else np.zeros((0, self.dim), np.float32)
         self.index = self._empty(0)
@@ -83,12 +96,12 @@ class VectorIndex:
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(path.suffix + ".tmp")
-        faiss.write_index(self.index, str(tmp))
+        _faiss().write_index(self.index, str(tmp))
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path, dim: int, kind: str) -> "VectorIndex":
         out = cls(dim, kind)
-        out.index = faiss.read_index(str(path))
+        out.index = _faiss().read_index(str(path))
         assert out.index.d == dim, f"{out.index.d=} {dim=}"
         return out
