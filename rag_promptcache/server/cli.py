@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
                                  + f", got {value:g}")
         if admission not in ADMISSIONS:
             raise ValueError(f"--admission {admission!r}: valid: {', '.join(ADMISSIONS)}")
-        if admission != "all" and prefill_chunk is not None:
+        if admission == "one" and prefill_chunk is not None:
             raise ValueError("--admission one admits whole prefills: it excludes --prefill-chunk")
         if log_level not in LEVELS:
             raise ValueError(f"--log-level {log_level!r}: valid: {', '.join(LEVELS)}")
