@@ -6,7 +6,10 @@
 # several calls to the same warm machine, which keeps /tmp only while it is held: each call must
 # follow the last within the machine's idle release (30 s), or the next one starts bare.
 #
-#   here:    scripts/tune_on_gpu.sh prep            writes .gpu/c1 .. .gpu/cN and prints the N calls
+#   here:    scripts/tune_on_gpu.sh prep            writes .gpu/c1 .. .gpu/cN and prints the N calls;
+#                                                   the parts are sized to the tree as it is, so prep
+#                                                   after the last commit, or `sizes` says what no
+#                                                   longer fits
 #   device:  scripts/tune_on_gpu.sh stage           carry [".gpu/c1"]: installs the wheels, checks the
 #                                                   recipe on a tiny random model on CUDA; then carry
 #                                                   [".gpu/c2"], ... for the middle parts
@@ -82,6 +85,12 @@ print(int(travel.path_bytes(pathlib.Path('$GPU/c$n')) + travel.path_bytes(pathli
     done
     echo "  $n. run  command='scripts/tune_on_gpu.sh train 420'  carry=[\"$GPU/c$n\"]  timeout_s=600"
     ;;
+  sizes)  # here: does each prepared call still fit beside the tree?
+    ok=0
+    for d in "$GPU"/c*/; do "${BIN:-.venv/bin}/python" scripts/travel.py --carry "${d%/}" | tail -1 || ok=1; done
+    [ "$ok" = 0 ] || echo "sizes: some calls no longer fit: run prep again"
+    exit "$ok"
+    ;;
   stage)
     stage
     # the first call on this machine: is the recipe sound here? (a warm machine keeps ignored paths too)
@@ -129,7 +138,7 @@ between calls (it keeps /tmp only while held); start again from c1"; exit 3; }
     done
     ;;
   *)
-    echo "usage: scripts/tune_on_gpu.sh prep | stage | train SECONDS   (the header says which call carries what)"
+    echo "usage: scripts/tune_on_gpu.sh prep | sizes | stage | train SECONDS   (the header says which call carries what)"
     exit 2
     ;;
 esac

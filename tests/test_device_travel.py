@@ -138,3 +138,18 @@ def test_a_corrupt_part_is_refused_before_training(tmp_path):
                          text=True)
     assert out.returncode != 0 and "FAILED" in out.stdout + out.stderr
     assert "rag_promptcache.tune.recipe" not in out.stdout
+
+
+def test_sizes_says_when_prepared_calls_no_longer_fit_the_tree(tmp_path):
+    # prep sizes its parts to the tree as it was; a commit after it can push a call over the limit
+    (tmp_path / "c1").mkdir()
+    (tmp_path / "c2").mkdir()
+    (tmp_path / "c1" / "part_1").write_bytes(b"\0" * 1000)
+    env = {**os.environ, "GPU_DIR": str(tmp_path), "BIN": str(Path(sys.executable).parent)}
+    sizes = lambda: subprocess.run(["bash", "scripts/tune_on_gpu.sh", "sizes"], cwd=ROOT, env=env,  # noqa: E731
+                                   capture_output=True, text=True)
+    (tmp_path / "c2" / "part_2").write_bytes(b"\0" * 1000)
+    assert sizes().returncode == 0
+    (tmp_path / "c2" / "part_2").write_bytes(b"\0" * (travel.room(ROOT) + 2**20))
+    over = sizes()
+    assert over.returncode == 1 and "run prep again" in over.stdout
