@@ -6,7 +6,7 @@ paths it names in `carry`, 64 MiB in all. The tree itself takes a share of every
 carried is the limit less the tree, and it shrinks as the repository grows.
 
     python scripts/travel.py [--carry PATH ...] [--limit-mib 64]
-    python scripts/travel.py split FILE DIR [--first-call PATH]
+    python scripts/travel.py split FILE DIR [--limit-mib 64]
 
 The first prints the tree's bytes, each carried path's and what is left, and exits 1 when they do not
 fit (`make gpu-wheels` runs it on .whl). `split` cuts FILE into parts that each fit one call beside the
