@@ -5,6 +5,9 @@ and stored under the cache home."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from rag_promptcache.engine import PromptCache
@@ -62,6 +65,7 @@ def test_a_calibration_that_sees_no_token_cost_keeps_the_cached_plan():
 
 def test_costs_are_measured_once_and_stored(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(costmodel, "cpu_busy", lambda: False)  # the machine's load, held still
     model = build("llama", vocab_size=len(tokenizer))
     args = (model, relocator_for(model), kv_geometry(model), "fp-test")
     first = stored_costs(*args)
@@ -103,3 +107,39 @@ def test_learned_absolute_positions_calibrate_and_answer_on_the_defaults(arch, t
     res = pc.generate('<prompt schema="facts"><a/> go</prompt>', max_new_tokens=3, ignore_eos=True)
     assert pc.fallback.policy == "auto" and pc.fallback.costs is not None and len(res.token_ids) == 3
     assert res.path in ("cached", "full")
+
+
+def test_a_calibration_stored_while_the_cpu_was_busy_is_measured_again_once_it_is_idle(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    model = build("llama", vocab_size=len(tokenizer))
+    args = (model, relocator_for(model), kv_geometry(model), "fp-busy")
+    calls = []
+    real = costmodel.calibrate
+    monkeypatch.setattr(costmodel, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    busy = [True]
+    monkeypatch.setattr(costmodel, "cpu_busy", lambda: busy[0])
+    stored_costs(*args)
+    (saved,) = (tmp_path / "costs").glob("*.json")
+    assert json.loads(saved.read_text())["cpu_busy"] is True and len(calls) == 1
+    stored_costs(*args)  # still busy: kept, no calibration storm under load
+    assert len(calls) == 1
+    busy[0] = False
+    stored_costs(*args)  # idle now: measured again, and stored as idle
+    assert len(calls) == 2 and json.loads(saved.read_text())["cpu_busy"] is False
+    busy[0] = True
+    stored_costs(*args)  # an idle calibration stays, whatever the load later
+    assert len(calls) == 2
+
+
+def test_busy_means_load_over_one_and_a_half_times_the_cores(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5 * cores + 0.1, 0.0, 0.0))
+    assert costmodel.cpu_busy()
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0 * cores, 0.0, 0.0))
+    assert not costmodel.cpu_busy()
+
+    def unreadable():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(os, "getloadavg", unreadable)
+    assert not costmodel.cpu_busy()

@@ -11,7 +11,8 @@ tokens against them; a full prefill pays one forward over every token. `Costs` m
 `calibrate` measures the coefficients with a few tiny timed forwards and assemblies (tenths of a second
 on SmolLM2-135M on an idle CPU; each repeated until it spans `timing.MIN_STEPS` steps of the clock, so
 seconds where the clock is coarse), on the first request that needs them, and `stored_costs` keeps them
-under the cache home keyed by model fingerprint, device, dtype and threads, so a machine measures once.
+under the cache home keyed by model fingerprint, device, dtype and threads, so a machine measures once
+(again once the CPU is idle, where it was busy while the stored calibration ran: `cpu_busy`).
 A calibration is one moment of a machine whose load changes (a busy neighbour, or none any more), so
 the costs follow the prefills actually run (the request's own, and encoding a module, which is what
 recomputing it costs): `PaceMeter` keeps a moving average of measured over modelled seconds, and
@@ -68,6 +69,8 @@ ENV = "RAG_PROMPTCACHE_FALLBACK"
 SHORT, LONG, CONTEXT = 32, 256, 512
 MARGIN = 0.05
 VERSION = 1
+# a 1-minute load average over this many times the cores: other work holds the CPU (`cpu_busy`)
+BUSY_LOAD = 1.5
 # the pace meter: a sample is a span of prefills this long, measured or modelled; the newest sample's
 # weight in the moving average (taken over log-ratios, so a halving and a doubling move it alike);
 # how far one sample may put the machine from its calibration (a clock that did not advance says 0)
@@ -221,24 +224,42 @@ class Fallback:
         return costs.cached(num_tokens - new, new) > (1 + MARGIN) * full
 
 
+def cpu_busy() -> bool:
+    """Whether other work holds this CPU: a 1-minute load average over `BUSY_LOAD` times its cores (a
+    calibration's own threads load it about once). False where the load cannot be read."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return load > BUSY_LOAD * cores
+
+
 def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry, fingerprint: str) -> Costs:
     """This machine's `Costs` for the model: read from the cache home, or calibrated now and written there
-    (a cache home that cannot be written only costs a calibration per engine, with one warning)."""
+    (a cache home that cannot be written only costs a calibration per engine, with one warning). A
+    calibration stored while the CPU was busy is measured again, once, when it no longer is: one busy
+    moment's coefficients are not uniformly slower (the pace scales all of them alike), and kept for
+    good they would decide every later engine's choice between cached and full prefill."""
     what = f"{fingerprint}|{model.device}|{model.dtype}|{torch.get_num_threads()}"
     path = cache_home() / "costs" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
+    on_cpu = model.device.type == "cpu"
     try:
         saved = json.loads(path.read_text())
         if saved.get("version") == VERSION and saved.get("key") == what:
-            return Costs(**saved["costs"])
+            if not (on_cpu and saved.get("cpu_busy") and not cpu_busy()):
+                return Costs(**saved["costs"])
     except FileNotFoundError:
         pass
     except (OSError, ValueError, TypeError, KeyError) as e:  # unreadable or from another version: measure again
         warnings.warn(f"ignoring the stored prefill costs at {path} ({e}); measuring again", RuntimeWarning, stacklevel=2)
+    busy = on_cpu and cpu_busy()
     costs = calibrate(model, relocator, geometry)
+    busy = busy or (on_cpu and cpu_busy())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": VERSION, "key": what, "costs": asdict(costs)}))
+        tmp.write_text(json.dumps({"version": VERSION, "key": what, "costs": asdict(costs), "cpu_busy": busy}))
         tmp.replace(path)
     except OSError as e:
         warnings.warn(f"could not store the prefill costs at {path} ({e}); they are measured per engine",
