@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.store_helpers import REDIS_BIN, RedisServer, free_port
+from tests.store_helpers import REDIS_BIN, LocalRedis
 
 torch.set_num_threads(2)
 # The suite runs the default path (fallback "auto", engine/planning/costmodel.py). A test that checks the cached
@@ -101,10 +101,8 @@ def tokenizer():
 def _serve():
     if REDIS_BIN is None:
         pytest.skip("redis-server binary not found (apt-get install redis-server)")
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.stop()
+    with LocalRedis() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.store_helpers import RedisServer, free_port, key_of, make_kv, needs_redis
+from tests.store_helpers import LocalRedis, free_port, key_of, make_kv, needs_redis
 
 from rag_promptcache.store import DiskStore, ModuleKV, RedisStore, Store, verify
 from rag_promptcache.store import disk as disk_module
@@ -218,7 +218,7 @@ def test_redis_down_before_the_request(caplog) -> None:
 
 
 @needs_redis
-def test_redis_down_during_the_request_then_back(own_redis: RedisServer, caplog) -> None:
+def test_redis_down_during_the_request_then_back(own_redis: LocalRedis, caplog) -> None:
     now = [0.0]  # the store's clock: the backoff passes when the test says so, not after a sleep
     store = RedisStore(own_redis.url, prefix="p", retry_after_s=0.2, chunk_bytes=1000, clock=lambda: now[0])
     kvs = [make_kv(i) for i in range(2)]
@@ -239,7 +239,7 @@ def test_redis_down_during_the_request_then_back(own_redis: RedisServer, caplog)
     assert sum("unreachable" in m for m in messages) == 1 and sum("is back" in m for m in messages) == 1
 
 
-def frozen(server: RedisServer, seconds: float) -> threading.Timer:
+def frozen(server: LocalRedis, seconds: float) -> threading.Timer:
     """Stop `server` now (as a stalled virtual machine stops every process) and resume it after `seconds`."""
     server.proc.send_signal(signal.SIGSTOP)
     timer = threading.Timer(seconds, lambda: server.proc.send_signal(signal.SIGCONT))
@@ -248,7 +248,7 @@ def frozen(server: RedisServer, seconds: float) -> threading.Timer:
 
 
 @needs_redis
-def test_redis_one_stall_past_the_timeout_is_not_an_outage(own_redis: RedisServer) -> None:
+def test_redis_one_stall_past_the_timeout_is_not_an_outage(own_redis: LocalRedis) -> None:
     # a stall longer than the timeout, then the server answers: the call is tried again once, so the
     # stall (a clock that leaps past the deadline) is neither a miss nor a back-off
     store = RedisStore(own_redis.url, prefix="stall", timeout_s=1.0, retry_after_s=30)
@@ -264,7 +264,7 @@ def test_redis_one_stall_past_the_timeout_is_not_an_outage(own_redis: RedisServe
 
 
 @needs_redis
-def test_redis_foreign_or_broken_values_are_misses(redis_server: RedisServer) -> None:
+def test_redis_foreign_or_broken_values_are_misses(redis_server: LocalRedis) -> None:
     import redis
 
     store = RedisStore(redis_server.url, prefix="faults", chunk_bytes=1000)
@@ -284,7 +284,7 @@ def test_redis_foreign_or_broken_values_are_misses(redis_server: RedisServer) ->
 
 
 @needs_redis
-def test_redis_ttl_expires_entries(redis_server: RedisServer) -> None:
+def test_redis_ttl_expires_entries(redis_server: LocalRedis) -> None:
     store = RedisStore(redis_server.url, prefix=uuid.uuid4().hex, ttl_s=0.2)
     kv = make_kv(4)
     store.put(key_of(kv), kv)

@@ -17,7 +17,7 @@ import redis
 
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.store import DiskStore, MemoryStore, RedisStore
-from tests.store_helpers import RedisServer, free_port, needs_redis
+from tests.store_helpers import LocalRedis, needs_redis
 from tests.tiny import build
 
 SCHEMA = """<schema name="s">
@@ -60,12 +60,8 @@ def check_refused(pc: PromptCache, expected, caplog, logged: str) -> None:
 
 @contextlib.contextmanager
 def server(*extra: str):
-    s = RedisServer(free_port(), "--dir", tempfile.mkdtemp(prefix="rpc-redis-"), *extra)  # a replica saves its copy
-    s.start()
-    try:
+    with LocalRedis("--dir", tempfile.mkdtemp(prefix="rpc-redis-"), *extra) as s:  # a replica saves its copy
         yield s
-    finally:
-        s.stop()
 
 
 @needs_redis

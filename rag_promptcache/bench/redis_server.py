@@ -3,7 +3,8 @@
     with LocalRedis("--maxmemory", "64mb") as server:
         store = RedisStore(server.url)
 
-Nothing is saved (no RDB, no AOF), and the process is killed on exit. Not here: a server the user runs
+Nothing is saved (no RDB, no AOF), and the process is killed on exit. `stop()` and `start()` take it
+down and bring it back, empty, on the same port (the tests' outages). Not here: a server the user runs
 (`--redis-url` where a scenario takes one), installing redis-server (`make redis`).
 """
 
@@ -28,20 +29,21 @@ def installed() -> bool:
 
 
 class LocalRedis:
-    def __init__(self, *extra: str, start_timeout_s: float = 10.0) -> None:
-        """`extra`: more redis-server arguments, e.g. "--maxmemory", "64mb"."""
+    def __init__(self, *extra: str, port: int | None = None, start_timeout_s: float = 10.0) -> None:
+        """`extra`: more redis-server arguments, e.g. "--maxmemory", "64mb"; `port`: a free one unless given."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError(INSTALL_HINT)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                       *extra]
         self._timeout_s = start_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> LocalRedis:
-        self._proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def start(self) -> LocalRedis:
+        """Start the server and wait until it answers PING."""
+        self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self._timeout_s
         while time.monotonic() < deadline:
             try:
@@ -51,11 +53,17 @@ class LocalRedis:
                         return self
             except OSError:
                 time.sleep(0.02)
-        self.__exit__()
+        self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {self._timeout_s} s")
 
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
     def __exit__(self, *exc: object) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
+        self.stop()
