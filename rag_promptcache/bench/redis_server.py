@@ -29,12 +29,12 @@ def installed() -> bool:
 
 
 class LocalRedis:
-    def __init__(self, *extra: str, port: int | None = None, start_timeout_s: float = 10.0) -> None:
-        """`extra`: more redis-server arguments, e.g. "--maxmemory", "64mb"; `port`: a free one unless given."""
+    def __init__(self, *extra: str, start_timeout_s: float = 10.0) -> None:
+        """`extra`: more redis-server arguments, e.g. "--maxmemory", "64mb"."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError(INSTALL_HINT)
-        self.port = port or free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                       *extra]
