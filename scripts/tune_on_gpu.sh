@@ -71,9 +71,7 @@ open('$GPU/c1/probe_small.json.gz', 'wb').write(gzip.compress(json.dumps(rows[:1
     n=$(ls -d "$GPU"/c[0-9]* | wc -l)
     echo "$n" > "$GPU/c1/parts"
     # the probe rides with the last part where it fits, else in a call of its own
-    if [ "$("$BIN/python" -c "
-import sys; sys.path.insert(0, 'scripts'); import travel, pathlib
-print(int(travel.path_bytes(pathlib.Path('$GPU/c$n')) + travel.path_bytes(pathlib.Path('$GPU/probe.json.gz')) <= travel.room(pathlib.Path('.'))))")" = 1 ]; then
+    if "$BIN/python" scripts/travel.py --carry "$GPU/c$n" "$GPU/probe.json.gz" >/dev/null 2>&1; then
       mv "$GPU/probe.json.gz" "$GPU/c$n/"
     else
       n=$((n + 1)); mkdir -p "$GPU/c$n"; mv "$GPU/probe.json.gz" "$GPU/c$n/"

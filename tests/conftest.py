@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.store_helpers import REDIS_BIN, LocalRedis
+from tests.store_helpers import LocalRedis, installed
 
 torch.set_num_threads(2)
 # The suite runs the default path (fallback "auto", engine/planning/costmodel.py). A test that checks the cached
@@ -99,7 +99,7 @@ def tokenizer():
 # -- a real redis-server, started by the tests that need one --------------------------------------
 
 def _serve():
-    if REDIS_BIN is None:
+    if not installed():
         pytest.skip("redis-server binary not found (apt-get install redis-server)")
     with LocalRedis() as server:
         yield server

@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from rag_promptcache.bench.redis_server import LocalRedis, free_port
+from rag_promptcache.bench.redis_server import LocalRedis, free_port, installed
 from rag_promptcache.store import ModuleKV, module_key
 
-REDIS_BIN = shutil.which("redis-server")
-__all__ = ["REDIS_BIN", "LocalRedis", "free_port", "key_of", "make_kv", "needs_redis"]
+__all__ = ["LocalRedis", "free_port", "installed", "key_of", "make_kv", "needs_redis"]
 
 
-needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server binary not found (apt-get install redis-server)")
+needs_redis = pytest.mark.skipif(not installed(), reason="redis-server binary not found (apt-get install redis-server)")
 
 
 def make_kv(seed: int, num_tokens: int = 16, fingerprint: str = "model-a", shape=(2, 2, 8)) -> ModuleKV:

@@ -247,7 +247,7 @@ def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeome
     try:
         saved = json.loads(path.read_text())
         if saved.get("version") == VERSION and saved.get("key") == what:
-            if not (on_cpu and saved.get("cpu_busy") and not cpu_busy()):
+            if not (saved.get("cpu_busy") and not cpu_busy()):  # stored busy only on a CPU
                 return Costs(**saved["costs"])
     except FileNotFoundError:
         pass
