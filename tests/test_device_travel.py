@@ -153,3 +153,11 @@ def test_sizes_says_when_prepared_calls_no_longer_fit_the_tree(tmp_path):
     (tmp_path / "c2" / "part_2").write_bytes(b"\0" * (travel.room(ROOT) + 2**20))
     over = sizes()
     assert over.returncode == 1 and "run prep again" in over.stdout
+
+
+def test_a_carry_that_is_not_there_and_an_unknown_verb_are_refused_by_name(tmp_path):
+    missing = subprocess.run([sys.executable, "scripts/travel.py", "--carry", str(tmp_path / "nowhere")], cwd=ROOT,
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "nowhere: missing" in missing.stderr
+    verb = subprocess.run(["bash", "scripts/tune_on_gpu.sh", "check"], cwd=ROOT, capture_output=True, text=True)
+    assert verb.returncode == 2 and "usage: scripts/tune_on_gpu.sh prep | sizes | stage | train SECONDS" in verb.stdout
