@@ -19,10 +19,10 @@
 # .gpu/c1 holds the wheels (transformers as the suite runs it, gguf to read the model, peft), the
 # tokenizer, the training passages (`recipe --write-passages`: this machine's Debian records,
 # changelogs, Python reference and docstrings) and the first part; the last call's folder holds the
-# probe prompts (`bench.tune_probe dump`). The recipe is the link-token recipe (docs/FIDELITY.md),
+# probe prompts (`research.tune_probe dump`). The recipe is the link-token recipe (docs/FIDELITY.md),
 # starting from the shipped adapter, which travels in the tree; RECIPE_ARGS replaces it.
 # Its files come back in $OUT: the adapter, links.safetensors, tune.json, train.json, the probe's
-# answers (grade them here with `python -m rag_promptcache.bench.tune_probe grade`) and the log.
+# answers (grade them here with `python -m research.tune_probe grade`) and the log.
 #
 # TUNE_DRY=1 (tests): stage and join as on the device, then print the recipe's command, not run it.
 set -euo pipefail
@@ -61,7 +61,7 @@ print(pathlib.Path(s.submodule_search_locations[0]) / '$MODEL_FILE')")
     done
     "$BIN/python" -c "from rag_promptcache.model.loading import load_tokenizer; load_tokenizer().save_pretrained('$GPU/c1/tok')"
     "$BIN/python" -m rag_promptcache.tune.recipe --write-passages "$GPU/c1/passages.json" && gzip -9 "$GPU/c1/passages.json"
-    "$BIN/python" -m rag_promptcache.bench.tune_probe dump "$GPU/probe.json" && gzip -9 "$GPU/probe.json"
+    "$BIN/python" -m research.tune_probe dump "$GPU/probe.json" && gzip -9 "$GPU/probe.json"
     "$BIN/python" -c "
 import gzip, json; rows = json.loads(gzip.decompress(open('$GPU/probe.json.gz', 'rb').read()))
 open('$GPU/c1/probe_small.json.gz', 'wb').write(gzip.compress(json.dumps(rows[:16]).encode()))"

@@ -205,3 +205,47 @@ def test_no_module_uses_another_modules_private_names():
     """A name another module needs is public API, named and documented (STYLE.md)."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     assert [u for p in files.values() for u in private_uses(p, set(files))] == []
+
+
+RESEARCH = ROOT / "research"
+
+
+def test_no_package_module_imports_the_research_probes():
+    """research/ sits outside the package (the wheel does not carry it): the product may not need it."""
+    wrong = []
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            wrong += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "research"]
+    assert wrong == []
+
+
+def test_the_package_list_holds_no_research_module():
+    """What setuptools packages (pyproject.toml's discovery, namespaces as it finds them) is rag_promptcache
+    only; the probes moved out of bench/ are not left behind there."""
+    import tomllib
+
+    from setuptools import find_namespace_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = find_namespace_packages(str(ROOT), include=find["include"], exclude=find.get("exclude", ()))
+    assert "rag_promptcache.bench" in packages
+    assert [p for p in packages if p.split(".")[0] != "rag_promptcache"] == []
+    probes = {p.stem for p in RESEARCH.glob("*.py")} - {"__init__"}
+    assert {"fidelity_probe", "selection_probe", "tune_probe", "tune_run", "link_ttft"} <= probes
+    assert probes & {p.stem for p in PACKAGE.rglob("*.py")} == set()
+    assert "prune research" in (ROOT / "MANIFEST.in").read_text().splitlines()  # nor does the sdist
+
+
+def test_every_research_probe_imports_and_runs_as_a_module():
+    """Runnable as `python -m research.NAME` from the repository root: each imports (a moved name breaks
+    here) and has its command-line entry point."""
+    import importlib
+
+    for p in sorted(RESEARCH.glob("*.py")):
+        if p.stem == "__init__":
+            continue
+        importlib.import_module(f"research.{p.stem}")
+        assert '__name__ == "__main__"' in p.read_text(), f"{p.name} has no entry point"
+        assert len(p.read_text().splitlines()) <= MAX_LINES + 25

@@ -3,7 +3,7 @@ whole word, and `kept` against the base model's full prefill."""
 
 from __future__ import annotations
 
-from rag_promptcache.bench.tune_probe import cut, grade
+from research.tune_probe import cut, grade
 
 
 def test_cut_and_grade() -> None:

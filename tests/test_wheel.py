@@ -59,11 +59,14 @@ def test_the_sdist_carries_the_sources_and_no_library(dist):
     assert {"setup.py", KERNELS + "prefill_attention.c", KERNELS + "rope_shift.c", KERNELS + "decode_step.c",
             KERNELS + "simd.h"} <= set(names)
     assert not [n for n in names if n.endswith((".so", ".so.json"))], names
+    assert not [n for n in names if n.startswith("research/")], names  # the probes stay in the repository
 
 
 def test_the_wheel_carries_the_sources_and_the_library(dist, tmp_path):
     (wheel,) = dist.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    # the research probes (research/) are run from the repository; the wheel carries the product only
+    assert not [n for n in names if n.startswith("research/") or n.endswith(("_probe.py", "tune_run.py", "link_ttft.py"))]
     assert {KERNELS + "prefill_attention.c", KERNELS + "rope_shift.c", KERNELS + "decode_step.c", KERNELS + "simd.h"} <= names
     if native.build(tmp_path / "probe.so") is None:
         # where the compiler knows AVX512-BF16 the wheel has the library, whatever the CPU: it is checked on load

@@ -10,7 +10,7 @@ Two shapes, generated from a seed:
 - `inquiry`: a ~250-token inquiry report with one fact (a case number) in the middle of shared prose,
   the long-report shape.
 
-Not here: building the corpus or running the model (bench/selection_probe.py).
+Not here: building the corpus or running the model (research/selection_probe.py).
 """
 
 from __future__ import annotations

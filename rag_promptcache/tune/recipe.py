@@ -5,7 +5,7 @@
 
 `--passages`: a bundle written by `--write-passages` (instructions and passages), so another machine
 trains on exactly this machine's text; without it, `texts.gather()` reads this machine's. `--probe`:
-prompts written by `python -m rag_promptcache.bench.tune_probe dump`, answered greedily by the base
+prompts written by `python -m research.tune_probe dump`, answered greedily by the base
 and the tuned model with full prefill and with modules encoded on their own (`probe.py`); the
 answers go to DIR/probe_answers.json for `tune_probe grade`.
 """

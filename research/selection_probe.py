@@ -1,6 +1,6 @@
 """Which few cached tokens must be recomputed? Question-aware selection against whole-module recovery (issue 26).
 
-    python -m rag_promptcache.bench.selection_probe --split bench --questions 24 --k 4 8 12 \
+    python -m research.selection_probe --split bench --questions 24 --k 4 8 12 \
         --settings "none;last:1;last:2;sel:0.1;sel:0.1,sinks=2" --json out/sel-bench.json
 
 Per question and k: the corpus prompt (best-ranked module next to the question), full prefill's answer

@@ -1,7 +1,7 @@
 """`rag-promptcache tune` measured on a corpus it has never seen: the real CLI in a child process, on a
 corpus of one of the fidelity splits' documents encoded by the default model, with a time budget.
 
-    python -m rag_promptcache.bench.tune_run --split heldout --minutes 20 --out docs/bench/tune-DATE
+    python -m research.tune_run --split heldout --minutes 20 --out docs/bench/tune-DATE
 
 Writes tune_run.json and tune_run.md into `--out`: wall time of the build and of the tune, the child's
 peak resident memory, steps and samples, and the command's own check (questions it makes from held-out

@@ -2,7 +2,7 @@
 (instructions, module texts in prompt order, question, answer) for `tune.probe` to read on another
 machine, and graded back here with the benchmark's own rule.
 
-`python -m rag_promptcache.bench.tune_probe dump out.json` builds each split's corpus (the real
+`python -m research.tune_probe dump out.json` builds each split's corpus (the real
 embedder and FAISS; a tiny random LLM stands in for encoding, since retrieval and chunking depend
 only on the embedder and the tokenizer), then `grade out.json answers.json` scores answers.
 """
@@ -76,7 +76,7 @@ def grade(rows: list[dict[str, object]], answers: dict[str, list[str]]) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rag_promptcache.bench.tune_probe")
+    ap = argparse.ArgumentParser(prog="python -m research.tune_probe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump", help="write the fidelity prompts as text")
     d.add_argument("out", type=Path)

@@ -1,6 +1,6 @@
 """Where does answer accuracy go? Recompute chosen token sets and count right answers (docs/FIDELITY.md).
 
-    python -m rag_promptcache.bench.fidelity_probe --questions 12 --k 4 --json out/probe.json
+    python -m research.fidelity_probe --questions 12 --k 4 --json out/probe.json
 
 Over the fidelity benchmark's fact questions, with the prompt's modules in retrieval order and
 reversed (the relevant module farthest from / next to the question), each probe turns a set of cached

@@ -4,7 +4,7 @@ and the adaptive plan (engine/planning/plan.py `recompute_sooner`, on the link t
 Point it at a Redis reached through the link to measure; docs/scale-out.md shows how a network
 namespace with a tc shaper makes one on this machine:
 
-    python -m rag_promptcache.bench.link_ttft --redis-url redis://10.232.0.2:6390 --codec fp16
+    python -m research.link_ttft --redis-url redis://10.232.0.2:6390 --codec fp16
 
 Each path runs `--repeats` times, interleaved, each time with a fresh memory tier (so "load" fetches
 every module from Redis) and no prefix cache; the Redis tier (and its measured link) is the
