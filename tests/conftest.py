@@ -7,7 +7,10 @@ the `device` fixture are marked `device`: they run their tiny models on RAG_PROM
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +18,12 @@ import torch
 from tests.store_helpers import LocalRedis, installed
 
 torch.set_num_threads(2)
+# The cost model's calibrations (engine/planning/costmodel.py) made by this session, and by the commands its
+# tests start, stay in a folder of its own: a calibration measured beside a busy test suite must not steer a
+# user's plans, nor theirs the tests'. The code path is the default one, only the folder differs.
+COSTS_DIR = tempfile.mkdtemp(prefix="rag-promptcache-test-costs-")
+os.environ["RAG_PROMPTCACHE_COSTS_DIR"] = COSTS_DIR
+atexit.register(shutil.rmtree, COSTS_DIR, ignore_errors=True)
 # The suite runs the default path (fallback "auto", engine/planning/costmodel.py). A test that checks the cached
 # path asks for it: PromptCache(..., fallback="never"). On the tiny models a cached and a full prefill take about
 # as long, so which one "auto" picks follows the calibration's timing noise (a loaded machine flipped 18 tests).

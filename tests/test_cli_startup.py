@@ -32,6 +32,63 @@ def test_help_and_version_do_not_import_torch(argv: list[str]) -> None:
     assert imported(*argv) == []
 
 
+TORCH_STACK = ("torch", "transformers", "faiss", "sentence_transformers")
+FAILURE = ("import sys\nfrom rag_promptcache.cli import main\ncode = 0\ntry:\n    main(sys.argv[1:])\n"
+           "except SystemExit as e:\n    code = e.code\n"
+           "print('\\nEXIT', code, sorted(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ask", "--corpus", "{missing}", "a question"], "does not exist; create one with"),
+    (["chat", "--corpus", "{missing}"], "does not exist"),
+    (["info", "--corpus", "{missing}"], "does not exist"),
+    (["remove", "doc.txt", "--corpus", "{missing}"], "does not exist"),
+    (["info", "--corpus", "{plain}"], "is not a corpus (no manifest.json)"),
+    (["ingest", "{missing}", "--corpus", "{missing}"], "no such file or directory"),
+    (["ingest", "{plain}", "--corpus", "{missing}", "--dtype", "float8"], "unknown dtype 'float8'; valid: auto, float32"),
+    (["ingest", "{plain}", "--corpus", "{missing}", "--codec", "gzip"], "unknown codec 'gzip'; valid codecs: native, fp16"),
+    (["ask", "--corpus", "{plain}", "q", "--dtype", "double"], "unknown dtype 'double'"),
+    (["eval", "{missing}", "--corpus", "{plain}"], "no such file"),
+    (["eval", "{questions}", "--corpus", "{missing}"], "does not exist"),
+    (["eval", "{questions}", "--corpus", "{missing}", "--codec", "int8"], "does not exist"),
+    (["tune", "--corpus", "{missing}"], "does not exist"),
+    (["serve", "--corpus", "{missing}"], "does not exist"),
+    (["ingest", "--no-such-option"], "No such option"),
+    (["ask", "--corpus", "{plain}"], "Missing argument"),
+])
+def test_usage_and_file_errors_come_back_before_torch_is_imported(argv: list[str], message: str, tmp_path: Path) -> None:
+    """A wrong path, name or option is one line from the CLI without torch and transformers loaded (they
+    take seconds to import): checked on the modules the process imported, not by the clock."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "q.jsonl").write_text('{"question": "Why?"}\n')
+    fill = {"missing": str(tmp_path / "missing"), "plain": str(tmp_path / "plain"), "questions": str(tmp_path / "q.jsonl")}
+    args = [a.format(**fill) for a in argv]
+    done = subprocess.run([sys.executable, "-c", FAILURE.format(heavy=HEAVY), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    err, _, tail = done.stderr.rpartition("\nEXIT ")
+    code, _, modules = tail.strip().partition(" ")
+    assert code in ("1", "2") and message in err + done.stdout, (done.stdout, done.stderr)
+    assert [m for m in json.loads(modules.replace("'", '"')) if m in TORCH_STACK] == []
+
+
+def test_importing_the_cli_and_registering_every_command_imports_no_torch() -> None:
+    code = ("import sys, rag_promptcache.cli\nfrom rag_promptcache.cli.app import registered\nregistered()\n"
+            f"print(sorted(m for m in {TORCH_STACK!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_ingest_help_lists_what_the_loaders_take(capsys) -> None:
+    from rag_promptcache.rag.loaders import SUFFIXES
+
+    code, out, _ = run(capsys, "ingest", "--help")
+    assert code == 0
+    listed = " ".join(out.split())
+    assert all(s in listed for s in SUFFIXES) and {".markdown", ".rst", ".text", ".htm"} <= set(SUFFIXES)
+
+
 def test_the_lazy_bench_line_is_the_bench_docstring(capsys) -> None:
     import typer
 

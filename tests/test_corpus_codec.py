@@ -8,6 +8,7 @@ Over the fake engine of tests/test_rag_corpus.py, and a tiny random Llama for `e
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,7 +101,12 @@ def test_choosing_a_codec_not_shown_to_keep_answers_warns(tmp_path: Path, fakes,
 
 
 def test_cli_codec_names_match_the_store() -> None:
+    from rag_promptcache.cli.app import SHOWN_DTYPES
+    from rag_promptcache.model import device
+
     assert commands.SHOWN_CODECS == CODECS
+    # --dtype is checked before torch is imported: the same names model.device.parse_dtype takes
+    assert set(SHOWN_DTYPES) == {"auto", *device.DTYPES, *device._DTYPE_ALIASES}
 
 
 def test_bytes_per_token_follows_the_formula_and_orders_the_codecs() -> None:
@@ -120,11 +126,24 @@ def _report(codec: str, bytes_: float, fp16_right: int, right: int, both: int) -
 
 
 def test_the_recommendation_is_the_smallest_codec_that_keeps_the_answers() -> None:
-    reports = [_report("fp16", 23040, 8, 8, 8), _report("int8", 11970, 8, 8, 8), _report("int4", 6200, 8, 8, 7),
-               _report("cachegen", 3900, 8, 6, 6)]
-    assert [r.meets for r in reports] == [True, True, False, False]  # int4 keeps 7/8 < 0.90
+    reports = [_report("fp16", 23040, 10, 10, 10), _report("int8", 11970, 10, 10, 10), _report("int4", 6200, 10, 10, 8),
+               _report("cachegen", 3900, 10, 6, 6)]
+    assert [r.meets for r in reports] == [True, True, False, False]  # int4 keeps 8/10 < 0.90
     assert recommend_codec(reports).codec == "int8"
     assert recommend_codec(reports[2:]) is None
+
+
+def test_no_codec_is_recommended_on_too_few_right_answers_of_fp16() -> None:
+    """As `eval` for a recovery (rag.fidelity.too_few): fp16 right on 2 of 8 says nothing of a codec that
+    keeps both (the run that recommended cachegen)."""
+    from rag_promptcache.rag.fidelity import MIN_TO_RECOMMEND, too_few
+
+    few = [_report("fp16", 23040, 2, 2, 2), _report("cachegen", 3900, 2, 2, 2)]
+    assert few[1].meets and recommend_codec(few) is None
+    assert too_few(few[0].report, "fp16 modules").startswith("fp16 modules answered only 2 of the 10 questions")
+    enough = [_report("fp16", 23040, MIN_TO_RECOMMEND, MIN_TO_RECOMMEND, MIN_TO_RECOMMEND),
+              _report("cachegen", 3900, MIN_TO_RECOMMEND, MIN_TO_RECOMMEND, MIN_TO_RECOMMEND)]
+    assert recommend_codec(enough).codec == "cachegen" and too_few(enough[0].report) is None
 
 
 def test_memory_and_disk_tiers_hold_the_codec(tmp_path: Path) -> None:
@@ -174,5 +193,22 @@ def test_eval_codec_prints_each_codec_and_refuses_apply(tiny_corpus: Path, tmp_p
     assert code in (0, None), err
     got = json.loads(out)
     assert [r["codec"] for r in got["codecs"]] == ["fp16", "int4"] and got["recovery"] == "none"
+    assert got["recommended"] is None and got["few_answers"] is True and got["no_recommendation"].startswith(
+        "no recommendation: fp16 modules answered only")
+    assert got["codecs"][1]["kept_counts"][1] == got["codecs"][0]["full_correct"]
+    code, out, err = run(capsys, "eval", qs, "--corpus", tiny_corpus, "--codec", "int4", "-k", "2",
+                         "--max-new-tokens", "4", "--recovery", "none")
+    assert code in (0, None), err
+    lines = out.splitlines()
+    fp16_right = got["codecs"][0]["full_correct"]
+    assert fp16_right == 0  # a tiny random model: its answers state no fact
+    assert lines[0] == f"1 questions, k=2, recovery none, 1 with an expected answer; fp16 modules answer {fp16_right} of them right"
+    assert lines[1].split() == ["codec", "bytes/token", "right", "kept", "95%", "interval", "retained", "agreement"]
+    assert lines[2].split()[0] == "fp16" and lines[2].endswith("(reference)") and lines[3].split()[0] == "int4"
+    assert f"warning: fp16 modules answered only {fp16_right} question(s) right, fewer than 30" in out
+    assert ("no recommendation: fp16 modules answered only 0 of the 1 questions with an expected answer right, and a "
+            "recommendation needs at least 10 right answers to rest on; add questions with expected answers.") in out
+    # the tiny random model answers wrong: the question is listed once, fp16's answer once
+    assert out.count("Q: What do cats do?") == 1 and len(re.findall(r"^    fp16: ", out, re.M)) == 1
     assert_user_error(run(capsys, "eval", qs, "--corpus", tiny_corpus, "--codec", "int4", "--apply"), "ingest into a new corpus")
     assert_user_error(run(capsys, "eval", qs, "--corpus", tiny_corpus, "--codec", "gzip"), "valid codecs")

@@ -33,6 +33,23 @@ def test_budget_evicts_least_recently_used_and_never_keeps_what_cannot_fit():
     assert store.delete("c") and not store.delete("c")
 
 
+def test_the_memory_and_device_tiers_keep_their_budget_with_one_piece_of_bookkeeping():
+    """One `BudgetedTier` serves both (it was written twice): the same puts, gets and evictions leave the
+    same keys and counts in each, the memory tier handing what it evicts to `on_evict` besides."""
+    from rag_promptcache.store.budgeted import BudgetedTier
+
+    assert issubclass(DeviceStore, BudgetedTier) and issubclass(MemoryStore, BudgetedTier)
+    one = _kv(8).num_bytes
+    handed: list[str] = []
+    tiers = [DeviceStore(max_bytes=2 * one, device="cpu"), MemoryStore(max_bytes=2 * one, on_evict=lambda k, kv: handed.append(k))]
+    for store in tiers:
+        for i, key in enumerate("abc"):
+            store.put(key, _kv(8, i))
+            store.get("a")  # a stays the most recent
+        assert store.keys() == ["a", "c"] and store.evict_to(one) == ["c"] and not store.contains("c")
+    assert [t.stats() for t in tiers][0] == tiers[1].stats() and handed == ["b", "c"]
+
+
 def test_put_copies_and_get_returns_the_held_tensors_on_the_tiers_device():
     kv = _kv(5)
     store = DeviceStore(max_bytes=None, device="cpu")

@@ -75,6 +75,13 @@ def setup(tmp_path: Path, engine: FidelityEngine, capsys) -> tuple[Path, Path]:
     return tmp_path / "c", questions
 
 
+def times(questions: Path, n: int) -> Path:
+    """The questions file asked `n` times over: as many more right answers to rest a recommendation on."""
+    out = questions.parent / f"{questions.stem}-x{n}.jsonl"
+    out.write_text(questions.read_text() * n)
+    return out
+
+
 def test_the_rule_is_one_function() -> None:
     retained = {"none": 0.5, "last:1": 0.96, "last:2": 1.0, "attend:1": None}
     speed = {"none": 40.0, "last:1": 12.0, "last:2": 8.0, "attend:1": 30.0}
@@ -102,28 +109,35 @@ def test_eval_recommends_shows_failures_and_judges_the_whole_answer(setup, capsy
     # the fact comes 35 words in: judged on the whole answer (64 tokens), full prefill is right on all 3
     assert rows["last:1"][1:7] == ["3/3", "3/3", "3/3", "=", "1.00", "0.44-1.00"]
     assert rows["last:1"][9:] == ["10.0x", "10.0-10.0x"]  # the median over the timing rounds, and their range
-    # a plain warning: 3 right answers are too few for a share of them to mean much
+    # a plain warning: 3 right answers are too few for a share of them to mean much, and too few to recommend by
     assert "warning: full prefill answered only 3 question(s) right, fewer than 30: kept moves by 0.33" in out
-    assert re.search(r"recommended: last:1 \(the fastest setting that keeps >= 95% of full prefill's right answers\): "
-                     r"it keeps 3/3 = 1.00 \(95% interval 0.44-1.00\) at 10.0x\. It rests on 3 right answers of full "
-                     r"prefill, too few to be sure \(see the warning\); the speed-up ranged 10.0-10.0x over 3 timing rounds", out)
-    assert "moved between timing rounds" not in out
+    assert ("no recommendation: full prefill answered only 3 of the 3 questions with an expected answer right, and a "
+            "recommendation needs at least 10 right answers to rest on; add questions with expected answers.") in out
+    assert "recommended:" not in out and "moved between timing rounds" not in out
     assert "last:1: every question as full prefill answers it" in out and "none: 1 question(s) fail" not in out
+    code, out, err = run(capsys, "eval", times(questions, 4), "--corpus", corpus, "-k", "1")
+    assert code == 0, err
+    assert "warning: full prefill answered only 12 question(s) right, fewer than 30" in out
+    assert re.search(r"recommended: last:1 \(the fastest setting that keeps >= 95% of full prefill's right answers\): "
+                     r"it keeps 12/12 = 1.00 \(95% interval 0.76-1.00\) at 10.0x\. It rests on 12 right answers of full "
+                     r"prefill, too few to be sure \(see the warning\); the speed-up ranged 10.0-10.0x over 3 timing rounds", out)
     code, out, _ = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--verbose")
     assert "none: 1 question(s) fail" in out and 'Q: Which way does the Nile flow? [wrong]\n    expected: "north"' in out
     assert re.search(r"cached: .*the answer is south\.\n\s+full: .*the answer is north\.", out)
-    code, out, _ = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--max-new-tokens", "20")
-    assert "no recommendation" in out  # cut at 20 tokens no answer states the fact: nothing is measurable
+    code, out, _ = run(capsys, "eval", times(questions, 4), "--corpus", corpus, "-k", "1", "--max-new-tokens", "20")
+    # cut at 20 tokens no answer states the fact: nothing to rest on, and said so
+    assert "no recommendation: full prefill answered only 0 of the 12 questions with an expected answer right" in out
 
 
 def test_eval_json_has_every_settings_failures(setup, capsys) -> None:
     corpus, questions = setup
-    code, out, err = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--json")
+    code, out, err = run(capsys, "eval", times(questions, 4), "--corpus", corpus, "-k", "1", "--json")
     assert code == 0, err
     report = json.loads(out)
     assert report["recommended"] == "last:1" and report["applied"] is None and report["max_new_tokens"] == 64
+    assert report["no_recommendation"] is None
     by = {s["recovery"]: s for s in report["settings"]}
-    assert [f["question"] for f in by["none"]["failures"]] == ["Which way does the Nile flow?"]
+    assert [f["question"] for f in by["none"]["failures"]] == ["Which way does the Nile flow?"] * 4
     failure = by["none"]["failures"][0]
     assert failure["expected"] == ["north"] and failure["cached"].endswith("south.") and failure["full"].endswith("north.")
     assert (failure["full_right"], failure["cached_right"]) == (True, False) and by["last:1"]["failures"] == []
@@ -132,6 +146,9 @@ def test_eval_json_has_every_settings_failures(setup, capsys) -> None:
 def test_eval_apply_makes_the_choice_the_corpus_recovery(setup, engine: FidelityEngine, capsys) -> None:
     corpus, questions = setup
     assert json.loads(run(capsys, "info", "--corpus", corpus, "--json")[1])["recovery"] is None
+    assert run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--apply")[0] == 1  # 3 answers: none applied
+    assert json.loads((corpus / "manifest.json").read_text())["recovery"] is None
+    questions = times(questions, 4)
     code, out, err = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--apply")
     assert code == 0, err
     assert f"applied: corpus {corpus} now answers with recovery last:1 unless told otherwise" in out
@@ -148,7 +165,7 @@ def test_eval_apply_makes_the_choice_the_corpus_recovery(setup, engine: Fidelity
     assert engine.sampling["recovery"] == "none"  # told otherwise
     # no setting kept: --apply refuses (exit 1) and the corpus keeps its recovery
     code, out, err = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--recovery", "none", "--apply")
-    assert code == 1 and "nothing applied: no setting keeps >= 95%" in err
+    assert code == 1 and "nothing applied: no setting keeps >= 95% of full prefill's right answers; the closest" in err
     assert json.loads((corpus / "manifest.json").read_text())["recovery"] == "last:1"
 
 
@@ -181,14 +198,15 @@ def test_the_rule_uses_the_paired_share_not_the_totals(tmp_path: Path, monkeypat
     docs = write_docs(tmp_path / "docs")
     assert run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32", "--overlap", "8")[0] == 0
     questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))
+    questions.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS) * 5)
     code, out, err = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--json")
     assert code == 0, err
     by = {s["recovery"]: s for s in json.loads(out)["settings"]}
-    assert (by["none"]["retained"], round(by["none"]["kept"], 2)) == (1.0, 0.5)  # 2 of full's 2 rights, 1 of them kept
+    assert (by["none"]["retained"], round(by["none"]["kept"], 2)) == (1.0, 0.5)  # 10 of full's 10 rights, 5 of them kept
     assert json.loads(out)["recommended"] == "last:1"  # none is fastest and "retains" 1.0, but loses the Nile
     code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "none", "--apply")
-    assert code == 1 and "no recommendation" in out and "keeps 1/2 = 0.50" in out
+    assert code == 1 and ("no recommendation: no setting keeps >= 95% of full prefill's right answers; the closest, "
+                          "none, keeps 5/10 = 0.50 (95% interval 0.24-0.76). Try more settings with --recovery.") in out
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["recovery"] is None
 
 

@@ -64,7 +64,7 @@ def test_a_calibration_that_sees_no_token_cost_keeps_the_cached_plan():
 
 
 def test_costs_are_measured_once_and_stored(tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("RAG_PROMPTCACHE_COSTS_DIR", str(tmp_path / "costs"))
     monkeypatch.setattr(costmodel, "cpu_busy", lambda: False)  # the machine's load, held still
     model = build("llama", vocab_size=len(tokenizer))
     args = (model, relocator_for(model), kv_geometry(model), "fp-test")
@@ -100,7 +100,7 @@ def test_a_full_path_follow_up_reuses_an_earlier_full_path_prefix_exactly(tokeni
 def test_learned_absolute_positions_calibrate_and_answer_on_the_defaults(arch, tokenizer, tmp_path, monkeypatch):
     """A new user's first cached request on a GPT-2 or OPT model, every setting left at its default: the
     calibration (here from scratch) must not relocate keys such a model cannot move."""
-    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("RAG_PROMPTCACHE_COSTS_DIR", str(tmp_path / "costs"))
     monkeypatch.delenv("RAG_PROMPTCACHE_FALLBACK", raising=False)
     pc = PromptCache(build(arch, vocab_size=len(tokenizer)), tokenizer)
     pc.add_schema('<schema name="facts"><module name="a">The sky is blue and the grass is green.</module></schema>')
@@ -110,7 +110,7 @@ def test_learned_absolute_positions_calibrate_and_answer_on_the_defaults(arch, t
 
 
 def test_a_calibration_stored_while_the_cpu_was_busy_is_measured_again_once_it_is_idle(tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setenv("RAG_PROMPTCACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("RAG_PROMPTCACHE_COSTS_DIR", str(tmp_path / "costs"))
     model = build("llama", vocab_size=len(tokenizer))
     args = (model, relocator_for(model), kv_geometry(model), "fp-busy")
     calls = []

@@ -54,15 +54,20 @@ def test_records_in_a_corpus_answer_remove_and_update_by_id(tmp_path: Path) -> N
         c = Corpus.build([tmp_path / "d"], tmp_path / "c", engine=engine, embedder=FakeEmbedder(), chunk_tokens=32, overlap=4, progress=False)
     assert c.last_report.num_documents == 3 and len(c.last_report.skipped) == 3
     docs = {d["name"]: d for d in c.documents()}
-    assert sorted(docs) == ["7", "faq-1", "faq.jsonl:2"] and docs["faq-1"]["metadata"] == {"lang": "en", "tags": ["pets"]}
-    assert c.ask("why do cats purr?", k=1).sources == ("faq-1",)
-    assert c.remove("faq-1") == 1  # the name `ask` printed
-    assert sorted(d["name"] for d in c.documents()) == ["7", "faq.jsonl:2"]
+    # a record is listed with its file: a bare "7" says nothing of where it came from
+    assert sorted(docs) == ["faq.jsonl#7", "faq.jsonl#faq-1", "faq.jsonl:2"]
+    assert docs["faq.jsonl#faq-1"]["metadata"] == {"lang": "en", "tags": ["pets"]}
+    assert c.ask("why do cats purr?", k=1).sources == ("faq.jsonl#faq-1",)
+    assert c.remove("faq.jsonl#faq-1") == 1  # the name `ask` printed
+    assert sorted(d["name"] for d in c.documents()) == ["faq.jsonl#7", "faq.jsonl:2"]
+    from rag_promptcache.rag.documents import resolve
+
+    assert resolve(c.table, "7", c.path) == resolve(c.table, "faq.jsonl#7", c.path) == [f"{f.resolve()}#7"]  # the id alone still names it
     # an edited file: one record changed, one gone; only the changed one is re-encoded
     write(f, [json.dumps({"id": 7, "text": "Volcanoes erupt when magma rises. Lava cools."})])
     report = c.add([tmp_path / "d"])
     assert (report.num_ingested, report.num_removed) == (1, 1)
-    assert [d["name"] for d in c.documents()] == ["7"] and len(c) == 1
+    assert [d["name"] for d in c.documents()] == ["faq.jsonl#7"] and len(c) == 1
     c.close()
 
 
@@ -79,7 +84,7 @@ def test_removing_a_records_file_removes_all_its_records(tmp_path: Path, monkeyp
     monkeypatch.chdir(root)
     name = {"relative": "misc/birds.jsonl", "absolute": str(birds.resolve()), "bare": "birds.jsonl"}[how]
     assert c.remove(name) == 2
-    assert [d["name"] for d in c.documents()] == ["trout"] and len(c) == 1
+    assert [d["name"] for d in c.documents()] == ["fish.jsonl#trout"] and len(c) == 1
     with pytest.raises(ValueError, match="no document 'birds.jsonl'"):
         c.remove("birds.jsonl")
     c.close()
@@ -92,5 +97,5 @@ def test_a_bare_file_name_of_two_records_files_is_ambiguous(tmp_path: Path) -> N
                      overlap=4, progress=False)
     with pytest.raises(ValueError, match="'birds.jsonl' names 2 records files.*pass one of these paths"):
         c.remove("birds.jsonl")
-    assert c.remove(tmp_path / "docs" / "a" / "birds.jsonl") == 1 and [d["name"] for d in c.documents()] == ["b-robin"]
+    assert c.remove(tmp_path / "docs" / "a" / "birds.jsonl") == 1 and [d["name"] for d in c.documents()] == ["b/birds.jsonl#b-robin"]
     c.close()

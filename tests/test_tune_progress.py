@@ -4,6 +4,8 @@ ran 414 s behind a bar at 0/1000). Over a fake clock."""
 
 from __future__ import annotations
 
+import re
+
 from rag_promptcache.cli.tune_progress import Meter
 from rag_promptcache.tune.corpus import PHASES
 
@@ -30,3 +32,26 @@ def test_a_step_limit_reached_first_bounds_the_time_left() -> None:
     meter.phase(PHASES[1], 0)  # no check: nothing after training
     assert meter.reachable(10, 30.0) == 20 and meter.left_s(10, 30.0) == 30.0
     assert meter.reachable(0, 0.0) == 20 and meter.left_s(0, 0.0) == 3600.0
+
+
+def test_the_bar_reads_without_doubled_separators() -> None:
+    """tqdm adds ": " after the phase and ", " before the postfix itself: the line shows each once (a
+    user saw "training: :" and "budget, , step")."""
+    import io
+
+    from rag_promptcache.cli.tune_progress import Bar
+
+    out = io.StringIO()
+    now = [0.0]
+    bar = Bar(Meter(60.0, 100, clock=lambda: now[0]), file=out)
+    bar.phase(PHASES[0], 2)
+    now[0] = 120.0  # two models checked in 2 min: the check after takes about one
+    bar.phase(PHASES[1], 0)
+    bar.progress(3, 15.0, {"kl": 0.25})
+    bar.close()
+    lines = [ln.strip() for ln in out.getvalue().replace("\r", "\n").splitlines() if ln.strip()]
+    assert any(re.match(rf"{PHASES[0]}: \d\d:\d\d, 2 model\(s\); then training", ln) for ln in lines), lines
+    assert any(ln.startswith("training:  25%|") and ln.endswith(
+        "15/60 s of the budget, step 3 of ~12 in the budget; ~2 min left in all, the check after ~1 min of it; kl 0.250")
+        for ln in lines), lines
+    assert not [ln for ln in lines if ": :" in ln or ", ," in ln or " ," in ln]

@@ -156,3 +156,35 @@ def test_recipe_end_to_end_with_workers(tiny, tmp_path):
     assert meta["metrics"]["base_text_loss"] > 0 and meta["metrics"]["tuned_probe_seconds"] > 0
     assert json.loads((tmp_path / "a" / "tune.json").read_text())["base_fingerprint"] == meta["base_fingerprint"]
     assert (tmp_path / "a" / "adapter_config.json").exists()
+
+
+def test_tuning_speaks_the_current_transformers_api(tiny, maker):
+    """No deprecation notice reaches a `tune` user: the probe passes and reads the cache by the name the
+    model takes (`cache` in newer transformers 5, which warns once on `past_key_values`), and peft's own
+    question about gradient checkpointing is filtered, narrowly, where peft asks it."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from rag_promptcache.tune.train import attach
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny)
+    s = maker(0)
+    prompt = Layouter(tok).lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, "")
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    hf_logger = hf_logging.get_logger("transformers")
+    hf_logger.addHandler(handler)
+    logging.Logger.warning_once.cache_clear()  # it says each thing once per process: forget what it said
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            warnings.simplefilter("error", DeprecationWarning)
+            greedy(model, [prompt], full=False, max_new_tokens=3, eos_ids=[-1])
+            attach(model, TuneConfig(rank=4, alpha=8))
+    finally:
+        hf_logger.removeHandler(handler)
+    assert not [m for m in said if "deprecated" in m], said

@@ -27,7 +27,7 @@ import torch
 from rag_promptcache.bench.common import Bench, median, schema_pml, sync, windows
 from rag_promptcache.engine import DEFAULT_MODE, PromptCache
 from rag_promptcache.engine.kv.assemble import assemble
-from rag_promptcache.engine.compute.runner import cache_arg, forward_last
+from rag_promptcache.engine.compute.runner import cache_arg, forward_last, output_cache
 from rag_promptcache.engine.decoding.sampling import eos_token_ids
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.pml.build import prompt_pml
@@ -149,7 +149,7 @@ def _reference(pc: PromptCache, prompt: str, num_tokens: int, eos: frozenset[int
     first = out.logits[0, -1].float()
     int(first.argmax())
     seconds = time.perf_counter() - t0
-    cache, logits, tokens, nll = out.past_key_values, first, [], []
+    cache, logits, tokens, nll = output_cache(out), first, [], []
     for i in range(num_tokens):
         lp = logits.log_softmax(-1)
         token = int(lp.argmax())

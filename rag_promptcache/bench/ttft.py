@@ -46,7 +46,7 @@ from rag_promptcache.bench.common import (
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.kv.assemble import assemble
 from rag_promptcache.engine.prompt.compiler import ROOT
-from rag_promptcache.engine.compute.runner import cache_arg, forward_last
+from rag_promptcache.engine.compute.runner import cache_arg, forward_last, output_cache
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import DiskStore, MemoryStore, NullStore
 
@@ -111,7 +111,7 @@ def _one(bench: Bench, prompt: str, m: int, question: str, mem: PromptCache, dis
             break
         num_prefix += len(p.token_ids)
     prefix_out = model(input_ids=ids[:, :num_prefix], use_cache=True)
-    prefix_kv = [(layer.keys, layer.values) for layer in prefix_out.past_key_values.layers]
+    prefix_kv = [(layer.keys, layer.values) for layer in output_cache(prefix_out).layers]
     prefix_pos = torch.arange(num_prefix, n, device=device)[None]
 
     def full() -> int:

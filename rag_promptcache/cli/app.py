@@ -103,6 +103,19 @@ F = TypeVar("F", bound=Callable[..., object])
 DtypeOpt = Annotated[str | None, typer.Option(
     "--dtype", help="auto, float32, bfloat16 or float16 [default: auto: a corpus's own dtype, else the device's "
                     "default (bfloat16 on a CPU with bf16 units and on CUDA, else float32)].")]
+# What --dtype and --codec take, checked before torch is imported so that a wrong name answers at once (the
+# full parsers, model.device.parse_dtype and store.check_codec, import torch); tests hold them equal to those.
+SHOWN_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
+SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
+
+
+def check_name(option: str, value: str | None, valid: tuple[str, ...], listed: str = "valid") -> None:
+    """`value` of `option` is one of `valid` (None: not given), else a ValueError that lists them after
+    `listed` (the words the full parser uses: "valid codecs" for store.check_codec's)."""
+    if value is not None and value.strip().lower().removeprefix("torch.") not in valid:
+        raise ValueError(f"unknown {option} {value!r}; {listed}: {', '.join(valid)}")
+
+
 # The one --adapter option of every command that loads a model (model/adapter.py).
 AdapterOpt = Annotated[str, typer.Option(
     "--adapter", help="The tuned adapter merged into the model: default (the one shipped for the model, if one ships; "

@@ -13,8 +13,9 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.cli.app import SHOWN_CODECS, SHOWN_DTYPES, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
 from rag_promptcache.cli.output import cut_off
+from rag_promptcache.rag.loaders import SUFFIXES  # torch-free: --help lists what the loaders take
 
 # Help shows the corpus default (rag_promptcache.rag.repetition.DEFAULT_NO_REPEAT_NGRAM; a test holds
 # them equal) without importing rag, whose package imports torch: `--help` stays fast.
@@ -27,6 +28,10 @@ MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer
 
 
 def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None, adapter: str = "default"):
+    from rag_promptcache.rag.layout import check_corpus
+
+    check_name("dtype", dtype, SHOWN_DTYPES)
+    check_corpus(corpus)  # a wrong path or name fails before torch is imported (seconds)
     from rag_promptcache.rag import Corpus
 
     return Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
@@ -45,7 +50,7 @@ def _check_nonempty(c) -> None:
 @app.command()
 @handle_errors
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="Files or directories (.txt .md .html .pdf .json .jsonl).")],
+    paths: Annotated[list[Path], typer.Argument(help=f"Files or directories ({' '.join(SUFFIXES)}; a directory: every such file under it).")],
     corpus: CorpusOpt,
     model: Annotated[str | None, typer.Option(help="Hugging Face model name or path [default: smollm2-135m-instruct].")] = None,
     chunk_tokens: Annotated[int | None, typer.Option(help="Target chunk length in model tokens [default: 256].")] = None,
@@ -69,6 +74,11 @@ def ingest(
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray).
     Before a large ingest it prints the store's expected size per codec, and its size when done."""
+    for p in paths:  # file and name errors first: they need nothing imported
+        if not p.exists():
+            raise fail(f"no such file or directory: {p}")
+    check_name("dtype", dtype, SHOWN_DTYPES)
+    check_name("codec", codec, SHOWN_CODECS, "valid codecs")
     from rag_promptcache.model.loading import parse_dtype
     from rag_promptcache.rag import is_corpus
 
@@ -88,9 +98,6 @@ def ingest(
 
         check_codec(codec)
     instructions = _read_instructions(instructions)
-    for p in paths:
-        if not p.exists():
-            raise fail(f"no such file or directory: {p}")
     existed = is_corpus(corpus)
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
@@ -109,10 +116,6 @@ def ingest(
     c.close()
     if report is not None and report.failed:
         raise fail(f"{len(report.failed)} file(s) failed and are kept incomplete; run the same command again to retry them")
-
-
-# Codec names for --help without importing the store (torch); a test holds them equal to store.CODECS.
-SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
 
 
 def _print_estimate(estimate) -> None:
@@ -354,10 +357,10 @@ def info(
     """Documents, modules, tokens, store size and model of a corpus, and its documents."""
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
+    c = _open(corpus)
     from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY
     from rag_promptcache.rag.models import tuned_recovery
 
-    c = _open(corpus)
     # the schema's name is what a hand-written PML prompt imports the corpus's modules under
     # (`<prompt schema="…">`, e.g. in /v1/completions)
     facts = {**c.info(), "schema": c.manifest.name, "documents": c.documents()}

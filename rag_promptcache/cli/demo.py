@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import DtypeOpt, app, handle_errors
+from rag_promptcache.cli.app import SHOWN_DTYPES, DtypeOpt, app, check_name, handle_errors
 from rag_promptcache.cli.output import cut_off
 
 
@@ -33,6 +33,7 @@ def demo(
     dtype: DtypeOpt = None,
 ) -> None:
     """Ingest a slice of the Python reference (first run only), then answer questions from it."""
+    check_name("dtype", dtype, SHOWN_DTYPES)  # before torch is imported
     from rag_promptcache.model.loading import dtype_name, parse_dtype
     from rag_promptcache.rag import Corpus, ModelMismatchError, is_corpus
     from rag_promptcache.rag.sample import QUESTIONS, SOURCE_PREFIX, TOPICS, WARM_UP, check_sample, demo_home, sample_documents

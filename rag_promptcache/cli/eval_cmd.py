@@ -11,7 +11,9 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import AdapterOpt, DtypeOpt, RedisOpt, app, fail, handle_errors
+from rag_promptcache.cli.app import SHOWN_DTYPES, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
+from rag_promptcache.cli.eval_format import (few, few_warning, interval_text, kept_text, miss_text, no_recommendation,
+                                             one_line, rests_on, retained_text)
 from rag_promptcache.timing import describe
 
 # Shown in --help without importing rag (whose package imports torch); a test holds it equal to
@@ -46,13 +48,6 @@ def eval_(
     keeps >= 95% of full prefill's right answers, say what that rests on, and show the questions it gets
     wrong, the expected, the cached and the full answer side by side. Answers are judged as `ask` gives
     them (the same prompt and repetition control)."""
-    from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
-    from rag_promptcache.model.adapter import read
-    from rag_promptcache.rag import Corpus
-    from rag_promptcache.rag.evaluation import evaluate
-    from rag_promptcache.rag.fidelity import TARGET_RETAINED, read_questions, recommend
-    from rag_promptcache.rag.models import tuned_recovery
-
     if k < 1:
         raise fail(f"-k must be at least 1, got {k}")
     if repeats < 1:
@@ -64,8 +59,21 @@ def eval_(
     specs = [s.strip() for s in (recovery or "").split(",") if s.strip()]
     if recovery is not None and not specs:
         raise fail("--recovery names no setting")
+    from rag_promptcache.rag.layout import check_corpus
+
+    check_name("dtype", dtype, SHOWN_DTYPES)
+    check_corpus(corpus)  # usage and path errors come back before torch is imported
     if codec is not None:
-        return _eval_codecs(questions, corpus, k, codec, specs, max_new_tokens, apply, as_json, redis_url, dtype, adapter)
+        from rag_promptcache.cli.eval_codecs import eval_codecs
+
+        return eval_codecs(questions, corpus, k, codec, specs, max_new_tokens, apply, as_json, redis_url, dtype, adapter)
+    from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
+    from rag_promptcache.model.adapter import read
+    from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.evaluation import evaluate
+    from rag_promptcache.rag.fidelity import TARGET_RETAINED, read_questions, recommend
+    from rag_promptcache.rag.models import tuned_recovery
+
     qs = read_questions(questions)
     c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
     try:
@@ -81,81 +89,32 @@ def eval_(
     finally:
         c.close()
     rule = f"the fastest setting that keeps >= {TARGET_RETAINED:.0%} of full prefill's right answers"
+    why_none = None if best is not None else no_recommendation(
+        reports[0], max(reports, key=_faithful), f"keeps >= {TARGET_RETAINED:.0%} of full prefill's right answers",
+        "setting", hint="Try more settings with --recovery.")
     if as_json:
         typer.echo(json.dumps({
             "corpus": str(corpus), "k": k, "max_new_tokens": max_new_tokens, "rule": rule, "timing_rounds": repeats,
-            "few_answers": _few(reports[0]),
+            "few_answers": few(reports[0]),
             "recommended": None if best is None else best.recovery, "applied": applied,
+            "no_recommendation": why_none,
             "settings": [{**r.as_dict(), "failures": [f.as_dict() for f in r.failures]} for r in reports],
             "full_prefill_wrong": [{"question": f.question, "expected": list(f.expected or ()), "full": f.full}
                                    for f in reports[0].results if f.full_right is False]}))
     else:
-        _print(reports, best, rule, len(qs), k, verbose)
+        _print(reports, best, rule, why_none, len(qs), k, verbose)
         if applied is not None:
             typer.echo(f"applied: corpus {corpus} now answers with recovery {applied} unless told otherwise")
     if apply and best is None:
-        raise fail(f"nothing applied: no setting keeps >= {TARGET_RETAINED:.0%} of full prefill's right answers; "
-                   "try more settings (e.g. --recovery last:4,last:6,selective:1.0) or set one with ask/serve --recovery")
+        raise fail(f"nothing applied: {why_none.removeprefix('no recommendation: ')} (a corpus's recovery can also be "
+                   "given to ask and serve with --recovery)")
 
 
-def _eval_codecs(questions: Path, corpus: Path, k: int, codec: str, specs: list[str], max_new_tokens: int,
-                 apply: bool, as_json: bool, redis_url: str | None, dtype: str | None, adapter: str) -> None:
-    """`eval --codec`: each codec's answers against fp16 modules', and the smallest that keeps them."""
-    from rag_promptcache.engine.planning.recovery import Recovery
-    from rag_promptcache.rag import Corpus
-    from rag_promptcache.rag.codec_eval import TARGET_KEPT, TARGET_RETAINED, evaluate_codecs, recommend_codec
-    from rag_promptcache.rag.fidelity import read_questions
-    from rag_promptcache.store import check_codec
-
-    codecs = [check_codec(c.strip()) for c in codec.split(",") if c.strip()]
-    if not codecs:
-        raise fail("--codec names no codec")
-    if len(specs) > 1:
-        raise fail(f"--codec compares codecs under one recovery; --recovery names {len(specs)}: {', '.join(specs)}")
-    if apply:
-        raise fail("--apply sets a recovery; a corpus's codec is set when it is built: ingest into a new corpus with --codec")
-    qs = read_questions(questions)
-    c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
-    try:
-        rec = str(Recovery.parse(specs[0])) if specs else str(c.prepare().recovery)
-        reports = evaluate_codecs(c, qs, codecs, rec, k=k, max_new_tokens=max_new_tokens)
-    finally:
-        c.close()
-    best = recommend_codec(reports)
-    rule = (f"the fewest bytes per token that keeps retained >= {TARGET_RETAINED:.2f} and kept >= {TARGET_KEPT:.2f} "
-            "against fp16 modules")
-    if as_json:
-        typer.echo(json.dumps({"corpus": str(corpus), "k": k, "recovery": rec, "rule": rule,
-                               "recommended": None if best is None else best.codec,
-                               "codecs": [{**r.as_dict(), "failures": [f.as_dict() for f in r.report.failures]}
-                                          for r in reports]}))
-        return
-    fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-    r0 = reports[0].report
-    typer.echo(f"{len(qs)} questions, k={k}, recovery {rec}; fp16 modules answer {r0.full_correct} of "
-               f"{r0.num_with_answer} with an expected answer right")
-    typer.echo(f"{'codec':<10} {'bytes/token':>11} {'right':>6} {'kept':>6} {'retained':>8} {'agreement':>9} {'TTFT s':>7}")
-    for r in reports:
-        typer.echo(f"{r.codec:<10} {r.bytes_per_token:>11.0f} {r.report.cached_correct:>6} {fmt(r.report.kept):>6} "
-                   f"{fmt(r.report.retained):>8} {r.report.agreement:>9.2f} {r.report.cached_ttft_s:>7.3f}")
-    typer.echo("kept: of fp16 modules' right answers, the share the codec also gets right; retained: codec right / fp16 right")
-    if best is None:
-        typer.echo(f"\nno recommendation: no codec is {rule}")
-    else:
-        typer.echo(f"\nrecommended: {best.codec} ({rule}: {best.bytes_per_token:.0f} bytes per token); a new corpus "
-                   f"takes it with `ingest --codec {best.codec}`")
-    for r in reports:
-        if r.report.failures:
-            typer.echo(f"\n{r.codec}: {len(r.report.failures)} question(s) fail")
-            for f in r.report.failures:
-                expected = f"\n    expected: {_expected(f.expected)}" if f.expected is not None else ""
-                typer.echo(f"  Q: {f.question}{expected}\n    {r.codec + ':':<9} {_one_line(f.cached)}\n"
-                           f"    fp16:     {_one_line(f.full)}")
+def _faithful(r) -> tuple[bool, float, float]:
+    return r.error is None, r.kept or 0.0, (r.speedup or 0.0) if r.error is None else 0.0
 
 
-def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) -> None:
-    from rag_promptcache.rag.fidelity import MIN_RIGHT
-
+def _print(reports, best, rule: str, why_none: str | None, num_questions: int, k: int, verbose: bool) -> None:
     first = reports[0]
     answered = first.num_with_answer
     typer.echo(f"{num_questions} questions, k={k}, {answered} with an expected answer"
@@ -166,93 +125,47 @@ def _print(reports, best, rule: str, num_questions: int, k: int, verbose: bool) 
         full, cached = ((f"{r.full_correct}/{answered}", f"{r.cached_correct}/{answered}") if answered
                         else ("n/a", "n/a"))
         if r.error is not None:
-            typer.echo(f"{r.recovery:<16} {full:>11} failed: {_one_line(r.error)}")
+            typer.echo(f"{r.recovery:<16} {full:>11} failed: {one_line(r.error)}")
             continue
-        retained = f"{r.cached_correct}/{r.full_correct}" if answered else "n/a"
         agree = f"{sum(x.agrees for x in r.results)}/{r.num_questions}"
-        typer.echo(f"{r.recovery:<16} {full:>11} {cached:>13} {_kept(r):>11} {_interval(r):>13} {retained:>9} "
-                   f"{agree:>10} {describe(r.speedup, '>8.1f', 'x'):>9} {_spread(r):>13}")
+        typer.echo(f"{r.recovery:<16} {full:>11} {cached:>13} {kept_text(r):>11} {interval_text(r):>13} "
+                   f"{retained_text(r):>9} {agree:>10} {describe(r.speedup, '>8.1f', 'x'):>9} {_spread(r):>13}")
     typer.echo("kept: of full prefill's right answers, how many the setting also gets right (the rule's measure; "
                "without expected answers, the answers that agree with full prefill's); retained: cached right / full right; "
                "speed-up: median TTFT of full prefill over the setting's, rounds: each timing round's speed-up")
-    if _few(first):
-        n = first.kept_counts[1]
-        step = f"{1 / n:.2f}" if n else "all"
-        typer.echo(f"\nwarning: full prefill answered only {n} question(s) right, fewer than {MIN_RIGHT}: kept moves by {step} "
-                   f"with each answer and is only known to lie in its 95% interval. Add questions with expected answers "
-                   f"until full prefill gets {MIN_RIGHT} or more right before trusting the recommendation."
-                   if answered else
-                   f"\nwarning: only {n} question(s), fewer than {MIN_RIGHT}: agreement moves by {step} with each answer "
-                   f"and is only known to lie in its 95% interval. Ask {MIN_RIGHT} or more before trusting the recommendation.")
+    if (warning := few_warning(first)) is not None:
+        typer.echo(f"\n{warning}")
     shaky = [r for r in reports if r.error is None and len(r.speedup_rounds) > 1 and max(r.speedup_rounds) > UNSTABLE * min(r.speedup_rounds)]
     if shaky:
         typer.echo(f"\nwarning: the speed-ups moved between timing rounds ({', '.join(f'{r.recovery} {_spread(r)}' for r in shaky)}): "
                    "the machine was busy; rerun on a quiet machine or raise --repeats.")
-    faithful = lambda r: (r.error is None, r.kept or 0.0, (r.speedup or 0.0) if r.error is None else 0.0)  # noqa: E731
     if best is not None:
-        typer.echo(f"\nrecommended: {best.recovery} ({rule}): it keeps {_kept(best)} (95% interval {_interval(best)}) "
-                   f"at {describe(best.speedup, '.1f', 'x')}. {_rests_on(best)}. `eval --apply` makes it this corpus's")
+        timing = (f"the speed-up ranged {_spread(best)} over {len(best.speedup_rounds)} timing rounds"
+                  if best.speedup_rounds else "the speed-up was timed once")
+        typer.echo(f"\nrecommended: {best.recovery} ({rule}): it keeps {kept_text(best)} (95% interval "
+                   f"{interval_text(best)}) at {describe(best.speedup, '.1f', 'x')}. {rests_on(best, timing=timing)}. "
+                   "`eval --apply` makes it this corpus's")
     else:
-        most = max(reports, key=faithful)
-        typer.echo(f"\nno recommendation: no setting is {rule} (the most faithful, {most.recovery}, keeps "
-                   f"{_kept(most)}); try more settings with --recovery")
-    for r in reports if verbose else [best or max(reports, key=faithful)]:
+        typer.echo(f"\n{why_none}")
+    for r in reports if verbose else [best or max(reports, key=_faithful)]:
         if r.error is not None:
-            typer.echo(f"\n{r.recovery}: failed, no answers: {_one_line(r.error)}")
+            typer.echo(f"\n{r.recovery}: failed, no answers: {one_line(r.error)}")
             continue
         if not r.failures:
             typer.echo(f"\n{r.recovery}: every question as full prefill answers it")
             continue
         typer.echo(f"\n{r.recovery}: {len(r.failures)} question(s) fail")
         for f in r.failures:
-            _print_miss(f, f"{'wrong' if f.cached_right is False else 'differs'}")
+            full_note = " (wrong too)" if f.full_right is False else ""
+            typer.echo(miss_text(f, [("cached", f.cached), ("full", f.full + full_note)],
+                                 "wrong" if f.cached_right is False else "differs"))
     full_misses = [f for f in reports[0].results if f.full_right is False]
     if full_misses:  # the same for every setting: full prefill's answers are the reference
         typer.echo(f"\nfull prefill: {len(full_misses)} question(s) wrong (check the expected answers)")
         for f in full_misses:
-            typer.echo(f"  Q: {f.question}\n    expected: {_expected(f.expected)}\n    full:     {_one_line(f.full)}")
-
-
-def _few(report) -> bool:
-    """Whether the share the rule reads rests on fewer answers than rag.fidelity.MIN_RIGHT."""
-    from rag_promptcache.rag.fidelity import MIN_RIGHT
-
-    return report.kept_counts[1] < MIN_RIGHT
-
-
-def _kept(r) -> str:
-    kept, of = r.kept_counts
-    return f"{kept}/{of} = {kept / of:.2f}" if of else "n/a"
-
-
-def _interval(r) -> str:
-    return "n/a" if r.kept_interval is None else "{:.2f}-{:.2f}".format(*r.kept_interval)
+            typer.echo(miss_text(f, [("full", f.full)]))
 
 
 def _spread(r) -> str:
     rounds = r.speedup_rounds
     return f"{min(rounds):.1f}-{max(rounds):.1f}x" if rounds else "n/a"
-
-
-def _rests_on(r) -> str:
-    """What a recommendation rests on: how many answers, and how steady its speed-up was."""
-    n = r.kept_counts[1]
-    what = f"{n} right answers of full prefill" if r.num_with_answer else f"{n} questions (no expected answers: agreement)"
-    timing = (f"the speed-up ranged {_spread(r)} over {len(r.speedup_rounds)} timing rounds" if r.speedup_rounds
-              else "the speed-up was timed once")
-    return f"It rests on {what}{', too few to be sure (see the warning)' if _few(r) else ''}; {timing}"
-
-
-def _print_miss(f, why: str) -> None:
-    expected = f"\n    expected: {_expected(f.expected)}" if f.expected is not None else ""
-    full_note = " (wrong too)" if f.full_right is False else ""
-    typer.echo(f"  Q: {f.question} [{why}]{expected}\n    cached:   {_one_line(f.cached)}\n"
-               f"    full:     {_one_line(f.full)}{full_note}")
-
-
-def _expected(answers: tuple[str, ...]) -> str:
-    return " or ".join(json.dumps(a) for a in answers)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split()) or "(empty)"

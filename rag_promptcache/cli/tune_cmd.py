@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from rag_promptcache.cli.app import app, fail, handle_errors
-from rag_promptcache.cli.tune_progress import Meter
+from rag_promptcache.cli.tune_progress import Bar, Meter
 
 
 @app.command("tune")
@@ -39,14 +39,9 @@ def tune(
     your own (--questions). Resumable: run it again to continue."""
     import shutil
 
-    from tqdm import tqdm
+    from rag_promptcache.rag.layout import check_corpus
 
-    from rag_promptcache.rag import Corpus
-    from rag_promptcache.rag.fidelity import read_questions
-    from rag_promptcache.rag.models import reencode_command
-    from rag_promptcache.tune.corpus import tune_corpus
-    from rag_promptcache.tune.train import CHECKPOINT, TuneConfig
-
+    check_corpus(corpus)  # a wrong path fails before torch is imported
     if minutes <= 0 or steps < 1:
         raise fail(f"--minutes must be > 0 and --steps >= 1, got {minutes} and {steps}")
     if check < 0 or rank < 1:
@@ -57,6 +52,12 @@ def tune(
         raise fail(f"--links must be >= 0, got {links}")
     if questions is not None and not questions.is_file():
         raise fail(f"no such file: {questions}")
+    from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.fidelity import read_questions
+    from rag_promptcache.rag.models import reencode_command
+    from rag_promptcache.tune.corpus import tune_corpus
+    from rag_promptcache.tune.train import CHECKPOINT, TuneConfig
+
     asked = read_questions(questions) if questions is not None else []
     c = Corpus.open(corpus)
     target = out or corpus / "tuned"
@@ -65,24 +66,14 @@ def tune(
     cfg = TuneConfig(rank=rank, alpha=2 * rank, max_steps=steps, max_seconds=minutes * 60, seed=seed,
                      tokens_per_batch=2048, links=links)
     meter = Meter(cfg.max_seconds, steps)
-    bar = tqdm(total=None, desc="tune", unit="s", disable=as_json, bar_format="{desc}: {elapsed} {postfix}")
-
-    def phase(name: str, models: int) -> None:
-        meter.phase(name, models)
-        bar.reset(total=round(cfg.max_seconds) if name == "training" else None)
-        bar.bar_format = ("{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget, {postfix}"
-                          if name == "training" else "{desc}: {elapsed} {postfix}")
-        bar.set_description(name, refresh=False)
-        bar.set_postfix_str(meter.check_line() if name != "training" else "starting", refresh=True)
+    bar = Bar(meter, disable=as_json)
 
     def progress(state, terms):
-        bar.n = min(state.seconds, cfg.max_seconds)
-        bar.set_postfix_str(f"{meter.training_line(state.step, state.seconds)}; kl {terms['kl']:.3f}", refresh=False)
-        bar.refresh()
+        bar.progress(state.step, state.seconds, terms)
 
     try:
         report = tune_corpus(c, target, cfg, general=general, check=check, k=k, questions=asked, progress=progress,
-                             phase=phase)
+                             phase=bar.phase)
         meter.finish()
         command = reencode_command(c.manifest, corpus, [d.source for d in c.table.documents()], str(report.adapter))
     finally:

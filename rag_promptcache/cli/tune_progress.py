@@ -1,11 +1,13 @@
 """`tune`'s progress: which phase it is in (checking before, training, checking after), steps against
 the time budget, and the time left of the whole command, the check after training included (estimated
-from the check before, per model asked). Pure bookkeeping over a clock; tune_cmd.py draws it."""
+from the check before, per model asked). `Meter` is pure bookkeeping over a clock; `Bar` draws it with
+tqdm."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import IO
 
 
 class Meter:
@@ -54,3 +56,36 @@ class Meter:
         if self.name == "checking before":
             return f"{self.models} model(s); then training ({self.budget_s / 60:.0f} min at most) and a check, on top"
         return "the last phase"
+
+
+# tqdm writes `{desc}` as "training: " and `{postfix}` as ", step 3 ..." (its own separators, only where set):
+# nothing goes between them and the rest, or a line reads "training: :" and "budget, , step".
+CHECK_FORMAT = "{desc}{elapsed}{postfix}"
+TRAIN_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of the budget{postfix}"
+
+
+class Bar:
+    """One tqdm line for the whole command: the phase, then in training the budget spent, the steps and the
+    KL; in a check the time so far and what comes after."""
+
+    def __init__(self, meter: Meter, *, disable: bool = False, file: IO[str] | None = None) -> None:
+        from tqdm import tqdm
+
+        self.meter = meter
+        self.bar = tqdm(total=None, desc="tune", unit="s", disable=disable, bar_format=CHECK_FORMAT, file=file)
+
+    def phase(self, name: str, models: int) -> None:
+        self.meter.phase(name, models)
+        training = name == "training"
+        self.bar.reset(total=round(self.meter.budget_s) if training else None)
+        self.bar.bar_format = TRAIN_FORMAT if training else CHECK_FORMAT
+        self.bar.set_description(name, refresh=False)
+        self.bar.set_postfix_str("starting" if training else self.meter.check_line(), refresh=True)
+
+    def progress(self, step: int, seconds: float, terms: Mapping[str, float]) -> None:
+        self.bar.n = min(seconds, self.meter.budget_s)
+        self.bar.set_postfix_str(f"{self.meter.training_line(step, seconds)}; kl {terms['kl']:.3f}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()

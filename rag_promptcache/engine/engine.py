@@ -29,7 +29,7 @@ from rag_promptcache.engine.compute import attention
 from rag_promptcache.engine.kv.assemble import release
 from rag_promptcache.engine.batching.batcher import DEFAULT_ADMISSION, DEFAULT_PREFILL_CHUNK, Batcher
 from rag_promptcache.engine.prompt.compiler import LAYOUTS, Compiler, Layout
-from rag_promptcache.engine.planning.costmodel import Costs, Fallback, stored_costs
+from rag_promptcache.engine.planning.costmodel import Costs, Fallback, recalibrated_costs, stored_costs
 from rag_promptcache.engine.decoding.decode import can_crop, decode
 from rag_promptcache.engine.planning.encoder import DEFAULT_MODE, check_mode
 from rag_promptcache.engine.decoding.grammar import Grammar
@@ -88,7 +88,7 @@ class PromptCache:
         (unset: auto); a `Fallback` is used as given (its own costs). `Result.path` says which ran."""
         prompt_lookup = lookup_tokens(prompt_lookup)
         if not isinstance(fallback, Fallback):  # a bad policy fails here, before anything is built
-            fallback = Fallback(fallback, self._measure_costs)
+            fallback = Fallback(fallback, self._measure_costs, remeasure=self._remeasure_costs)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is not None and codec is not None:
@@ -173,6 +173,10 @@ class PromptCache:
     def _measure_costs(self) -> Costs:
         with self.model_lock:  # timed forwards: nobody else's may run meanwhile
             return stored_costs(self.model, self.relocator, self.geometry, self.fingerprint)
+
+    def _remeasure_costs(self) -> Costs | None:
+        with self.model_lock:
+            return recalibrated_costs(self.model, self.relocator, self.geometry, self.fingerprint)
 
     @classmethod
     def from_pretrained(

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,6 +145,15 @@ def check_base(adapter: Adapter, model_name: str, fingerprint: str) -> None:
         )
 
 
+@contextmanager
+def peft_quiet() -> Iterator[None]:
+    """peft asks transformers `is_gradient_checkpointing`, which transformers 5 renamed and warns about: its
+    notice, not the user's to act on, and ours to fix only in peft. Only that warning is filtered."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
+
+
 def merge(model: torch.nn.Module, adapter: Adapter, fingerprint: str, model_name: str) -> torch.nn.Module:
     """The model with the adapter's LoRA merged into its weights (peft's `merge_and_unload`), carrying
     the `Adapter` record that `applied` returns. `fingerprint`: the model's, in fp32, before the merge;
@@ -151,9 +162,7 @@ def merge(model: torch.nn.Module, adapter: Adapter, fingerprint: str, model_name
 
     check_base(adapter, model_name, fingerprint)
     try:
-        with warnings.catch_warnings():
-            # peft asks transformers a question transformers 5 renamed: its notice, not the user's to act on
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        with peft_quiet():
             merged = PeftModel.from_pretrained(model, adapter.path).merge_and_unload()
         table = links.load(adapter.path)
         if table is not None:

@@ -77,7 +77,7 @@ class Answering:
         """The name of the document a module came from, as `documents()` and answers' sources show it."""
         source = self.source(module_id)
         doc = self.table.document(source)
-        return doc.label if doc else source
+        return doc.shown if doc else source
 
     def text(self, module_id: str) -> str:
         """The chunk's text (without the source label the module carries)."""

@@ -7,7 +7,8 @@ the same recovery, no fallback to full prefill and no prefix cache, so each answ
 Per question the fp16 answer and each codec's run back to back. A codec is judged as a recovery is
 (`SettingReport`): `retained` (right answers over fp16's) and `kept` (paired: of fp16's right answers,
 the share the codec also gets right); `recommend_codec` takes the fewest bytes per token among those
-meeting `TARGET_RETAINED` and `TARGET_KEPT`.
+meeting `TARGET_RETAINED` and `TARGET_KEPT`, and nothing where fp16 answered too few right (`fidelity.too_few`,
+as `eval` for a recovery).
 
 Not here: choosing a recovery (`fidelity.py`), the codecs themselves (`rag_promptcache.store`).
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outcome, Reference, SettingReport, answer,
-                                          summarize)
+                                          summarize, too_few)
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.corpus import Corpus
 
 REFERENCE_CODEC = "fp16"  # what every codec is judged against
+REFERENCE_WHOSE = "fp16 modules"  # how the reference's answers are named to a user
 TARGET_RETAINED = 0.95
 TARGET_KEPT = 0.90
 
@@ -52,7 +54,10 @@ class CodecReport:
 
 
 def recommend_codec(reports: Sequence[CodecReport]) -> CodecReport | None:
-    """The fewest bytes per token among the codecs that meet the targets against fp16 modules."""
+    """The fewest bytes per token among the codecs that meet the targets against fp16 modules; None where
+    none does, or where fp16's own right answers are too few to judge by (`fidelity.too_few`, as `eval`)."""
+    if not reports or too_few(reports[0].report, REFERENCE_WHOSE) is not None:
+        return None
     met = [r for r in reports if r.meets]
     return min(met, key=lambda r: r.bytes_per_token) if met else None
 

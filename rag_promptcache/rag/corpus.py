@@ -107,11 +107,8 @@ class Corpus(Answering):
         a `CorpusWarning` says how to re-encode it). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
         the engine the corpus loads, not to a caller's `engine`."""
-        path = Path(path)
+        path = layout.check_corpus(path)
         redis_url = corpus_store.redis_url(redis_url)
-        if not is_corpus(path):
-            what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
-            raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
         manifest = layout.read_manifest(path)
         layout.check_files(path)
         emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder, adapter=adapter)

@@ -4,8 +4,8 @@
 A document's name is its identity (the path relative to the directory ingested; see
 `loaders.Document.name`); it is stored under its source: an absolute file path, or `file#record id` for a record of a
 .jsonl/.json file (`records_loader.py`), or the id a caller gave an object. Naming a .jsonl/.json
-file (its path, or its bare file name) means every record of it. Its label is the shorter
-name answers show in their sources.
+file (its path, or its bare file name) means every record of it. Its label is what the model reads
+above each chunk (a record's: its id alone); listings and answers' sources show the name.
 
 Not here: adding or dropping rows (`table.py`, `ingestor.py`).
 """
@@ -63,5 +63,5 @@ def listing(table: ChunkTable) -> list[dict[str, object]]:
     """Each document: `name` (what `ask` shows in its sources and `remove` accepts), `source`,
     `num_chunks`, `num_bytes`, `complete` (False: an interrupted ingest; run it again) and
     `metadata` (a record's other fields)."""
-    return [{"name": d.label, "source": d.source, "num_chunks": n, "num_bytes": d.num_bytes, "complete": d.complete,
+    return [{"name": d.shown, "source": d.source, "num_chunks": n, "num_bytes": d.num_bytes, "complete": d.complete,
              "metadata": meta} for d, n, meta in table.document_chunks()]

@@ -10,7 +10,8 @@ is the one rule a setting is recommended by (`eval`) and the engine default is c
 paired (`SettingReport.kept`: a question full prefill answers right and the cache wrong is lost even
 when another question only the cache answers right would make the totals match).
 `rag-promptcache eval` (through `rag.evaluation`) and the bench both use this module. `interval` and
-`MIN_RIGHT` say how much a share measured on few answers tells. Not here: eval's run (`rag.evaluation`:
+`MIN_RIGHT` say how much a share measured on few answers tells; below `MIN_TO_RECOMMEND` `eval` (and
+`eval --codec`) recommends nothing (`too_few`). Not here: eval's run (`rag.evaluation`:
 answers as `Corpus.ask` gives them, TTFT timed in rounds), printing (cli/),
 generating benchmark data (bench/fidelity_data.py), writing the choice into a corpus (`Corpus.set_recovery`).
 """
@@ -36,6 +37,10 @@ DEFAULT_NEW_TOKENS = 64  # the answer judged: long enough for a sentence or two,
 TARGET_RETAINED = 0.95  # of full prefill's right answers a recommended setting keeps
 # Fewer right answers than this under full prefill and a share of them says little (`interval` says how little).
 MIN_RIGHT = 30
+# Fewer than this and nothing is recommended (`too_few`): even a setting that keeps every one of them could be
+# losing more than a quarter of the answers (the 95% interval of 10 of 10 is 0.72-1.00; of 2 of 2, 0.34-1.00).
+# Between it and MIN_RIGHT a recommendation comes with a warning.
+MIN_TO_RECOMMEND = 10
 K = TypeVar("K", bound=Hashable)
 
 
@@ -306,7 +311,25 @@ def failed(recovery: str, k: int, refs: Sequence[Reference], error: Exception) -
         context_tokens=sum(r.context_tokens for r in refs) / len(refs), error=f"{type(error).__name__}: {error}")
 
 
+def too_few(reference: SettingReport, whose: str = "full prefill") -> str | None:
+    """Why no recommendation can rest on these answers, said plainly (`whose`: what answered them, "fp16
+    modules" for `eval --codec`), or None where `MIN_TO_RECOMMEND` or more do. The reference's right answers
+    are what `kept` is a share of; without expected answers, the questions asked."""
+    of = reference.kept_counts[1]
+    if of >= MIN_TO_RECOMMEND:
+        return None
+    if reference.num_with_answer:
+        return (f"{whose} answered only {of} of the {reference.num_with_answer} questions with an expected answer "
+                f"right, and a recommendation needs at least {MIN_TO_RECOMMEND} right answers to rest on; add "
+                "questions with expected answers")
+    return (f"only {of} question(s) were asked, and a recommendation needs at least {MIN_TO_RECOMMEND} to rest on "
+            "(without expected answers, on agreement with full prefill); ask more")
+
+
 def recommend(reports: Sequence[SettingReport]) -> SettingReport | None:
-    """The setting `fastest_retaining` picks among these (one k) by `kept`, or None when none keeps the target."""
+    """The setting `fastest_retaining` picks among these (one k) by `kept`; None when none keeps the target,
+    or when too few answers say so (`too_few`)."""
+    if not reports or too_few(reports[0]) is not None:
+        return None
     best = fastest_retaining({r.recovery: r.kept for r in reports}, {r.recovery: r.speedup for r in reports})
     return next((r for r in reports if r.recovery == best), None)

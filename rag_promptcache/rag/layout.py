@@ -41,6 +41,16 @@ def is_corpus(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def check_corpus(path: str | os.PathLike[str]) -> Path:
+    """`path` as a Path where it holds a corpus, else a ValueError that says how to make one. Cheap (no
+    model, no torch): the CLI asks it before loading anything."""
+    path = Path(path)
+    if not is_corpus(path):
+        what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
+        raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
+    return path
+
+
 def package_version() -> str:
     """This package's version, recorded in each manifest."""
     try:

@@ -92,6 +92,16 @@ class DocumentRow:
     num_bytes: int
     name: str | None = None  # the identity (`loaders.Document.name`); None in tables older than it: the label
 
+    @property
+    def shown(self) -> str:
+        """The name listings and answers' sources show (and `remove` takes): a file's label; a record with an
+        id, `<file>#<id>` (its label, what the model reads, is the id alone: a bare "1" in a listing says
+        nothing); a record without one, its label, `<file>:<line>`, which names its file already."""
+        name, label = self.name or self.label, self.label
+        if name == label or not name.endswith("#" + label):
+            return name
+        return label if label.startswith(name[: -len(label) - 1]) else name
+
 
 class ChunkTable:
     def __init__(self, path: Path) -> None:
@@ -154,11 +164,11 @@ class ChunkTable:
     def document_chunks(self) -> list[tuple[DocumentRow, int, dict[str, object]]]:
         """Every document with its number of chunks and its metadata, by source."""
         rows = self.db.execute(
-            "SELECT d.source, d.label, d.content_hash, d.complete, d.num_bytes, COUNT(c.module_id), m.metadata "
+            "SELECT d.source, d.label, d.content_hash, d.complete, d.num_bytes, COUNT(c.module_id), m.metadata, d.name "
             "FROM documents d LEFT JOIN chunks c USING(source) LEFT JOIN document_meta m USING(source) "
             "GROUP BY d.source ORDER BY d.source"
         )
-        return [(DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4]), r[5], json.loads(r[6] or "{}")) for r in rows]
+        return [(DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4], r[7]), r[5], json.loads(r[6] or "{}")) for r in rows]
 
     @_serialized
     def chunk_ids(self, source: str) -> set[str]:

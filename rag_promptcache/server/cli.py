@@ -55,6 +55,11 @@ def register(app: typer.Typer) -> None:
             "--ray-address", help="With --ray: join this cluster (HOST:PORT, ray://HOST:PORT or auto) [default: start a local one].")] = None,
     ) -> None:
         """Serve a corpus over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
+        from rag_promptcache.cli.app import SHOWN_DTYPES, check_name
+        from rag_promptcache.rag.layout import check_corpus
+
+        check_name("dtype", dtype, SHOWN_DTYPES)
+        check_corpus(corpus)  # a wrong path or name fails before torch and the server stack are imported
         from rag_promptcache.engine.batching.batcher import ADMISSIONS
         from rag_promptcache.server import serve as run
         from rag_promptcache.server.access_log import FORMATS, LEVELS

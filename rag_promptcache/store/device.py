@@ -8,8 +8,8 @@ promotion: a hit in a lower tier is put here, and the budget evicts the coldest 
 a quantized entry would be decoded on every get.
 
 The budget is `max_bytes`, or where None a fraction (`DEFAULT_FRACTION`) of the device's total memory,
-read when the tier is made: the model's weights and the requests' caches need the rest. Bookkeeping is
-`BudgetIndex`, as in the memory tier. Any device works, so the tests run it on the CPU; it is meant for
+read when the tier is made: the model's weights and the requests' caches need the rest. The dict, the
+budget and the lookups are `BudgetedTier`'s, as the memory tier's. Any device works, so the tests run it on the CPU; it is meant for
 CUDA.
 
 Out of scope: codecs, persistence, sharing between processes (each process holds its own).
@@ -17,12 +17,11 @@ Out of scope: codecs, persistence, sharing between processes (each process holds
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from .base import ModuleKV, StoreStats
-from .eviction import BudgetIndex, Policy
+from .base import ModuleKV
+from .budgeted import BudgetedTier
+from .eviction import Policy
 
 DEFAULT_FRACTION = 0.1  # of the device's memory, where no budget is given
 
@@ -34,32 +33,17 @@ def default_budget(device: torch.device) -> int | None:
     return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_FRACTION)
 
 
-class DeviceStore:
+class DeviceStore(BudgetedTier[ModuleKV]):
     def __init__(self, max_bytes: int | None = None, device: str | torch.device = "cuda",
                  policy: str | Policy = "lru") -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"a device tier on {self.device} needs CUDA, which torch does not see here; "
                              "valid: a CUDA device where one is present, or 'cpu'")
-        self._index = BudgetIndex(default_budget(self.device) if max_bytes is None else max_bytes, policy)
-        self._entries: dict[str, ModuleKV] = {}
-        self._lock = threading.Lock()
-        self._num_hits = 0
-        self._num_misses = 0
-
-    @property
-    def max_bytes(self) -> int | None:
-        return self._index.max_bytes
+        super().__init__(default_budget(self.device) if max_bytes is None else max_bytes, policy)
 
     def get(self, key: str) -> ModuleKV | None:
-        with self._lock:
-            kv = self._entries.get(key)
-            if kv is None:
-                self._num_misses += 1
-                return None
-            self._num_hits += 1
-            self._index.touch(key)
-            return kv
+        return self._lookup(key)
 
     def put(self, key: str, kv: ModuleKV) -> None:
         if not self._index.fits(kv.num_bytes):  # never copied in: it could not be kept
@@ -68,38 +52,4 @@ class DeviceStore:
         keys = kv.keys.detach().to(self.device, copy=True, non_blocking=kv.keys.is_pinned())
         values = kv.values.detach().to(self.device, copy=True, non_blocking=kv.values.is_pinned())
         held = ModuleKV(keys, values, kv.start, tuple(kv.token_ids), kv.fingerprint, kv.mode)
-        with self._lock:
-            self._entries[key] = held
-            for victim in self._index.add(key, held.num_bytes, held.num_tokens):
-                self._entries.pop(victim.key, None)
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
-    def delete(self, key: str) -> bool:
-        with self._lock:
-            self._index.remove(key)
-            return self._entries.pop(key, None) is not None
-
-    def evict_to(self, num_bytes: int) -> list[str]:
-        """Evict (lowest priority first) until at most `num_bytes` are held; returns the evicted keys."""
-        with self._lock:
-            victims = self._index.evict_to(num_bytes)
-            for victim in victims:
-                self._entries.pop(victim.key, None)
-        return [v.key for v in victims]
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._entries)
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(len(self._entries), self._index.num_bytes, self._num_hits, self._num_misses,
-                              self._index.num_tokens)
-
-    def close(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._index = BudgetIndex(self._index.max_bytes, self._index.policy)
+        self._hold(key, held, held.num_bytes, held.num_tokens)

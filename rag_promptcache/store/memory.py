@@ -9,22 +9,24 @@ asynchronous-capable and fast.
 `on_evict(key, kv)` is called, outside the lock, for every entry the budget pushes out (and for an
 entry too big to keep at all): TieredStore's write-back uses it to flush dirty entries downward.
 
+The dict, the budget and the protocol's lookups are `BudgetedTier`'s, shared with the device tier.
+
 Out of scope: persistence (disk.py) and sharing between processes (redis.py).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
-from .base import ModuleKV, StoreStats
+from .base import ModuleKV
+from .budgeted import BudgetedTier
 from .codecs import EncodedKV, check_codec, decode, encode
-from .eviction import BudgetIndex, Policy
+from .eviction import Policy
 
 
-class MemoryStore:
+class MemoryStore(BudgetedTier[EncodedKV]):
     def __init__(
         self,
         max_bytes: int | None = None,
@@ -33,68 +35,19 @@ class MemoryStore:
         policy: str | Policy = "lru",
         on_evict: Callable[[str, ModuleKV], None] | None = None,
     ) -> None:
+        super().__init__(max_bytes, policy)
         self.codec = check_codec(codec)
         self.device = torch.device(device)
         self._pin = self.device.type == "cpu" and torch.cuda.is_available()
-        self._index = BudgetIndex(max_bytes, policy)
-        self._entries: dict[str, EncodedKV] = {}
-        self._lock = threading.Lock()
-        self._num_hits = 0
-        self._num_misses = 0
         self.on_evict = on_evict
 
-    @property
-    def max_bytes(self) -> int | None:
-        return self._index.max_bytes
-
     def get(self, key: str) -> ModuleKV | None:
-        with self._lock:
-            enc = self._entries.get(key)
-            if enc is None:
-                self._num_misses += 1
-                return None
-            self._num_hits += 1
-            self._index.touch(key)
-        return decode(enc)
+        enc = self._lookup(key)
+        return None if enc is None else decode(enc)
 
     def put(self, key: str, kv: ModuleKV) -> None:
         enc = encode(kv, self.codec, device=self.device, pin=self._pin)
-        with self._lock:
-            self._entries[key] = enc
-            victims = self._index.add(key, enc.num_bytes, enc.num_tokens)
-            evicted = [(v.key, self._entries.pop(v.key)) for v in victims]
-        self._evicted(evicted)
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
-    def delete(self, key: str) -> bool:
-        with self._lock:
-            self._index.remove(key)
-            return self._entries.pop(key, None) is not None
-
-    def evict_to(self, num_bytes: int) -> list[str]:
-        """Evict (lowest priority first) until at most `num_bytes` are held; returns the evicted keys."""
-        with self._lock:
-            evicted = [(v.key, self._entries.pop(v.key)) for v in self._index.evict_to(num_bytes)]
-        self._evicted(evicted)
-        return [key for key, _ in evicted]
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._entries)
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(
-                len(self._entries), self._index.num_bytes, self._num_hits, self._num_misses, self._index.num_tokens
-            )
-
-    def close(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._index = BudgetIndex(self._index.max_bytes, self._index.policy)
+        self._hold(key, enc, enc.num_bytes, enc.num_tokens)
 
     def _evicted(self, evicted: list[tuple[str, EncodedKV]]) -> None:
         if self.on_evict is not None:

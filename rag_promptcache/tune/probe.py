@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rag_promptcache.engine.compute.runner import cache_arg, output_cache
 from rag_promptcache.tune.layout import Laid, batch_masks
 
 
@@ -30,7 +31,7 @@ def greedy(model, prompts: Sequence[Laid], *, full: bool, max_new_tokens: int, e
         width = ids.shape[1]
         valid = torch.tensor([[j >= width - n for j in range(width)] for n in lengths], device=device)
         res = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
-        cache = res.past_key_values
+        cache = output_cache(res)
         nxt = res.logits[:, -1].argmax(-1)
         done = torch.zeros(len(group), dtype=torch.bool, device=device)
         eos = torch.tensor(list(eos_ids), device=device)
@@ -43,8 +44,8 @@ def greedy(model, prompts: Sequence[Laid], *, full: bool, max_new_tokens: int, e
                 break
             valid = torch.cat([valid, torch.ones(len(group), 1, dtype=torch.bool, device=device)], 1)
             res = model(input_ids=nxt[:, None], position_ids=step_pos[:, None], attention_mask=valid[:, None, None, :],
-                        past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
+                        use_cache=True, **cache_arg(model, cache))
+            cache = output_cache(res)
             step_pos = step_pos + 1
             nxt = res.logits[:, -1].argmax(-1)
         rows = torch.stack(tokens, 1).tolist()

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rag_promptcache.model import links
+from rag_promptcache.model.adapter import peft_quiet
 from rag_promptcache.tune.layout import Laid, batch_masks
 
 TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -122,7 +123,8 @@ def attach(model, cfg: TuneConfig):
         links.install(model, links.fresh(model, cfg.links, cfg.seed))
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets), lora_dropout=0.0,
                       bias="none", task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, lora)
+    with peft_quiet():
+        peft_model = get_peft_model(model, lora)
     if cfg.links:
         links.of(model).links.requires_grad_(True)
     return peft_model

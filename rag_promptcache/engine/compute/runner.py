@@ -17,7 +17,7 @@ import inspect
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -118,6 +118,12 @@ def cache_arg(model: torch.nn.Module, cache: DynamicCache | None) -> dict[str, D
     """The cache as the keyword `model`'s forward takes it: `cache` where transformers renamed it (newer
     5.x, which warns on `past_key_values`), `past_key_values` before that and in models not renamed."""
     return {_cache_keyword(type(model)): cache}
+
+
+def output_cache(out: Mapping[str, object]) -> DynamicCache | None:
+    """The cache a transformers forward returned, by the name its output carries: `cache` where transformers
+    renamed it (newer 5.x, whose `past_key_values` property warns), `past_key_values` before that."""
+    return out["cache"] if "cache" in out else out.get("past_key_values")  # type: ignore[return-value]
 
 
 def forward_last(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,

@@ -219,6 +219,38 @@ class Assembled:
         self.order = None
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where an assembly starts, plain or streamed (engine/kv/stream.py): the cached pieces, the new tokens'
+    ids and positions [1, N], and a cache reserved for all of them and `extra` more (None where the
+    model's cache needs transformers' own layers: chunked or linear attention)."""
+
+    cached: list[Piece]
+    new_ids: torch.Tensor
+    new_positions: torch.Tensor
+    num_cached: int
+    reserved: tuple[DynamicCache, torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, pieces: Sequence[Piece], config: PretrainedConfig, g: KVGeometry, device: torch.device,
+           dtype: torch.dtype, extra: int = 0) -> Reservation:
+        cached = [p for p in pieces if p.cached]
+        new = [p for p in pieces if not p.cached]
+        new_ids = torch.tensor([[t for p in new for t in p.token_ids]], device=device)
+        new_pos = torch.tensor([[p.position + i for p in new for i in range(len(p.token_ids))]], device=device)
+        num_cached = sum(len(p.token_ids) for p in cached)
+        reserved = reserved_cache(config, g, num_cached + new_ids.shape[1] + extra, dtype, device)
+        return cls(cached, new_ids, new_pos, num_cached, reserved)
+
+    def assembled(self, cache: DynamicCache, pieces: Sequence[Piece], g: KVGeometry, *, mask: Mask | None) -> Assembled:
+        """The `Assembled` of `cache` holding this layout's cached tokens (or about to: engine/kv/stream.py),
+        with `mask` (`assembly_mask`), and where sliding-window layers need it the order that
+        `to_sequence_order` puts them back in once the new tokens have run."""
+        sliding = tuple(i for i, kind in enumerate(g.layer_types) if kind == SLIDING)
+        order = _sequence_order(pieces, self.new_ids.device) if mask is not None and sliding else None
+        return Assembled(cache, self.new_ids, self.new_positions, mask, self.num_cached, order, sliding)
+
+
 def assemble(
     pieces: Sequence[Piece],
     kvs: Mapping[str, ModuleKV],
@@ -231,32 +263,27 @@ def assemble(
 ) -> Assembled:
     """`extra`: tokens to reserve beyond the prompt (the answer). No new piece only for an exact repeat
     from the prefix cache, whose last token's logits are kept (engine/prefix/prefix_cache.py)."""
-    cached = [p for p in pieces if p.cached]
-    new = [p for p in pieces if not p.cached]
-    new_ids = torch.tensor([[t for p in new for t in p.token_ids]], device=device)
-    new_pos = torch.tensor([[p.position + i for p in new for i in range(len(p.token_ids))]], device=device)
-    num_cached = sum(len(p.token_ids) for p in cached)
-    reserved = reserved_cache(config, geometry, num_cached + new_ids.shape[1] + extra, dtype, device)
+    lay = Reservation.of(pieces, config, geometry, device, dtype, extra)
     mask = assembly_mask(pieces, geometry, dtype, device)
-    if reserved is None:
+    if lay.reserved is None:
         if mask is not None:
             kinds = ", ".join(sorted(set(geometry.layer_types)))
             raise ValueError(f"this model's cache has layer types {kinds}: only full_attention and sliding_attention "
                              "layers (one window) can hold tokens recomputed before cached ones; use recovery none or "
                              "last:N, or full prefill (use_cache=False)")
-        cache = _concatenated(cached, kvs, relocator, config, device, dtype)
+        cache = _concatenated(lay.cached, kvs, relocator, config, device, dtype)
     else:
-        cache, keys, values = reserved
+        cache, keys, values = lay.reserved
         at = 0
-        for p in cached:  # keys, values: [L, H, capacity, D]; each piece written once, relocated on the way
+        for p in lay.cached:  # keys, values: [L, H, capacity, D]; each piece written once, relocated on the way
             kv, n = kvs[p.unit], len(p.token_ids)
             k = kv.keys[:, :, p.offset : p.offset + n].to(device=device)
             relocator.rotate_into(k, p.position - (kv.start + p.offset), keys[:, :, at : at + n])
             values[:, :, at : at + n] = kv.values[:, :, p.offset : p.offset + n]
             at += n
         for layer in cache.layers:
-            layer.set_length(num_cached)
-    return assembled(cache, new_ids, new_pos, num_cached, pieces, geometry, mask=mask)
+            layer.set_length(lay.num_cached)
+    return lay.assembled(cache, pieces, geometry, mask=mask)
 
 
 def _concatenated(
@@ -278,16 +305,6 @@ def _concatenated(
         deltas = torch.cat([torch.full((len(p.token_ids),), s, dtype=torch.long) for p, s in zip(cached, shifts)])
         keys = relocator.rotate(keys, deltas.to(device))
     return DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)], config=config)
-
-
-def assembled(cache: DynamicCache, new_ids: torch.Tensor, new_positions: torch.Tensor, num_cached: int,
-              pieces: Sequence[Piece], g: KVGeometry, *, mask: Mask | None) -> Assembled:
-    """The `Assembled` of a reserved cache holding `pieces`' cached tokens (or about to: engine/kv/stream.py),
-    with `mask` (`assembly_mask`), and where sliding-window layers need it the order that
-    `to_sequence_order` puts them back in once the new tokens have run."""
-    sliding = tuple(i for i, kind in enumerate(g.layer_types) if kind == SLIDING)
-    order = _sequence_order(pieces, new_ids.device) if mask is not None and sliding else None
-    return Assembled(cache, new_ids, new_positions, mask, num_cached, order, sliding)
 
 
 def _sequence_order(pieces: Sequence[Piece], device: torch.device) -> torch.Tensor:

@@ -34,8 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import PretrainedConfig
 
-from rag_promptcache.engine.kv.assemble import (Assembled, ReservedLayer, assemble, assembled, assembly_mask,
-                                                reserved_cache)
+from rag_promptcache.engine.kv.assemble import Assembled, ReservedLayer, Reservation, assemble, assembly_mask
 from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.model.positions import KVGeometry, Relocator, RopeRelocator
 from rag_promptcache.store.base import ModuleKV
@@ -62,22 +61,16 @@ def assemble_streamed(pieces: Sequence[Piece], kvs: Mapping[str, ModuleKV], relo
                       extra: int = 0) -> Assembled | None:
     """`assemble`'s result with each layer's KV loaded when the forward first needs it (see above);
     None where the cache needs transformers' own layers (chunked or linear attention)."""
-    cached = [p for p in pieces if p.cached]
-    new = [p for p in pieces if not p.cached]
-    new_ids = torch.tensor([[t for p in new for t in p.token_ids]], device=device)
-    new_pos = torch.tensor([[p.position + i for p in new for i in range(len(p.token_ids))]], device=device)
-    num_cached = sum(len(p.token_ids) for p in cached)
-    reserved = reserved_cache(config, geometry, num_cached + new_ids.shape[1] + extra, dtype, device)
-    if reserved is None:
+    lay = Reservation.of(pieces, config, geometry, device, dtype, extra)
+    if lay.reserved is None:
         return None
-    cache, keys, values = reserved
-    loader = LayerLoader(cached, kvs, relocator, keys, values)
+    cache, keys, values = lay.reserved
+    loader = LayerLoader(lay.cached, kvs, relocator, keys, values)
     for i, layer in enumerate(cache.layers):
-        layer.set_length(num_cached)
+        layer.set_length(lay.num_cached)
         layer.pending = lambda i=i: loader.wait(i)
     loader.start()
-    return assembled(cache, new_ids, new_pos, num_cached, pieces, geometry,
-                     mask=assembly_mask(pieces, geometry, dtype, device))
+    return lay.assembled(cache, pieces, geometry, mask=assembly_mask(pieces, geometry, dtype, device))
 
 
 def load_all(cache) -> None:

@@ -11,15 +11,19 @@ tokens against them; a full prefill pays one forward over every token. `Costs` m
 `calibrate` measures the coefficients with a few tiny timed forwards and assemblies (tenths of a second
 on SmolLM2-135M on an idle CPU; each repeated until it spans `timing.MIN_STEPS` steps of the clock, so
 seconds where the clock is coarse), on the first request that needs them, and `stored_costs` keeps them
-under the cache home keyed by model fingerprint, device, dtype and threads, so a machine measures once
-(again once the CPU is idle, where it was busy while the stored calibration ran: `cpu_busy`).
+in `costs_dir()` (the cache home's `costs/`, or `$RAG_PROMPTCACHE_COSTS_DIR`: the test suite keeps its own)
+keyed by model fingerprint, device, dtype and threads, so a machine measures once (again once the CPU is
+idle, where it was busy while the stored calibration ran: `cpu_busy`).
 A calibration is one moment of a machine whose load changes (a busy neighbour, or none any more), so
 the costs follow the prefills actually run (the request's own, and encoding a module, which is what
 recomputing it costs): `PaceMeter` keeps a moving average of measured over modelled seconds, and
 `Fallback.costs` scales every coefficient by it, as store/link.py's meter follows a link for transfers.
 Both paths of the cached-or-full choice run on this CPU, so a uniform pace leaves that choice as
 calibrated (and two plans of one prompt take the same path); loading a module over a link does not slow
-with the CPU, so load-or-recompute follows the pace. A sample is a span of prefills at least `MIN_SPAN_S` long (measured or modelled),
+with the CPU, so load-or-recompute follows the pace. A pace that stays `DRIFT` times away from the stored
+calibration, either way, on a CPU no other work holds, says the calibration is not this machine's (made
+under a load `cpu_busy` did not see, or before the machine changed): it is measured again and stored,
+once per engine (`Fallback.num_recalibrations`). A sample is a span of prefills at least `MIN_SPAN_S` long (measured or modelled),
 so a clock that steps by tens of milliseconds averages out within it.
 `Fallback.use_full` is the one place the decision is made: policy `auto` runs full prefill when its
 estimate beats the cached plan's by more than `MARGIN` (a noisy calibration must not send cached
@@ -50,6 +54,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -65,6 +70,7 @@ from rag_promptcache.timing import MIN_STEPS, process_resolution, repeat
 
 FALLBACKS = ("auto", "never", "always")
 ENV = "RAG_PROMPTCACHE_FALLBACK"
+COSTS_ENV = "RAG_PROMPTCACHE_COSTS_DIR"  # where calibrations are stored (unset: the cache home's costs/)
 # calibration sizes: small enough to stay well under half a second on a 135M model on two CPU threads
 SHORT, LONG, CONTEXT = 32, 256, 512
 MARGIN = 0.05
@@ -77,6 +83,16 @@ BUSY_LOAD = 1.5
 MIN_SPAN_S = 0.25
 PACE_ALPHA = 0.5
 PACE_LIMIT = 32.0
+# a calibration the pace says is this many times too slow or too fast, over at least DRIFT_SAMPLES samples,
+# is measured again. Measured (docs/scale-out.md, research/pace_drift.py): a fresh calibration's pace
+# stays within DRIFT_NOISE of 1 on real requests here, a busy calibration's reads 3-5x too slow once the load has gone.
+DRIFT = 2.5
+DRIFT_SAMPLES = 4
+
+
+def costs_dir() -> Path:
+    """Where calibrations are stored: `$RAG_PROMPTCACHE_COSTS_DIR`, else the cache home's `costs/`."""
+    return Path(os.environ.get(COSTS_ENV) or cache_home() / "costs")
 
 
 def fallback_policy(value: str | None) -> str:
@@ -153,6 +169,11 @@ class PaceMeter:
                                 else (1 - PACE_ALPHA) * self._log_factor + PACE_ALPHA * sample)
             self.num_samples += 1
 
+    def reset(self) -> None:
+        """Back to the calibration's 1.0, no samples: the costs were measured again just now."""
+        with self._lock:
+            self._log_factor, self._measured, self._modelled, self.num_samples = None, 0.0, 0.0, 0
+
 
 class FixedPace:
     """Pacing off: the costs stay as measured (a caller that gives costs it knows to be this machine's)."""
@@ -163,29 +184,51 @@ class FixedPace:
     def ran(self, modelled_s: float, seconds: float) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
+
 
 class Fallback:
     """The engine's path policy; in `auto`, its costs are measured (or read) on the first decision and
     then follow the prefills and encodings this engine runs (`ran`, `encoded`)."""
 
     def __init__(self, policy: str | None, measure: Callable[[], Costs] | None = None,
-                 pace: PaceMeter | FixedPace | None = None) -> None:
+                 pace: PaceMeter | FixedPace | None = None, *,
+                 remeasure: Callable[[], Costs | None] | None = None) -> None:
         """`measure`: called once, on the first `auto` decision (None: keep the cached plan, unmeasured).
-        `pace`: how the costs follow the machine (None: a new `PaceMeter`; `FixedPace()`: they do not)."""
+        `pace`: how the costs follow the machine (None: a new `PaceMeter`; `FixedPace()`: they do not).
+        `remeasure`: a fresh calibration, once, where the pace drifts `DRIFT` times from the costs (None:
+        `measure` again); it may return None where now is no time to measure (a busy CPU)."""
         self.policy = fallback_policy(policy)
         self._measure = measure if self.policy == "auto" else None
+        self._remeasure = (remeasure or measure) if self._measure is not None else None
         self._costs: Costs | None = None
+        self._drifted = False
         self._lock = threading.Lock()
         self.pace = PaceMeter() if pace is None else pace
+        self.num_recalibrations = 0
 
     @property
     def calibrated(self) -> Costs | None:
-        """The costs as measured (or read) once, before any pacing."""
-        if self._costs is None and self._measure is not None:
+        """The costs as measured (or read) once, before any pacing; measured again once where the pace drifted."""
+        if (self._costs is None and self._measure is not None) or self._drifted:
             with self._lock:
-                if self._costs is None:
+                if self._costs is None and self._measure is not None:
                     self._costs = self._measure()
+                elif self._drifted and self._remeasure is not None:
+                    self._drifted = False
+                    fresh = self._remeasure()
+                    if fresh is not None:
+                        self._costs = fresh
+                        self.num_recalibrations += 1
+                        self.pace.reset()
         return self._costs
+
+    def _check_drift(self) -> None:
+        # the moving average, not one sample: a burst of load moves one sample, not DRIFT_SAMPLES of them
+        if (self.num_recalibrations == 0 and self._remeasure is not None and self.pace.num_samples >= DRIFT_SAMPLES
+                and not 1 / DRIFT <= self.pace.factor <= DRIFT):
+            self._drifted = True
 
     @property
     def costs(self) -> Costs | None:
@@ -198,12 +241,14 @@ class Fallback:
         sample, where costs were calibrated already (a prefill never triggers a calibration)."""
         if self._costs is not None:
             self.pace.ran(self._costs.forward(num_new, num_context), seconds)
+            self._check_drift()
 
     def encoded(self, lengths: Sequence[int], seconds: float) -> None:
         """Modules of these token counts were encoded (recomputed) in `seconds`: a pace sample against what
         the planner expects of recomputing each (`Costs.full`), where costs were calibrated already."""
         if self._costs is not None:
             self.pace.ran(sum(self._costs.full(n) for n in lengths), seconds)
+            self._check_drift()
 
     def use_full(self, num_tokens: int, num_cached: int, *, num_new: int | None = None,
                  num_reused_full: int = 0, num_full: int | None = None) -> bool:
@@ -241,9 +286,7 @@ def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeome
     calibration stored while the CPU was busy is measured again, once, when it no longer is: one busy
     moment's coefficients are not uniformly slower (the pace scales all of them alike), and kept for
     good they would decide every later engine's choice between cached and full prefill."""
-    what = f"{fingerprint}|{model.device}|{model.dtype}|{torch.get_num_threads()}"
-    path = cache_home() / "costs" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
-    on_cpu = model.device.type == "cpu"
+    what, path = _stored_at(model, fingerprint)
     try:
         saved = json.loads(path.read_text())
         if saved.get("version") == VERSION and saved.get("key") == what:
@@ -253,6 +296,27 @@ def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeome
         pass
     except (OSError, ValueError, TypeError, KeyError) as e:  # unreadable or from another version: measure again
         warnings.warn(f"ignoring the stored prefill costs at {path} ({e}); measuring again", RuntimeWarning, stacklevel=2)
+    return _measure_and_store(model, relocator, geometry, what, path)
+
+
+def recalibrated_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry,
+                       fingerprint: str) -> Costs | None:
+    """This machine's `Costs` measured again and stored in place of the old ones, because the pace of
+    the prefills actually run drifted far from them (`Fallback`); None on a CPU other work holds now:
+    that moment's costs would be no better."""
+    if model.device.type == "cpu" and cpu_busy():
+        return None
+    return _measure_and_store(model, relocator, geometry, *_stored_at(model, fingerprint))
+
+
+def _stored_at(model: PreTrainedModel, fingerprint: str) -> tuple[str, Path]:
+    what = f"{fingerprint}|{model.device}|{model.dtype}|{torch.get_num_threads()}"
+    return what, costs_dir() / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
+
+
+def _measure_and_store(model: PreTrainedModel, relocator: Relocator, geometry: KVGeometry, what: str,
+                       path: Path) -> Costs:
+    on_cpu = model.device.type == "cpu"
     busy = on_cpu and cpu_busy()
     costs = calibrate(model, relocator, geometry)
     busy = busy or (on_cpu and cpu_busy())
@@ -263,7 +327,7 @@ def stored_costs(model: PreTrainedModel, relocator: Relocator, geometry: KVGeome
         tmp.replace(path)
     except OSError as e:
         warnings.warn(f"could not store the prefill costs at {path} ({e}); they are measured per engine",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning, stacklevel=3)
     return costs
 
 

