@@ -13,7 +13,7 @@ import typer
 
 from rag_promptcache.cli.app import SHOWN_DTYPES, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
 from rag_promptcache.cli.eval_format import (few, few_warning, interval_text, kept_text, miss_text, no_recommendation,
-                                             one_line, rests_on, retained_text)
+                                             one_line, rests_on, retained_text, summary_line)
 from rag_promptcache.timing import describe
 
 # Shown in --help without importing rag (whose package imports torch); a test holds it equal to
@@ -117,8 +117,7 @@ def _faithful(r) -> tuple[bool, float, float]:
 def _print(reports, best, rule: str, why_none: str | None, num_questions: int, k: int, verbose: bool) -> None:
     first = reports[0]
     answered = first.num_with_answer
-    typer.echo(f"{num_questions} questions, k={k}, {answered} with an expected answer"
-               + (f"; full prefill answers {first.full_correct} of them right" if answered else ""))
+    typer.echo(summary_line(num_questions, k, first, "full prefill answers"))
     typer.echo(f"{'recovery':<16} {'full right':>11} {'cached right':>13} {'kept':>11} {'95% interval':>13} "
                f"{'retained':>9} {'agreement':>10} {'speed-up':>9} {'rounds':>13}")
     for r in reports:

@@ -13,7 +13,7 @@ import typer
 
 from rag_promptcache.cli.app import SHOWN_CODECS, check_name, fail
 from rag_promptcache.cli.eval_format import (few, few_warning, interval_text, kept_text, miss_text, no_recommendation,
-                                             rests_on, retained_text)
+                                             rests_on, retained_text, summary_line)
 
 
 def eval_codecs(questions: Path, corpus: Path, k: int, codec: str, specs: list[str], max_new_tokens: int,
@@ -63,8 +63,7 @@ def eval_codecs(questions: Path, corpus: Path, k: int, codec: str, specs: list[s
                                               for f in reference.results if f.full_right is False]}))
         return
     answered = reference.num_with_answer
-    typer.echo(f"{len(qs)} questions, k={k}, recovery {rec}, {answered} with an expected answer"
-               + (f"; {REFERENCE_WHOSE} answer {reference.full_correct} of them right" if answered else ""))
+    typer.echo(summary_line(len(qs), k, reference, f"{REFERENCE_WHOSE} answer", f", recovery {rec}"))
     typer.echo(f"{'codec':<10} {'bytes/token':>11} {'right':>7} {'kept':>11} {'95% interval':>13} {'retained':>9} "
                f"{'agreement':>10}")
     for r in reports:

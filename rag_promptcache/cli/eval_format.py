@@ -14,6 +14,14 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.fidelity import QuestionResult, SettingReport
 
 
+def summary_line(num_questions: int, k: int, reference: SettingReport, who_answers: str, setting: str = "") -> str:
+    """The first line: how many questions, k, how many with an expected answer and how many of those the
+    reference got right ("full prefill answers", "fp16 modules answer")."""
+    answered = reference.num_with_answer
+    return (f"{num_questions} questions, k={k}{setting}, {answered} with an expected answer"
+            + (f"; {who_answers} {reference.full_correct} of them right" if answered else ""))
+
+
 def kept_text(r: SettingReport) -> str:
     kept, of = r.kept_counts
     return f"{kept}/{of} = {kept / of:.2f}" if of else "n/a"
