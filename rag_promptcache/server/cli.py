@@ -55,6 +55,13 @@ def register(app: typer.Typer) -> None:
             "--ray-address", help="With --ray: join this cluster (HOST:PORT, ray://HOST:PORT or auto) [default: start a local one].")] = None,
     ) -> None:
         """Serve a corpus over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
+        for name, value, low, high in [("--port", port, 0, 65535), ("-k", k, 1, None), ("--max-batch", max_batch, 1, None),
+                                       ("--max-queue", max_queue, 0, None), ("--prefill-chunk", prefill_chunk, 1, None),
+                                       ("--shutdown-timeout", shutdown_timeout, 0, None), ("--min-score", min_score, -1, 1),
+                                       ("--replicas", replicas, 1, None)]:
+            if value is not None and (value < low or (high is not None and value > high)):
+                raise ValueError(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else "")
+                                 + f", got {value:g}")
         from rag_promptcache.cli.app import SHOWN_DTYPES, check_name
         from rag_promptcache.rag.layout import check_corpus
 
@@ -64,13 +71,6 @@ def register(app: typer.Typer) -> None:
         from rag_promptcache.server import serve as run
         from rag_promptcache.server.access_log import FORMATS, LEVELS
 
-        for name, value, low, high in [("--port", port, 0, 65535), ("-k", k, 1, None), ("--max-batch", max_batch, 1, None),
-                                       ("--max-queue", max_queue, 0, None), ("--prefill-chunk", prefill_chunk, 1, None),
-                                       ("--shutdown-timeout", shutdown_timeout, 0, None), ("--min-score", min_score, -1, 1),
-                                       ("--replicas", replicas, 1, None)]:
-            if value is not None and (value < low or (high is not None and value > high)):
-                raise ValueError(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else "")
-                                 + f", got {value:g}")
         if admission not in ADMISSIONS:
             raise ValueError(f"--admission {admission!r}: valid: {', '.join(ADMISSIONS)}")
         if admission == "one" and prefill_chunk is not None:
