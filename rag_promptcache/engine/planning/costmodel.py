@@ -84,8 +84,9 @@ MIN_SPAN_S = 0.25
 PACE_ALPHA = 0.5
 PACE_LIMIT = 32.0
 # a calibration the pace says is this many times too slow or too fast, over at least DRIFT_SAMPLES samples,
-# is measured again. Measured (docs/scale-out.md, research/pace_drift.py): a fresh calibration's pace
-# stays within DRIFT_NOISE of 1 on real requests here, a busy calibration's reads 3-5x too slow once the load has gone.
+# on a CPU that is not busy, is measured again. Measured (docs/scale-out.md, research/pace_drift.py): one
+# made while the CPU was contended is about 5x off (its short timed forwards are preempted), and load added
+# after it reads 4.6x; 2.5 is halfway on a log scale, and one busy moment does not move 4 samples that far.
 DRIFT = 2.5
 DRIFT_SAMPLES = 4
 
