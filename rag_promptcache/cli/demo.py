@@ -6,9 +6,9 @@ size and asked at a user's k (4 by default). Per answer it prints the answer's o
 engine's own full prefill of the same prompt (the fastest full prefill this library has; the best of
 two runs, so the baseline is never flattered down), which path the planner ran (`cached`, or `full`
 where its cost model found a plain prefill faster, engine/planning/costmodel.py) and how many prompt tokens
-were computed rather than taken from the cache; an answer the token budget cut off is marked, as `ask`
-marks it. One untimed request warms the model first, as a
-running server would be. The first run ingests into `$RAG_PROMPTCACHE_HOME/demo-corpus`; later runs
+were computed rather than taken from the cache. An answer is its first paragraph (`sample.DEMO_STOP`), at
+most `--max-new-tokens` (64) tokens; one the budget cut off is marked, as `ask` marks it. One untimed
+request warms the model first, as a running server would be. The first run ingests into `$RAG_PROMPTCACHE_HOME/demo-corpus`; later runs
 find every document unchanged and go straight to the questions.
 """
 
@@ -22,6 +22,7 @@ import typer
 
 from rag_promptcache.cli.app import SHOWN_DTYPES, DtypeOpt, app, check_name, handle_errors
 from rag_promptcache.cli.output import cut_off
+from rag_promptcache.rag.sample import DEMO_MAX_NEW_TOKENS  # torch-free: --help shows it
 
 
 @app.command()
@@ -29,14 +30,15 @@ from rag_promptcache.cli.output import cut_off
 def demo(
     corpus: Annotated[Path | None, typer.Option(help="Where the demo corpus lives [default: $RAG_PROMPTCACHE_HOME/demo-corpus].")] = None,
     k: Annotated[int, typer.Option("-k", help="Chunks retrieved per question.")] = 4,
-    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens (one cut off is marked).")] = 192,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens (one cut off is marked); an answer also ends at its first blank line.")] = DEMO_MAX_NEW_TOKENS,
     dtype: DtypeOpt = None,
 ) -> None:
     """Ingest a slice of the Python reference (first run only), then answer questions from it."""
     check_name("dtype", dtype, SHOWN_DTYPES)  # before torch is imported
     from rag_promptcache.model.loading import dtype_name, parse_dtype
     from rag_promptcache.rag import Corpus, ModelMismatchError, is_corpus
-    from rag_promptcache.rag.sample import QUESTIONS, SOURCE_PREFIX, TOPICS, WARM_UP, check_sample, demo_home, sample_documents
+    from rag_promptcache.rag.sample import (DEMO_STOP, QUESTIONS, SOURCE_PREFIX, TOPICS, WARM_UP, check_sample, demo_home,
+                                            sample_documents)
 
     where = corpus or demo_home()
     wanted = parse_dtype(dtype)  # a bad name fails before anything loads
@@ -65,7 +67,9 @@ def demo(
     c.prepare()
     info = c.info()
     typer.echo(f"corpus: {info['num_documents']} documents, {info['num_modules']} modules, {info['num_tokens']} tokens, "
-               f"store {info['store_bytes'] / 2**20:.0f} MiB, model {info['model']}\n")
+               f"store {info['store_bytes'] / 2**20:.0f} MiB, model {info['model']}")
+    typer.echo(f"each answer is its first paragraph, at most {max_new_tokens} tokens (greedy, k={k}); one the limit cut "
+               "is marked\n")
     # untimed warm-up (kernels, buffer pools, the path's cost model) on a question of its own: one of the
     # timed ones would find its whole prompt in the prefix cache, which is not what a new question gets
     c.ask(WARM_UP, k, max_new_tokens=1)
@@ -73,7 +77,7 @@ def demo(
     for question in QUESTIONS:
         typer.echo(f"Q: {question}")
         typer.echo("A: ", nl=False)
-        stream = c.ask_stream(question, k, max_new_tokens=max_new_tokens)
+        stream = c.ask_stream(question, k, max_new_tokens=max_new_tokens, stop=DEMO_STOP)
         for piece in stream:
             typer.echo(piece, nl=False)
         answer = stream.answer
