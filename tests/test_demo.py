@@ -12,7 +12,7 @@ from rag_promptcache.rag.sample import ANSWERS, DEMO_MAX_NEW_TOKENS, DEMO_STOP, 
 
 # The topics of every chunk the demo retrieved for its questions from the whole sample (sources of a
 # `make demo` run): the same top-4 chunks come back from these alone, so the prompts are the demo's.
-RETRIEVED = ("return", "try", "while", "for", "break", "with")
+RETRIEVED = ("return", "try", "while", "for", "break", "continue")
 
 
 def test_every_demo_question_is_answered_by_a_sentence_of_its_topic() -> None:

@@ -28,8 +28,8 @@ TOPICS = (
 # around a wrong example.
 QUESTIONS = (
     "What does the return statement leave?",
+    "What does the continue statement continue with?",
     "What happens when the condition of a while loop is false?",
-    "What does the with statement wrap?",
 )
 
 
@@ -46,9 +46,9 @@ class Expected:
 
 ANSWERS = {
     QUESTIONS[0]: Expected("return", "leaves the current function call with the expression list", ("current function call",)),
-    QUESTIONS[1]: Expected("while", "the loop terminates", ("terminate",)),
-    QUESTIONS[2]: Expected("with", "wrap the execution of a block with methods defined by a context manager",
-                           ("execution of a block", "context manager")),
+    QUESTIONS[1]: Expected("continue", "continues with the next cycle of the nearest enclosing loop",
+                           ("next cycle of the nearest enclosing loop",)),
+    QUESTIONS[2]: Expected("while", "the loop terminates", ("terminate",)),
 }
 # An answer is its first paragraph (the model's own blank line ends it), within DEMO_MAX_NEW_TOKENS: what
 # follows a right first paragraph from this model is restatement that drifts from the text.
