@@ -129,3 +129,20 @@ def test_a_port_in_use_is_one_value_error():
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
             bind("127.0.0.1", port)
     bind("127.0.0.1", port).close()  # free again
+
+
+def test_the_docs_say_the_server_applies_the_repetition_control_and_the_engine_does_not():
+    """One truth (docs/limits.md and docs/server.md against the code): the server's requests get the
+    repetition control by default (the test above; tests/test_server_fuzz.py over HTTP), the engine's
+    own `generate` plain sampling."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    limits = " ".join((docs / "limits.md").read_text().split())
+    assert "The server applies both by default" in limits
+    assert "`PromptCache.generate`, the engine itself, applies neither unless asked" in limits
+    assert "on unless a request sends `0` / `false`" in " ".join((docs / "server.md").read_text().split())
+    plain = Sampling()
+    assert plain.no_repeat_ngram == 0 and plain.stop_when is None
+    served = Sampling(**p.ChatRequest.model_validate(CHAT).sampling())
+    assert served.no_repeat_ngram > 0 and served.stop_when is not None
