@@ -5,6 +5,7 @@ server process (tests/test_server*.py and tests/test_page.py run the real thing)
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import struct
 
@@ -17,6 +18,7 @@ from starlette.testclient import TestClient
 
 from rag_promptcache.engine.decoding.sampling import Sampling
 from rag_promptcache.server import protocol as p
+from rag_promptcache.server import responses
 from rag_promptcache.server.auth import RequireKey
 from rag_promptcache.server.lifecycle import bind
 
@@ -98,11 +100,11 @@ def test_embedding_inputs_and_the_base64_layout():
     assert p.EmbeddingRequest.model_validate({"model": "m", "input": "a", "truncate": "END"}).refused()[0] == "truncate"
 
     vectors = np.array([[0.5, -1.25, 3.0], [1e-3, 0.0, -7.5]], dtype=np.float32)
-    out = p.embeddings_response("m", vectors, 7, "base64")
+    out = responses.embeddings_response("m", vectors, 7, "base64").model_dump()
     assert out["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
     # OpenAI's base64: the raw little-endian float32 bytes of each row
     assert base64.b64decode(out["data"][1]["embedding"]) == struct.pack("<3f", *vectors[1].tolist())
-    floats = p.embeddings_response("m", vectors, 7, "float")["data"]
+    floats = responses.embeddings_response("m", vectors, 7, "float").model_dump()["data"]
     assert [d["index"] for d in floats] == [0, 1] and floats[0]["embedding"] == [0.5, -1.25, 3.0]
 
 
@@ -146,3 +148,32 @@ def test_the_docs_say_the_server_applies_the_repetition_control_and_the_engine_d
     assert plain.no_repeat_ngram == 0 and plain.stop_when is None
     served = Sampling(**p.ChatRequest.model_validate(CHAT).sampling())
     assert served.no_repeat_ngram > 0 and served.stop_when is not None
+
+
+def test_stream_chunks_carry_only_what_they_have_and_match_their_models():
+    """A chunk leaves out what it does not carry (OpenAI's streams do), and what it sends is its model's."""
+    first = json.loads(responses.chat_chunk("c1", "m", responses.Delta(role="assistant", content=""), sources=[]))
+    assert first["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None} and first["sources"] == [] and "usage" not in first
+    piece = json.loads(responses.chat_chunk("c1", "m", responses.Delta(content="Hi")))
+    assert piece["choices"][0]["delta"] == {"content": "Hi"} and "sources" not in piece
+    last = json.loads(responses.chat_chunk("c1", "m", responses.Delta(), "length"))
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    text = json.loads(responses.completion_chunk("c2", "m", "x"))
+    assert text["choices"] == [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]
+    for chunk, model in ((first, responses.ChatCompletionChunk), (piece, responses.ChatCompletionChunk),
+                         (last, responses.ChatCompletionChunk), (text, responses.CompletionChunk)):
+        model.model_validate(chunk)
+    with pytest.raises(ValueError):  # a field no model declares is never sent
+        responses.ChatCompletionChunk.model_validate({**first, "extra": 1})
+
+
+def test_the_request_schemas_list_what_is_accepted_and_nothing_else():
+    chat = p.ChatRequest.model_json_schema()
+    assert chat["additionalProperties"] is False
+    assert {"user", "metadata", "tools", "logprobs", "k", "module_ids"} <= set(chat["properties"])
+    assert chat["properties"]["tools"] == {"anyOf": [{"const": []}, {"type": "null"}]}
+    assert chat["properties"]["n"]["anyOf"] == [{"const": 1}, {"type": "null"}]
+    completion = p.CompletionRequest.model_json_schema()
+    assert completion["properties"]["prompt"]["anyOf"][1]["maxItems"] == 1
+    assert p.EmbeddingRequest.model_json_schema()["additionalProperties"] is False

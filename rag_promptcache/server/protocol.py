@@ -1,5 +1,6 @@
-"""The OpenAI wire format, both ways: request bodies (pydantic, strict) and response / chunk / error
-bodies (plain dicts).
+"""The OpenAI wire format, client to server: request bodies (pydantic, strict), and what the server's
+OpenAPI schema says of them (each model's `json_schema`: the fields refused unless off, listed with the
+values accepted; no other field).
 
 A request field we do not implement is refused by name (`refused`) unless it cannot change the output:
 bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored, and fields we lack
@@ -13,32 +14,21 @@ use when the request is submitted.
 Our extra request fields: `k`, `module_ids`, `min_score` (chat: no chunk scoring it, the answer is
 "Not found in the documents." without generating, `usage.path` "none"), `recovery`, `ignore_eos`,
 `no_repeat_ngram` and `stop_repeats` (the repetition control every answer path shares, on by default:
-rag/repetition.py). Our extra response fields:
-`sources`, a list of {module_id, label, score, snippet} (in the response, and in the first stream
-chunk), and `usage.ttft_s` (the server's time to the first token).
-Not here: routing and generation (`app.py`).
+rag/repetition.py). Our extra response fields are `responses.py`'s.
+Not here: responses (`responses.py`), routing and generation (`app.py`).
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-import base64
-from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
-import numpy as np
-
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from rag_promptcache.engine.decoding.grammar import ResponseFormat
-from rag_promptcache.engine.result import Result
-from rag_promptcache.rag.chat import Source
 from rag_promptcache.rag.repetition import answer_options
+from rag_promptcache.server.embeddings import MAX_INPUTS
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours → OpenAI's
 DEFAULT_MAX_TOKENS = 256
-SNIPPET_CHARS = 240
 
 # Accepted and ignored: they label or route a request, they do not change what is generated.
 NEUTRAL = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
@@ -50,6 +40,19 @@ OFF: dict[str, tuple[object, ...]] = {
     "modalities": (["text"],), "echo": (False,), "best_of": (1,), "suffix": ("",), "audio": (), "prediction": (),
     "reasoning_effort": (), "web_search_options": (),
 }
+
+
+def _accepted_extras(schema: dict[str, object]) -> None:
+    """The schema of a body whose extra fields `refused` names: NEUTRAL fields take anything, OFF fields
+    only their "off" values (or null), and nothing else is accepted."""
+    props = schema.setdefault("properties", {})
+    for name in sorted(NEUTRAL):
+        props[name] = {}
+    for name, values in OFF.items():
+        if name in props:
+            continue
+        props[name] = {"anyOf": [*({"const": v} for v in values), {"type": "null"}]}
+    schema["additionalProperties"] = False
 
 
 class _Body(BaseModel):
@@ -80,7 +83,7 @@ class GenerationRequest(_Body):
     (`app.py` checks and submits either through these)."""
 
     # extras are kept so that `refused` can name them; see the module docstring
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_accepted_extras)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -90,12 +93,14 @@ class GenerationRequest(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    # parsed as any number so that `refused` can say why only 1 is served
+    n: Annotated[int | None, WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}]})] = 1
     recovery: str | None = None
     ignore_eos: bool = False
     response_format: dict[str, object] | None = None  # checked in `refused`, parsed by Sampling
     # the repetition control `ask`, `chat` and the adapters apply (rag/repetition.py): None keeps its default
-    no_repeat_ngram: int | None = Field(None, ge=0)
+    no_repeat_ngram: Annotated[int | None, WithJsonSchema(
+        {"anyOf": [{"const": 0}, {"type": "integer", "minimum": 2}, {"type": "null"}]})] = Field(None, ge=0)
     stop_repeats: bool | None = None
 
     def sampling(self, max_tokens: int | None = None) -> dict[str, object]:
@@ -157,7 +162,8 @@ class ChatRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str]
+    prompt: Annotated[str | list[str], WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]})]
 
     def text(self) -> str:
         if isinstance(self.prompt, str):
@@ -167,12 +173,22 @@ class CompletionRequest(GenerationRequest):
         return self.prompt[0]
 
 
+def _refused_extras(schema: dict[str, object]) -> None:
+    for name in sorted(NEUTRAL):
+        schema.setdefault("properties", {})[name] = {}
+    schema["additionalProperties"] = False
+
+
+TEXT = {"type": "string", "pattern": r"\S"}  # an input with something to embed
+
+
 class EmbeddingRequest(_Body):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_refused_extras)
 
     model: str
     # token-id inputs parse, so that they are refused by name rather than as a type error
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(
+        {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": MAX_INPUTS}]})]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
 
@@ -194,66 +210,3 @@ class EmbeddingRequest(_Body):
                 known = sorted({*type(self).model_fields, *NEUTRAL})
                 return name, f"unknown field {name!r}; this server accepts: {', '.join(known)}"
         return None
-
-
-# -- responses -----------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(result: Result) -> dict[str, object]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.num_generated,
-            "total_tokens": result.prompt_tokens + result.num_generated,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}, "ttft_s": round(result.ttft_s, 4),
-            "path": result.path, "adapter": result.adapter}
-
-
-def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[dict[str, object]]:
-    """`text_of(module_id)` gives the chunk's text; its start becomes the source's snippet."""
-    out = []
-    for s in found:
-        text = " ".join(text_of(s.module_id).split())
-        snippet = text if len(text) <= SNIPPET_CHARS else text[:SNIPPET_CHARS].rsplit(" ", 1)[0] + " …"
-        out.append({"module_id": s.module_id, "label": s.label, "score": s.score, "snippet": snippet})
-    return out
-
-
-def embeddings_response(model: str, vectors: np.ndarray, num_tokens: int, encoding: str) -> dict[str, object]:
-    """OpenAI's shape; base64 is the raw little-endian float32 bytes, as OpenAI sends it."""
-    rows = np.ascontiguousarray(vectors, dtype="<f4")  # [n, dim]
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(row.tobytes()).decode("ascii") if encoding == "base64" else row.tolist()}
-            for i, row in enumerate(rows)]
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-
-
-def chat_response(rid: str, model: str, result: Result, found: list[dict[str, object]]) -> dict[str, object]:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                         "logprobs": None, "finish_reason": FINISH[result.finish_reason]}],
-            "usage": usage(result), "sources": found}
-
-
-def chat_chunk(rid: str, model: str, delta: dict[str, object], finish: str | None = None,
-               **extra: object) -> dict[str, object]:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
-
-
-def completion_response(rid: str, model: str, result: Result) -> dict[str, object]:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": result.text, "logprobs": None,
-                         "finish_reason": FINISH[result.finish_reason]}],
-            "usage": usage(result)}
-
-
-def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, **extra: object) -> dict[str, object]:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
-
-
-def error(message: str, type: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}

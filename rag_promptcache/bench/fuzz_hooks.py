@@ -1,0 +1,64 @@
+"""Checks schemathesis runs against our server besides its own, loaded by its CLI through
+`SCHEMATHESIS_HOOKS=rag_promptcache.bench.fuzz_hooks` (bench/soak.py `fuzz_server`).
+
+- `stream_ends_well`: a stream read to its end ends with "[DONE]", and none of its events is an error
+  (an answer that failed after its 200 was sent says so in the stream: the status cannot). A stream the
+  fuzzer stopped reading (its event limit, schemathesis' `max-stream-events`) is a client gone mid-answer:
+  the checks after it show whether the server minded.
+- `StillAnswers`: after the run, `/health` answers 200 within a few seconds: nothing the fuzzer sent
+  stopped the server.
+
+Schemathesis' own checks cover the rest: no 5xx, statuses, content types, headers and bodies as the
+schema documents them (stream events included), bad data refused with a 4xx, a key required where the
+schema says so, and a request that does not answer within `--request-timeout` fails.
+"""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import urlsplit
+
+import requests
+import schemathesis
+
+HEALTH_TIMEOUT_S = 10
+
+
+@schemathesis.check
+def stream_ends_well(ctx: schemathesis.CheckContext, response: schemathesis.Response,
+                     case: schemathesis.Case) -> bool | None:
+    kind = response.headers.get("content-type", [""])[0]
+    if not kind.startswith("text/event-stream"):
+        return None
+    data = [line[5:].strip() for line in response.content.decode("utf-8", "replace").splitlines()
+            if line.startswith("data:")]
+    for item in data:
+        if item.startswith("{") and "error" in json.loads(item):
+            raise AssertionError(f"the stream carried an error: {item}")
+    if not response.stream_cut_short and (not data or data[-1] != "[DONE]"):
+        raise AssertionError(f"the stream ended without [DONE]; its last data: {data[-1:]}")
+    return True
+
+
+@schemathesis.check
+class StillAnswers:
+    """The server answers `/health` once the run is over."""
+
+    def __init__(self) -> None:
+        self.base: str | None = None
+
+    def after_response(self, ctx: schemathesis.CheckContext, response: schemathesis.Response,
+                       case: schemathesis.Case) -> bool | None:
+        url = urlsplit(response.request.url)
+        self.base = f"{url.scheme}://{url.netloc}"
+        return None
+
+    def after_run(self, ctx: schemathesis.CheckContext) -> None:
+        if self.base is None:
+            return
+        try:
+            status = requests.get(f"{self.base}/health", timeout=HEALTH_TIMEOUT_S).status_code
+        except requests.RequestException as e:
+            raise AssertionError(f"the server stopped answering: /health: {e}") from e
+        if status != 200:
+            raise AssertionError(f"the server's /health answered {status} after the run")

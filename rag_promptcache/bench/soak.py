@@ -1,0 +1,264 @@
+"""The server as `rag-promptcache serve` runs it, in a process of its own over the demo corpus, on the bench's
+model: a long fuzz run (`fuzz`) and a soak (`run`).
+
+fuzz: schemathesis' CLI over the server's own OpenAPI schema (`fuzz_command`; the checks are its own and
+bench/fuzz_hooks.py's), `fuzz_examples` generated cases per route and mode, with the API key and without.
+The summary is what schemathesis' JSON report and the server's access log say: requests sent, statuses,
+failures.
+
+soak: `soak_minutes` (20) of mixed load from `soak_clients` (6) client threads, each drawing the next
+request from `MIX`: chat streamed, chat whole, chat streamed and dropped after a few chunks (a client gone
+mid-answer), a text completion, embeddings, the cheap GETs, and bad requests (malformed JSON, an unknown
+field, an unknown model, a wrong key, `max_tokens` past the window). Every status is counted; each finished
+request's latency falls in its 5-minute window (p50 / p95 per kind of request); once a minute the server
+process's resident memory and open file descriptors are read from /proc. The checks: no 5xx, neither
+memory nor descriptors more than `GROWTH` above their reading at the end of the first window, and each
+later window's p50 chat latency within `STEADY` of the second window's (the first has the module KV's
+first encodings and the prefix cache's first fills).
+
+Not here: throughput against other servers (`serve.py`), what a fuzz finds fixed (tests/test_server_fuzz.py
+holds the regressions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rag_promptcache.bench.common import Bench
+from rag_promptcache.bench.serve import demo_corpus, free_port
+from rag_promptcache.bench.serve_questions import TIMED, WARM
+
+KEY = "sk-bench-soak"
+REQUEST_TIMEOUT_S = 120  # a request unanswered this long is a hung one
+WINDOW_S = 300
+SAMPLE_S = 60
+GROWTH = 0.05
+STEADY = 1.5
+MAX_TOKENS = 32
+# (kind, weight): what a client sends next
+MIX = (("chat_stream", 4), ("chat", 3), ("chat_dropped", 2), ("completion", 2), ("embeddings", 2), ("get", 2),
+       ("bad", 3))
+
+
+def fuzz_command(url: str, report: Path, *, key: str | None, examples: int, seed: int,
+                 request_timeout: float = REQUEST_TIMEOUT_S) -> list[str]:
+    """schemathesis' CLI against `url` (its schema at /openapi.json, read with `key` when one is given; the
+    requests carry it, or carry none), with bench/fuzz_hooks.py's checks; its JSON report to `report`.
+    The environment needs SCHEMATHESIS_HOOKS=rag_promptcache.bench.fuzz_hooks (`fuzz_env`)."""
+    auth = ["-H", f"Authorization: Bearer {key}"] if key else []
+    return [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", *auth,
+            "--checks", "all", "--exclude-checks", "positive_data_acceptance,use_after_free,ensure_resource_availability",
+            "--max-examples", str(examples), "--seed", str(seed), "--request-timeout", str(request_timeout),
+            "--phases", "examples,coverage,fuzzing", "--workers", "2", "--suppress-health-check", "all",
+            "--report", "json", "--report-json-path", str(report), "--output-truncate", "false"]
+
+
+def fuzz_env() -> dict[str, str]:
+    return {**os.environ, "SCHEMATHESIS_HOOKS": "rag_promptcache.bench.fuzz_hooks", "NO_COLOR": "1"}
+
+
+def fuzz(bench: Bench) -> dict[str, object]:
+    out: dict[str, object] = {"examples_per_route": bench.config.fuzz_examples, "runs": {}}
+    with _server(bench) as (proc, url, log):
+        for name, key in (("with_key", KEY), ("without_key", None)):
+            with tempfile.TemporaryDirectory() as tmp:
+                report = Path(tmp) / "report.json"
+                t0 = time.perf_counter()
+                done = subprocess.run(fuzz_command(url, report, key=key, examples=bench.config.fuzz_examples, seed=51),
+                                      capture_output=True, text=True, env=fuzz_env())
+                seconds = time.perf_counter() - t0
+                failures = [line for line in done.stdout.splitlines() if line.startswith(("___", "- ", "[FAIL"))]
+                out["runs"][name] = {"exit_code": done.returncode, "seconds": round(seconds, 1),
+                                     "summary": done.stdout.strip().splitlines()[-1:], "failures": failures[:40]}
+                bench.log(f"fuzz {name}: exit {done.returncode} in {seconds:.0f} s; {done.stdout.strip()[-2000:]}")
+        out["alive"] = proc.poll() is None
+        out["statuses"] = dict(sorted(Counter(str(s) for s in _statuses(log)).items()))
+        out["requests"] = sum(out["statuses"].values())
+    return out
+
+
+def run(bench: Bench, minutes: float | None = None) -> dict[str, object]:
+    cfg = bench.config
+    duration = 60 * (cfg.soak_minutes if minutes is None else minutes)
+    with _server(bench) as (proc, url, _):
+        load = Load(url, duration, cfg.soak_clients)
+        samples = load.run(lambda: _usage(proc.pid), bench.log)
+        alive = proc.poll() is None
+    return summarize(load, samples, duration, alive)
+
+
+class Load:
+    """`clients` threads sending `MIX` until `duration_s` has passed; what each request got, by time."""
+
+    def __init__(self, url: str, duration_s: float, clients: int) -> None:
+        self.url, self.duration_s, self.clients = url, duration_s, clients
+        self.t0 = 0.0
+        self.lock = threading.Lock()
+        self.done: list[tuple[float, str, int, float]] = []  # (start, kind, status, seconds)
+
+    def run(self, sample: Callable[[], tuple[int, int]], log: Callable[[str], None]) -> list[tuple[float, int, int]]:
+        """Run the load; `sample()` → (RSS bytes, open descriptors) once a minute → the samples by time."""
+        self.t0 = time.monotonic()
+        threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(self.clients)]
+        for t in threads:
+            t.start()
+        samples = [(0.0, *sample())]
+        while (now := time.monotonic() - self.t0) < self.duration_s:
+            time.sleep(max(0.0, min(SAMPLE_S * len(samples), self.duration_s) - now))
+            samples.append((time.monotonic() - self.t0, *sample()))
+            with self.lock:
+                n, errors = len(self.done), sum(s >= 500 for _, _, s, _ in self.done)
+            log(f"soak: {samples[-1][0] / 60:.1f} min, {n} requests, {errors} 5xx, "
+                f"RSS {samples[-1][1] / 2**20:.0f} MiB, {samples[-1][2]} descriptors")
+        for t in threads:
+            t.join(REQUEST_TIMEOUT_S + 10)
+        return samples
+
+    def _client(self, seed: int) -> None:
+        import httpx
+
+        rng = random.Random(seed)
+        kinds = [k for k, w in MIX for _ in range(w)]
+        questions = [*WARM, *TIMED]
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S,
+                          headers={"Authorization": f"Bearer {KEY}"}) as http:
+            while time.monotonic() - self.t0 < self.duration_s:
+                kind = rng.choice(kinds)
+                start = time.monotonic()
+                try:
+                    status = _send(http, kind, rng, rng.choice(questions))
+                except httpx.HTTPError as e:  # a hung or refused connection: no status at all
+                    status = 0 if not isinstance(e, httpx.TimeoutException) else 1
+                with self.lock:
+                    self.done.append((start - self.t0, kind, status, time.monotonic() - start))
+
+
+def _send(http, kind: str, rng: random.Random, question: str) -> int:
+    chat = {"model": "demo-corpus", "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    if kind == "chat":
+        return http.post("/v1/chat/completions", json=chat).status_code
+    if kind in ("chat_stream", "chat_dropped"):
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data:")
+                if kind == "chat_dropped" and events >= 3:
+                    break  # gone mid-answer: the connection closes with the stream unread
+            return r.status_code
+    if kind == "completion":
+        return http.post("/v1/completions", json={"model": "demo-corpus", "prompt": question,
+                                                  "max_tokens": MAX_TOKENS}).status_code
+    if kind == "embeddings":
+        return http.post("/v1/embeddings", json={"model": "demo-corpus", "input": [question, question[::-1]]}).status_code
+    if kind == "get":
+        return http.get(rng.choice(("/v1/models", "/health", "/metrics", "/"))).status_code
+    bad = rng.choice(("json", "field", "model", "key", "window"))
+    if bad == "json":
+        return http.post("/v1/chat/completions", content=b'{"model": "demo-corpus", "mess',
+                         headers={"content-type": "application/json"}).status_code
+    if bad == "key":
+        return http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code
+    body = {**chat, "top_k": 5} if bad == "field" else {**chat, "model": "gpt-4o"} if bad == "model" else \
+        {**chat, "max_tokens": 10**6}
+    return http.post("/v1/chat/completions", json=body).status_code
+
+
+def summarize(load: Load, samples: list[tuple[float, int, int]], duration_s: float, alive: bool) -> dict[str, object]:
+    windows: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    statuses: Counter[str] = Counter()
+    for start, kind, status, seconds in load.done:
+        statuses[str(status)] += 1
+        if 200 <= status < 300:
+            windows[int(start // WINDOW_S)][kind].append(seconds)
+    latency = [{"window_min": [w * WINDOW_S / 60, min((w + 1) * WINDOW_S, duration_s) / 60],
+                **{kind: {"n": len(xs), "p50_s": _pct(xs, 50), "p95_s": _pct(xs, 95)} for kind, xs in sorted(ks.items())}}
+               for w, ks in sorted(windows.items())]
+    per_minute = [{"minute": round(t / 60, 1), "rss_mib": round(rss / 2**20, 1), "fds": fds} for t, rss, fds in samples]
+    after = [s for s in per_minute if s["minute"] >= WINDOW_S / 60]
+    checks: dict[str, object] = {"no_5xx": not any(int(s) >= 500 for s in statuses), "no_hung_or_refused":
+                                 statuses["0"] + statuses["1"] == 0, "server_alive": alive}
+    if len(after) > 1:
+        base = after[0]
+        checks["rss_growth"] = round(max(s["rss_mib"] for s in after) / base["rss_mib"] - 1, 4)
+        checks["fd_growth"] = round(max(s["fds"] for s in after) / base["fds"] - 1, 4)
+        checks["memory_steady"] = checks["rss_growth"] <= GROWTH and checks["fd_growth"] <= GROWTH
+    chats = [w["chat"]["p50_s"] for w in latency if "chat" in w and w["chat"]["n"]]
+    if len(chats) > 2:
+        checks["latency_ratio_max"] = round(max(chats[2:]) / chats[1], 3)
+        checks["latency_steady"] = checks["latency_ratio_max"] <= STEADY
+    return {"minutes": duration_s / 60, "clients": load.clients, "max_tokens": MAX_TOKENS,
+            "mix": {k: w for k, w in MIX}, "requests": sum(statuses.values()), "statuses": dict(sorted(statuses.items())),
+            "latency_by_window": latency, "server_by_minute": per_minute, "checks": checks}
+
+
+def _pct(xs: list[float], p: int) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, max(0, -(-p * len(xs) // 100) - 1))], 4)
+
+
+def _usage(pid: int) -> tuple[int, int]:
+    """(resident bytes, open descriptors) of a process, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    return rss_kb * 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _statuses(log: Path) -> Iterator[int]:
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("logger") == "rag_promptcache.server.access":
+                yield record["status"]
+
+
+@contextmanager
+def _server(bench: Bench) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """`serve` over the demo corpus (built once with the bench's model where the demo home has none) in a
+    subprocess, with the API key and JSON logs; yields (process, base URL, its log) once /health answers."""
+    import httpx
+
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.store import MemoryStore
+
+    where: list[str] = []
+    engine = PromptCache(bench.model, bench.tokenizer, store=MemoryStore(), name=bench.model_name)
+    demo_corpus(bench, engine, where).close()  # its modules' KV is encoded by the server, into the corpus's store
+    with tempfile.TemporaryDirectory() as tmp:
+        port, log = free_port(), Path(tmp) / "server.log"
+        argv = [sys.executable, "-m", "rag_promptcache.cli", "serve", "--corpus", where[0], "--port", str(port),
+                "--api-key", KEY, "--log-format", "json", "--dtype", bench.config.dtype, "--adapter", bench.config.adapter]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 900
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode}: {log.read_text()[-3000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the server did not answer /health within 900 s")
+                time.sleep(1)
+            bench.log(f"soak/fuzz: serving {where[0]} at {url} (pid {proc.pid})")
+            yield proc, url, log
+        finally:
+            proc.terminate()
+            proc.wait(60)
