@@ -7,6 +7,9 @@
   the checks after it show whether the server minded.
 - `StillAnswers`: after the run, `/health` answers 200 within a few seconds: nothing the fuzzer sent
   stopped the server.
+- `map_case`: the one rule of a chat request its schema cannot state (JSON Schema has no "last item"):
+  the last message is the user's question, with text. A valid case that breaks it gets a question
+  appended, so that valid cases reach retrieval and generation instead of that one 400.
 
 Schemathesis' own checks cover the rest: no 5xx, statuses, content types, headers and bodies as the
 schema documents them (stream events included), bad data refused with a 4xx, a key required where the
@@ -16,12 +19,49 @@ schema says so, and a request that does not answer within `--request-timeout` fa
 from __future__ import annotations
 
 import json
+import sys
 from urllib.parse import urlsplit
 
 import requests
 import schemathesis
 
 HEALTH_TIMEOUT_S = 10
+
+
+def _plain_lambda_description(f: object) -> str:
+    return "lambda"
+
+
+# Python before 3.11.8 can fail `ast.parse` with "SystemError: AST constructor recursion depth mismatch"
+# (CPython gh-106905) deep in a stack, where schemathesis' coverage phase builds the chat schema's
+# strategies: Hypothesis parses a lambda's source file only to print the lambda, so it is described
+# plainly instead (its own fallback's words), and the run goes on.
+if sys.version_info < (3, 11, 8):
+    from hypothesis.internal import lambda_sources
+
+    lambda_sources.lambda_description = _plain_lambda_description
+QUESTION = {"role": "user", "content": "What colour is the zorblat?"}
+
+
+@schemathesis.hook
+def map_case(ctx: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
+    body, meta = case.body, case.meta
+    if (ctx.operation is None or ctx.operation.path != "/v1/chat/completions" or meta is None
+            or meta.generation.mode != schemathesis.GenerationMode.POSITIVE or not isinstance(body, dict)
+            or not isinstance(body.get("messages"), list)):
+        return case
+    last = body["messages"][-1] if body["messages"] else None
+    if not (isinstance(last, dict) and last.get("role") == "user" and _text(last.get("content")).strip()):
+        case.body = {**body, "messages": [*body["messages"], QUESTION]}
+    return case
+
+
+def _text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
 
 
 @schemathesis.check

@@ -22,6 +22,7 @@ holds the regressions).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -69,6 +70,8 @@ def fuzz_env() -> dict[str, str]:
 
 
 def fuzz(bench: Bench) -> dict[str, object]:
+    if importlib.util.find_spec("schemathesis") is None:
+        raise ModuleNotFoundError("the fuzz scenario needs schemathesis: pip install 'rag-promptcache[test]'")
     out: dict[str, object] = {"examples_per_route": bench.config.fuzz_examples, "runs": {}}
     with _server(bench) as (proc, url, log):
         for name, key in (("with_key", KEY), ("without_key", None)):

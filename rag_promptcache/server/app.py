@@ -124,6 +124,9 @@ async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse
     if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
         at = f" at byte {loc[0]}" if loc else ""
         return JSONResponse(r.error(f"the body is not valid JSON{at}: {first.get('msg')}"), status_code=400)
+    where = (first.get("ctx") or {}).get("field")  # an error that names its own field (protocol.py)
+    if where is not None:
+        return JSONResponse(r.error(str(first.get("msg")), param=where), status_code=400)
     message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
     return JSONResponse(r.error(message, param=".".join(loc) or None), status_code=400)
 
