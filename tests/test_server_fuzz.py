@@ -21,14 +21,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rag_promptcache.bench.soak import fuzz_command
+from rag_promptcache.bench.soak import fuzz_command, fuzz_env
 from tests.test_server import DOCS, ROOT, start_server
 from tests.tiny_llama import build_tiny_corpus
 
 pytestmark = pytest.mark.slow
 KEY = "sk-fuzz-7c1d"
-EXAMPLES = 12  # generated cases per route and generation mode, besides the coverage phase's
-WINDOW = 384  # the tiny model's context window: every max_tokens the schema allows decodes in a second
+EXAMPLES = 8  # generated cases per route and generation mode, besides the coverage phase's
+REQUEST_TIMEOUT_S = 30  # a request unanswered this long is a hung one
+WINDOW = 256  # the tiny model's context window: every max_tokens the schema allows decodes in a moment
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +42,57 @@ def served(tmp_path_factory):
     proc.wait(30)
 
 
-def _fuzz(url: str, out: Path, key: str | None) -> dict:
-    done = subprocess.run(fuzz_command(url, out, key=key, examples=EXAMPLES, seed=51), capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-4000:]
+def _fuzz(url: str, out: Path, key: str | None, examples: int, schema: Path | None = None) -> subprocess.Popen:
+    env = {**fuzz_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(fuzz_command(url, out, key=key, examples=examples, seed=51, request_timeout=REQUEST_TIMEOUT_S,
+                                         schema=schema), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _report(run: subprocess.Popen, out: Path) -> dict:
+    stdout, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, stdout[-12000:]
+    print(*(line for line in stdout.splitlines() if " (in " in line or "generated" in line), sep="\n")
     return json.loads(out.read_text())
 
 
 def test_no_generated_request_breaks_the_server(served, tmp_path):
     proc, url, log = served
-    report = _fuzz(url, tmp_path / "with-key.json", KEY)
-    without = _fuzz(url, tmp_path / "without-key.json", None)  # every /v1 route answers 401, as documented
+    schema = tmp_path / "openapi.json"  # served only with the key
+    schema.write_bytes(httpx.get(f"{url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).content)
+    with_key, without = tmp_path / "with-key.json", tmp_path / "without-key.json"
+    # at once: the server takes both; without the key every /v1 route answers 401, as documented
+    runs = [_fuzz(url, with_key, KEY, EXAMPLES), _fuzz(url, without, None, 2, schema)]
+    report, _ = _report(runs[0], with_key), _report(runs[1], without)
     assert proc.poll() is None and httpx.get(f"{url}/health").status_code == 200
+    assert report["test_cases"]["with_failures"] == 0 and not report["errors"], report
     # statuses seen, from the server's own access log: the fuzzer reached the answers, not only the refusals
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     statuses = [r["status"] for r in lines if r.get("logger") == "rag_promptcache.server.access"]
-    assert 200 in statuses and 400 in statuses and 401 in statuses and not [s for s in statuses if s >= 500], statuses
-    assert len(statuses) >= 200, len(statuses)
-    assert report and without
+    assert {200, 400, 401, 404, 405} <= set(statuses) and not [s for s in statuses if s >= 500], sorted(set(statuses))
+    assert len(statuses) >= 300, len(statuses)
+
+
+@pytest.mark.parametrize(("extra", "status", "param"), [
+    ({"temperature": 5e-324}, 200, None),  # was nan probabilities in the sampler
+    ({"temperature": 5e-324, "stream": True}, 200, None),
+    ({"seed": 2**64, "temperature": 1.0}, 400, "seed"),  # was an overflow in torch's generator
+    ({"messages": [{"role": "user", "content": "zorblat \ud800"}]}, 400, "messages.0.content"),  # not Unicode
+    ({"stop": ["\udfff"]}, 400, "stop.0"),
+    ({"no_repeat_ngram": 1}, 400, "no_repeat_ngram"),
+    ({"recovery": "question:0.5@99"}, 400, "recovery"),
+])
+def test_what_fuzzing_found_is_answered_or_refused_by_name(served, extra, status, param):
+    _, url, _ = served
+    body = {"model": "c", "messages": [{"role": "user", "content": "What colour is the zorblat?"}], "max_tokens": 4,
+            **extra}
+    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == status, r.text
+    if status != 200:
+        assert r.json()["error"]["param"] == param, r.text
+    elif extra.get("stream"):
+        data = [line[5:].strip() for line in r.text.splitlines() if line.startswith("data:")]
+        assert data[-1] == "[DONE]" and not any('"error"' in d for d in data), data
 
 
 def test_the_server_applies_its_repetition_control_unless_a_request_turns_it_off(served):

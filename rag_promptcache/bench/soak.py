@@ -53,15 +53,17 @@ MIX = (("chat_stream", 4), ("chat", 3), ("chat_dropped", 2), ("completion", 2), 
 
 
 def fuzz_command(url: str, report: Path, *, key: str | None, examples: int, seed: int,
-                 request_timeout: float = REQUEST_TIMEOUT_S) -> list[str]:
-    """schemathesis' CLI against `url` (its schema at /openapi.json, read with `key` when one is given; the
-    requests carry it, or carry none), with bench/fuzz_hooks.py's checks; its JSON report to `report`.
-    The environment needs SCHEMATHESIS_HOOKS=rag_promptcache.bench.fuzz_hooks (`fuzz_env`)."""
+                 request_timeout: float = REQUEST_TIMEOUT_S, schema: Path | None = None, workers: int = 4) -> list[str]:
+    """schemathesis' CLI against the server at `url`, its requests carrying the API key `key` (None: no key),
+    its JSON report to `report`. The schema is the server's /openapi.json, or the file `schema` (a server
+    that wants a key serves its schema only with it). Run it with `fuzz_env()`, which loads
+    bench/fuzz_hooks.py's checks."""
     auth = ["-H", f"Authorization: Bearer {key}"] if key else []
-    return [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", *auth,
+    where = [str(schema), "--url", url] if schema is not None else [f"{url}/openapi.json"]
+    return [sys.executable, "-m", "schemathesis.cli", "run", *where, *auth,
             "--checks", "all", "--exclude-checks", "positive_data_acceptance,use_after_free,ensure_resource_availability",
             "--max-examples", str(examples), "--seed", str(seed), "--request-timeout", str(request_timeout),
-            "--phases", "examples,coverage,fuzzing", "--workers", "2", "--suppress-health-check", "all",
+            "--phases", "examples,coverage,fuzzing", "--workers", str(workers), "--suppress-health-check", "all",
             "--report", "json", "--report-json-path", str(report), "--output-truncate", "false"]
 
 
@@ -72,19 +74,24 @@ def fuzz_env() -> dict[str, str]:
 def fuzz(bench: Bench) -> dict[str, object]:
     if importlib.util.find_spec("schemathesis") is None:
         raise ModuleNotFoundError("the fuzz scenario needs schemathesis: pip install 'rag-promptcache[test]'")
+    import httpx
+
     out: dict[str, object] = {"examples_per_route": bench.config.fuzz_examples, "runs": {}}
     with _server(bench) as (proc, url, log):
-        for name, key in (("with_key", KEY), ("without_key", None)):
-            with tempfile.TemporaryDirectory() as tmp:
-                report = Path(tmp) / "report.json"
+        with tempfile.TemporaryDirectory() as tmp:
+            schema = Path(tmp) / "openapi.json"
+            schema.write_bytes(httpx.get(f"{url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).content)
+            for name, key in (("with_key", KEY), ("without_key", None)):
+                report = Path(tmp) / f"{name}.json"
                 t0 = time.perf_counter()
-                done = subprocess.run(fuzz_command(url, report, key=key, examples=bench.config.fuzz_examples, seed=51),
-                                      capture_output=True, text=True, env=fuzz_env())
+                done = subprocess.run(fuzz_command(url, report, key=key, examples=bench.config.fuzz_examples, seed=51,
+                                                   schema=schema), capture_output=True, text=True, env=fuzz_env())
                 seconds = time.perf_counter() - t0
-                failures = [line for line in done.stdout.splitlines() if line.startswith(("___", "- ", "[FAIL"))]
+                summary = json.loads(report.read_text()) if report.exists() else {}
                 out["runs"][name] = {"exit_code": done.returncode, "seconds": round(seconds, 1),
-                                     "summary": done.stdout.strip().splitlines()[-1:], "failures": failures[:40]}
-                bench.log(f"fuzz {name}: exit {done.returncode} in {seconds:.0f} s; {done.stdout.strip()[-2000:]}")
+                                     "test_cases": summary.get("test_cases"), "failures": summary.get("failures"),
+                                     "errors": summary.get("errors"), "valid_rates": summary.get("valid_rates")}
+                bench.log(f"fuzz {name}: exit {done.returncode} in {seconds:.0f} s; {done.stdout.strip()[-3000:]}")
         out["alive"] = proc.poll() is None
         out["statuses"] = dict(sorted(Counter(str(s) for s in _statuses(log)).items()))
         out["requests"] = sum(out["statuses"].values())

@@ -53,6 +53,7 @@ from rag_promptcache.server.embeddings import Embeddings
 from rag_promptcache.server.metrics import CountStatuses, Metrics
 
 RETRY_AFTER_S = 1
+FIT_TRIES = 3  # retrieval's estimate of the prompt, then the plan's count: the default answer length fits in two
 log = logging.getLogger("rag_promptcache.server")
 router = APIRouter()
 
@@ -179,8 +180,8 @@ async def create_chat_completion(body: p.ChatRequest, request: Request) -> r.Cha
     s = served(request)
     check(s, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    handle, _, found = await submit(s, lambda: s.chat.chat_prompt(
-        body.turns(), k=body.k or s.k, module_ids=body.module_ids, max_new_tokens=max_tokens or p.DEFAULT_MAX_TOKENS,
+    handle, _, found = await submit(s, lambda n: s.chat.chat_prompt(
+        body.turns(), k=body.k or s.k, module_ids=body.module_ids, max_new_tokens=n,
         min_score=s.min_score if body.min_score is None else body.min_score), body, max_tokens)
     request.state.handle = handle  # the access log reads its result
     rid = r.new_id("chatcmpl")
@@ -207,7 +208,7 @@ async def create_completion(body: p.CompletionRequest, request: Request) -> r.Co
         text = body.text()
     except ValueError as e:
         raise ApiError(400, str(e), param="prompt") from e
-    handle, _, _ = await submit(s, lambda: s.chat.completion_prompt(text), body, body.max_tokens)
+    handle, _, _ = await submit(s, lambda _: s.chat.completion_prompt(text), body, body.max_tokens)
     request.state.handle = handle
     rid = r.new_id("cmpl")
     if not body.stream:
@@ -251,17 +252,30 @@ def check(s: Served, body: p.GenerationRequest | p.EmbeddingRequest, *extra: str
         raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
 
-async def submit(s: Served, build: Callable[[], ChatPrompt], body: p.GenerationRequest,
+async def submit(s: Served, build: Callable[[int], ChatPrompt], body: p.GenerationRequest,
                  max_tokens: int | None) -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
-    """Build the prompt and queue it (in a thread: retrieval and planning run models); the engine's
-    refusals become the API's errors, naming the API's own fields."""
+    """Build the prompt for an answer of up to n tokens (`build(n)`) and queue it, in a thread: retrieval
+    and planning run models. A request that sets no `max_tokens` gets `DEFAULT_MAX_TOKENS`, or what the
+    context window leaves when that is less (OpenAI's default is the window's rest). The engine's refusals
+    become the API's errors, naming the API's own fields."""
     def work() -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
-        built = build()
+        limit = max_tokens or p.DEFAULT_MAX_TOKENS
+        for _ in range(FIT_TRIES):
+            try:
+                return queue(limit)
+            except ContextWindowExceeded as e:
+                if max_tokens is not None or not e.max_new_fits or e.max_new_fits >= limit:
+                    raise
+                limit = e.max_new_fits
+        return queue(limit)
+
+    def queue(limit: int) -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
+        built = build(limit)
         if built.not_found:
             return NotFound(), built, []
         found = r.sources(built.sources, s.chat.corpus.text)
         return s.batcher.submit(built.prompt, recovery=body.recovery, ignore_eos=body.ignore_eos,
-                                **body.sampling(max_tokens)), built, found
+                                **body.sampling(limit)), built, found
     try:
         return await run_in_threadpool(work)
     except QueueFull as e:
@@ -273,8 +287,20 @@ async def submit(s: Served, build: Callable[[], ChatPrompt], body: p.GenerationR
         raise ApiError(400, str(e).replace("max_new_tokens", field), code="context_length_exceeded",
                        param=field if e.max_new_fits else prompt_field) from e
     except ValueError as e:
-        # a schema the grammar library cannot use is found at submit; its message starts with the field
-        raise ApiError(400, str(e), param="response_format" if str(e).startswith("response_format") else None) from e
+        raise ApiError(400, str(e), param=_param_of(str(e), body)) from e
+
+
+def _param_of(message: str, body: p.GenerationRequest) -> str | None:
+    """The request field a refusal from below is about: the field it starts with (the engine's sampling
+    options and the grammar's schema errors name theirs first), else what the prompt was built from."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    if first in type(body).model_fields:
+        return first
+    if body.recovery is not None and (body.recovery in message or "recovery" in message):
+        return "recovery"
+    if isinstance(body, p.ChatRequest):
+        return "module_ids" if "module id" in message else "messages"
+    return "prompt"
 
 
 def page() -> str:

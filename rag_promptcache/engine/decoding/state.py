@@ -9,9 +9,10 @@ cache. So the engine's single-request loop (engine/decoding/decode.py) and the b
 differ only in how they run the forward.
 
 Every token is chosen in one place, `_choose`: the grammar of a constrained request (engine/decoding/grammar.py)
-masks the logits there, once, for every path. A draft is checked row by row through `_choose`, the
-grammar advancing with each kept token, so prompt lookup needs no grammar rollback. A grammar that is
-complete ends the answer as an EOS would.
+masks the logits there, once, for every path, and in an answer's last tokens takes the shortest way to
+end the JSON when the budget would otherwise cut it (`GrammarState.closing`). A draft is checked row by
+row through `_choose`, the grammar advancing with each kept token, so prompt lookup needs no grammar
+rollback. A grammar that is complete ends the answer as an EOS would.
 
 Out of scope: forwards and caches (engine/compute/runner.py, engine/decoding/decode.py, engine/batching/batch.py), sampling
 math (engine/decoding/sampling.py).
@@ -135,6 +136,9 @@ class DecodeState:
         if self._generator is None and s.seed is not None and s.temperature > 0:
             self._generator = torch.Generator(device=logits.device).manual_seed(s.seed)
         if self.grammar is not None:
+            # the budget is about to run out: end the JSON now rather than be cut inside it
+            if (closing := self.grammar.closing(s.max_new_tokens - len(self.tokens))) is not None:
+                return closing
             logits = self.grammar.mask(logits)
             # JSON repeats its structure (`}, {"name": `); where every continuation the grammar allows
             # repeats an n-gram, the grammar wins over no_repeat_ngram
