@@ -341,6 +341,7 @@ def test_the_engine_ends_a_json_answer_within_its_max_new_tokens(engines):
         alone = plain.generate(ASK, response_format={"type": "json_object"}, max_new_tokens=budget, temperature=1.0,
                                seed=budget)
         assert isinstance(json.loads(alone.text), dict) and alone.num_generated <= budget, alone.text
+        assert alone.finish_reason == "length"  # the budget ended it, closed as JSON
     batched = plain.generate_batch([ASK, ASK], max_new_tokens=10, response_format={"type": "json_object"},
                                    temperature=1.0, seed=3)
     assert all(isinstance(json.loads(r.text), dict) for r in batched), [r.text for r in batched]

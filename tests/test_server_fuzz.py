@@ -8,7 +8,7 @@ A run fails on any 5xx, any response (a stream's events included) that its schem
 invalid data not refused with a 4xx, a route that ignores the key, a stream that carries an error or
 does not end with [DONE], a request that does not answer within `REQUEST_TIMEOUT_S`, or a server that
 stops answering (bench/fuzz_hooks.py; `bench --scenarios fuzz` is the longer run on the default model).
-Regressions of what it found are held by name below."""
+Regressions of what it found are held by name below, and the soak's load and report run for seconds."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rag_promptcache.bench import soak
 from rag_promptcache.bench.soak import fuzz_command, fuzz_env
 from tests.test_server import DOCS, ROOT, start_server
 from tests.tiny_llama import build_tiny_corpus
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow
 KEY = "sk-fuzz-7c1d"
 EXAMPLES = 8  # generated cases per route and generation mode, besides the coverage phase's
 REQUEST_TIMEOUT_S = 30  # a request unanswered this long is a hung one
+SOAK_S = 8.0  # the soak's 20 minutes, shortened
 WINDOW = 256  # the tiny model's context window: every max_tokens the schema allows decodes in a moment
 
 
@@ -110,3 +112,15 @@ def test_the_server_applies_its_repetition_control_unless_a_request_turns_it_off
     assert off["usage"]["completion_tokens"] == 48
     # greedy decoding of random weights loops: a run of tokens comes back, which the default n-gram ban forbids
     assert plain["choices"][0]["text"] != off["choices"][0]["text"]
+
+
+def test_a_short_soak_reports_what_the_long_one_does(served):
+    """bench --scenarios soak's load and report (bench/soak.py), for seconds instead of 20 minutes: every
+    kind of request is sent, none fails with a 5xx or hangs, and the server's memory and descriptors are read."""
+    proc, url, _ = served
+    out = soak.soak(url, proc, SOAK_S, 3, model="c", key=KEY, log=lambda _: None)
+    assert out["requests"] > 0 and out["checks"]["no_5xx"] and out["checks"]["no_hung_or_refused"], out["statuses"]
+    assert out["checks"]["server_alive"] and "200" in out["statuses"] and proc.poll() is None
+    assert {k for w in out["latency_by_window"] for k in w} - {"window_min"} <= {k for k, _ in soak.MIX}
+    readings = out["server_by_minute"]
+    assert len(readings) >= 10 and all(r["rss_mib"] > 0 and r["fds"] > 0 for r in readings), readings

@@ -47,6 +47,7 @@ SAMPLE_S = 60
 GROWTH = 0.05
 STEADY = 1.5
 MAX_TOKENS = 32
+HUNG, REFUSED = 0, 1  # statuses the summary counts a request that got none under
 # (kind, weight): what a client sends next
 MIX = (("chat_stream", 4), ("chat", 3), ("chat_dropped", 2), ("completion", 2), ("embeddings", 2), ("get", 2),
        ("bad", 3))
@@ -77,7 +78,7 @@ def fuzz(bench: Bench) -> dict[str, object]:
     import httpx
 
     out: dict[str, object] = {"examples_per_route": bench.config.fuzz_examples, "runs": {}}
-    with _server(bench) as (proc, url, log):
+    with _server(bench) as (proc, url, log, _):
         with tempfile.TemporaryDirectory() as tmp:
             schema = Path(tmp) / "openapi.json"
             schema.write_bytes(httpx.get(f"{url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).content)
@@ -100,32 +101,41 @@ def fuzz(bench: Bench) -> dict[str, object]:
 
 def run(bench: Bench, minutes: float | None = None) -> dict[str, object]:
     cfg = bench.config
-    duration = 60 * (cfg.soak_minutes if minutes is None else minutes)
-    with _server(bench) as (proc, url, _):
-        load = Load(url, duration, cfg.soak_clients)
-        samples = load.run(lambda: _usage(proc.pid), bench.log)
-        alive = proc.poll() is None
-    return summarize(load, samples, duration, alive)
+    with _server(bench) as (proc, url, _, model):
+        return soak(url, proc, 60 * (cfg.soak_minutes if minutes is None else minutes), cfg.soak_clients,
+                    model=model, key=KEY, log=bench.log)
+
+
+def soak(url: str, proc: subprocess.Popen, duration_s: float, clients: int, *, model: str, key: str | None,
+         log: Callable[[str], None] = print) -> dict[str, object]:
+    """`clients` clients sending `MIX` to the server at `url` (process `proc`, serving `model`) for
+    `duration_s`; a run shorter than 20 minutes (a test's) reads the server every `duration_s / 20` and
+    judges latency per quarter of it."""
+    window_s, sample_s = min(WINDOW_S, duration_s / 4), min(SAMPLE_S, duration_s / 20)
+    load = Load(url, duration_s, clients, model=model, key=key)
+    samples = load.run(lambda: _usage(proc.pid), log, sample_s)
+    return summarize(load, samples, duration_s, proc.poll() is None, window_s)
 
 
 class Load:
     """`clients` threads sending `MIX` until `duration_s` has passed; what each request got, by time."""
 
-    def __init__(self, url: str, duration_s: float, clients: int) -> None:
-        self.url, self.duration_s, self.clients = url, duration_s, clients
+    def __init__(self, url: str, duration_s: float, clients: int, *, model: str, key: str | None) -> None:
+        self.url, self.duration_s, self.clients, self.model, self.key = url, duration_s, clients, model, key
         self.t0 = 0.0
         self.lock = threading.Lock()
         self.done: list[tuple[float, str, int, float]] = []  # (start, kind, status, seconds)
 
-    def run(self, sample: Callable[[], tuple[int, int]], log: Callable[[str], None]) -> list[tuple[float, int, int]]:
-        """Run the load; `sample()` → (RSS bytes, open descriptors) once a minute → the samples by time."""
+    def run(self, sample: Callable[[], tuple[int, int]], log: Callable[[str], None],
+            sample_s: float = SAMPLE_S) -> list[tuple[float, int, int]]:
+        """Run the load; `sample()` → (RSS bytes, open descriptors) every `sample_s` → the samples by time."""
         self.t0 = time.monotonic()
         threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(self.clients)]
         for t in threads:
             t.start()
         samples = [(0.0, *sample())]
         while (now := time.monotonic() - self.t0) < self.duration_s:
-            time.sleep(max(0.0, min(SAMPLE_S * len(samples), self.duration_s) - now))
+            time.sleep(max(0.0, min(sample_s * len(samples), self.duration_s) - now))
             samples.append((time.monotonic() - self.t0, *sample()))
             with self.lock:
                 n, errors = len(self.done), sum(s >= 500 for _, _, s, _ in self.done)
@@ -141,21 +151,23 @@ class Load:
         rng = random.Random(seed)
         kinds = [k for k, w in MIX for _ in range(w)]
         questions = [*WARM, *TIMED]
-        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S,
-                          headers={"Authorization": f"Bearer {KEY}"}) as http:
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S, headers=headers) as http:
             while time.monotonic() - self.t0 < self.duration_s:
                 kind = rng.choice(kinds)
                 start = time.monotonic()
                 try:
-                    status = _send(http, kind, rng, rng.choice(questions))
-                except httpx.HTTPError as e:  # a hung or refused connection: no status at all
-                    status = 0 if not isinstance(e, httpx.TimeoutException) else 1
+                    status = _send(http, kind, rng, rng.choice(questions), self.model)
+                except httpx.TimeoutException:  # a hung request: no status at all
+                    status = HUNG
+                except httpx.TransportError:  # refused or cut: the server is not answering
+                    status = REFUSED
                 with self.lock:
                     self.done.append((start - self.t0, kind, status, time.monotonic() - start))
 
 
-def _send(http, kind: str, rng: random.Random, question: str) -> int:
-    chat = {"model": "demo-corpus", "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+def _send(http, kind: str, rng: random.Random, question: str, model: str) -> int:
+    chat = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
             "temperature": 0}
     if kind == "chat":
         return http.post("/v1/chat/completions", json=chat).status_code
@@ -168,15 +180,15 @@ def _send(http, kind: str, rng: random.Random, question: str) -> int:
                     break  # gone mid-answer: the connection closes with the stream unread
             return r.status_code
     if kind == "completion":
-        return http.post("/v1/completions", json={"model": "demo-corpus", "prompt": question,
+        return http.post("/v1/completions", json={"model": model, "prompt": question,
                                                   "max_tokens": MAX_TOKENS}).status_code
     if kind == "embeddings":
-        return http.post("/v1/embeddings", json={"model": "demo-corpus", "input": [question, question[::-1]]}).status_code
+        return http.post("/v1/embeddings", json={"model": model, "input": [question, question[::-1]]}).status_code
     if kind == "get":
         return http.get(rng.choice(("/v1/models", "/health", "/metrics", "/"))).status_code
     bad = rng.choice(("json", "field", "model", "key", "window"))
     if bad == "json":
-        return http.post("/v1/chat/completions", content=b'{"model": "demo-corpus", "mess',
+        return http.post("/v1/chat/completions", content=f'{{"model": "{model}", "mess'.encode(),
                          headers={"content-type": "application/json"}).status_code
     if bad == "key":
         return http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code
@@ -185,20 +197,21 @@ def _send(http, kind: str, rng: random.Random, question: str) -> int:
     return http.post("/v1/chat/completions", json=body).status_code
 
 
-def summarize(load: Load, samples: list[tuple[float, int, int]], duration_s: float, alive: bool) -> dict[str, object]:
+def summarize(load: Load, samples: list[tuple[float, int, int]], duration_s: float, alive: bool,
+              window_s: float = WINDOW_S) -> dict[str, object]:
     windows: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     statuses: Counter[str] = Counter()
     for start, kind, status, seconds in load.done:
         statuses[str(status)] += 1
         if 200 <= status < 300:
-            windows[int(start // WINDOW_S)][kind].append(seconds)
-    latency = [{"window_min": [w * WINDOW_S / 60, min((w + 1) * WINDOW_S, duration_s) / 60],
+            windows[int(start // window_s)][kind].append(seconds)
+    latency = [{"window_min": [round(w * window_s / 60, 2), round(min((w + 1) * window_s, duration_s) / 60, 2)],
                 **{kind: {"n": len(xs), "p50_s": _pct(xs, 50), "p95_s": _pct(xs, 95)} for kind, xs in sorted(ks.items())}}
                for w, ks in sorted(windows.items())]
-    per_minute = [{"minute": round(t / 60, 1), "rss_mib": round(rss / 2**20, 1), "fds": fds} for t, rss, fds in samples]
-    after = [s for s in per_minute if s["minute"] >= WINDOW_S / 60]
+    per_minute = [{"minute": round(t / 60, 2), "rss_mib": round(rss / 2**20, 1), "fds": fds} for t, rss, fds in samples]
+    after = [s for s in per_minute if s["minute"] >= window_s / 60]  # from the end of the first window
     checks: dict[str, object] = {"no_5xx": not any(int(s) >= 500 for s in statuses), "no_hung_or_refused":
-                                 statuses["0"] + statuses["1"] == 0, "server_alive": alive}
+                                 statuses[str(HUNG)] + statuses[str(REFUSED)] == 0, "server_alive": alive}
     if len(after) > 1:
         base = after[0]
         checks["rss_growth"] = round(max(s["rss_mib"] for s in after) / base["rss_mib"] - 1, 4)
@@ -236,9 +249,10 @@ def _statuses(log: Path) -> Iterator[int]:
 
 
 @contextmanager
-def _server(bench: Bench) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+def _server(bench: Bench) -> Iterator[tuple[subprocess.Popen, str, Path, str]]:
     """`serve` over the demo corpus (built once with the bench's model where the demo home has none) in a
-    subprocess, with the API key and JSON logs; yields (process, base URL, its log) once /health answers."""
+    subprocess, with the API key and JSON logs; yields (process, base URL, its log, the model id) once
+    /health answers."""
     import httpx
 
     from rag_promptcache.engine import PromptCache
@@ -268,7 +282,7 @@ def _server(bench: Bench) -> Iterator[tuple[subprocess.Popen, str, Path]]:
                     raise RuntimeError("the server did not answer /health within 900 s")
                 time.sleep(1)
             bench.log(f"soak/fuzz: serving {where[0]} at {url} (pid {proc.pid})")
-            yield proc, url, log
+            yield proc, url, log, Path(where[0]).resolve().name
         finally:
             proc.terminate()
             proc.wait(60)

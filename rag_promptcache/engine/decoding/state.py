@@ -79,6 +79,7 @@ class DecodeState:
         self.grammar = grammar
         self.tokens: list[int] = []  # the answer so far
         self.finish: FinishReason | None = None
+        self.closed_by_budget = False  # the grammar's JSON was ended early so that the budget would not cut it
         self.ttft_s = 0.0
         self.stats = DecodeStats()
         self._generator: torch.Generator | None = None
@@ -138,6 +139,7 @@ class DecodeState:
         if self.grammar is not None:
             # the budget is about to run out: end the JSON now rather than be cut inside it
             if (closing := self.grammar.closing(s.max_new_tokens - len(self.tokens))) is not None:
+                self.closed_by_budget = True
                 return closing
             logits = self.grammar.mask(logits)
             # JSON repeats its structure (`}, {"name": `); where every continuation the grammar allows
@@ -160,7 +162,8 @@ class DecodeState:
         if self.text is not None and self.text.stopped:
             self.finish = "stop"
         elif self.grammar is not None and self.grammar.is_terminated():
-            self.finish = "eos"  # the JSON is complete: nothing but an EOS could follow
+            # the JSON is complete: nothing but an EOS could follow; closed for the budget, the budget ended it
+            self.finish = "length" if self.closed_by_budget else "eos"
         elif len(self.tokens) >= self.sampling.max_new_tokens:
             self.finish = "length"
         return piece
