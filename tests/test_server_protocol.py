@@ -220,3 +220,19 @@ def test_bounds_and_whole_numbers_as_the_schema_states_them():
             continue
         with pytest.raises(ValueError):
             p.ChatRequest.model_validate({**CHAT, **bad})
+
+
+def test_routes_are_small_named_handlers():
+    """STYLE.md's sixth stage: one named handler per route at module level (as FastAPI's examples and vLLM's
+    api_server write them), and `create_app` only assembles the app."""
+    import inspect
+
+    from rag_promptcache.server import app
+
+    endpoints = {(sorted(route.methods)[0], route.path): route.endpoint for route in app.router.routes}
+    assert set(endpoints) == {("GET", "/"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                              ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings")}
+    for handler in endpoints.values():
+        assert handler.__qualname__ == handler.__name__ and getattr(app, handler.__name__) is handler
+        assert len(inspect.getsource(handler).splitlines()) <= 30, handler.__name__
+    assert len(inspect.getsource(app.create_app).splitlines()) <= 30

@@ -113,7 +113,7 @@ class BenchConfig:
     json_questions: int = 24
     json_max_tokens: int = 64
     # fuzz and soak (bench/soak.py): the server as `serve` runs it, in a process of its own
-    fuzz_examples: int = 300  # generated requests per operation and key setting
+    fuzz_examples: int = 50  # generated cases per route and mode, besides the coverage phase's
     soak_minutes: float = 20.0
     soak_clients: int = 6  # concurrent clients, each a mix of the request kinds
 

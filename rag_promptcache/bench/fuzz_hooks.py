@@ -9,7 +9,9 @@
   stopped the server.
 - `map_case`: the one rule of a chat request its schema cannot state (JSON Schema has no "last item"):
   the last message is the user's question, with text. A valid case that breaks it gets a question
-  appended, so that valid cases reach retrieval and generation instead of that one 400.
+  appended, so that valid cases reach retrieval and generation instead of that one 400. With
+  $RAG_PROMPTCACHE_FUZZ_MAX_TOKENS set, valid cases ask for at most that many tokens (`bench --scenarios
+  fuzz` on the default model, whose window would let one case decode for many minutes).
 
 Schemathesis' own checks cover the rest: no 5xx, statuses, content types, headers and bodies as the
 schema documents them (stream events included), bad data refused with a 4xx, a key required where the
@@ -19,6 +21,7 @@ schema says so, and a request that does not answer within `--request-timeout` fa
 from __future__ import annotations
 
 import json
+import os
 import sys
 from urllib.parse import urlsplit
 
@@ -41,18 +44,26 @@ if sys.version_info < (3, 11, 8):
 
     lambda_sources.lambda_description = _plain_lambda_description
 QUESTION = {"role": "user", "content": "What colour is the zorblat?"}
+MAX_TOKENS_ENV = "RAG_PROMPTCACHE_FUZZ_MAX_TOKENS"  # set: valid cases ask for at most this many tokens
 
 
 @schemathesis.hook
 def map_case(ctx: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
     body, meta = case.body, case.meta
-    if (ctx.operation is None or ctx.operation.path != "/v1/chat/completions" or meta is None
-            or meta.generation.mode != schemathesis.GenerationMode.POSITIVE or not isinstance(body, dict)
-            or not isinstance(body.get("messages"), list)):
+    if (ctx.operation is None or meta is None or meta.generation.mode != schemathesis.GenerationMode.POSITIVE
+            or not isinstance(body, dict)):
         return case
-    last = body["messages"][-1] if body["messages"] else None
-    if not (isinstance(last, dict) and last.get("role") == "user" and _text(last.get("content")).strip()):
-        case.body = {**body, "messages": [*body["messages"], QUESTION]}
+    if ctx.operation.path == "/v1/chat/completions" and isinstance(body.get("messages"), list):
+        last = body["messages"][-1] if body["messages"] else None
+        if not (isinstance(last, dict) and last.get("role") == "user" and _text(last.get("content")).strip()):
+            body = {**body, "messages": [*body["messages"], QUESTION]}
+    cap = int(os.environ.get(MAX_TOKENS_ENV, "0"))
+    if cap and ctx.operation.path in ("/v1/chat/completions", "/v1/completions"):
+        # a model whose window allows thousands of tokens: the answers' length is the soak's business
+        body = {**body, **{f: min(body.get(f) or cap, cap) for f in ("max_tokens", "max_completion_tokens")
+                           if f in body or f == "max_tokens"}}
+    if body is not case.body:
+        case.body = body
     return case
 
 

@@ -47,6 +47,8 @@ SAMPLE_S = 60
 GROWTH = 0.05
 STEADY = 1.5
 MAX_TOKENS = 32
+FUZZ_MAX_TOKENS = 32  # valid fuzz cases' answers at most this long: the fuzz is about requests, the soak about time
+FUZZ_REQUEST_TIMEOUT_S = 300  # a shared CPU under four fuzzing workers: slow is not hung
 HUNG, REFUSED = 0, 1  # statuses the summary counts a request that got none under
 # (kind, weight): what a client sends next
 MIX = (("chat_stream", 4), ("chat", 3), ("chat_dropped", 2), ("completion", 2), ("embeddings", 2), ("get", 2),
@@ -68,8 +70,11 @@ def fuzz_command(url: str, report: Path, *, key: str | None, examples: int, seed
             "--report", "json", "--report-json-path", str(report), "--output-truncate", "false"]
 
 
-def fuzz_env() -> dict[str, str]:
-    return {**os.environ, "SCHEMATHESIS_HOOKS": "rag_promptcache.bench.fuzz_hooks", "NO_COLOR": "1"}
+def fuzz_env(max_tokens: int | None = None) -> dict[str, str]:
+    """The environment for `fuzz_command`: bench/fuzz_hooks.py loaded, and valid cases' `max_tokens`
+    capped at `max_tokens` (None: as generated)."""
+    cap = {"RAG_PROMPTCACHE_FUZZ_MAX_TOKENS": str(max_tokens)} if max_tokens else {}
+    return {**os.environ, "SCHEMATHESIS_HOOKS": "rag_promptcache.bench.fuzz_hooks", "NO_COLOR": "1", **cap}
 
 
 def fuzz(bench: Bench) -> dict[str, object]:
@@ -86,7 +91,8 @@ def fuzz(bench: Bench) -> dict[str, object]:
                 report = Path(tmp) / f"{name}.json"
                 t0 = time.perf_counter()
                 done = subprocess.run(fuzz_command(url, report, key=key, examples=bench.config.fuzz_examples, seed=51,
-                                                   schema=schema), capture_output=True, text=True, env=fuzz_env())
+                                                   schema=schema, request_timeout=FUZZ_REQUEST_TIMEOUT_S),
+                                      capture_output=True, text=True, env=fuzz_env(FUZZ_MAX_TOKENS))
                 seconds = time.perf_counter() - t0
                 summary = json.loads(report.read_text()) if report.exists() else {}
                 out["runs"][name] = {"exit_code": done.returncode, "seconds": round(seconds, 1),
