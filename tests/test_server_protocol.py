@@ -236,3 +236,24 @@ def test_routes_are_small_named_handlers():
         assert handler.__qualname__ == handler.__name__ and getattr(app, handler.__name__) is handler
         assert len(inspect.getsource(handler).splitlines()) <= 30, handler.__name__
     assert len(inspect.getsource(app.create_app).splitlines()) <= 30
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({**CHAT, "stop": 5}, "stop"),
+    ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
+    ({**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content"),
+])
+def test_a_validation_error_names_the_field_not_the_union_member(body, param):
+    import asyncio
+
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from rag_promptcache.server.app import invalid_request
+
+    with pytest.raises(ValidationError) as e:
+        p.ChatRequest.model_validate(body)
+    errors = [{**err, "loc": ("body", *err["loc"])} for err in e.value.errors()]  # as FastAPI reports them
+    response = asyncio.run(invalid_request(None, RequestValidationError(errors)))
+    assert response.status_code == 400 and json.loads(response.body)["error"]["param"] == param

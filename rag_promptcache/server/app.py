@@ -53,6 +53,7 @@ from rag_promptcache.server.embeddings import Embeddings
 from rag_promptcache.server.metrics import CountStatuses, Metrics
 
 RETRY_AFTER_S = 1
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 FIT_TRIES = 3  # retrieval's estimate of the prompt, then the plan's count: the default answer length fits in two
 log = logging.getLogger("rag_promptcache.server")
 router = APIRouter()
@@ -121,7 +122,8 @@ async def api_error(_: Request, e: ApiError) -> JSONResponse:
 
 async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
     first = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # pydantic names the member a union tried ("stop.str", "messages.0.content.list[TextPart]"): not a field
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not (x in TYPE_TAGS or "[" in str(x))]
     if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
         at = f" at byte {loc[0]}" if loc else ""
         return JSONResponse(r.error(f"the body is not valid JSON{at}: {first.get('msg')}"), status_code=400)
