@@ -56,7 +56,8 @@ MIX = (("chat_stream", 4), ("chat", 3), ("chat_dropped", 2), ("completion", 2), 
 
 
 def fuzz_command(url: str, report: Path, *, key: str | None, examples: int, seed: int,
-                 request_timeout: float = REQUEST_TIMEOUT_S, schema: Path | None = None, workers: int = 4) -> list[str]:
+                 request_timeout: float = REQUEST_TIMEOUT_S, schema: Path | None = None, workers: int = 4,
+                 phases: str = "examples,coverage,fuzzing") -> list[str]:
     """schemathesis' CLI against the server at `url`, its requests carrying the API key `key` (None: no key),
     its JSON report to `report`. The schema is the server's /openapi.json, or the file `schema` (a server
     that wants a key serves its schema only with it). Run it with `fuzz_env()`, which loads
@@ -66,7 +67,7 @@ def fuzz_command(url: str, report: Path, *, key: str | None, examples: int, seed
     return [sys.executable, "-m", "schemathesis.cli", "run", *where, *auth,
             "--checks", "all", "--exclude-checks", "positive_data_acceptance,use_after_free,ensure_resource_availability",
             "--max-examples", str(examples), "--seed", str(seed), "--request-timeout", str(request_timeout),
-            "--phases", "examples,coverage,fuzzing", "--workers", str(workers), "--suppress-health-check", "all",
+            "--phases", phases, "--workers", str(workers), "--suppress-health-check", "all",
             "--report", "json", "--report-json-path", str(report), "--output-truncate", "false"]
 
 
