@@ -126,3 +126,4 @@ def test_a_short_soak_reports_what_the_long_one_does(served):
     assert {k for w in out["latency_by_window"] for k in w} - {"window_min"} <= {k for k, _ in soak.MIX}
     readings = out["server_by_minute"]
     assert len(readings) >= 10 and all(r["rss_mib"] > 0 and r["fds"] > 0 for r in readings), readings
+    assert readings[-1]["caches_mib"] > 0 and readings[-1]["rss_less_caches_mib"] < readings[-1]["rss_mib"]
