@@ -132,7 +132,7 @@ def test_prefills_waiting_with_no_row_running_run_in_one_forward(tokenizer, monk
     armed, gate = _gate(monkeypatch)
     armed.set()
     paced = []  # what the engine's cost model hears of the prefills it ran (its pace, costmodel.py)
-    monkeypatch.setattr(pc.fallback, "ran", lambda new, context, seconds: paced.append((new, context, seconds)))
+    monkeypatch.setattr(pc.fallback, "ran", lambda new, context, seconds, rows: paced.append((new, context, seconds)))
     with Batcher(pc, max_batch=4, admission="one") as s:
         handles = [s.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in LATE]
         gate.set()

@@ -145,3 +145,30 @@ def test_batcher_interleaves_a_new_prefill_with_the_running_decode(tokenizer, mo
     assert sum(log[i][1] for i in chunks) == num_new
     if arch == "qwen2":  # the running request steps between every two chunks of the new one
         assert all(any(k == "step" for k, _ in log[a + 1 : b]) for a, b in zip(chunks, chunks[1:]))
+
+
+def test_a_step_carrying_a_chunk_reports_it_with_its_decode_rows_to_the_pace(tokenizer):
+    """The cost model's pace (engine/planning/costmodel.py) hears of every prefill forward: the chunks that
+    ride in a decode step come with the rows that step carried, each by the KV it attended to."""
+    pc = _engine("llama", tokenizer)
+    heard: list[tuple[int, int, tuple[int, ...]]] = []
+    ran = pc.fallback.ran
+    pc.fallback.ran = lambda new, context, seconds, rows: heard.append((new, context, tuple(rows))) or ran(
+        new, context, seconds, rows)
+    with Batcher(pc, max_batch=2, prefill_chunk=4) as s:
+        first = s.submit(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+        it = iter(first)
+        next(it)  # running: the next prefill rides in its steps
+        late = s.submit(PROMPTS[3], max_new_tokens=6, ignore_eos=True)
+        late.consume()
+        first.consume()
+    plan, late_plan = pc.plan(PROMPTS[0]), pc.plan(PROMPTS[3])
+    assert heard[0] == (plan.num_tokens - plan.num_cached, plan.num_cached, ())  # alone: one whole forward
+    carried = heard[1:]
+    assert sum(n for n, _, _ in carried) == late_plan.num_tokens - late_plan.num_cached and len(carried) > 1
+    done = 0
+    for n, context, rows in carried:  # each chunk against what the cache held, beside the running row
+        assert context == late_plan.num_cached + done and len(rows) == 1, carried
+        done += n
+    lengths = [rows[0] for _, _, rows in carried]  # the row's KV grows by one token a step
+    assert lengths == list(range(lengths[0], lengths[0] + len(lengths))) and lengths[0] >= plan.num_tokens

@@ -8,6 +8,8 @@ import json
 import jsonschema
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("llguidance", reason="structured output needs the [structured] extra")
 
@@ -269,3 +271,77 @@ def test_engine_refuses_a_bad_schema_before_queueing(engines):
         assert s.num_waiting == 0 and s.num_running == 0
     with pytest.raises(ValueError, match="response_format type must be one of"):
         plain.generate(ASK, response_format={"type": "yaml"})
+
+
+
+# -- an answer the budget would cut ends as valid JSON (json_close.py, GrammarState.closing) -------------
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=_json_values, indent=st.sampled_from([None, 1]), ascii=st.booleans())
+def test_every_prefix_of_json_closes_into_json(value, indent, ascii):
+    from rag_promptcache.engine.decoding.json_close import closing
+
+    text = json.dumps(value, indent=indent, ensure_ascii=ascii)
+    for end in range(len(text) + 1):
+        suffix = closing(text[:end])
+        assert suffix is not None, text[:end]
+        json.loads(text[:end] + suffix)  # raises where the closing is wrong
+    assert closing(text) == "" and closing(text + "}") is None
+
+
+def test_the_shortest_closing_completes_what_is_open():
+    from rag_promptcache.engine.decoding.json_close import closing
+
+    assert closing('{"tools": {"toolname_json_option_key') == '":0}}'
+    assert closing('{"a": [1, {"b": tr') == "ue}]}" and closing('{"a": 1,') == '"_":0}'
+    assert closing('{"a": "x\\u00') == '00"}' and closing("") == "{}" and closing('{"a" 1') is None
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5, 8, 13, 21, 34])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_json_object_ends_as_json_whatever_the_budget(tokenizer, closers, budget, seed):
+    """A budget too short for what the logits want: the answer still parses, ended in its last tokens."""
+    g = torch.Generator().manual_seed(seed)
+    state = Grammar.json_object(tokenizer, STOP).start()
+    out: list[int] = []
+    for step in range(budget):
+        forced = state.closing(budget - step)
+        logits = torch.randn(len(tokenizer), generator=g)
+        logits[closers] -= 5.0  # the logits keep every string and container open
+        token = forced if forced is not None else int(state.mask(logits).argmax())
+        state.accept(token)
+        out.append(token)
+        if state.is_terminated():
+            break
+    if budget >= 2:  # "{}" is the shortest object: two tokens
+        assert isinstance(json.loads(tokenizer.decode(out)), dict), tokenizer.decode(out)
+        assert state.is_terminated()
+
+
+def test_a_key_ends_within_json_object_key_chars(tokenizer):
+    from rag_promptcache.engine.decoding.grammar import JSON_OBJECT_KEY_CHARS
+
+    state = Grammar.json_object(tokenizer, STOP).start()
+    for token in tokenizer.encode('{"' + "k" * JSON_OBJECT_KEY_CHARS):
+        state.accept(token)
+    allowed = torch.isfinite(state.mask(torch.zeros(len(tokenizer)))).nonzero()[:, 0].tolist()
+    assert all(tokenizer.decode([t]).startswith('"') for t in allowed), [tokenizer.decode([t]) for t in allowed[:5]]
+
+
+def test_the_engine_ends_a_json_answer_within_its_max_new_tokens(engines):
+    """Through the one decode state, alone and batched: a random-weight model under json_object with a
+    budget far too short for what it writes still answers JSON."""
+    plain, _ = engines
+    for budget in (6, 12, 24):
+        alone = plain.generate(ASK, response_format={"type": "json_object"}, max_new_tokens=budget, temperature=1.0,
+                               seed=budget)
+        assert isinstance(json.loads(alone.text), dict) and alone.num_generated <= budget, alone.text
+        assert alone.finish_reason == "length"  # the budget ended it, closed as JSON
+    batched = plain.generate_batch([ASK, ASK], max_new_tokens=10, response_format={"type": "json_object"},
+                                   temperature=1.0, seed=3)
+    assert all(isinstance(json.loads(r.text), dict) for r in batched), [r.text for r in batched]

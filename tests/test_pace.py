@@ -228,3 +228,16 @@ def test_with_a_throttled_link_and_a_loaded_cpu_the_plan_is_never_slower_than_th
     assert [c for c, _, _ in runs][2:] == ["load", "load"], runs
     assert all(t <= better * 1.01 for _, t, better in runs[2:]), runs
     assert runs[0][1] > 1.5 * runs[0][2]  # the first request under the new load: recomputed, slower than loading
+
+
+def test_a_forward_that_carried_decode_rows_is_modelled_with_them() -> None:
+    costs = Costs(fixed_s=0.01, token_s=1e-3, pair_s=1e-6, cached_token_s=0.0)
+    # two rows of 100 and 300 tokens of KV: a token each, attending to their KV, one fixed cost for all
+    assert costs.carrying(8, 50, [100, 300]) == pytest.approx(
+        costs.forward(8, 50) + 2 * 1e-3 + 1e-6 * (100.5 + 300.5))
+    assert costs.carrying(8, 50, []) == costs.forward(8, 50)
+    fb = Fallback("auto", lambda: costs)
+    assert fb.calibrated is costs
+    modelled = costs.carrying(200, 0, [400] * 4)
+    fb.ran(200, 0, 2 * modelled, [400] * 4)  # the forward took twice what the costs say, rows and all
+    assert fb.pace.num_samples == 1 and fb.pace.factor == pytest.approx(2.0)

@@ -35,6 +35,22 @@ def test_bad_values_are_clear_errors(field: str, value: float, message: str) -> 
         Sampling(**{field: value})
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-30, 1e-5])
+def test_a_temperature_near_zero_samples_the_favourite(temperature: float) -> None:
+    """Found by fuzzing the server: logits / 5e-324 overflowed to inf, and the softmax to nan (a 500)."""
+    logits = torch.tensor([1.0, 3.0, -2.0, float("-inf"), 2.5])
+    g = torch.Generator().manual_seed(0)
+    assert all(sample(logits, Sampling(temperature=temperature, top_p=0.9), g) == 1 for _ in range(20))
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_torch_cannot_take_is_refused_by_name(seed: int) -> None:
+    """Found by fuzzing the server: a seed past 64 bits failed inside the decode loop (a 500)."""
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[-9223372036854775808, 18446744073709551615\]"):
+        Sampling(seed=seed, temperature=1.0)
+    Sampling(seed=2**64 - 1, temperature=1.0)
+
+
 def ngrams(ids: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
     return [ids[i : i + n] for i in range(len(ids) - n + 1)]
 

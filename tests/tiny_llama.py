@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 
-def save_tiny_llama(out: Path) -> str:
+def save_tiny_llama(out: Path, max_positions: int = 2048) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from rag_promptcache.model.loading import DEFAULT_MODEL, _resolve_directory
@@ -16,22 +16,22 @@ def save_tiny_llama(out: Path) -> str:
     tokenizer = AutoTokenizer.from_pretrained(_resolve_directory(DEFAULT_MODEL))
     config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=2048, tie_word_embeddings=True)
+                                  max_position_embeddings=max_positions, tie_word_embeddings=True)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
 
 
-def build_tiny_corpus(tmp_path_factory, docs: dict[str, str]) -> Path:
-    """A corpus of `docs` (file name -> text) over a fresh tiny Llama, built without Redis, so nothing
-    is in Redis until something encodes it."""
+def build_tiny_corpus(tmp_path_factory, docs: dict[str, str], max_positions: int = 2048) -> Path:
+    """A corpus of `docs` (file name -> text) over a fresh tiny Llama (its context window
+    `max_positions`), built without Redis, so nothing is in Redis until something encodes it."""
     from rag_promptcache.rag.corpus import Corpus
 
     folder = tmp_path_factory.mktemp("docs")
     for name, text in docs.items():
         (folder / name).write_text(text)
-    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_positions)
     path = tmp_path_factory.mktemp("corpus") / "c"
     Corpus.build([folder], path, model=model, progress=False, redis_url="").close()
     return path

@@ -22,10 +22,11 @@ import torch
 from rag_promptcache.bench.common import Bench, BenchConfig
 
 SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve", "chat",
-             "sustained")
-# fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients) and sustained
-# (novel questions against tiers smaller than the corpus) build their own corpus and take minutes: only when asked
-# for (--scenarios fidelity,ingest,serve,sustained).
+             "sustained", "json", "fuzz", "soak")
+# fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients), sustained
+# (novel questions against tiers smaller than the corpus), json (json_object answers under a small budget), fuzz
+# (schemathesis against the server) and soak (20 minutes of mixed load on the server) build their own corpus and
+# take minutes: only when asked for (--scenarios fidelity,ingest,serve,sustained,json,fuzz,soak).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
 
 
@@ -133,6 +134,14 @@ def run_loaded(
             from rag_promptcache.bench import sustained
 
             out["sustained"] = sustained.run(bench)
+        elif name == "json":
+            from rag_promptcache.bench import structured
+
+            out["json"] = structured.run(bench)
+        elif name in ("fuzz", "soak"):
+            from rag_promptcache.bench import soak
+
+            out[name] = soak.fuzz(bench) if name == "fuzz" else soak.run(bench)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0

@@ -109,6 +109,13 @@ class BenchConfig:
     sustained_zipf: float = 1.0  # popularity exponent of the simulated retrieval
     sustained_every: int = 10  # questions per point of the hit-rate plot
     sustained_judge_s: float = 2.0  # the speed-up check needs windows whose cached TTFT adds up to this
+    # json (bench/structured.py): json_object answers under a small budget
+    json_questions: int = 24
+    json_max_tokens: int = 64
+    # fuzz and soak (bench/soak.py): the server as `serve` runs it, in a process of its own
+    fuzz_examples: int = 50  # generated cases per route and mode, besides the coverage phase's
+    soak_minutes: float = 20.0
+    soak_clients: int = 6  # concurrent clients, each a mix of the request kinds
 
     @classmethod
     def quick(cls) -> BenchConfig:

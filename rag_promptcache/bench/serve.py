@@ -131,7 +131,7 @@ def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str], 
     # the legs time, and the exact repeats row is what it gives
     options = {**bench.engine_options, "prefix_cache_bytes": None}
     engine = PromptCache(bench.model, bench.tokenizer, store=store, name=bench.model_name, **options)
-    corpus = _demo_corpus(bench, engine, where)
+    corpus = demo_corpus(bench, engine, where)
     stack.callback(corpus.close)
     corpus.prepare()
     engine.encode(corpus.manifest.name)  # every module stored before any leg, as in a corpus `ingest` built
@@ -301,7 +301,7 @@ def _line(r: dict[str, object]) -> str:
             f"{r['computed_tokens_per_request']:.0f} of {r['prompt_tokens_per_request']:.0f} prompt tokens computed per request")
 
 
-def _demo_corpus(bench: Bench, engine: PromptCache, where: list[str]):
+def demo_corpus(bench: Bench, engine: PromptCache, where: list[str]):
     """The demo corpus opened with `engine`: the one in `where` (built or found by an earlier call), else
     the demo home's when this model built it, else one built in a temporary folder; its path into `where`."""
     from rag_promptcache.rag import Corpus, is_corpus

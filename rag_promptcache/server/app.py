@@ -9,12 +9,16 @@
     POST /v1/embeddings         the corpus's embedder (server/embeddings.py)
     GET  /metrics               Prometheus' text format (server/metrics.py); needs the API key like /v1
     GET  /health                for load balancers; never needs the API key (server/auth.py)
+    GET  /openapi.json          the schema of all of the above (server/openapi.py)
 
-This layer only translates types: retrieval and prompts are `rag.chat.CorpusChat`, generation is the
-engine's `Batcher`. Errors are OpenAI-shaped: bad input 400 (404 for an unknown model), a request
-field we do not implement 400 naming it, a missing or wrong API key 401, a full queue 429 with
-Retry-After, a failure inside one request 500 for that request only: "internal error" and a request
-id (body and `x-request-id` header), the traceback in the server's log, never in the response.
+Each route is a small handler, as FastAPI's examples and vLLM's api_server write them: what it serves
+(`Served`, made once by `create_app`) is on `request.app.state`. This layer only translates types:
+retrieval and prompts are `rag.chat.CorpusChat`, generation is the engine's `Batcher`, bodies are
+`protocol.py`'s (in) and `responses.py`'s (out). Errors are OpenAI-shaped: bad input 400 (404 for an
+unknown model), a request field we do not implement 400 naming it, a missing or wrong API key 401, a
+full queue 429 with Retry-After, a failure inside one request 500 for that request only: "internal
+error" and a request id (body and `x-request-id` header), the traceback in the server's log, never in
+the response.
 Not here: TLS, rate limits per client (put a reverse proxy in front).
 """
 
@@ -24,9 +28,10 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from importlib import resources
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
@@ -35,18 +40,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rag_promptcache.engine import ContextWindowExceeded
 from rag_promptcache.engine.batching.batcher import Batcher, Handle
-from rag_promptcache.engine.result import Result, fixed_stream
 from rag_promptcache.engine.batching.scheduler import QueueFull
+from rag_promptcache.engine.result import Result, fixed_stream
 from rag_promptcache.rag.chat import ChatPrompt, CorpusChat
 from rag_promptcache.rag.retrieval import NOT_FOUND
+from rag_promptcache.server import openapi
 from rag_promptcache.server import protocol as p
+from rag_promptcache.server import responses as r
 from rag_promptcache.server.access_log import AccessLog, new_request_id
 from rag_promptcache.server.auth import RequireKey
 from rag_promptcache.server.embeddings import Embeddings
 from rag_promptcache.server.metrics import CountStatuses, Metrics
 
 RETRY_AFTER_S = 1
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+FIT_TRIES = 3  # retrieval's estimate of the prompt, then the plan's count: the default answer length fits in two
 log = logging.getLogger("rag_promptcache.server")
+router = APIRouter()
 
 
 class ApiError(Exception):
@@ -56,12 +66,243 @@ class ApiError(Exception):
         self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the routes serve, made once per app."""
+
+    chat: CorpusChat
+    batcher: Batcher
+    metrics: Metrics
+    embeddings: Embeddings
+    model_id: str
+    aliases: frozenset[str]  # the model names a request may use: the id, the schema, the model's name
+    k: int
+    min_score: float | None
+    html: str  # the chat page, read once: a missing file fails at start-up, not on the first visit
+
+    def model_card(self) -> r.ModelCard:
+        engine = self.chat.corpus.engine
+        return r.ModelCard(id=self.model_id, object="model", created=0, owned_by="rag-promptcache",
+                           root=engine.model_name, max_model_len=engine.context_window,
+                           schema_name=self.chat.corpus.manifest.name, embedder=self.embeddings.name,
+                           adapter=engine.adapter_name)
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
+def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4, api_key: str | None = None,
+               min_score: float | None = None) -> FastAPI:
+    app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
+    engine = chat.corpus.engine
+    metrics = Metrics(batcher, engine)
+    app.state.served = s = Served(chat, batcher, metrics, Embeddings(chat.corpus.embedder), model_id,
+                                  frozenset({model_id, chat.corpus.manifest.name, engine.model_name}), k, min_score,
+                                  page())
+    if api_key is not None:
+        app.add_middleware(RequireKey, key=api_key)
+    app.add_middleware(CountStatuses, metrics=metrics)  # outside the key check: 401s are counted too
+    app.add_middleware(AccessLog)  # outermost: it logs the 401s too
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal)
+    app.include_router(router)
+    app.openapi = lambda: openapi.schema(app, served=sorted(s.aliases), embedder=s.embeddings,
+                                         window=engine.context_window, secured=api_key is not None)
+    return app
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+async def api_error(_: Request, e: ApiError) -> JSONResponse:
+    return JSONResponse(r.error(str(e), e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+    first = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
+    # pydantic names the member a union tried ("stop.str", "messages.0.content.list[TextPart]"): not a field
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not (x in TYPE_TAGS or "[" in str(x))]
+    if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+        at = f" at byte {loc[0]}" if loc else ""
+        return JSONResponse(r.error(f"the body is not valid JSON{at}: {first.get('msg')}"), status_code=400)
+    where = (first.get("ctx") or {}).get("field")  # an error that names its own field (protocol.py)
+    if where is not None:
+        return JSONResponse(r.error(str(first.get("msg")), param=where), status_code=400)
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+    return JSONResponse(r.error(message, param=".".join(loc) or None), status_code=400)
+
+
+async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    # a 405's Allow header is kept
+    return JSONResponse(r.error(str(e.detail), code=str(e.status_code)), status_code=e.status_code, headers=e.headers)
+
+
+async def internal(request: Request, e: Exception) -> JSONResponse:
+    rid, body = internal_error(f"{request.method} {request.url.path}", e, getattr(request.state, "request_id", None))
+    return JSONResponse(body, status_code=500, headers={"x-request-id": rid})
+
+
 def internal_error(where: str, e: BaseException, rid: str | None = None) -> tuple[str, dict[str, object]]:
     """Log the traceback under the request's id (a new one without); the client gets the id, never the
     exception's text."""
     rid = rid or new_request_id()
     log.error("internal error in %s (request id %s)", where, rid, exc_info=e)
-    return rid, p.error(f"internal error (request id {rid}); the server's log has the details", "server_error")
+    return rid, r.error(f"internal error (request id {rid}); the server's log has the details", "server_error")
+
+
+# -- routes ---------------------------------------------------------------------------------------------
+
+@router.get("/", response_class=HTMLResponse, **openapi.PAGE)
+async def index(request: Request) -> HTMLResponse:
+    return HTMLResponse(served(request).html)
+
+
+@router.get("/health", response_model=r.Health, **openapi.READ)
+async def health(request: Request) -> r.Health:
+    b = served(request).batcher
+    return r.Health(status="ok", model=served(request).model_id, running=b.num_running, waiting=b.num_waiting,
+                    max_batch=b.rows.max_batch, max_queue=b.rows.max_queue)
+
+
+@router.get("/metrics", response_class=Response, **openapi.METRICS)
+async def prometheus(request: Request) -> Response:
+    body, content_type = served(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+@router.get("/v1/models", response_model=r.ModelList, **openapi.READ)
+async def list_models(request: Request) -> r.ModelList:
+    return r.ModelList(object="list", data=[served(request).model_card()])
+
+
+@router.post("/v1/chat/completions", response_model=r.ChatCompletion, **openapi.generation(r.ChatCompletionChunk))
+async def create_chat_completion(body: p.ChatRequest, request: Request) -> r.ChatCompletion | EventSourceResponse:
+    s = served(request)
+    check(s, body)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    handle, _, found = await submit(s, lambda n: s.chat.chat_prompt(
+        body.turns(), k=body.k or s.k, module_ids=body.module_ids, max_new_tokens=n,
+        min_score=s.min_score if body.min_score is None else body.min_score), body, max_tokens)
+    request.state.handle = handle  # the access log reads its result
+    rid = r.new_id("chatcmpl")
+    if not body.stream:
+        return r.chat_response(rid, s.model_id, await _drain(s.metrics.pieces(handle), handle, request), found)
+
+    async def events() -> AsyncIterator[str]:
+        yield r.chat_chunk(rid, s.model_id, r.Delta(role="assistant", content=""), sources=found)
+        async for piece in s.metrics.pieces(handle):
+            yield r.chat_chunk(rid, s.model_id, r.Delta(content=piece))
+        assert handle.result is not None
+        yield r.chat_chunk(rid, s.model_id, r.Delta(), r.FINISH[handle.result.finish_reason])
+        if body.include_usage:
+            yield r.chat_chunk(rid, s.model_id, None, usage=r.usage(handle.result))
+
+    return _sse(events(), handle)
+
+
+@router.post("/v1/completions", response_model=r.Completion, **openapi.generation(r.CompletionChunk))
+async def create_completion(body: p.CompletionRequest, request: Request) -> r.Completion | EventSourceResponse:
+    s = served(request)
+    check(s, body)
+    try:
+        text = body.text()
+    except ValueError as e:
+        raise ApiError(400, str(e), param="prompt") from e
+    handle, _, _ = await submit(s, lambda _: s.chat.completion_prompt(text), body, body.max_tokens)
+    request.state.handle = handle
+    rid = r.new_id("cmpl")
+    if not body.stream:
+        return r.completion_response(rid, s.model_id, await _drain(s.metrics.pieces(handle), handle, request))
+
+    async def events() -> AsyncIterator[str]:
+        async for piece in s.metrics.pieces(handle):
+            yield r.completion_chunk(rid, s.model_id, piece)
+        assert handle.result is not None
+        yield r.completion_chunk(rid, s.model_id, "", r.FINISH[handle.result.finish_reason])
+        if body.include_usage:
+            yield r.completion_chunk(rid, s.model_id, None, usage=r.usage(handle.result))
+
+    return _sse(events(), handle)
+
+
+@router.post("/v1/embeddings", response_model=r.EmbeddingList, **openapi.ERRORS)
+async def create_embedding(body: p.EmbeddingRequest, request: Request) -> r.EmbeddingList:
+    s = served(request)
+    check(s, body, s.embeddings.name)
+    if body.dimensions is not None and body.dimensions != s.embeddings.embedder.dim:
+        raise ApiError(400, f"dimensions={body.dimensions}: the embedder {s.embeddings.name} returns "
+                            f"{s.embeddings.embedder.dim}-dimensional vectors and cannot shorten them; omit dimensions",
+                       param="dimensions", code="unsupported_parameter")
+    try:
+        texts = body.texts()
+        vectors, num_tokens = await run_in_threadpool(s.embeddings.embed, texts)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="input") from e
+    return r.embeddings_response(body.model, vectors, num_tokens, body.encoding_format)
+
+
+# -- what the routes share ------------------------------------------------------------------------------
+
+def check(s: Served, body: p.GenerationRequest | p.EmbeddingRequest, *extra: str) -> None:
+    """The model named must be served (404), and no field may be one we do not implement (400)."""
+    if body.model not in s.aliases | set(extra):
+        raise ApiError(404, f"unknown model {body.model!r}; this server serves {s.model_id!r}",
+                       param="model", code="model_not_found")
+    if refused := body.refused():
+        raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
+
+
+async def submit(s: Served, build: Callable[[int], ChatPrompt], body: p.GenerationRequest,
+                 max_tokens: int | None) -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
+    """Build the prompt for an answer of up to n tokens (`build(n)`) and queue it, in a thread: retrieval
+    and planning run models. A request that sets no `max_tokens` gets `DEFAULT_MAX_TOKENS`, or what the
+    context window leaves when that is less (OpenAI's default is the window's rest). The engine's refusals
+    become the API's errors, naming the API's own fields."""
+    def work() -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
+        limit = max_tokens or p.DEFAULT_MAX_TOKENS
+        for _ in range(FIT_TRIES):
+            try:
+                return queue(limit)
+            except ContextWindowExceeded as e:
+                if max_tokens is not None or not e.max_new_fits or e.max_new_fits >= limit:
+                    raise
+                limit = e.max_new_fits
+        return queue(limit)
+
+    def queue(limit: int) -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
+        built = build(limit)
+        if built.not_found:
+            return NotFound(), built, []
+        found = r.sources(built.sources, s.chat.corpus.text)
+        return s.batcher.submit(built.prompt, recovery=body.recovery, ignore_eos=body.ignore_eos,
+                                **body.sampling(limit)), built, found
+    try:
+        return await run_in_threadpool(work)
+    except QueueFull as e:
+        raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+    except ContextWindowExceeded as e:  # the engine's option is max_new_tokens; the API's, max_tokens
+        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        prompt_field = "messages" if isinstance(body, p.ChatRequest) else "prompt"
+        raise ApiError(400, str(e).replace("max_new_tokens", field), code="context_length_exceeded",
+                       param=field if e.max_new_fits else prompt_field) from e
+    except ValueError as e:
+        raise ApiError(400, str(e), param=_param_of(str(e), body)) from e
+
+
+def _param_of(message: str, body: p.GenerationRequest) -> str | None:
+    """The request field a refusal from below is about: the field it starts with (the engine's sampling
+    options and the grammar's schema errors name theirs first), else what the prompt was built from."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    if first in type(body).model_fields:
+        return first
+    if body.recovery is not None and (body.recovery in message or "recovery" in message):
+        return "recovery"
+    if isinstance(body, p.ChatRequest):
+        return "module_ids" if "module id" in message else "messages"
+    return "prompt"
 
 
 def page() -> str:
@@ -87,160 +328,6 @@ class NotFound:
 
     def cancel(self) -> None:
         pass
-
-
-def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4, api_key: str | None = None,
-               min_score: float | None = None) -> FastAPI:
-    app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
-    if api_key is not None:
-        app.add_middleware(RequireKey, key=api_key)
-    metrics = Metrics(batcher, chat.corpus.engine)
-    app.add_middleware(CountStatuses, metrics=metrics)  # outside the key check: 401s are counted too
-    app.add_middleware(AccessLog)  # outermost: it logs the 401s too
-    schema = chat.corpus.manifest.name
-    aliases = {model_id, schema, chat.corpus.engine.model_name}
-    window = chat.corpus.engine.context_window
-    embeddings = Embeddings(chat.corpus.embedder)
-    adapter = chat.corpus.engine.adapter_name  # the tuned adapter merged into the weights; None: the base model
-    html = page()  # read once: a missing file fails at start-up, not on the first visit
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(p.error(str(e), e.type, e.param, e.code), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
-            at = f" at byte {loc[0]}" if loc else ""
-            return JSONResponse(p.error(f"the body is not valid JSON{at}: {first.get('msg')}"), status_code=400)
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
-        return JSONResponse(p.error(message, param=".".join(loc) or None), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(p.error(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
-        rid, body = internal_error(f"{request.method} {request.url.path}", e, getattr(request.state, "request_id", None))
-        return JSONResponse(body, status_code=500, headers={"x-request-id": rid})
-
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def index() -> HTMLResponse:
-        return HTMLResponse(html)
-
-    @app.get("/health")
-    async def health() -> dict[str, object]:
-        return {"status": "ok", "model": model_id, "running": batcher.num_running, "waiting": batcher.num_waiting,
-                "max_batch": batcher.rows.max_batch, "max_queue": batcher.rows.max_queue}
-
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                            "owned_by": "rag-promptcache", "root": chat.corpus.engine.model_name,
-                                            "max_model_len": window, "schema": schema,
-                                            "embedder": embeddings.name, "adapter": adapter}]}
-
-    def check(body: p.GenerationRequest | p.EmbeddingRequest, *extra: str) -> None:
-        if body.model not in aliases | set(extra):
-            raise ApiError(404, f"unknown model {body.model!r}; this server serves {model_id!r}",
-                           param="model", code="model_not_found")
-        if refused := body.refused():
-            raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
-
-    async def submit(build: Callable[[], ChatPrompt], body: p.GenerationRequest,
-                     max_tokens: int | None) -> tuple[Handle | NotFound, ChatPrompt, list[dict[str, object]]]:
-        def work() -> tuple[Handle | NotFound, ChatPrompt, list[dict[str, object]]]:
-            built = build()
-            if built.not_found:
-                return NotFound(), built, []
-            found = p.sources(built.sources, chat.corpus.text)
-            return batcher.submit(built.prompt, recovery=body.recovery, ignore_eos=body.ignore_eos,
-                                  **body.sampling(max_tokens)), built, found
-        try:
-            return await run_in_threadpool(work)
-        except QueueFull as e:
-            raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-        except ContextWindowExceeded as e:  # the engine's option is max_new_tokens; the API's, max_tokens
-            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-            prompt_field = "messages" if isinstance(body, p.ChatRequest) else "prompt"
-            raise ApiError(400, str(e).replace("max_new_tokens", field), code="context_length_exceeded",
-                           param=field if e.max_new_fits else prompt_field) from e
-        except ValueError as e:
-            # a schema the grammar library cannot use is found at submit; its message starts with the field
-            raise ApiError(400, str(e), param="response_format" if str(e).startswith("response_format") else None) from e
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatRequest, request: Request):
-        check(body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        handle, built, found = await submit(lambda: chat.chat_prompt(
-            body.turns(), k=body.k or k, module_ids=body.module_ids, max_new_tokens=max_tokens or p.DEFAULT_MAX_TOKENS,
-            min_score=min_score if body.min_score is None else body.min_score), body, max_tokens)
-        request.state.handle = handle  # the access log reads its result
-        rid = p.new_id("chatcmpl")
-        if not body.stream:
-            result = await _drain(metrics.pieces(handle), handle, request)
-            return p.chat_response(rid, model_id, result, found)
-
-        async def events() -> AsyncIterator[str]:
-            yield json.dumps(p.chat_chunk(rid, model_id, {"role": "assistant", "content": ""},
-                                          sources=found))
-            async for piece in metrics.pieces(handle):
-                yield json.dumps(p.chat_chunk(rid, model_id, {"content": piece}))
-            assert handle.result is not None
-            yield json.dumps(p.chat_chunk(rid, model_id, {}, p.FINISH[handle.result.finish_reason]))
-            if body.include_usage:
-                yield json.dumps({**p.chat_chunk(rid, model_id, {}), "choices": [], "usage": p.usage(handle.result)})
-
-        return _sse(events(), handle)
-
-    @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request):
-        check(body)
-        try:
-            text = body.text()
-        except ValueError as e:
-            raise ApiError(400, str(e), param="prompt") from e
-        handle, _, _ = await submit(lambda: chat.completion_prompt(text), body, body.max_tokens)
-        request.state.handle = handle
-        rid = p.new_id("cmpl")
-        if not body.stream:
-            return p.completion_response(rid, model_id, await _drain(metrics.pieces(handle), handle, request))
-
-        async def events() -> AsyncIterator[str]:
-            async for piece in metrics.pieces(handle):
-                yield json.dumps(p.completion_chunk(rid, model_id, piece))
-            assert handle.result is not None
-            yield json.dumps(p.completion_chunk(rid, model_id, "", p.FINISH[handle.result.finish_reason]))
-            if body.include_usage:
-                yield json.dumps({**p.completion_chunk(rid, model_id, ""), "choices": [], "usage": p.usage(handle.result)})
-
-        return _sse(events(), handle)
-
-    @app.post("/v1/embeddings")
-    async def embed(body: p.EmbeddingRequest) -> dict[str, object]:
-        check(body, embeddings.name)
-        if body.dimensions is not None and body.dimensions != embeddings.embedder.dim:
-            raise ApiError(400, f"dimensions={body.dimensions}: the embedder {embeddings.name} returns "
-                                f"{embeddings.embedder.dim}-dimensional vectors and cannot shorten them; omit dimensions",
-                           param="dimensions", code="unsupported_parameter")
-        try:
-            texts = body.texts()
-            vectors, num_tokens = await run_in_threadpool(embeddings.embed, texts)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="input") from e
-        return p.embeddings_response(body.model, vectors, num_tokens, body.encoding_format)
-
-    return app
 
 
 def _sse(events: AsyncIterator[str], handle: Handle | NotFound) -> EventSourceResponse:
@@ -280,4 +367,3 @@ async def _consume(pieces: AsyncIterator[str], handle: Handle | NotFound) -> Res
         pass
     assert handle.result is not None
     return handle.result
-

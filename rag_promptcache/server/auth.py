@@ -14,7 +14,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rag_promptcache.server import protocol as p
+from rag_promptcache.server import responses as r
 
 OPEN_PATHS = frozenset({"/health", "/", "/favicon.ico"})
 
@@ -36,7 +36,7 @@ class RequireKey:
             return
         message = ("missing API key: send the header 'Authorization: Bearer <key>'" if given is None else
                    "incorrect API key provided")
-        body = json.dumps(p.error(message, "invalid_request_error", None, "invalid_api_key")).encode()
+        body = json.dumps(r.error(message, "invalid_request_error", None, "invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})

@@ -11,8 +11,9 @@ our own prefix `rag_promptcache:`:
 - tokens: `prompt_tokens_total`, `generation_tokens_total`, and of the prompt tokens
   `prompt_tokens_cached_total` (KV from the store or the prefix cache) and `prompt_tokens_computed_total`;
 - caches: `store_hits_total{tier}` / `store_misses_total{tier}` (modules' KV per tier: `all` is the
-  store as the engine sees it, a hit in any tier), `prefix_cache_queries_total`, `prefix_cache_hits_total`
-  (requests that reused at least one token), `prefix_cache_repeats_total` (exact repeats: no prefill).
+  store as the engine sees it, a hit in any tier), `store_bytes{tier}` (what each tier holds, up to its
+  budget), `prefix_cache_queries_total`, `prefix_cache_hits_total` (requests that reused at least one
+  token), `prefix_cache_repeats_total` (exact repeats: no prefill), `prefix_cache_bytes`.
 
 Counters the engine already keeps (store, prefix cache) and the batcher's gauges are read when scraped
 (`_Live`); what only the server sees (statuses, latencies, tokens per answer) is observed per request.
@@ -107,6 +108,7 @@ class _Live:
                                 value=self.batcher.num_running)
         yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests queued for a row of the batch.",
                                 value=self.batcher.num_waiting)
+        held = GaugeMetricFamily(f"{PREFIX}store_bytes", "Bytes of module KV the store holds, per tier.", labels=["tier"])
         hits = CounterMetricFamily(f"{PREFIX}store_hits", "Module KV found in the store, per tier.", labels=["tier"])
         misses = CounterMetricFamily(f"{PREFIX}store_misses", "Module KV not found in the store, per tier.",
                                      labels=["tier"])
@@ -114,9 +116,12 @@ class _Live:
         for tier, stats in [("all", store.stats()), *tier_stats(store)]:
             hits.add_metric([tier], stats.num_hits)
             misses.add_metric([tier], stats.num_misses)
+            held.add_metric([tier], stats.num_bytes)
         yield hits
         yield misses
+        yield held
         tree = self.engine.prefix_cache.stats()
+        yield GaugeMetricFamily(f"{PREFIX}prefix_cache_bytes", "Bytes of KV the prefix cache holds.", value=tree.num_bytes)
         yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Requests that looked up the prefix cache.",
                                   value=tree.num_queries)
         yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Requests that reused at least one token's KV.",

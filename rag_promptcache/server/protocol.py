@@ -1,8 +1,9 @@
-"""The OpenAI wire format, both ways: request bodies (pydantic, strict) and response / chunk / error
-bodies (plain dicts).
+"""The OpenAI wire format, client to server: request bodies (pydantic, strict), and what the server's
+OpenAPI schema says of them (each model's `json_schema`: the fields refused unless off, listed with the
+values accepted; no other field).
 
 A request field we do not implement is refused by name (`refused`) unless it cannot change the output:
-bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored, and fields we lack
+bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted (of their OpenAI types) and ignored, and fields we lack
 (`tools`, `logprobs`, penalties, ...) are accepted only at their "off" value or null, which is what
 clients send by default. Silently ignoring them would hand a client output in a shape it did not ask
 for, failing far from the cause. `response_format` is implemented: `json_object` and `json_schema`
@@ -13,36 +14,24 @@ use when the request is submitted.
 Our extra request fields: `k`, `module_ids`, `min_score` (chat: no chunk scoring it, the answer is
 "Not found in the documents." without generating, `usage.path` "none"), `recovery`, `ignore_eos`,
 `no_repeat_ngram` and `stop_repeats` (the repetition control every answer path shares, on by default:
-rag/repetition.py). Our extra response fields:
-`sources`, a list of {module_id, label, score, snippet} (in the response, and in the first stream
-chunk), and `usage.ttft_s` (the server's time to the first token).
-Not here: routing and generation (`app.py`).
+rag/repetition.py). Our extra response fields are `responses.py`'s.
+Not here: responses (`responses.py`), routing and generation (`app.py`).
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-import base64
-from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
-import numpy as np
-
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 from rag_promptcache.engine.decoding.grammar import ResponseFormat
-from rag_promptcache.engine.result import Result
-from rag_promptcache.rag.chat import Source
+from rag_promptcache.engine.decoding.sampling import SEED_MIN, SEED_MAX
 from rag_promptcache.rag.repetition import answer_options
+from rag_promptcache.server.embeddings import MAX_INPUTS
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours → OpenAI's
 DEFAULT_MAX_TOKENS = 256
-SNIPPET_CHARS = 240
 
-# Accepted and ignored: they label or route a request, they do not change what is generated.
-NEUTRAL = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
-                     "safety_identifier"})
 # Not implemented: accepted only at the value that means "off" (or null).
 OFF: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False, 0),
@@ -50,6 +39,38 @@ OFF: dict[str, tuple[object, ...]] = {
     "modalities": (["text"],), "echo": (False,), "best_of": (1,), "suffix": ("",), "audio": (), "prediction": (),
     "reasoning_effort": (), "web_search_options": (),
 }
+
+
+def _whole(value: object) -> object:
+    # JSON Schema's integers include 2.0; strict parsing alone would refuse it
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds: int) -> object:  # noqa: N802 - a type, as pydantic's conint
+    """An integer field, 2.0 included, within `bounds` (ge, le): the bounds inside the annotation, where
+    pydantic writes them into the schema as JSON Schema's minimum / maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
+# what `Recovery.parse` reads (engine/planning/recovery.py): a kind, its budget, a layer where it takes one
+RECOVERY = (r"^(none|(first_k|last|links):[0-9]{1,4}|attend:[0-9]{1,4}(@[0-9]{1,3})?"
+            r"|(selective|question):(0(\.[0-9]{1,4})?|1(\.0{1,4})?)(@[0-9]{1,3})?)$")
+
+
+def _off_values(schema: dict[str, object]) -> None:
+    """A generation request's schema: the OFF fields with their "off" values (or null), and no other field
+    than those declared."""
+    props = schema.setdefault("properties", {})
+    for name, values in OFF.items():
+        props.setdefault(name, {"anyOf": [*({"const": v} for v in values), {"type": "null"}]})
+    schema["additionalProperties"] = False
+
+
+def _no_extras(schema: dict[str, object]) -> None:
+    schema["additionalProperties"] = False
+
+
+def _is_off(value: object, off: tuple[object, ...]) -> bool:
+    # as JSON Schema's const compares: false is not 0, 0.0 is 0
+    return any(isinstance(value, bool) == isinstance(v, bool) and value == v for v in off)
 
 
 class _Body(BaseModel):
@@ -75,27 +96,112 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class GenerationRequest(_Body):
+class JsonSchemaSpec(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = ""
+    schema_: dict[str, object] = Field(alias="schema")
+    strict: bool | None = None  # honoured either way: the output always matches the schema
+    description: str | None = None
+
+
+class _Format(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def openai(self) -> dict[str, object]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextFormat(_Format):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Format):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Format):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+# OpenAI's `response_format` (engine/decoding/grammar.py `ResponseFormat.from_openai` reads it)
+ResponseFormatBody = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+def surrogate_at(value: object, path: tuple[str, ...] = ()) -> str | None:
+    """Where in a parsed JSON body a string holds an unpaired UTF-16 surrogate ("\\ud800" is valid JSON
+    but no Unicode text: no tokenizer takes it), as a dotted path; None where none does."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return ".".join(path) or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if (where := surrogate_at(key, path) or surrogate_at(item, (*path, str(key)))) is not None:
+                return where
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (where := surrogate_at(item, (*path, str(i)))) is not None:
+                return where
+    return None
+
+
+class _Request(_Body):
+    """What every request body takes. Accepted and ignored: fields that label or route a request and
+    do not change what is generated (OpenAI's types, checked)."""
+
+    # extras are kept so that `refused` can name them; see the module docstring
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_no_extras)
+
+    model: str
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: object) -> object:
+        if (where := surrogate_at(data)) is not None:
+            raise PydanticCustomError("unpaired_surrogate", "{field}: the text holds an unpaired UTF-16 surrogate, "
+                                      "which is not Unicode text; send text that encodes as UTF-8", {"field": where})
+        return data
+
+    def unknown(self) -> tuple[str, str] | None:
+        """(field, why) for the first field this body does not declare (and is not null)."""
+        for name, value in (self.model_extra or {}).items():
+            if value is not None and name not in OFF:
+                known = ", ".join(sorted(type(self).model_fields))
+                return name, f"unknown field {name!r}; this server accepts: {known}"
+        return None
+
+
+class GenerationRequest(_Request):
     """What a chat and a completion request share: the sampling fields, `refused` and `include_usage`
     (`app.py` checks and submits either through these)."""
 
-    # extras are kept so that `refused` can name them; see the module docstring
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_off_values)
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int(ge=1) | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: Int(ge=SEED_MIN, le=SEED_MAX) | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    recovery: str | None = None
+    # parsed as any number so that `refused` can say why only 1 is served
+    n: Annotated[Int() | None, WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}]})] = 1
+    recovery: str | None = Field(None, pattern=RECOVERY)
     ignore_eos: bool = False
-    response_format: dict[str, object] | None = None  # checked in `refused`, parsed by Sampling
+    response_format: ResponseFormatBody | None = None  # its schema is checked in `refused`
     # the repetition control `ask`, `chat` and the adapters apply (rag/repetition.py): None keeps its default
-    no_repeat_ngram: int | None = Field(None, ge=0)
+    no_repeat_ngram: Annotated[Int(ge=0) | None, WithJsonSchema(
+        {"anyOf": [{"const": 0}, {"type": "integer", "minimum": 2}, {"type": "null"}]})] = None
     stop_repeats: bool | None = None
 
     def sampling(self, max_tokens: int | None = None) -> dict[str, object]:
@@ -109,7 +215,7 @@ class GenerationRequest(_Body):
         if self.seed is not None:
             out["seed"] = self.seed
         if self.response_format is not None:
-            out["response_format"] = self.response_format
+            out["response_format"] = self.response_format.openai()
         if self.no_repeat_ngram is not None:
             out["no_repeat_ngram"] = self.no_repeat_ngram
         if self.stop_repeats is not None:
@@ -120,25 +226,18 @@ class GenerationRequest(_Body):
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for the first field this server cannot honour, or None."""
-        extra = self.model_extra or {}
         if self.n not in (None, 1):
             return "n", f"n={self.n}: this server returns one choice per request (n must be 1)"
         if self.response_format is not None:
             try:
-                ResponseFormat.from_openai(self.response_format)
+                ResponseFormat.from_openai(self.response_format.openai())
             except ValueError as e:
                 return "response_format", str(e)
-        for name, value in extra.items():
-            if value is None or name in NEUTRAL:
-                continue
-            if name in OFF:
-                if value not in OFF[name]:
-                    off = " or ".join(repr(v) for v in OFF[name]) or "null"
-                    return name, f"{name}={value!r} is not supported by this server (send {off} or omit it)"
-                continue
-            known = sorted({*type(self).model_fields, *NEUTRAL})
-            return name, f"unknown field {name!r}; this server accepts: {', '.join(known)}"
-        return None
+        for name, value in (self.model_extra or {}).items():
+            if name in OFF and value is not None and not _is_off(value, OFF[name]):
+                off = " or ".join(repr(v) for v in OFF[name]) or "null"
+                return name, f"{name}={value!r} is not supported by this server (send {off} or omit it)"
+        return self.unknown()
 
     @property
     def include_usage(self) -> bool:
@@ -147,8 +246,8 @@ class GenerationRequest(_Body):
 
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    k: int | None = Field(None, ge=1, le=64)
+    max_completion_tokens: Int(ge=1) | None = None
+    k: Int(ge=1, le=64) | None = None
     module_ids: list[str] | None = None
     min_score: float | None = Field(None, ge=-1, le=1)
 
@@ -156,8 +255,12 @@ class ChatRequest(GenerationRequest):
         return [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
 
 
+TEXT = {"type": "string", "pattern": r"\S"}  # something to answer, or to embed
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str]
+    prompt: Annotated[str | list[str], WithJsonSchema(
+        {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1}]})]
 
     def text(self) -> str:
         if isinstance(self.prompt, str):
@@ -167,14 +270,12 @@ class CompletionRequest(GenerationRequest):
         return self.prompt[0]
 
 
-class EmbeddingRequest(_Body):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    model: str
+class EmbeddingRequest(_Request):
     # token-id inputs parse, so that they are refused by name rather than as a type error
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(
+        {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": MAX_INPUTS}]})]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Int(ge=1) | None = None
 
     def texts(self) -> list[str]:
         """The inputs as a list of non-empty strings; ValueError for token ids or empty text."""
@@ -189,71 +290,4 @@ class EmbeddingRequest(_Body):
         return items  # type: ignore[return-value]
 
     def refused(self) -> tuple[str, str] | None:
-        for name, value in (self.model_extra or {}).items():
-            if value is not None and name not in NEUTRAL:
-                known = sorted({*type(self).model_fields, *NEUTRAL})
-                return name, f"unknown field {name!r}; this server accepts: {', '.join(known)}"
-        return None
-
-
-# -- responses -----------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(result: Result) -> dict[str, object]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.num_generated,
-            "total_tokens": result.prompt_tokens + result.num_generated,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}, "ttft_s": round(result.ttft_s, 4),
-            "path": result.path, "adapter": result.adapter}
-
-
-def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[dict[str, object]]:
-    """`text_of(module_id)` gives the chunk's text; its start becomes the source's snippet."""
-    out = []
-    for s in found:
-        text = " ".join(text_of(s.module_id).split())
-        snippet = text if len(text) <= SNIPPET_CHARS else text[:SNIPPET_CHARS].rsplit(" ", 1)[0] + " …"
-        out.append({"module_id": s.module_id, "label": s.label, "score": s.score, "snippet": snippet})
-    return out
-
-
-def embeddings_response(model: str, vectors: np.ndarray, num_tokens: int, encoding: str) -> dict[str, object]:
-    """OpenAI's shape; base64 is the raw little-endian float32 bytes, as OpenAI sends it."""
-    rows = np.ascontiguousarray(vectors, dtype="<f4")  # [n, dim]
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(row.tobytes()).decode("ascii") if encoding == "base64" else row.tolist()}
-            for i, row in enumerate(rows)]
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-
-
-def chat_response(rid: str, model: str, result: Result, found: list[dict[str, object]]) -> dict[str, object]:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                         "logprobs": None, "finish_reason": FINISH[result.finish_reason]}],
-            "usage": usage(result), "sources": found}
-
-
-def chat_chunk(rid: str, model: str, delta: dict[str, object], finish: str | None = None,
-               **extra: object) -> dict[str, object]:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
-
-
-def completion_response(rid: str, model: str, result: Result) -> dict[str, object]:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": result.text, "logprobs": None,
-                         "finish_reason": FINISH[result.finish_reason]}],
-            "usage": usage(result)}
-
-
-def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, **extra: object) -> dict[str, object]:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
-
-
-def error(message: str, type: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+        return self.unknown()

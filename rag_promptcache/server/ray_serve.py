@@ -238,7 +238,7 @@ class EndCutResponses:
         await self.app(scope, receive, watch)
         if state["done"] or (state["started"] and not state["stream"]):
             return  # finished, or a plain body cut mid-way: no way to say more in it
-        # protocol.error's shape, written here: importing protocol would load the engine into every proxy
+        # responses.error's shape, written here: importing it would load the engine into every proxy
         body = json.dumps({"error": {"message": CUT_MESSAGE, "type": "server_error", "param": None,
                                      "code": "replica_stopped"}})
         if not state["started"]:

@@ -313,6 +313,7 @@ class Batcher:
         positions = [self._running[rid].state.position for rid in order]
         contexts = [todo.asm.num_cached + todo.num_done for _, todo in heads]
         chunks = [todo.take(self.prefill_chunk) for _, todo in heads]
+        rows = self.batch.lengths[: len(order)]  # the KV each running row attends to, before this step
         try:
             with self.engine.model_lock:
                 t0 = time.perf_counter()
@@ -321,8 +322,7 @@ class Batcher:
                 else:
                     logits, lasts = mixed_step(self.engine.model, self.batch, ids, positions,
                                                [(todo.cache, chunk) for (_, todo), chunk in zip(heads, chunks)])
-                    if not order:
-                        _ran_together(heads, chunks, contexts, t0)
+                    _ran_together(heads, chunks, contexts, rows, t0)
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the thread serves the next ones
             for rid in [*order, *(rid for rid, _ in heads)]:
                 self._finish(rid, e)
@@ -382,15 +382,18 @@ class Batcher:
 
 
 def _ran_together(heads: Sequence[tuple[int, Prefilling]], chunks: Sequence[Chunk], contexts: Sequence[int],
-                  t0: float) -> None:
-    """Prefills that shared one forward with no running row (`admission` "one") report it to the engine's
-    pace (`Prefilling.on_ran`, as `Prefilling.run` does for one alone): the forward's seconds split by
-    their tokens. The pace meter sums a span of prefills before it takes a sample, so only the totals
-    count. A forward with running rows reports nothing: part of its time is their decode step."""
+                  rows: Sequence[int], t0: float) -> None:
+    """Prefills that shared one forward, with the decode rows `rows` (each by the KV it attended to) or
+    none, report it to the engine's pace (`Prefilling.on_ran`, as `Prefilling.run` does for one alone).
+    The pace meter sums a span of forwards before it takes a sample, so only the totals count: each
+    prefill reports its chunk with the forward's seconds split by tokens, the first also the rows and
+    their tokens' share (the cost model puts the rows beside its chunk: `Costs.carrying`)."""
     if chunks and chunks[0].ids.device.type == "cuda":
         torch.cuda.synchronize(chunks[0].ids.device)
     seconds = time.perf_counter() - t0
-    total = sum(chunk.ids.shape[1] for chunk in chunks)
-    for (_, todo), chunk, context in zip(heads, chunks, contexts):
+    sizes = [chunk.ids.shape[1] for chunk in chunks]
+    total = sum(sizes) + len(rows)
+    for j, ((_, todo), size, context) in enumerate(zip(heads, sizes, contexts)):
+        carried = rows if j == 0 else ()
         if todo.on_ran is not None:
-            todo.on_ran(chunk.ids.shape[1], context, seconds * chunk.ids.shape[1] / total)
+            todo.on_ran(size, context, seconds * (size + len(carried)) / total, carried)

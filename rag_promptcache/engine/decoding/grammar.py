@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rag_promptcache.engine.decoding.json_close import closing
+
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
     from transformers import PreTrainedTokenizerBase
@@ -45,6 +47,13 @@ _SCALARS = ["string", "number", "boolean", "null"]
 # that likes "\n" after "{" can then spend its whole token budget on indentation.
 WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 INSTALL_HINT = "structured output needs llguidance: pip install 'rag-promptcache[structured]'"
+# A key this long is not a name any more (a small model can spend its whole budget inside one). OpenAI's
+# json_object mode bounds none; the constrained `json_object` here allows 1 to this many characters.
+JSON_OBJECT_KEY_CHARS = 48
+# Closing before the budget runs out (`GrammarState.closing`): looked at in the last CLOSE_WITHIN tokens,
+# taken when the shortest closing needs all but CLOSE_MARGIN of those left.
+CLOSE_WITHIN = 24
+CLOSE_MARGIN = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,20 +119,29 @@ def object_schema(depth: int) -> dict:
     defs: dict[str, dict] = {"level0": {"type": _SCALARS}}
     for d in range(1, depth):
         inner = {"$ref": f"#/$defs/level{d - 1}"}
-        defs[f"level{d}"] = {"anyOf": [{"type": _SCALARS}, {"type": "array", "items": inner},
-                                       {"type": "object", "additionalProperties": inner}]}
-    return {"type": "object", "additionalProperties": {"$ref": f"#/$defs/level{depth - 1}"}, "$defs": defs}
+        defs[f"level{d}"] = {"anyOf": [{"type": _SCALARS}, {"type": "array", "items": inner}, _object(inner)]}
+    return {**_object({"$ref": f"#/$defs/level{depth - 1}"}), "$defs": defs}
+
+
+def _object(values: dict) -> dict:
+    """An object of `values` whose keys are 1 to JSON_OBJECT_KEY_CHARS characters (no line breaks)."""
+    return {"type": "object", "patternProperties": {f"^.{{1,{JSON_OBJECT_KEY_CHARS}}}$": values},
+            "additionalProperties": False}
 
 
 class Grammar:
     """A format compiled for one tokenizer and its stop tokens; `start()` is cheap (a copy)."""
 
-    __slots__ = ("format", "matcher", "vocab_size")
+    __slots__ = ("format", "matcher", "tokenizer")
 
-    def __init__(self, format: ResponseFormat, matcher: LLMatcher, vocab_size: int) -> None:
+    def __init__(self, format: ResponseFormat, matcher: LLMatcher, tokenizer: LLTokenizer) -> None:
         self.format = format
         self.matcher = matcher  # an llguidance LLMatcher at the start state, copied per request
-        self.vocab_size = vocab_size  # the tokenizer's; the model's logits may be wider (padding)
+        self.tokenizer = tokenizer  # llguidance's view of the tokenizer: token bytes, and text to tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size  # the tokenizer's; the model's logits may be wider (padding)
 
     @staticmethod
     def compile(tokenizer: PreTrainedTokenizerBase, format: ResponseFormat,
@@ -146,18 +164,20 @@ class Grammar:
         return cls.compile(tokenizer, ResponseFormat.json_schema(schema), stop_ids)
 
     def start(self) -> GrammarState:
-        return GrammarState(self.matcher.deep_copy(), self.vocab_size)
+        return GrammarState(self.matcher.deep_copy(), self.tokenizer)
 
 
 class GrammarState:
-    """One request's place in its grammar. Not thread-safe; one decode loop owns it."""
+    """One request's place in its grammar, and the JSON text so far. Not thread-safe; one decode loop owns it."""
 
-    __slots__ = ("matcher", "bitmask")
+    __slots__ = ("matcher", "bitmask", "tokenizer", "text")
 
-    def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: LLMatcher, tokenizer: LLTokenizer) -> None:
         self.matcher = matcher
+        self.tokenizer = tokenizer
         # bit t % 32 of word t // 32: token t allowed
-        self.bitmask = torch.empty(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self.bitmask = torch.empty(1, (tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        self.text = bytearray()  # the answer's bytes so far
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [V] or [1, V] → a copy with the tokens the grammar forbids set to -inf. A copy: the
@@ -171,6 +191,22 @@ class GrammarState:
         """Advance past `token_id` (which `mask` allowed). A token the grammar forbids raises."""
         if not self.matcher.consume_token(int(token_id)):
             raise ValueError(f"token {token_id} is not allowed here by the grammar: {first_error(self.matcher)}")
+        self.text += self.tokenizer.decode_bytes([int(token_id)])
+
+    def closing(self, tokens_left: int) -> int | None:
+        """The token to take now so that the JSON ends within `tokens_left` tokens (this one counted): the
+        first of the shortest way to end it (json_close.py), once that needs all of them but `CLOSE_MARGIN`
+        (what one freely chosen token may add to it); None while there is room, where the text is complete,
+        or where the grammar does not allow that token (a schema that wants more than well-formed JSON)."""
+        if tokens_left > CLOSE_WITHIN or self.matcher.is_stopped():
+            return None
+        suffix = closing(self.text.decode("utf-8", errors="replace"))
+        if not suffix:
+            return None
+        ids = self.tokenizer.tokenize_str(suffix)
+        if not ids or tokens_left > len(ids) + CLOSE_MARGIN or self.matcher.validate_tokens(ids[:1]) != 1:
+            return None
+        return ids[0]
 
     def is_terminated(self) -> bool:
         """The output is complete (a stop token was accepted, or nothing but one could follow)."""
@@ -222,4 +258,4 @@ def _compiled(ll_tokenizer: LLTokenizer, format: ResponseFormat) -> Grammar:
         raise ValueError(f"response_format: the {what} cannot be used for constrained decoding: {messages[0]}")
     matcher = llg.LLMatcher(ll_tokenizer, text, log_level=0)
     assert not matcher.is_error(), f"{matcher.get_error()=}"
-    return Grammar(format, matcher, ll_tokenizer.vocab_size)
+    return Grammar(format, matcher, ll_tokenizer)

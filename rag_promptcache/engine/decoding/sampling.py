@@ -17,6 +17,7 @@ from rag_promptcache.engine.decoding.grammar import ResponseFormat
 
 
 StopWhen = Callable[[str, bool], tuple[int | None, int]]
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class Sampling:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (torch's generator), got {self.seed}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
@@ -87,7 +90,10 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None,
     logits = penalize(logits, s, generated)
     if s.temperature == 0:
         return int(logits.argmax())
-    logits = logits / s.temperature
+    # shifted to a maximum of 0 before scaling, and the temperature no smaller than the dtype's smallest
+    # normal number: a temperature near 0 then sends the rest to -inf (greedy), where dividing first
+    # overflows to inf - inf = nan, and a temperature below fp32's range is a division by 0
+    logits = (logits - logits.max()) / max(s.temperature, torch.finfo(logits.dtype).tiny)
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -9,9 +9,10 @@ cache. So the engine's single-request loop (engine/decoding/decode.py) and the b
 differ only in how they run the forward.
 
 Every token is chosen in one place, `_choose`: the grammar of a constrained request (engine/decoding/grammar.py)
-masks the logits there, once, for every path. A draft is checked row by row through `_choose`, the
-grammar advancing with each kept token, so prompt lookup needs no grammar rollback. A grammar that is
-complete ends the answer as an EOS would.
+masks the logits there, once, for every path, and in an answer's last tokens takes the shortest way to
+end the JSON when the budget would otherwise cut it (`GrammarState.closing`). A draft is checked row by
+row through `_choose`, the grammar advancing with each kept token, so prompt lookup needs no grammar
+rollback. A grammar that is complete ends the answer as an EOS would.
 
 Out of scope: forwards and caches (engine/compute/runner.py, engine/decoding/decode.py, engine/batching/batch.py), sampling
 math (engine/decoding/sampling.py).
@@ -78,6 +79,7 @@ class DecodeState:
         self.grammar = grammar
         self.tokens: list[int] = []  # the answer so far
         self.finish: FinishReason | None = None
+        self.closed_by_budget = False  # the grammar's JSON was ended early so that the budget would not cut it
         self.ttft_s = 0.0
         self.stats = DecodeStats()
         self._generator: torch.Generator | None = None
@@ -135,6 +137,10 @@ class DecodeState:
         if self._generator is None and s.seed is not None and s.temperature > 0:
             self._generator = torch.Generator(device=logits.device).manual_seed(s.seed)
         if self.grammar is not None:
+            # the budget is about to run out: end the JSON now rather than be cut inside it
+            if (closing := self.grammar.closing(s.max_new_tokens - len(self.tokens))) is not None:
+                self.closed_by_budget = True
+                return closing
             logits = self.grammar.mask(logits)
             # JSON repeats its structure (`}, {"name": `); where every continuation the grammar allows
             # repeats an n-gram, the grammar wins over no_repeat_ngram
@@ -156,7 +162,8 @@ class DecodeState:
         if self.text is not None and self.text.stopped:
             self.finish = "stop"
         elif self.grammar is not None and self.grammar.is_terminated():
-            self.finish = "eos"  # the JSON is complete: nothing but an EOS could follow
+            # the JSON is complete: nothing but an EOS could follow; closed for the budget, the budget ended it
+            self.finish = "length" if self.closed_by_budget else "eos"
         elif len(self.tokens) >= self.sampling.max_new_tokens:
             self.finish = "length"
         return piece

@@ -125,6 +125,12 @@ class Costs:
     def full(self, num_tokens: int) -> float:
         return self.forward(num_tokens, 0)
 
+    def carrying(self, num_new: int, num_context: int, rows: Sequence[int]) -> float:
+        """A prefill forward that also carries one decode token for each of `rows` (the KV length each
+        row attends to, its new token aside): the rows share the forward's fixed cost and add their token
+        and their attention to it, as a row of `num_new` would."""
+        return self.forward(num_new, num_context) + sum(self.forward(1, n) - self.fixed_s for n in rows)
+
     def paced(self, factor: float) -> Costs:
         """These costs on a machine that runs `factor` times as slow: every part, since assembly is CPU work
         too. The cached-or-full choice, both sides on this machine, stays; loading over a link does not slow
@@ -237,11 +243,13 @@ class Fallback:
         costs = self.calibrated
         return None if costs is None else costs.paced(self.pace.factor)
 
-    def ran(self, num_new: int, num_context: int, seconds: float) -> None:
+    def ran(self, num_new: int, num_context: int, seconds: float, rows: Sequence[int] = ()) -> None:
         """A prefill forward of `num_new` tokens against `num_context` cached ones took `seconds`: a pace
-        sample, where costs were calibrated already (a prefill never triggers a calibration)."""
+        sample, where costs were calibrated already (a prefill never triggers a calibration). `rows`: the
+        decode rows the same forward carried (the batcher's mixed step), each by the KV length it
+        attended to; their share of the seconds is modelled with them (`Costs.carrying`)."""
         if self._costs is not None:
-            self.pace.ran(self._costs.forward(num_new, num_context), seconds)
+            self.pace.ran(self._costs.carrying(num_new, num_context, rows), seconds)
             self._check_drift()
 
     def encoded(self, lengths: Sequence[int], seconds: float) -> None:

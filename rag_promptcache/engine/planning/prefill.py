@@ -21,7 +21,7 @@ runs (engine/batching/batcher.py), several requests' chunks in one forward (engi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,10 @@ class Prefilled:
     prefix: PrefixUse | None = None
 
 
+# (num_new, num_context, seconds, rows): a forward that ran a prefill's tokens (`Prefilling.__init__`)
+OnRan = Callable[[int, int, float, Sequence[int]], None]
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """The next new tokens of a `Prefilling`, as a forward over its cache takes them."""
@@ -59,11 +63,12 @@ class Prefilling:
 
     def __init__(self, asm: Assembled, next_position: int, prefix: PrefixUse | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None,
-                 on_ran: Callable[[int, int, float], None] | None = None) -> None:
+                 on_ran: OnRan | None = None) -> None:
         """`on_logits`: called with the answer's first logits [V] when the last chunk has run (the
-        prefix cache keeps them for a repeat). `on_ran(num_new, num_context, seconds)`: called after each
-        forward `run` makes, with its tokens, the tokens they attended to before them and its seconds
-        (the engine's cost model follows the machine's pace with it)."""
+        prefix cache keeps them for a repeat). `on_ran(num_new, num_context, seconds, rows)`: called after
+        each forward `run` makes, with its tokens, the tokens they attended to before them and its seconds
+        (the engine's cost model follows the machine's pace with it); the batcher calls it too for a
+        forward it ran this prefill's chunk in, with the decode rows that forward carried."""
         self.asm = asm
         self.next_position = next_position
         self.prefix = prefix  # what the prefix cache gave (already copied into the cache), or None
@@ -126,7 +131,7 @@ class Prefilling:
         if self.on_ran is not None:
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)
-            self.on_ran(chunk.ids.shape[1], num_context, time.perf_counter() - t0)
+            self.on_ran(chunk.ids.shape[1], num_context, time.perf_counter() - t0, ())
         return self.prefilled(logits) if chunk.last else None
 
 
