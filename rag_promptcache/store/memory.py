@@ -14,6 +14,7 @@ Out of scope: persistence (disk.py) and sharing between processes (redis.py).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -22,6 +23,9 @@ import torch
 from .base import ModuleKV, StoreStats
 from .codecs import EncodedKV, check_codec, decode, encode
 from .eviction import BudgetIndex, Policy
+from .serialize import WarnOnce
+
+log = logging.getLogger(__name__)
 
 
 class MemoryStore:
@@ -42,6 +46,7 @@ class MemoryStore:
         self._num_hits = 0
         self._num_misses = 0
         self.on_evict = on_evict
+        self._warn = WarnOnce(log)
 
     @property
     def max_bytes(self) -> int | None:
@@ -63,6 +68,10 @@ class MemoryStore:
             self._entries[key] = enc
             victims = self._index.add(key, enc.num_bytes, enc.num_tokens)
             evicted = [(v.key, self._entries.pop(v.key)) for v in victims]
+        if victims and victims[0].key == key and not self._index.fits(enc.num_bytes):
+            self._warn("too-big", "memory store: an entry of %d bytes is larger than the whole budget of %d bytes; "
+                       "entries this size are not cached (recomputed or read from a lower tier on every use): raise "
+                       "the budget", enc.num_bytes, self._index.max_bytes)
         self._evicted(evicted)
 
     def contains(self, key: str) -> bool:
@@ -94,7 +103,7 @@ class MemoryStore:
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._index = BudgetIndex(self._index.max_bytes, self._index.policy)
+            self._index = BudgetIndex(self._index.max_bytes, self._index.policy)  # aging starts over too
 
     def _evicted(self, evicted: list[tuple[str, EncodedKV]]) -> None:
         if self.on_evict is not None:
