@@ -208,7 +208,7 @@ def _register_optional(target: typer.Typer) -> None:
 def registered() -> typer.Typer:
     """The app with every command registered: what `main` runs, and what the docs' CLI reference is
     generated from (docs/hooks.py)."""
-    from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds, tune_cmd  # noqa: F401 - registers the commands
+    from rag_promptcache.cli import commands, demo, eval_cmd, ingest_cmd, kernels_cmd, store_cmds, tune_cmd  # noqa: F401 - registers the commands
 
     _register_optional(app)
     return app

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike
 from rag_promptcache.rag.encoding import Batch, encode_modules, store_keys
@@ -77,10 +78,13 @@ class Ingestor:
         t0 = time.perf_counter()
         table = self.parts.table
         todo = [d for d in docs if not self.unchanged(d)]
-        ingest.check_budget(todo, token_budget)
-        tokens = sum(ingest.estimate_tokens(todo).values())
-        if self.on_estimate is not None and tokens >= ingest.LARGE_INGEST_TOKENS:
-            self.on_estimate(self.estimate(tokens))
+        lazy = self.parts.manifest.kv == "lazy"
+        guess = sum(ingest.estimate_tokens(todo).values())
+        if todo and (not lazy or (self.on_estimate is not None and guess >= ingest.LARGE_INGEST_TOKENS)):
+            tokens = ingest.count_tokens(todo, self.chunker())
+            ingest.check_budget(todo, None if lazy else token_budget, tokens)
+            if self.on_estimate is not None and tokens >= ingest.LARGE_INGEST_TOKENS:
+                self.on_estimate(self.estimate(tokens))
         # One document per name: the same one read from another place (a copied folder) replaces it.
         replaced = [(d.identity, r.source) for d in docs for r in table.named(d.identity) if r.source != d.source]
         gone = ingest.stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
@@ -113,14 +117,20 @@ class Ingestor:
         )
 
     def estimate(self, tokens: int) -> StoreEstimate:
-        """The store's expected growth from about `tokens` new tokens, per codec, for this corpus's model."""
+        """The store's expected growth from about `tokens` new tokens, per codec, for this corpus's model, as
+        this ingest encodes (its manifest's `kv`), with the budget a lazy corpus's store grows to."""
         from rag_promptcache.store.codecs import CODECS, bytes_per_token
 
-        engine = self.parts.engine()
+        engine, m = self.parts.engine(), self.parts.manifest
         g = engine.geometry
         sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
-                                                   self.parts.manifest.chunk_tokens)) for c in CODECS}
-        return StoreEstimate(tokens, self.parts.manifest.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])))
+                                                   m.chunk_tokens)) for c in CODECS}
+        return StoreEstimate(tokens, m.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])), m.kv,
+                             StoreBudget.of(m).describe())
+
+    def chunker(self) -> Chunker:
+        m = self.parts.manifest
+        return Chunker(self.parts.engine().tokenizer, ChunkParams(m.chunk_tokens, m.overlap, m.max_tokens))
 
     def unchanged(self, doc: Document) -> bool:
         row = self.parts.table.document(doc.source)
@@ -132,8 +142,7 @@ class Ingestor:
         if not todo:
             yield [], []
             return
-        m, table = self.parts.manifest, self.parts.table
-        chunker = Chunker(self.parts.engine().tokenizer, ChunkParams(m.chunk_tokens, m.overlap, m.max_tokens))
+        table, chunker = self.parts.table, self.chunker()
         batch: Batch = []
         finished: list[str] = []
         for doc in todo:

@@ -77,14 +77,14 @@ class StoreEstimate:
     """What an ingest is expected to add to the store, told before anything is encoded: about
     `num_tokens` new tokens (counted by the real chunker on a sample of the documents, `ingest.count_tokens`)
     and their bytes at rest in each codec (`store.codecs.bytes_per_token`); `codec` is the corpus's own.
-    `kv` is how this ingest encodes: "eager" stores all of it now; "lazy" stores nothing now and at most
-    `budget` bytes later (the corpus's disk, else Redis, budget; None: unbounded, up to the eager size)."""
+    `kv` is how this ingest encodes: "eager" stores all of it now; "lazy" stores nothing now, and later
+    what questions retrieve, within `budget` (the corpus's store budget per tier, described)."""
 
     num_tokens: int
     codec: str
     bytes_per_codec: tuple[tuple[str, int], ...]  # (codec, expected bytes), smallest last
     kv: str = "eager"
-    budget: int | None = None
+    budget: str = ""
 
     def bytes(self, codec: str | None = None) -> int:
         return dict(self.bytes_per_codec)[codec or self.codec]

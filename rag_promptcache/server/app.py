@@ -94,7 +94,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
     app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
     if api_key is not None:
         app.add_middleware(RequireKey, key=api_key)
-    metrics = Metrics(batcher, chat.corpus.engine)
+    metrics = Metrics(batcher, chat.corpus.engine, chat.corpus.coverage)
     app.add_middleware(CountStatuses, metrics=metrics)  # outside the key check: 401s are counted too
     app.add_middleware(AccessLog)  # outermost: it logs the 401s too
     schema = chat.corpus.manifest.name

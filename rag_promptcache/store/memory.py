@@ -90,6 +90,12 @@ class MemoryStore:
         self._evicted(evicted)
         return [key for key, _ in evicted]
 
+    def resize(self, max_bytes: int | None) -> list[str]:
+        """A new budget (None: unbounded), held now: returns the keys evicted to fit it."""
+        with self._lock:
+            self._index.max_bytes = max_bytes
+        return self.evict_to(max_bytes) if max_bytes is not None else []
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._entries)

@@ -264,6 +264,21 @@ class RedisStore:
             return
         self._ok()
 
+    def resize(self, max_bytes: int | None) -> None:
+        """A new budget for this prefix's entries (None: Redis' own maxmemory), held now."""
+        if max_bytes is None:
+            self.budget = None
+            return
+        if self.budget is None:
+            self.budget = RedisBudget(self._client, self.prefix, max_bytes, "lru")
+        self.budget.max_bytes = max_bytes
+        try:
+            self._make_room("", 0)
+        except self._errors as e:
+            self._failed(e)
+        except self._refused as e:
+            self._refusal(e, write=True)
+
     def _make_room(self, key: str, num_bytes: int) -> None:
         if self.budget is None:
             return
