@@ -276,3 +276,22 @@ def test_two_processes_filling_one_lazy_corpus_leave_no_corrupt_entry(parts, tmp
     c = Corpus.open(tmp_path / "c", embedder=parts[2])
     assert c.coverage().num_encoded == report.num_checked - 1  # every entry a module's, and the root
     c.close()
+
+
+def test_the_ingest_estimate_is_the_real_chunkers_count_on_a_sample(tokenizer, tmp_path: Path, monkeypatch) -> None:
+    """The 4-bytes-a-token guess ran 20% high on HTML manuals; the estimate now chunks a sample for real."""
+    from rag_promptcache.rag import ingest
+    from rag_promptcache.rag.chunker import Chunker, ChunkParams
+    from rag_promptcache.rag.loaders import load
+    from rag_promptcache.rag.sample import topic_texts
+
+    for name, text in topic_texts().items():
+        (tmp_path / f"{name}.txt").write_text(text)
+    docs = list(load([tmp_path]))
+    chunker = Chunker(tokenizer, ChunkParams(256, 32))
+    real = sum(c.num_tokens for d in docs for c in chunker.chunks(d.blocks(), d.label))
+    guess = sum(ingest.estimate_tokens(docs).values())
+    monkeypatch.setattr(ingest, "SAMPLE_BYTES", 40_000)  # a tenth of the topics: a sample, not all of them
+    counted = ingest.count_tokens(docs, chunker)
+    assert abs(counted - real) / real < 0.05, (counted, real, guess)
+    assert abs(counted - real) < abs(guess - real)

@@ -62,6 +62,7 @@ class BenchConfig:
     recovery: str | None = None  # the engine's recovery in the TTFT and LangChain scenarios; None: its default
     ingest_topics: int = 29  # sample topics the ingest scenario ingests (29: all, ~15k tokens)
     ingest_workers: tuple[int, ...] = (1, 2)  # Ray worker counts compared with a local ingest
+    ingest_prefill_tokens: int = 2048  # the full prefill an eager ingest's throughput is compared with
     # fidelity (answer accuracy against full prefill, bench/fidelity.py)
     fidelity_per_kind: int = 6  # documents per kind (six kinds and the reports): 42 in all
     fidelity_questions: int = 42

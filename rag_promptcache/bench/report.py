@@ -98,10 +98,9 @@ def markdown(report: dict[str, object]) -> str:
         out += ["## Throughput", "", table(["what", "rate", ""], rows), ""]
     ing = report.get("ingest")
     if isinstance(ing, dict) and ing.get("runs"):
-        out += [f"## Ingest: local vs Ray ({ing['modules']} modules, {ing['tokens']} tokens; {ing['note']})", "", table(
-            ["run", "seconds", "workers' start s", "tokens/s", "modules/s", "tokens/s after start", "vs local", "KV written by"],
-            [[r["run"], r["seconds"], r["worker_start_s"], r["tokens_per_s"], r["modules_per_s"], r["tokens_per_s_after_start"],
-              r["vs_local"], r["kv_written_by"]] for r in ing["runs"]]), ""]
+        from rag_promptcache.bench import ingest
+
+        out += ingest.markdown(ing)
     fid = report.get("fidelity")
     if isinstance(fid, dict):
         out += _fidelity_markdown(fid)
