@@ -27,6 +27,7 @@ SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "
 # (novel questions against tiers smaller than the corpus) build their own corpus and take minutes: only when asked
 # for (--scenarios fidelity,ingest,serve,sustained).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
+SUSTAINED_SIZES = ("small", "large", "both")  # the sustained scenario's settings (BenchConfig.sustained_size)
 
 
 def run(
@@ -130,9 +131,19 @@ def run_loaded(
 
             out["chat"] = chat.run(bench)
         elif name == "sustained":
-            from rag_promptcache.bench import sustained
+            from rag_promptcache.bench import SUSTAINED_SIZES
 
-            out["sustained"] = sustained.run(bench)
+            size = bench.config.sustained_size
+            if size not in SUSTAINED_SIZES:
+                raise ValueError(f"unknown sustained size {size!r}; valid: {', '.join(SUSTAINED_SIZES)}")
+            if size in ("small", "both"):
+                from rag_promptcache.bench import sustained
+
+                out["sustained"] = sustained.run(bench)
+            if size in ("large", "both"):
+                from rag_promptcache.bench import sustained_large
+
+                out["sustained_large"] = sustained_large.run(bench)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0

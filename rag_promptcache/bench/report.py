@@ -122,6 +122,10 @@ def markdown(report: dict[str, object]) -> str:
         from rag_promptcache.bench import sustained
 
         out += sustained.markdown(report["sustained"])
+    if isinstance(report.get("sustained_large"), dict):
+        from rag_promptcache.bench import sustained_report
+
+        out += sustained_report.markdown(report["sustained_large"])
     return "\n".join(out)
 
 
@@ -321,6 +325,10 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         from rag_promptcache.bench import sustained
 
         written += sustained.plots(report["sustained"], folder)
+    if isinstance(report.get("sustained_large"), dict):
+        from rag_promptcache.bench import sustained_report
+
+        written += sustained_report.plots(report["sustained_large"], folder)
     fid = report.get("fidelity")
     if isinstance(fid, dict) and fid.get("rows") and len(fid.get("splits", ())) > 1:
         written.append(fidelity_front(fid, folder / "fidelity_front.png"))
