@@ -121,7 +121,7 @@ class BenchConfig:
     large_questions: int = 1000
     large_warmup: int = 100
     large_every: int = 100
-    large_full_every: int = 4  # full prefill and the eager unlimited store on every n-th question
+    large_full_every: int = 5  # full prefill and the eager unlimited store on every n-th question
     large_zipf: float = 1.0
     large_memory_share: float = 0.01  # of the corpus's fp16 KV
     large_shared_share: float = 0.04  # the disk tier's or Redis' (memory + this = 1/20)

@@ -16,7 +16,8 @@ small one).
   same engine over a memory store holding the question's modules in fp16 (encoded untimed just before).
 - Per `large_every` questions: the share of module tokens served from the store, TTFT p50/p95 of the
   corpus's questions and of full prefill, the speed-ups, bytes per tier against the budget; a plot.
-- The run's module accesses replayed under each eviction policy (bench/eviction_replay.py).
+- The run's module accesses replayed under each eviction policy (bench/eviction_replay.py), at the run's
+  budget and at `REPLAY_SCALES` times it: the served share a larger or smaller store would give.
 
 Checks (`checks`, each passed True/False): `corpus_tokens` (at least `large_min_tokens`), `lazy_ingest`
 (at least 10x faster than eager, store empty after it), and per run `served_steady` (the last window's
@@ -46,6 +47,7 @@ from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.sample import SampleDocument
 
 TIER_SETS = ("memory+disk", "memory+redis")
+REPLAY_SCALES = (1.0, 0.5, 2.0, 4.0)  # the run's budget times these, in the eviction replay
 LAZY_TARGET = 10.0
 STEADY = 0.9
 LEADS = ("What does it say about", "Where is this described:", "Which document mentions", "Tell me about",
@@ -226,7 +228,8 @@ def _run_tiers(bench: Bench, path: Path, tiers: str, budget: StoreBudget,
                           f"served {sum(r['served_tokens'] for r in recent) / max(1, sum(r['module_tokens'] for r in recent)):.3f}"
                           f", encoded {corpus.coverage().num_encoded} modules")
         limits = {"memory": budget.memory, "disk" if not url else "redis": budget.disk}
-        replayed = eviction_replay.compare(trace, [budget.memory, budget.disk], cfg.large_every, cfg.large_warmup)
+        replayed = {scale: eviction_replay.compare(trace, [int(budget.memory * scale), int(budget.disk * scale)],
+                                                   cfg.large_every, cfg.large_warmup) for scale in REPLAY_SCALES}
         return summarize(tiers, rows, limits, cfg.large_warmup, cfg.large_every, replayed, corpus.coverage())
 
 
@@ -242,8 +245,10 @@ def _sample(store) -> dict[str, dict[str, int]]:
 
 def _eager_ttft(corpus: Corpus, engine, ans) -> float:
     """The TTFT of the same prompt on a fully eager fp16 corpus with an unlimited store: every module a
-    memory hit in fp16 (its modules encoded into a fresh store first, untimed)."""
+    memory hit in fp16. Its modules go into a fresh store first, untimed: copied from the corpus's store,
+    which the question just filled (encoded where a tier already dropped one)."""
     from rag_promptcache.engine import PromptCache
+    from rag_promptcache.engine.prompt.compiler import ROOT
     from rag_promptcache.rag.encoding import corpus_schema
     from rag_promptcache.store import MemoryStore
 
@@ -255,7 +260,13 @@ def _eager_ttft(corpus: Corpus, engine, ans) -> float:
     ref.store.close()  # only this question's modules: the store of a corpus that holds every one
     modules = [(m, corpus.table.module(m)[0]) for m in ans.module_ids]
     ref.add_schema(corpus_schema(corpus.manifest, modules), replace=True)
-    ref.encode(corpus.manifest.name)
+    name = corpus.manifest.name
+    keys = ref.store_keys(name, [ROOT, *(m for m, _ in modules)])
+    for key in keys.values():
+        kv = engine.store.get(key)
+        if kv is not None:
+            ref.store.put(key, kv)
+    ref.encode(name)  # what no tier held any more
     return ref.generate(ans.prompt, max_new_tokens=1).ttft_s
 
 

@@ -110,8 +110,9 @@ def markdown(report: dict[str, object]) -> list[str]:
              "eager unlimited fp16", "vs eager", "peak / budget MiB"], rows), ""]
         out.append("checks: " + "; ".join(f"{n} {'pass' if c['passed'] else 'FAIL'} ({c['detail']})"
                                           for n, c in r["checks"].items()))
-        out += ["", "eviction replayed on this run's accesses (served share after the warm-up): " + ", ".join(
-            f"{p} {v['served_share']:.3f}" for p, v in r["replay"].items()), ""]
+        out += ["", "eviction replayed on this run's accesses (served share after the warm-up): " + "; ".join(
+            f"budget x{scale:g}: " + ", ".join(f"{p} {v['served_share']:.3f}" for p, v in policies.items())
+            for scale, policies in r["replay"].items()), ""]
     out.append("checks: " + "; ".join(f"{n} {'pass' if c['passed'] else 'FAIL'} ({c['detail']})"
                                       for n, c in report["checks"].items()))
     return out + ["", f"all checks passed: {'yes' if report['passed'] else 'NO'}", ""]
@@ -134,7 +135,7 @@ def plots(report: dict[str, object], folder: Path) -> list[Path]:
     for (share, ttft, held), r in zip(axes, runs):
         xs = [w["questions"][1] + 1 for w in r["windows"]]
         share.plot(xs, [w["served_share"] for w in r["windows"]], marker="o", label="this run")
-        for policy, rep in r["replay"].items():
+        for policy, rep in r["replay"][1.0].items():
             share.plot(xs[:len(rep["windows"])], rep["windows"], linestyle="--", label=f"replayed: {policy}")
         share.set(ylim=(0, 1.02), xlabel="question", ylabel="module tokens served from the store",
                   title=f"{r['tiers']}: served share per {report['every']}")
