@@ -8,6 +8,8 @@ eager one, and local against Ray (per worker count, `BenchConfig.ingest_workers`
   target is `EAGER_TARGET` (an ingest is a prefill of every module, with the rest overlapped or small).
 - `lazy_speedup`: the eager ingest's seconds over a lazy one's (`--kv lazy`: chunking, embedding,
   commits; no KV), the same documents.
+- The eager ingest once more with the embedding the other way (`rag.ingestor.OVERLAP`: beside the
+  encoding in a thread of its own, or before it): which is the default.
 - Ray rows: as before, one run per worker count, `seconds` with the workers' start, `tokens_per_s_after_start`
   without it; each worker is one CPU (one thread), the local run uses torch's threads in this process.
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from rag_promptcache.bench.common import QUESTION, Bench, module_texts, schema_pml
+from rag_promptcache.rag import ingestor
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.sample import TOPICS, sample_documents
 
@@ -39,6 +42,7 @@ def run(bench: Bench) -> dict[str, object]:
     runs = [_ingest(bench, docs, "eager")]
     prefill.append(full_prefill(bench))
     runs.append(_ingest(bench, docs, "lazy"))
+    runs.append(_ingest(bench, docs, "eager", overlap=not ingestor.OVERLAP))
     runs += _ray_runs(bench, docs)
     prefill_tps = statistics.mean(p["tokens_per_s"] for p in prefill)
     eager, lazy = runs[0], runs[1]
@@ -79,16 +83,22 @@ def full_prefill(bench: Bench) -> dict[str, object]:
     return {"tokens": tokens, "ttft_s": ttft, "tokens_per_s": tokens / ttft if ttft > 0 else 0.0}
 
 
-def _ingest(bench: Bench, docs: list, kv: str, ray=None, name: str | None = None) -> dict[str, object]:
+def _ingest(bench: Bench, docs: list, kv: str, ray=None, name: str | None = None,
+            overlap: bool = ingestor.OVERLAP) -> dict[str, object]:
     cfg = bench.config
-    name = name or f"local, {kv}"
+    name = name or f"local, {kv}" + ("" if overlap == ingestor.OVERLAP else
+                                      ", embedding beside encoding" if overlap else ", embedding then encoding")
     bench.log(f"ingest: {name} …")
-    with tempfile.TemporaryDirectory() as tmp:
-        # The corpus loads its own model (before its clock starts), as `rag-promptcache ingest` does.
-        corpus = Corpus.build(docs, Path(tmp) / "c", model=bench.model_name, chunk_tokens=cfg.module_tokens,
-                              adapter=cfg.adapter, dtype=cfg.dtype, progress=False, ray=ray, kv=kv, redis_url="")
-        r = corpus.last_report
-        corpus.close()
+    default, ingestor.OVERLAP = ingestor.OVERLAP, overlap  # the other way, for this row only
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            # The corpus loads its own model (before its clock starts), as `rag-promptcache ingest` does.
+            corpus = Corpus.build(docs, Path(tmp) / "c", model=bench.model_name, chunk_tokens=cfg.module_tokens,
+                                  adapter=cfg.adapter, dtype=cfg.dtype, progress=False, ray=ray, kv=kv, redis_url="")
+            r = corpus.last_report
+            corpus.close()
+    finally:
+        ingestor.OVERLAP = default
     assert r is not None and not r.failed, f"{r=}"
     after = r.seconds - r.worker_start_seconds
     bench.log(f"ingest: {name}: {r.summary()}")

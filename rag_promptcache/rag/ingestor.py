@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,8 +22,8 @@ import numpy as np
 
 from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
-from rag_promptcache.rag.embed import EmbedderLike
-from rag_promptcache.rag.encoding import Batch, encode_modules, store_keys
+from rag_promptcache.rag.embed import EmbedderLike, one_thread
+from rag_promptcache.rag.encoding import Batch, encode_kv, encode_modules, store_keys
 from rag_promptcache.rag.index import faiss_id
 from rag_promptcache.rag import ingest
 from rag_promptcache.rag.loaders import Document, LoadReport
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.distributed import RayOptions, RayTarget
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
+# Embedding beside encoding (`Ingestor.flush`): measured in `bench --scenarios ingest` (docs/benchmarks.md).
+OVERLAP = True
 OnEstimate = Callable[[StoreEstimate], None]
 
 
@@ -63,8 +66,10 @@ class Ingestor:
     """One ingest run over a corpus's parts; `batch_chunks` chunks are embedded and encoded at a time."""
 
     def __init__(self, parts: CorpusParts, *, batch_chunks: int, on_batch: OnBatch | None = None,
-                 progress: bool | None = None, on_estimate: OnEstimate | None = None) -> None:
+                 progress: bool | None = None, on_estimate: OnEstimate | None = None, overlap: bool | None = None) -> None:
         self.parts = parts
+        self.overlap = OVERLAP if overlap is None else overlap
+        self._embedding: ThreadPoolExecutor | None = None
         self.batch_chunks = batch_chunks
         self.on_batch = on_batch
         self.on_estimate = on_estimate
@@ -108,6 +113,9 @@ class Ingestor:
                          "worker_start_seconds": run.start_seconds}
         finally:
             self._bar.close()
+            if self._embedding is not None:
+                self._embedding.shutdown()
+                self._embedding = None
         s = self.stats
         return IngestReport(
             num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
@@ -163,14 +171,27 @@ class Ingestor:
         return {c.module_id: c for _, _, c in batch if not self.parts.table.has_module(c.module_id)}
 
     def flush(self, batch: Batch, finished: list[str]) -> None:
-        """Embed and encode one batch here, then commit it."""
+        """Embed and encode one batch here, then commit it. With `overlap`, the embedder runs in a thread of
+        its own (one torch thread) while the model encodes the same batch: each leaves the other's idle
+        moments (tokenizing, Python, writes) to fill."""
         if not batch and not finished:
             return
         new = self.new_modules(batch)
         modules = [(m, c.module_text) for m, c in new.items()]
-        out = encode_modules(self.parts.engine(), self.parts.embedder(), self.parts.manifest, modules)
-        self.stats.encode_seconds += out.encode_seconds
-        self.commit(batch, finished, new, out.vectors)
+        engine, embedder, manifest = self.parts.engine(), self.parts.embedder(), self.parts.manifest
+        if not self.overlap or not modules:
+            out = encode_modules(engine, embedder, manifest, modules)
+            self.stats.encode_seconds += out.encode_seconds
+            self.commit(batch, finished, new, out.vectors)
+            return
+        if self._embedding is None:
+            self._embedding = ThreadPoolExecutor(1, thread_name_prefix="embed", initializer=one_thread)
+        vectors = self._embedding.submit(embedder.embed, [text for _, text in modules])
+        try:
+            self.stats.encode_seconds += encode_kv(engine, manifest, modules)
+        finally:
+            done = vectors.result()  # waited for even when encoding failed: no thread outlives the batch's error
+        self.commit(batch, finished, new, done)
 
     def commit(self, batch: Batch, finished: list[str], new: dict[str, Chunk], vectors: np.ndarray) -> None:
         """Commit one batch whose modules' KV is stored: its rows and vectors in one transaction,
