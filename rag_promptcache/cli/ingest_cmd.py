@@ -92,7 +92,7 @@ def ingest(
 
 
 # Codec names for --help without importing the store (torch); a test holds them equal to store.CODECS.
-SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
+SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen", "k8v4")
 
 
 def _print_estimate(estimate) -> None:
