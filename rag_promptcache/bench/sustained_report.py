@@ -123,15 +123,12 @@ def _s(v: float | None) -> str:
 
 
 def plots(report: dict[str, object], folder: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from rag_promptcache.bench.tables import grid, save
 
     runs = [r for r in report["runs"] if "windows" in r]
     if not runs:
         return []
-    fig, axes = plt.subplots(len(runs), 3, figsize=(16, 3.8 * len(runs)), squeeze=False)
+    fig, axes = grid(len(runs), 3, 16, 3.8)
     for (share, ttft, held), r in zip(axes, runs):
         xs = [w["questions"][1] + 1 for w in r["windows"]]
         share.plot(xs, [w["served_share"] for w in r["windows"]], marker="o", label="this run")
@@ -151,8 +148,4 @@ def plots(report: dict[str, object], folder: Path) -> list[Path]:
             ax.axvline(report["warmup"] + 0.5, color="grey", linestyle="--", linewidth=0.8)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(folder) / "sustained_large.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, Path(folder) / "sustained_large.png")]
