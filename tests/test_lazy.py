@@ -151,6 +151,8 @@ def test_ingest_prints_both_modes_and_a_budget_below_one_module_is_refused(parts
     assert "kv lazy: 0 of" in out
     info = json.loads(run(capsys, "info", "--corpus", tmp_path / "a", "--json")[1])
     assert info["budget"]["disk"] == 2 * 2**20 and info["kv"] == "lazy"
+    code, _, err = run(capsys, *args, "--corpus", tmp_path / "b", "--store-budget", "disk=64KiB")
+    assert code == 0 and "eager encoding would evict most of it as it is written" in err
 
 
 def test_a_budget_lowered_between_runs_is_held_and_said(parts, tmp_path: Path, capsys) -> None:

@@ -107,6 +107,10 @@ def _print_estimate(estimate) -> None:
     later = "this ingest" if estimate.kv == "lazy" else "--kv lazy"
     typer.echo(f"  eager ({now}): all of it now; lazy ({later}): 0 B now, then the chunks questions retrieve, "
                f"up to the store budget ({estimate.budget})", err=True)
+    if estimate.kv == "eager" and estimate.room is not None and estimate.bytes() > estimate.room:
+        typer.echo(f"warning: the store budget holds {mib(estimate.room)}, less than this ingest's "
+                   f"{mib(estimate.bytes())}: eager encoding would evict most of it as it is written; "
+                   "ingest with --kv lazy to encode what questions retrieve", err=True)
 
 
 def encoded_line(cov: dict) -> str:

@@ -134,7 +134,7 @@ class Ingestor:
         sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
                                                    m.chunk_tokens)) for c in CODECS}
         return StoreEstimate(tokens, m.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])), m.kv,
-                             StoreBudget.of(m).describe())
+                             StoreBudget.of(m).describe(), m.disk_budget if m.disk_budget is not None else m.redis_budget)
 
     def chunker(self) -> Chunker:
         m = self.parts.manifest

@@ -85,6 +85,7 @@ class StoreEstimate:
     bytes_per_codec: tuple[tuple[str, int], ...]  # (codec, expected bytes), smallest last
     kv: str = "eager"
     budget: str = ""
+    room: int | None = None  # the bytes the corpus's disk (else Redis) budget holds; None: unbounded
 
     def bytes(self, codec: str | None = None) -> int:
         return dict(self.bytes_per_codec)[codec or self.codec]
