@@ -10,7 +10,8 @@ A table is a marker pair in a Markdown file:
 `python scripts/bench_tables.py` rewrites what lies between the markers in README.md and docs/*.md;
 `--check` exits 1 if any of it differs from what the JSON gives (tests/test_docs.py runs it);
 `python scripts/bench_tables.py RUN.json` prints one run's TTFT and decode tables (make gpu-check).
-Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, sustained, headline,
+Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, sustained,
+sustained-large, sustained-large-checks, ingest, headline,
 and shape-ttft, shape-decode (the JSON of rag_promptcache/bench/shape.py, which the one-run form prints too).
 """
 
@@ -243,10 +244,56 @@ def sustained(run: dict) -> tuple[str, str | None]:
     return _table(header, out), None
 
 
+def sustained_large(run: dict) -> tuple[str, str | None]:
+    """The large sustained run: per tier set and window of questions, the served share, TTFT p50/p95 of the
+    corpus and of full prefill, the speed-ups (and an eager unlimited fp16 store's), peak bytes per tier."""
+    s = run["sustained_large"]
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    header = ["tiers", "questions", "served share", "TTFT p50 / p95 s", "full prefill p50 / p95 s", "speed-up p50",
+              "eager unlimited fp16", "vs eager", "peak / budget MiB"]
+    out = []
+    for r in s["runs"]:
+        if "skipped" in r:
+            out.append([r["tiers"], f"skipped: {r['skipped']}", *[""] * 7])
+            continue
+        for w in r["windows"]:
+            out.append([r["tiers"], f"{w['questions'][0] + 1 - s['warmup']}-{w['questions'][1] + 1 - s['warmup']}",
+                        f"{w['served_share']:.2f}", f"{_num(w['ttft_p50'], '.2f')} / {_num(w['ttft_p95'], '.2f')}",
+                        f"{_num(w['full_p50'], '.2f')} / {_num(w['full_p95'], '.2f')}", _x(w["speedup"]),
+                        _x(w["eager_speedup"]), _num(w["vs_eager"], ".2f"),
+                        ", ".join(f"{n} {mib(w['peak'][n])} / {mib(b)}" for n, b in r["budgets"].items())])
+    return _table(header, out), None
+
+
+def sustained_large_checks(run: dict) -> tuple[str, str | None]:
+    """The large sustained run's targets, each with its measured value, and the eviction replay."""
+    s = run["sustained_large"]
+    verdict = lambda c: "met" if c["passed"] else "**missed**"  # noqa: E731
+    rows = [["all", name, verdict(c), c["detail"]] for name, c in s["checks"].items()]
+    for r in s["runs"]:
+        rows += [[r["tiers"], name, verdict(c), c["detail"]] for name, c in r.get("checks", {}).items()]
+        for scale, policies in r.get("replay", {}).items():
+            rows.append([r["tiers"], f"eviction replayed at {float(scale):g}x the budget", "",
+                         ", ".join(f"{p} {v['served_share']:.3f}" for p, v in policies.items())])
+    return _table(["tiers", "check", "", "measured"], rows), None
+
+
+def ingest(run: dict) -> tuple[str, str | None]:
+    """Eager ingest against the engine's full prefill, lazy against eager (bench/ingest.py)."""
+    i = run["ingest"]
+    rows = [[r["run"], _num(r["seconds"], ".1f"), _num(r["tokens_per_s"], ".0f"),
+             _num(r["tokens_per_s"] / i["full_prefill_tokens_per_s"], ".2f") if i.get("full_prefill_tokens_per_s") else "-"]
+            for r in i["runs"]]
+    rows.append([f"full prefill ({i['full_prefill'][0]['tokens']} tokens)", "", _num(i["full_prefill_tokens_per_s"], ".0f"),
+                 "1.00"])
+    return _table(["run", "seconds", "tokens/s", "of full prefill"], rows), None
+
+
 KINDS: dict[str, Callable[[dict], tuple[str, str | None]]] = {
     "ttft": ttft, "ttft-systems": ttft_systems, "decode": decode, "decode-answers": decode_answers, "chat": chat,
     "serve": serve, "fidelity": fidelity, "quality": quality, "memory": memory, "shape-ttft": shape_ttft,
-    "shape-decode": shape_decode, "sustained": sustained,
+    "shape-decode": shape_decode, "sustained": sustained, "sustained-large": sustained_large,
+    "sustained-large-checks": sustained_large_checks, "ingest": ingest,
 }
 
 

@@ -28,7 +28,7 @@ from rag_promptcache.store.serialize import CorruptEntry
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64.
 L, H, D, S = 30, 3, 64, 128
-BYTES = {"native": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5, "cachegen": 0.25}
+BYTES = {"native": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5, "cachegen": 0.25, "k8v4": 0.75}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,11 @@ def test_decode_error_and_dtype(kv: ModuleKV, codec: str, record_property) -> No
     assert got.keys.dtype == torch.float32 and got.keys.shape == kv.keys.shape
     errs = [((a - b).norm() / b.norm()).item() for a, b in ((got.keys, kv.keys), (got.values, kv.values))]
     record_property("rel_err_keys_values", errs)
-    bound = {"native": 0.0, "fp16": 1e-3, "bf16": 5e-3, "int8": 1e-2, "int4": 0.15, "cachegen": 0.4}[codec]
+    bound = {"native": 0.0, "fp16": 1e-3, "bf16": 5e-3, "int8": 1e-2, "int4": 0.15, "cachegen": 0.4, "k8v4": 0.15}[codec]
     assert max(errs) <= bound, errs
+    if codec == "k8v4":  # keys as int8's, values as int4's
+        int8, int4 = decode(encode(kv, "int8")), decode(encode(kv, "int4"))
+        assert torch.equal(got.keys, int8.keys) and torch.equal(got.values, int4.values)
     half = decode(encode(kv, codec), dtype=torch.float16)
     assert half.keys.dtype == torch.float16
 

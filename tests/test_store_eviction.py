@@ -48,16 +48,34 @@ def test_entry_larger_than_budget_is_its_own_victim():
 
 
 def test_cost_aware_keeps_expensive_per_byte_and_hot_entries():
+    # GDSF: priority = L + (1 + hits) * tokens * 1024 / bytes, L the aging value at the entry's last use
     index = BudgetIndex(max_bytes=100, policy="cost")
-    index.add("cheap", 40, 10)  # 0.25 tokens/byte
-    index.add("dense", 20, 10)  # 0.5 (int8-like)
-    index.add("hot", 40, 10)  # 0.25, but hit twice -> 0.75
+    index.add("cheap", 40, 10)  # 256
+    index.add("dense", 20, 10)  # 512 (int8-like)
+    index.add("hot", 40, 10)  # 256, but hit twice -> 768
     index.touch("hot")
     index.touch("hot")
     assert keys(index.add("new", 40, 10)) == ["cheap"]
-    # Ties (new vs nothing cheaper) fall back to LRU then key: "new" (0.25) goes before "dense".
-    assert keys(index.evict_to(50)) == ["new", "dense"]
-    assert list(index.entries) == ["hot"]
+    assert index.inflation == 256  # L rose to the evicted priority; "new" was added at L = 256: 512
+    # "dense" (0 + 512) and "new" (256 + 256) tie: the least recently used goes first
+    assert keys(index.evict_to(50)) == ["dense", "new"]
+    assert list(index.entries) == ["hot"] and index.inflation == 512
+
+
+def test_cost_aware_ages_out_entries_that_stop_being_used():
+    # LFU alone would keep "old" forever for its early hits; GDSF's L overtakes them once it stops being used
+    index = BudgetIndex(max_bytes=30, policy="cost")
+    index.add("old", 10, 10)
+    for _ in range(3):
+        index.touch("old")  # 4 * 1024 = 4096
+    evicted = []
+    for i in range(12):  # a stream of new entries, each used once more right away
+        evicted += keys(index.add(f"n{i}", 10, 10))
+        index.touch(f"n{i}")
+    assert "old" in evicted and "old" not in index.entries
+    lru = BudgetIndex(max_bytes=30, policy="lru")
+    lru.add("old", 10, 10)
+    assert keys(lru.add("a", 10, 10) + lru.add("b", 10, 10) + lru.add("c", 10, 10)) == ["old"]
 
 
 def test_evict_to_and_victims_order():
@@ -86,7 +104,8 @@ def test_uses_are_numbered_after_every_loaded_one():
 def test_policies_are_one_method_objects_and_names_are_validated():
     e = Entry("k", 100, 50, last_used=3, num_hits=1)
     assert LRUPolicy().priority(e) == 3
-    assert CostAwarePolicy().priority(e) == 1.0
+    assert CostAwarePolicy().priority(e) == 1024.0
+    assert CostAwarePolicy().priority(Entry("k", 100, 50, last_used=3, num_hits=1, inflation=7.0)) == 1031.0
     with pytest.raises(ValueError, match="valid policies: lru, cost"):
         make_policy("fifo")
     with pytest.raises(ValueError):

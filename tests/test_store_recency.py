@@ -64,7 +64,7 @@ def test_an_index_of_unix_times_is_read_in_its_order(tmp_path) -> None:
     store.close()
     index = json.loads((tmp_path / "index.json").read_text())
     used = {key_of(kvs[0]): 30.5, key_of(kvs[1]): 10.25, key_of(kvs[2]): 20.0}  # 1, then 2, then 0
-    entries = {k: [b, t, used[k], h] for k, (b, t, _, h) in index["entries"].items()}
+    entries = {k: [b, t, used[k], h] for k, (b, t, _, h, _) in index["entries"].items()}
     (tmp_path / "index.json").write_text(json.dumps({"version": 1, "entries": entries}))
     again = DiskStore(tmp_path)
     assert again.evict_to(budget(1.5)) == [key_of(kvs[1]), key_of(kvs[2])]

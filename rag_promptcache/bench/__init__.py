@@ -28,6 +28,7 @@ SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "
 # (schemathesis against the server) and soak (20 minutes of mixed load on the server) build their own corpus and
 # take minutes: only when asked for (--scenarios fidelity,ingest,serve,sustained,json,fuzz,soak).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
+SUSTAINED_SIZES = ("small", "large", "both")  # the sustained scenario's settings (BenchConfig.sustained_size)
 
 
 def run(
@@ -131,9 +132,19 @@ def run_loaded(
 
             out["chat"] = chat.run(bench)
         elif name == "sustained":
-            from rag_promptcache.bench import sustained
+            from rag_promptcache.bench import SUSTAINED_SIZES
 
-            out["sustained"] = sustained.run(bench)
+            size = bench.config.sustained_size
+            if size not in SUSTAINED_SIZES:
+                raise ValueError(f"unknown sustained size {size!r}; valid: {', '.join(SUSTAINED_SIZES)}")
+            if size in ("small", "both"):
+                from rag_promptcache.bench import sustained
+
+                out["sustained"] = sustained.run(bench)
+            if size in ("large", "both"):
+                from rag_promptcache.bench import sustained_large
+
+                out["sustained_large"] = sustained_large.run(bench)
         elif name == "json":
             from rag_promptcache.bench import structured
 

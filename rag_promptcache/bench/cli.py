@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
         adapter: AdapterOpt = "default",
         llama_server: Annotated[Path | None, typer.Option("--llama-server", help="llama.cpp's llama-server binary: the serve scenario times it beside ours on the same token ids (built from the llama-cpp-python sdist; docs/serving.md) [default: that row is skipped].")] = None,
+        sustained_size: Annotated[str, typer.Option("--sustained-size", help="The sustained scenario's setting: small (128 modules, 300 questions against memory, disk and Redis tiers), large (a lazy corpus of about 2 million tokens of this machine's real text, a store of 1/20 of its fp16 size, 1000 questions against memory+disk and memory+Redis: hours on two CPU cores) or both.")] = "small",
         serve_admission: Annotated[str, typer.Option("--serve-admission", help="How the serve scenario's batcher admits whole prefills: all (every waiting prefill before the next decode step) or one (one prefill between decode steps while rows run; waiting prefills in one batched forward when none runs). Run the scenario once per policy to compare them.")] = "all",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
@@ -55,7 +56,12 @@ def register(app: typer.Typer) -> None:
 
         if serve_admission not in ADMISSIONS:
             raise ValueError(f"unknown --serve-admission {serve_admission!r}; valid: {', '.join(ADMISSIONS)}")
+        from rag_promptcache.bench import SUSTAINED_SIZES
+
+        if sustained_size not in SUSTAINED_SIZES:
+            raise ValueError(f"unknown --sustained-size {sustained_size!r}; valid: {', '.join(SUSTAINED_SIZES)}")
         config = dataclasses.replace(config, dtype=dtype, adapter=adapter, serve_admission=serve_admission,
+                                     sustained_size=sustained_size,
                                      llama_server=str(llama_server) if llama_server is not None else None)
         if decode_dtypes is not None:
             names = tuple(d.strip() for d in decode_dtypes.split(",") if d.strip())

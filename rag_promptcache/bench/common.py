@@ -53,7 +53,7 @@ class BenchConfig:
         ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"), ("shared_prefix", "last:1"),
         ("shared_prefix", "last:2"), ("shared_prefix", "last:3"), ("shared_prefix", "attend:1"),
     )
-    codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
+    codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "k8v4", "int4", "cachegen")
     codec_k: int = 4  # the k of the per-codec quality rows
     faiss_sizes: tuple[int, ...] = (10_000, 100_000)
     faiss_queries: int = 200
@@ -62,6 +62,7 @@ class BenchConfig:
     recovery: str | None = None  # the engine's recovery in the TTFT and LangChain scenarios; None: its default
     ingest_topics: int = 29  # sample topics the ingest scenario ingests (29: all, ~15k tokens)
     ingest_workers: tuple[int, ...] = (1, 2)  # Ray worker counts compared with a local ingest
+    ingest_prefill_tokens: int = 2048  # the full prefill an eager ingest's throughput is compared with
     # fidelity (answer accuracy against full prefill, bench/fidelity.py)
     fidelity_per_kind: int = 6  # documents per kind (six kinds and the reports): 42 in all
     fidelity_questions: int = 42
@@ -75,7 +76,7 @@ class BenchConfig:
     fidelity_codec: str = "native"  # the store codec the cached answers' modules pass through
     # codec rows per split and k: each codec's answers against fp16 modules' (rag/codec_eval.py), with
     # `fidelity_codec_recovery` (None: the engine's default, the adapter's where one is merged)
-    fidelity_codecs: tuple[str, ...] = ("int8", "int4", "cachegen")
+    fidelity_codecs: tuple[str, ...] = ("int8", "k8v4", "int4", "cachegen")
     fidelity_codec_recovery: str | None = None
     fidelity_seed_offset: int = 0  # added to each split's data seed: the same templates, other entities and facts
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
@@ -109,6 +110,23 @@ class BenchConfig:
     sustained_zipf: float = 1.0  # popularity exponent of the simulated retrieval
     sustained_every: int = 10  # questions per point of the hit-rate plot
     sustained_judge_s: float = 2.0  # the speed-up check needs windows whose cached TTFT adds up to this
+    sustained_size: str = "small"  # small (sustained.py), large (sustained_large.py) or both
+    # the large one: a lazy corpus of real text, a store of 1/20 of its fp16 size (bench/sustained_large.py)
+    large_tokens: int = 2_200_000  # gathered (about); the check wants `large_min_tokens` after ingest
+    large_min_tokens: int = 2_000_000
+    large_doc_root: str = "/usr/share/doc"
+    large_chunk_tokens: int = 256
+    large_eager_tokens: int = 40_000  # the slice ingested eagerly, for eager's rate
+    large_k: int = 4
+    large_questions: int = 1000
+    large_warmup: int = 100
+    large_every: int = 100
+    large_full_every: int = 5  # full prefill and the eager unlimited store on every n-th question
+    large_zipf: float = 1.0
+    large_memory_share: float = 0.01  # of the corpus's fp16 KV
+    large_shared_share: float = 0.04  # the disk tier's or Redis' (memory + this = 1/20)
+    large_policy: str = "lru"
+    large_tiers: tuple[str, ...] = ("memory+disk", "memory+redis")
     # json (bench/structured.py): json_object answers under a small budget
     json_questions: int = 24
     json_max_tokens: int = 64

@@ -98,10 +98,9 @@ def markdown(report: dict[str, object]) -> str:
         out += ["## Throughput", "", table(["what", "rate", ""], rows), ""]
     ing = report.get("ingest")
     if isinstance(ing, dict) and ing.get("runs"):
-        out += [f"## Ingest: local vs Ray ({ing['modules']} modules, {ing['tokens']} tokens; {ing['note']})", "", table(
-            ["run", "seconds", "workers' start s", "tokens/s", "modules/s", "tokens/s after start", "vs local", "KV written by"],
-            [[r["run"], r["seconds"], r["worker_start_s"], r["tokens_per_s"], r["modules_per_s"], r["tokens_per_s_after_start"],
-              r["vs_local"], r["kv_written_by"]] for r in ing["runs"]]), ""]
+        from rag_promptcache.bench import ingest
+
+        out += ingest.markdown(ing)
     fid = report.get("fidelity")
     if isinstance(fid, dict):
         out += _fidelity_markdown(fid)
@@ -123,6 +122,10 @@ def markdown(report: dict[str, object]) -> str:
         from rag_promptcache.bench import sustained
 
         out += sustained.markdown(report["sustained"])
+    if isinstance(report.get("sustained_large"), dict):
+        from rag_promptcache.bench import sustained_report
+
+        out += sustained_report.markdown(report["sustained_large"])
     return "\n".join(out)
 
 
@@ -322,6 +325,10 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         from rag_promptcache.bench import sustained
 
         written += sustained.plots(report["sustained"], folder)
+    if isinstance(report.get("sustained_large"), dict):
+        from rag_promptcache.bench import sustained_report
+
+        written += sustained_report.plots(report["sustained_large"], folder)
     fid = report.get("fidelity")
     if isinstance(fid, dict) and fid.get("rows") and len(fid.get("splits", ())) > 1:
         written.append(fidelity_front(fid, folder / "fidelity_front.png"))

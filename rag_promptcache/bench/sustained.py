@@ -285,16 +285,13 @@ def _num(x: float | None) -> str:
 
 
 def plots(report: dict[str, object], folder: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from rag_promptcache.bench.tables import grid, save
 
     runs = [r for r in report["runs"] if "rows" in r]
     if not runs:
         return []
     every = max(1, report.get("every", 10))
-    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.6 * len(runs)), squeeze=False)
+    fig, axes = grid(len(runs), 2, 12, 3.6)
     for (left, right), r in zip(axes, runs):
         points = hit_rates(r["rows"], every)
         xs = [p["question"] + 1 for p in points]
@@ -311,8 +308,4 @@ def plots(report: dict[str, object], folder: Path) -> list[Path]:
             ax.axvline(report["warmup"] + 0.5, color="grey", linestyle="--", linewidth=0.8)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(folder) / "sustained.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, Path(folder) / "sustained.png")]

@@ -106,7 +106,7 @@ DtypeOpt = Annotated[str | None, typer.Option(
 # What --dtype and --codec take, checked before torch is imported so that a wrong name answers at once (the
 # full parsers, model.device.parse_dtype and store.check_codec, import torch); tests hold them equal to those.
 SHOWN_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
-SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen")
+SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen", "k8v4")
 
 
 def check_name(option: str, value: str | None, valid: tuple[str, ...], listed: str = "valid") -> None:
@@ -221,7 +221,7 @@ def _register_optional(target: typer.Typer) -> None:
 def registered() -> typer.Typer:
     """The app with every command registered: what `main` runs, and what the docs' CLI reference is
     generated from (docs/hooks.py)."""
-    from rag_promptcache.cli import commands, demo, eval_cmd, kernels_cmd, store_cmds, tune_cmd  # noqa: F401 - registers the commands
+    from rag_promptcache.cli import commands, demo, eval_cmd, ingest_cmd, kernels_cmd, store_cmds, tune_cmd  # noqa: F401 - registers the commands
 
     _register_optional(app)
     return app

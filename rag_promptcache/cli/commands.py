@@ -4,25 +4,21 @@
 from __future__ import annotations
 
 import json
-import os
 import select
 import sys
-import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import SHOWN_CODECS, SHOWN_DTYPES, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
+from rag_promptcache.cli.app import SHOWN_DTYPES, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
+from rag_promptcache.cli.ingest_cmd import CorpusOpt, KOpt, encoded_line, quiet_ray  # noqa: F401 - re-exported
 from rag_promptcache.cli.output import cut_off
-from rag_promptcache.rag.loaders import SUFFIXES  # torch-free: --help lists what the loaders take
 
 # Help shows the corpus default (rag_promptcache.rag.repetition.DEFAULT_NO_REPEAT_NGRAM; a test holds
 # them equal) without importing rag, whose package imports torch: `--help` stays fast.
 SHOWN_NO_REPEAT_NGRAM = 6
 
-CorpusOpt = Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory.", file_okay=False)]
-KOpt = Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve.")]
 SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 
@@ -45,142 +41,6 @@ def _check_k(k: int) -> None:
 def _check_nonempty(c) -> None:
     if not len(c):
         raise fail(f"corpus {c.path} is empty; add documents with: rag-promptcache ingest PATH --corpus {c.path}")
-
-
-@app.command()
-@handle_errors
-def ingest(
-    paths: Annotated[list[Path], typer.Argument(help=f"Files or directories ({' '.join(SUFFIXES)}; a directory: every such file under it).")],
-    corpus: CorpusOpt,
-    model: Annotated[str | None, typer.Option(help="Hugging Face model name or path [default: smollm2-135m-instruct].")] = None,
-    chunk_tokens: Annotated[int | None, typer.Option(help="Target chunk length in model tokens [default: 256].")] = None,
-    overlap: Annotated[int | None, typer.Option(help="Tokens repeated between neighbouring chunks [default: min(32, chunk-tokens/8)].")] = None,
-    embedder: Annotated[str | None, typer.Option(help="sentence-transformers name or path [default: all-MiniLM-L6-v2].")] = None,
-    index: Annotated[str | None, typer.Option(help="flat (exact, default), hnsw or ivf (large corpora).")] = None,
-    field: Annotated[str, typer.Option(help="The text field of .json/.jsonl records.")] = "text",
-    id_field: Annotated[str, typer.Option(help="The .json/.jsonl field that names a record (in sources and remove).")] = "id",
-    max_ingest_tokens: Annotated[int, typer.Option(help="Refuse to add more new tokens than this in one run.")] = 2_000_000,
-    redis_url: RedisOpt = None,
-    ray: Annotated[bool, typer.Option("--ray", help="Embed and encode on a Ray cluster (needs the ray extra of rag-promptcache).")] = False,
-    ray_address: Annotated[str | None, typer.Option(help="With --ray: 'auto' (a running cluster), ray://host:10001 (default: start a local one).")] = None,
-    workers: Annotated[int, typer.Option(help="With --ray: Ray actors, each loading the model once.")] = 2,
-    cpus_per_worker: Annotated[float, typer.Option(help="With --ray: CPUs (and torch threads) per worker.")] = 1.0,
-    ray_kv: Annotated[str, typer.Option(help="With --ray: who writes module KV: auto, workers (shared Redis or disk) or driver.")] = "auto",
-    dtype: DtypeOpt = None,
-    adapter: AdapterOpt = "default",
-    instructions: Annotated[str | None, typer.Option(help="The system text every prompt of a new corpus starts with: TEXT, or @FILE to read it from a file [default: answer from the documents, say so when they do not say].", show_default=False)] = None,
-    codec: Annotated[str | None, typer.Option(help=f"How a new corpus stores module KV in memory, on disk and in Redis: {', '.join(SHOWN_CODECS)} [default: fp16]; `eval --codec` measures what one does to answers (docs/stores.md).", show_default=False)] = None,
-) -> None:
-    """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
-    files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray).
-    Before a large ingest it prints the store's expected size per codec, and its size when done."""
-    for p in paths:  # file and name errors first: they need nothing imported
-        if not p.exists():
-            raise fail(f"no such file or directory: {p}")
-    check_name("dtype", dtype, SHOWN_DTYPES)
-    check_name("codec", codec, SHOWN_CODECS, "valid codecs")
-    from rag_promptcache.model.loading import parse_dtype
-    from rag_promptcache.rag import is_corpus
-
-    ray_opts = None
-    if ray:
-        from rag_promptcache.rag.distributed import RayOptions
-
-        quiet_ray(ray_address)
-
-        ray_opts = RayOptions(address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker, kv=ray_kv)
-    elif ray_address is not None:
-        raise fail("--ray-address needs --ray")
-
-    parse_dtype(dtype)  # a bad name fails before anything is created
-    if codec is not None:
-        from rag_promptcache.store.codecs import check_codec
-
-        check_codec(codec)
-    instructions = _read_instructions(instructions)
-    existed = is_corpus(corpus)
-    try:
-        c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
-                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions, codec)
-    except KeyboardInterrupt:
-        typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
-        raise typer.Exit(130) from None
-    from rag_promptcache.cli.output import mib
-
-    info = c.info()
-    if report is not None:
-        typer.echo(report.summary())
-    typer.echo(f"{'updated' if existed else 'created'} corpus {corpus}: {info['num_documents']} documents, "
-               f"{info['num_modules']} modules, {info['num_tokens']} tokens; store {mib(info['store_bytes'])} "
-               f"({info['codec']})")
-    c.close()
-    if report is not None and report.failed:
-        raise fail(f"{len(report.failed)} file(s) failed and are kept incomplete; run the same command again to retry them")
-
-
-def _print_estimate(estimate) -> None:
-    """Before a large ingest (`rag.ingest.LARGE_INGEST_TOKENS`): its expected store size in each codec,
-    the corpus's marked."""
-    from rag_promptcache.cli.output import mib
-
-    sizes = ", ".join(f"{c} {mib(b)}{' (this corpus)' if c == estimate.codec else ''}"
-                      for c, b in estimate.bytes_per_codec)
-    typer.echo(f"about {estimate.num_tokens:,} new tokens; expected store growth per codec: {sizes}", err=True)
-
-
-def _read_instructions(value: str | None) -> str | None:
-    """--instructions TEXT, or @FILE: the file's text."""
-    if value is None:
-        return None
-    if value.startswith("@"):
-        path = Path(value[1:])
-        if not path.is_file():
-            raise fail(f"--instructions {value}: no such file: {path}")
-        value = path.read_text(encoding="utf-8")
-    if not value.strip():
-        raise fail("--instructions is empty")
-    return value.strip()
-
-
-def quiet_ray(address: str | None) -> None:
-    """Ray's notices the user of `ingest --ray` cannot act on, off for this process: the token-auth
-    warning of the local cluster Ray starts (its own default mode, token, set explicitly; a cluster
-    given by --ray-address keeps its settings), and colour codes in worker log lines that do not go
-    to a terminal. Variables the user set win."""
-    if address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if not sys.stderr.isatty():
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-
-
-def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts, dtype, adapter, instructions, codec):
-    from rag_promptcache.rag import Corpus, LoaderWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always", LoaderWarning)
-        warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
-        if existed:
-            c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
-            for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
-                if value is not None and value != getattr(c.manifest, key):
-                    raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
-            if codec is not None and codec != c.manifest.codec:
-                raise fail(f"corpus {corpus} stores KV as {c.manifest.codec}, not {codec}; ingest into a new corpus "
-                           "with --codec to change it")
-            if instructions is not None and instructions != c.manifest.instructions:
-                raise fail(f"corpus {corpus} has other instructions (`info` shows them); every module is encoded after "
-                           "them, so changing them means encoding every module again: ingest into a new corpus with "
-                           "--instructions")
-            report = c.add(paths, field=field, id_field=id_field, token_budget=max_ingest_tokens, ray=ray_opts,
-                           on_estimate=_print_estimate)
-        else:
-            c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
-                             index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
-                             redis_url=redis_url, ray=ray_opts, dtype=dtype, adapter=adapter,
-                             instructions=instructions, codec=codec, on_estimate=_print_estimate)
-            report = c.last_report
-    return c, report
 
 
 def _prompt(text: str) -> str:
@@ -374,7 +234,9 @@ def info(
         ("corpus", str(facts["path"])),
         ("documents", f"{facts['num_documents']}{incomplete}"),
         ("modules", f"{facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)"),
-        ("store", f"{mib(facts['store_bytes'])}, codec {facts['codec']}"),
+        ("store", f"{mib(facts['store_bytes'])} on disk, codec {facts['codec']}"),
+        ("kv", f"{facts['kv']}: {encoded_line(facts['encoded'])}"),
+        ("budget", _budget_line(facts["budget"])),
         ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),
         ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),
         ("adapter", _adapter_line(facts)),
@@ -394,6 +256,12 @@ def info(
                [(d["name"], d["num_chunks"], d["num_bytes"], "ok" if d["complete"] else "incomplete") for d in shown])
     if len(shown) < len(docs):
         typer.echo(f"... and {len(docs) - len(shown)} more (--documents lists all)")
+
+
+def _budget_line(b: dict) -> str:
+    from rag_promptcache.rag.budget import StoreBudget
+
+    return StoreBudget(**b).describe() + " (ingest --store-budget, --eviction)"
 
 
 def _adapter_line(facts: dict) -> str:

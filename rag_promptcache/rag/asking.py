@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from rag_promptcache.engine.result import fixed_stream
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag import retrieval
+from rag_promptcache.rag.lazy import RetrievalLog
 from rag_promptcache.rag.records import Answer, AnswerStream, Manifest
 from rag_promptcache.rag.repetition import answer_options
 from rag_promptcache.rag.retrieval import Conversations, Hit, Retrieved
@@ -33,6 +34,7 @@ class Answering:
     embedder: EmbedderLike
     _lock: threading.RLock
     _conversations: Conversations
+    _retrievals: RetrievalLog
 
     def search(self, question: str, k: int = 4) -> list[tuple[str, float]]:
         """The k modules nearest to the question: (module id, cosine score), best first. No text."""
@@ -58,6 +60,7 @@ class Answering:
             found, [self.table.module(m)[1] for m, _ in found], lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False)),
             instructions=self.manifest.instructions, question=question, history=history, max_new=max_new_tokens,
             window=getattr(engine, "context_window", 0) or 1 << 30)
+        self._retrievals.note(m for m, _ in hits)  # what `warm` encodes first (rag/lazy.py)
         return [Hit(m, self.label(m), s) for m, s in hits]
 
     def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *, max_new_tokens: int = 256,

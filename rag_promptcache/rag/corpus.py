@@ -20,19 +20,21 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rag_promptcache.pml import ast
-from rag_promptcache.rag import corpus_store, documents, layout, retrieval
-from rag_promptcache.rag.chunker import ChunkParams
+from rag_promptcache.rag import budget as budgeting
+from rag_promptcache.rag import corpus_store, documents, layout, lazy, retrieval
+from rag_promptcache.rag.budget import StoreBudget
+from rag_promptcache.rag.chunker import Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike
 from rag_promptcache.rag.encoding import corpus_schema
 from rag_promptcache.rag.index import VectorIndex
-from rag_promptcache.rag.ingest import check_budget, collect
+from rag_promptcache.rag.ingest import check_budget, collect, count_tokens
 from rag_promptcache.rag.ingestor import CorpusParts, Ingestor, OnBatch, OnEstimate
 from rag_promptcache.rag.layout import CorpusWarning, is_corpus
 from rag_promptcache.rag.loaders import Document, LoadReport
@@ -43,6 +45,7 @@ from rag_promptcache.rag.models import (DEFAULT_MODEL, ModelMismatchError, adapt
 from rag_promptcache.rag.models import load_embedder as _load_embedder
 from rag_promptcache.rag.models import load_engine as _load_engine
 from rag_promptcache.rag.asking import Answering
+from rag_promptcache.rag.lazy import StoreAccess
 from rag_promptcache.rag.records import IngestReport, Manifest
 from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
 from rag_promptcache.rag.retrieval import Conversations, Hit
@@ -52,7 +55,6 @@ from rag_promptcache.store.codecs import CODEC_WARNINGS, check_codec
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag.distributed import RayOptions, RayTarget
-    from rag_promptcache.store.base import Store
 
 __all__ = ["BATCH_CHUNKS", "DEFAULT_INSTRUCTIONS", "DEFAULT_MODEL", "DEFAULT_NO_REPEAT_NGRAM", "Corpus", "CorpusWarning",
            "Hit", "Manifest", "ModelMismatchError", "is_corpus"]
@@ -65,9 +67,9 @@ DEFAULT_TOKEN_BUDGET = 2_000_000  # new tokens per ingest; beyond it KV runs to 
 BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 
 
-class Corpus(Answering):
+class Corpus(Answering, StoreAccess):
     def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
-                 embedder: EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
+                 embedder: EmbedderLike | None = None, memory_bytes: int | None = None, redis_url: str | None = None,
                  disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default") -> None:
         self.path = path
         self.manifest = manifest
@@ -85,6 +87,7 @@ class Corpus(Answering):
         self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
         self._ingest_lock = threading.RLock()  # one add or remove at a time
         self._conversations = Conversations()  # each user turn's retrieval, for the turns after it (under _lock)
+        self._retrievals = lazy.RetrievalLog(self.table)
         self.last_report: IngestReport | None = None
         self._index_generation = self.table.generation
         self.index, damaged = layout.load_index(path, manifest, self.table)
@@ -98,7 +101,7 @@ class Corpus(Answering):
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], engine: PromptCache | None = None, *, model: str | None = None,
-             embedder: str | EmbedderLike | None = None, memory_bytes: int = 1 << 30, redis_url: str | None = None,
+             embedder: str | EmbedderLike | None = None, memory_bytes: int | None = None, redis_url: str | None = None,
              disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default") -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
         with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
@@ -106,7 +109,8 @@ class Corpus(Answering):
         one it was encoded with; a corpus encoded before adapters shipped opens with the base model, and
         a `CorpusWarning` says how to re-encode it). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
-        the engine the corpus loads, not to a caller's `engine`."""
+        the engine the corpus loads, not to a caller's `engine`. The tiers hold the corpus's recorded budget
+        (`set_budget`); `memory_bytes` (this process's memory tier) overrides its memory budget."""
         path = layout.check_corpus(path)
         redis_url = corpus_store.redis_url(redis_url)
         manifest = layout.read_manifest(path)
@@ -133,7 +137,7 @@ class Corpus(Answering):
               token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
               redis_url: str | None = None, ray: RayOptions | None = None,
               adapter: str | os.PathLike[str] | None = "default", codec: str | None = None,
-              on_estimate: OnEstimate | None = None) -> Corpus:
+              on_estimate: OnEstimate | None = None, kv: str | None = None, budget: StoreBudget | None = None) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
         `codec` (None: fp16, `corpus_store.DEFAULT_CODEC`; `store.CODECS` lists the valid ones) is how the
         corpus's memory, disk and Redis tiers hold module KV, recorded in the manifest. `on_estimate` is
@@ -142,17 +146,22 @@ class Corpus(Answering):
         `ray` runs the embedding and encoding on a Ray cluster (`rag.distributed`). `dtype` ("auto"/None:
         the device's default) and the tuned adapter merged into the model (`adapter`: "default", the one
         shipped for the model if one ships; "none"/None, the base model; or an adapter directory) are
-        recorded in the manifest; later opens use them."""
+        recorded in the manifest; later opens use them. `kv`: "eager" (None, a new corpus's default: every
+        module's KV computed now) or "lazy" (chunked, embedded and indexed now, KV computed when a question
+        first retrieves a module: rag/lazy.py), recorded for later ingests. `budget`: the store's bytes per
+        tier and its eviction policy (rag/budget.py), recorded; an existing corpus's changes to it."""
         path = Path(path)
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
         check_caller_engine(engine, adapter)
         if codec is not None:
             check_codec(codec)
+        lazy.check_kv(kv)
         if is_corpus(path):
             corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,
                                                    "max_tokens": max_tokens, "index": index, "codec": codec})
+            corpus.set_budget(budget, kv=kv)
             corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
                        progress=progress, ray=ray, on_estimate=on_estimate)
             return corpus
@@ -165,14 +174,19 @@ class Corpus(Answering):
         params = ChunkParams(chunk_tokens, min(32, chunk_tokens // 8) if overlap is None else overlap, max_tokens)
         VectorIndex(1, index or "flat")  # validates the kind before anything is loaded
         docs, report = collect(inputs, field, id_field)
-        check_budget(docs, token_budget)
+        check_budget(docs, token_budget if kv != "lazy" else None)  # a first guess, before any model loads
+        asked, budget = budget, budget or StoreBudget()
         owns = engine is None
         name = "rag_" + uuid.uuid4().hex[:12]  # before the store: it keys the Redis tier
         existed = path.exists()
         try:
             if engine is None:
-                store = corpus_store.open_store(path / layout.STORE, 1 << 30, redis_url, name, codec)
+                store = corpus_store.open_store(path / layout.STORE, True, redis_url, name, codec, budget)
                 engine = _load_engine(model or DEFAULT_MODEL, store, mode, dtype, adapter)
+            if kv != "lazy":  # refused before anything is written (the real chunker's count: rag/ingest.py)
+                check_budget(docs, token_budget, count_tokens(docs, Chunker(engine.tokenizer, params)))
+            if asked is not None:
+                budgeting.check_fits(budget, lazy.module_bytes(engine, params.hard_max, codec))
             emb = _load_embedder(embedder) if embedder is None or isinstance(embedder, str) else embedder
         except BaseException:
             # Nothing is a corpus yet (no manifest): leave no half-made directory for the next run to trip over.
@@ -184,7 +198,8 @@ class Corpus(Answering):
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=layout.package_version(), created=now,
-            updated=now, dtype=dtype_of(engine), codec=codec, **adapter_fields(engine),
+            updated=now, dtype=dtype_of(engine), codec=codec, kv=kv or "eager", **budget.manifest_fields(),
+            **adapter_fields(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
         layout.write_manifest(path, manifest)
@@ -254,11 +269,6 @@ class Corpus(Answering):
             self.index, _ = layout.load_index(self.path, self.manifest, self.table)
             self._index_generation = generation
             return True
-
-    def open_store(self) -> Store:
-        """A new handle on this corpus's KV store (memory → disk → Redis, as configured)."""
-        disk = self.path / layout.STORE if self.disk_tier else None
-        return corpus_store.open_store(disk, self.memory_bytes, self.redis_url, self.manifest.name, self.manifest.codec)
 
     @property
     def embedder(self) -> EmbedderLike:
@@ -375,7 +385,8 @@ class Corpus(Answering):
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
             "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "codec": m.codec, "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
+            "codec": m.codec, "kv": m.kv, "budget": dataclasses.asdict(StoreBudget.of(m)),
+            "encoded": dataclasses.asdict(self.coverage()), "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,
             "redis_url": self.redis_url,
@@ -386,6 +397,7 @@ class Corpus(Answering):
         return documents.listing(self.table)
 
     def close(self) -> None:
+        self._retrievals.flush()
         self.table.close()
         if self._owns_engine and self._engine is not None:
             self._engine.store.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rag_promptcache.rag.budget import StoreBudget
     from rag_promptcache.store.base import Store
 
 ENV_REDIS_URL = "RAG_PROMPTCACHE_REDIS_URL"
@@ -40,29 +41,43 @@ def redis_prefix(corpus_name: str) -> str:
     return f"rpc:{corpus_name}"
 
 
-def open_store(disk: Path | None, memory_bytes: int | None, redis: str | None, corpus_name: str,
-               codec: str = DEFAULT_CODEC) -> Store:
-    """The tiers, fastest first: memory (unless `memory_bytes` is None), disk (unless `disk` is None),
-    Redis (when `redis` names one), each holding entries in `codec`. Writes go through to every tier."""
+def open_store(disk: Path | None, memory: bool, redis: str | None, corpus_name: str, codec: str = DEFAULT_CODEC,
+               budget: StoreBudget | None = None) -> Store:
+    """The tiers, fastest first: memory (when `memory`), disk (unless `disk` is None), Redis (when `redis`
+    names one), each holding entries in `codec` within its `budget` (the corpus's: rag/budget.py), under
+    its eviction policy. Writes go through to every tier."""
+    from rag_promptcache.rag.budget import StoreBudget
     from rag_promptcache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
+    b = budget or StoreBudget()
     tiers: list[Store] = []
-    if memory_bytes is not None:
-        tiers.append(MemoryStore(max_bytes=memory_bytes, codec=codec))
+    if memory:
+        tiers.append(MemoryStore(max_bytes=b.memory, codec=codec, policy=b.policy))
     if disk is not None:
-        tiers.append(DiskStore(disk, codec=codec))
+        tiers.append(DiskStore(disk, max_bytes=b.disk, codec=codec, policy=b.policy))
     if redis is not None:
-        tiers.append(RedisStore(redis, prefix=redis_prefix(corpus_name), codec=codec))
+        tiers.append(RedisStore(redis, prefix=redis_prefix(corpus_name), codec=codec, max_bytes=b.redis,
+                                policy=b.policy))
     if not tiers:
         raise ValueError("a corpus store needs at least one tier: memory, disk or redis")
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
+def resize(store: Store, budget: StoreBudget) -> None:
+    """Hold a corpus's open tiers to a new `budget` now (each evicts what is over it)."""
+    from rag_promptcache.store import DiskStore, MemoryStore, RedisStore
+
+    for tier in getattr(store, "tiers", None) or [store]:
+        for kind, limit in ((MemoryStore, budget.memory), (DiskStore, budget.disk), (RedisStore, budget.redis)):
+            if isinstance(tier, kind):
+                tier.resize(limit)
 
 
 def delete(keys: list[str], disk: Path | None, redis: str | None, corpus_name: str) -> None:
     """Delete module KV from a corpus's own tiers (those that outlive a process: disk, Redis)."""
     if not keys or (disk is None and redis is None):
         return
-    store = open_store(disk, None, redis, corpus_name)
+    store = open_store(disk, False, redis, corpus_name)
     try:
         for k in keys:
             store.delete(k)

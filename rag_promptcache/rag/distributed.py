@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.corpus_store import DEFAULT_CODEC, open_store
 from rag_promptcache.rag.encoding import Batch, encode_modules
 from rag_promptcache.rag.models import adapter_to_load, load_embedder, load_engine
@@ -168,7 +169,8 @@ class EncodeWorker:
         m = spec.manifest
         self.spec = spec
         self.collect = _Collect() if spec.collect else None
-        store = self.collect or open_store(Path(spec.disk) if spec.disk else None, None, spec.redis, m.name, m.codec)
+        store = self.collect or open_store(Path(spec.disk) if spec.disk else None, False, spec.redis, m.name, m.codec,
+                                           StoreBudget.of(m))
         self.engine = load_engine(m.model, store, m.mode, m.dtype, adapter_to_load(m, Path(spec.disk or m.name)))
         if self.engine.fingerprint != m.fingerprint:
             raise ValueError(f"worker on {os.uname().nodename} loaded {m.model!r} with fingerprint "

@@ -79,6 +79,14 @@ def _hub_cached(name: str) -> bool:
         raise ValueError(f"cannot load embedder {name!r}: {e}") from e
 
 
+def one_thread() -> None:
+    """Run this thread's torch ops on one core: an embedder beside the model's encoding (ingest) takes one
+    of its threads, not as many as the model's (torch's thread count is per thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 class Embedder:
     """A sentence-transformers model; `embed` returns float32 rows of unit length: [n, dim]."""
 

@@ -45,15 +45,23 @@ def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix
 
 def encode_modules(engine: PromptCache, embedder: EmbedderLike, manifest: Manifest,
                    modules: Sequence[tuple[str, str]]) -> Encoded:
-    """Embed the modules' text and store their KV through the engine's store."""
+    """Embed the modules' text and store their KV through the engine's store (a lazy corpus's: not now;
+    its first question to retrieve a module encodes it, rag/lazy.py)."""
     if not modules:
         return Encoded(np.zeros((0, manifest.dim), np.float32), 0.0)
     vectors = embedder.embed([text for _, text in modules])
+    return Encoded(vectors, encode_kv(engine, manifest, modules))
+
+
+def encode_kv(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]]) -> float:
+    """Store the modules' KV through the engine's store (none for a lazy corpus); the seconds it took."""
+    if not modules or manifest.kv == "lazy":
+        return 0.0
     t = time.perf_counter()
     engine.add_schema(corpus_schema(manifest, modules, suffix=INGEST_SUFFIX), replace=True)
     # All units: the batch's modules and the root (instructions), so no question pays for them.
     engine.encode(manifest.name + INGEST_SUFFIX)
-    return Encoded(vectors, time.perf_counter() - t)
+    return time.perf_counter() - t
 
 
 def store_keys(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]]) -> dict[str, str]:

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
-from rag_promptcache.rag.embed import EmbedderLike
-from rag_promptcache.rag.encoding import Batch, encode_modules, store_keys
+from rag_promptcache.rag.embed import EmbedderLike, one_thread
+from rag_promptcache.rag.encoding import Batch, encode_kv, encode_modules, store_keys
 from rag_promptcache.rag.index import faiss_id
 from rag_promptcache.rag import ingest
 from rag_promptcache.rag.loaders import Document, LoadReport
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.distributed import RayOptions, RayTarget
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
+# Embedding beside encoding (`Ingestor.flush`): measured in `bench --scenarios ingest` (docs/benchmarks.md).
+OVERLAP = True
 OnEstimate = Callable[[StoreEstimate], None]
 
 
@@ -62,8 +66,10 @@ class Ingestor:
     """One ingest run over a corpus's parts; `batch_chunks` chunks are embedded and encoded at a time."""
 
     def __init__(self, parts: CorpusParts, *, batch_chunks: int, on_batch: OnBatch | None = None,
-                 progress: bool | None = None, on_estimate: OnEstimate | None = None) -> None:
+                 progress: bool | None = None, on_estimate: OnEstimate | None = None, overlap: bool | None = None) -> None:
         self.parts = parts
+        self.overlap = OVERLAP if overlap is None else overlap
+        self._embedding: ThreadPoolExecutor | None = None
         self.batch_chunks = batch_chunks
         self.on_batch = on_batch
         self.on_estimate = on_estimate
@@ -77,10 +83,13 @@ class Ingestor:
         t0 = time.perf_counter()
         table = self.parts.table
         todo = [d for d in docs if not self.unchanged(d)]
-        ingest.check_budget(todo, token_budget)
-        tokens = sum(ingest.estimate_tokens(todo).values())
-        if self.on_estimate is not None and tokens >= ingest.LARGE_INGEST_TOKENS:
-            self.on_estimate(self.estimate(tokens))
+        lazy = self.parts.manifest.kv == "lazy"
+        guess = sum(ingest.estimate_tokens(todo).values())
+        if todo and (not lazy or (self.on_estimate is not None and guess >= ingest.LARGE_INGEST_TOKENS)):
+            tokens = ingest.count_tokens(todo, self.chunker())
+            ingest.check_budget(todo, None if lazy else token_budget, tokens)
+            if self.on_estimate is not None and tokens >= ingest.LARGE_INGEST_TOKENS:
+                self.on_estimate(self.estimate(tokens))
         # One document per name: the same one read from another place (a copied folder) replaces it.
         replaced = [(d.identity, r.source) for d in docs for r in table.named(d.identity) if r.source != d.source]
         gone = ingest.stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
@@ -104,6 +113,9 @@ class Ingestor:
                          "worker_start_seconds": run.start_seconds}
         finally:
             self._bar.close()
+            if self._embedding is not None:
+                self._embedding.shutdown()
+                self._embedding = None
         s = self.stats
         return IngestReport(
             num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
@@ -113,14 +125,20 @@ class Ingestor:
         )
 
     def estimate(self, tokens: int) -> StoreEstimate:
-        """The store's expected growth from about `tokens` new tokens, per codec, for this corpus's model."""
+        """The store's expected growth from about `tokens` new tokens, per codec, for this corpus's model, as
+        this ingest encodes (its manifest's `kv`), with the budget a lazy corpus's store grows to."""
         from rag_promptcache.store.codecs import CODECS, bytes_per_token
 
-        engine = self.parts.engine()
+        engine, m = self.parts.engine(), self.parts.manifest
         g = engine.geometry
         sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
-                                                   self.parts.manifest.chunk_tokens)) for c in CODECS}
-        return StoreEstimate(tokens, self.parts.manifest.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])))
+                                                   m.chunk_tokens)) for c in CODECS}
+        return StoreEstimate(tokens, m.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])), m.kv,
+                             StoreBudget.of(m).describe(), m.disk_budget if m.disk_budget is not None else m.redis_budget)
+
+    def chunker(self) -> Chunker:
+        m = self.parts.manifest
+        return Chunker(self.parts.engine().tokenizer, ChunkParams(m.chunk_tokens, m.overlap, m.max_tokens))
 
     def unchanged(self, doc: Document) -> bool:
         row = self.parts.table.document(doc.source)
@@ -132,8 +150,7 @@ class Ingestor:
         if not todo:
             yield [], []
             return
-        m, table = self.parts.manifest, self.parts.table
-        chunker = Chunker(self.parts.engine().tokenizer, ChunkParams(m.chunk_tokens, m.overlap, m.max_tokens))
+        table, chunker = self.parts.table, self.chunker()
         batch: Batch = []
         finished: list[str] = []
         for doc in todo:
@@ -154,14 +171,27 @@ class Ingestor:
         return {c.module_id: c for _, _, c in batch if not self.parts.table.has_module(c.module_id)}
 
     def flush(self, batch: Batch, finished: list[str]) -> None:
-        """Embed and encode one batch here, then commit it."""
+        """Embed and encode one batch here, then commit it. With `overlap`, the embedder runs in a thread of
+        its own (one torch thread) while the model encodes the same batch: each leaves the other's idle
+        moments (tokenizing, Python, writes) to fill."""
         if not batch and not finished:
             return
         new = self.new_modules(batch)
         modules = [(m, c.module_text) for m, c in new.items()]
-        out = encode_modules(self.parts.engine(), self.parts.embedder(), self.parts.manifest, modules)
-        self.stats.encode_seconds += out.encode_seconds
-        self.commit(batch, finished, new, out.vectors)
+        engine, embedder, manifest = self.parts.engine(), self.parts.embedder(), self.parts.manifest
+        if not self.overlap or not modules:
+            out = encode_modules(engine, embedder, manifest, modules)
+            self.stats.encode_seconds += out.encode_seconds
+            self.commit(batch, finished, new, out.vectors)
+            return
+        if self._embedding is None:
+            self._embedding = ThreadPoolExecutor(1, thread_name_prefix="embed", initializer=one_thread)
+        vectors = self._embedding.submit(embedder.embed, [text for _, text in modules])
+        try:
+            self.stats.encode_seconds += encode_kv(engine, manifest, modules)
+        finally:
+            done = vectors.result()  # waited for even when encoding failed: no thread outlives the batch's error
+        self.commit(batch, finished, new, done)
 
     def commit(self, batch: Batch, finished: list[str], new: dict[str, Chunk], vectors: np.ndarray) -> None:
         """Commit one batch whose modules' KV is stored: its rows and vectors in one transaction,

@@ -131,3 +131,10 @@ def save_index(path: Path, index: VectorIndex, generation: int) -> None:
 def store_bytes(path: Path) -> int:
     store = path / STORE
     return sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) if store.exists() else 0
+
+
+def store_keys(path: Path) -> set[str]:
+    """The keys whose entries the corpus's disk tier holds (its files, as store/disk.py names them)."""
+    from rag_promptcache.store.disk import SUFFIX
+
+    return {f.name.removesuffix(SUFFIX) for f in (path / STORE).glob(f"??/*{SUFFIX}")}

@@ -44,6 +44,16 @@ class Manifest:
     # The KV codec of the corpus's tiers (`ingest --codec`, store/codecs.py); manifests before it: fp16,
     # the one codec corpora were written with then.
     codec: str = "fp16"
+    # When module KV is computed (`ingest --kv`, rag/lazy.py): "eager", every module at ingest; "lazy", when
+    # a question first retrieves it. Manifests before it: eager.
+    kv: str = "eager"
+    # The store's budget per tier in bytes, set once (`ingest --store-budget`, rag/budget.py) and honoured by
+    # every process that opens the corpus; None: unbounded. The memory tier's is per process.
+    memory_budget: int | None = 1 << 30
+    disk_budget: int | None = None
+    redis_budget: int | None = None
+    # The eviction policy of every tier (store/eviction.py POLICIES); manifests before it: lru
+    policy: str = "lru"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -65,12 +75,17 @@ class Manifest:
 @dataclass(frozen=True, slots=True)
 class StoreEstimate:
     """What an ingest is expected to add to the store, told before anything is encoded: about
-    `num_tokens` new tokens (text bytes / 4) and their bytes at rest in each codec
-    (`store.codecs.bytes_per_token`); `codec` is the corpus's own."""
+    `num_tokens` new tokens (counted by the real chunker on a sample of the documents, `ingest.count_tokens`)
+    and their bytes at rest in each codec (`store.codecs.bytes_per_token`); `codec` is the corpus's own.
+    `kv` is how this ingest encodes: "eager" stores all of it now; "lazy" stores nothing now, and later
+    what questions retrieve, within `budget` (the corpus's store budget per tier, described)."""
 
     num_tokens: int
     codec: str
     bytes_per_codec: tuple[tuple[str, int], ...]  # (codec, expected bytes), smallest last
+    kv: str = "eager"
+    budget: str = ""
+    room: int | None = None  # the bytes the corpus's disk (else Redis) budget holds; None: unbounded
 
     def bytes(self, codec: str | None = None) -> int:
         return dict(self.bytes_per_codec)[codec or self.codec]

@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS chunks(
 CREATE INDEX IF NOT EXISTS chunks_by_module ON chunks(module_id);
 CREATE TABLE IF NOT EXISTS module_keys(module_id TEXT PRIMARY KEY, store_key TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS document_meta(source TEXT PRIMARY KEY, metadata TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS retrievals(module_id TEXT PRIMARY KEY, count INTEGER NOT NULL);
 """
 
 
@@ -208,6 +209,26 @@ class ChunkTable:
         ids = np.array([r[0] for r in rows], dtype=np.int64)
         vectors = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float32).reshape(len(rows), dim)
         return ids, vectors
+
+    @_serialized
+    def module_keys(self) -> list[tuple[str, str, int]]:
+        """(module id, store key of its KV, tokens) of every module, in ingest order."""
+        return self.db.execute("SELECT m.module_id, k.store_key, m.num_tokens FROM modules m "
+                               "JOIN module_keys k USING(module_id) ORDER BY m.rowid").fetchall()
+
+    @_serialized
+    def retrieval_counts(self) -> list[tuple[str, int]]:
+        """(module id, times retrieved) of the modules still in the corpus, most retrieved first."""
+        return self.db.execute("SELECT r.module_id, r.count FROM retrievals r JOIN modules m USING(module_id) "
+                               "ORDER BY r.count DESC, m.rowid").fetchall()
+
+    @_serialized
+    def count_retrievals(self, counts: dict[str, int]) -> None:
+        """Add to how often each module was retrieved (what `warm` reads); not a change of the corpus's
+        contents, so the generation stays."""
+        with self._tx() as db:
+            db.executemany("INSERT INTO retrievals VALUES(?, ?) ON CONFLICT(module_id) DO UPDATE SET "
+                           "count = count + excluded.count", list(counts.items()))
 
     @_serialized
     def counts(self) -> dict[str, int]:

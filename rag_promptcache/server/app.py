@@ -96,7 +96,7 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
                min_score: float | None = None) -> FastAPI:
     app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
     engine = chat.corpus.engine
-    metrics = Metrics(batcher, engine)
+    metrics = Metrics(batcher, engine, chat.corpus.coverage)
     app.state.served = s = Served(chat, batcher, metrics, Embeddings(chat.corpus.embedder), model_id,
                                   frozenset({model_id, chat.corpus.manifest.name, engine.model_name}), k, min_score,
                                   page())

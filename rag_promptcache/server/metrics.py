@@ -13,7 +13,9 @@ our own prefix `rag_promptcache:`:
 - caches: `store_hits_total{tier}` / `store_misses_total{tier}` (modules' KV per tier: `all` is the
   store as the engine sees it, a hit in any tier), `store_bytes{tier}` (what each tier holds, up to its
   budget), `prefix_cache_queries_total`, `prefix_cache_hits_total` (requests that reused at least one
-  token), `prefix_cache_repeats_total` (exact repeats: no prefill), `prefix_cache_bytes`.
+  token), `prefix_cache_repeats_total` (exact repeats: no prefill), `prefix_cache_bytes`;
+- the corpus: `corpus_modules`, `corpus_modules_encoded`, `corpus_tokens`, `corpus_tokens_encoded` (how
+  much of its module KV the store holds: a lazy corpus's grows with the questions, rag/lazy.py).
 
 Counters the engine already keeps (store, prefix cache) and the batcher's gauges are read when scraped
 (`_Live`); what only the server sees (statuses, latencies, tokens per answer) is observed per request.
@@ -23,7 +25,7 @@ Not here: per-client labels, multiprocess mode (the server is one process).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.engine.batching.batcher import Batcher, Handle
     from rag_promptcache.engine.result import Result
+    from rag_promptcache.rag.lazy import Coverage
 
 PREFIX = "rag_promptcache:"
 # seconds; vLLM's TTFT buckets, which span a CPU's long prefills as well as a repeat's
@@ -46,7 +49,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class Metrics:
     """The server's registry: what each request adds, and the engine's own counters read at scrape time."""
 
-    def __init__(self, batcher: Batcher, engine: PromptCache) -> None:
+    def __init__(self, batcher: Batcher, engine: PromptCache, coverage: Callable[[], Coverage] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(f"{PREFIX}requests", "Responses to /v1 requests by HTTP status.",
@@ -65,7 +68,7 @@ class Metrics:
         self.computed = Counter(f"{PREFIX}prompt_tokens_computed", "Prompt tokens computed in their request.",
                                 registry=r)
         self.generated = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=r)
-        r.register(_Live(batcher, engine))
+        r.register(_Live(batcher, engine, coverage))
 
     def finished(self, result: Result) -> None:
         """A request's answer is done: its tokens, finish reason and latencies."""
@@ -97,8 +100,8 @@ class Metrics:
 class _Live:
     """Read at each scrape: the batcher's gauges, the store's and the prefix cache's own counters."""
 
-    def __init__(self, batcher: Batcher, engine: PromptCache) -> None:
-        self.batcher, self.engine = batcher, engine
+    def __init__(self, batcher: Batcher, engine: PromptCache, coverage: Callable[[], Coverage] | None = None) -> None:
+        self.batcher, self.engine, self.coverage = batcher, engine, coverage
 
     def describe(self) -> list:
         return []  # collected only when scraped: nothing to check at registration
@@ -128,6 +131,14 @@ class _Live:
                                   value=tree.num_hits)
         yield CounterMetricFamily(f"{PREFIX}prefix_cache_repeats", "Exact repeats: answered with no prefill.",
                                   value=self.engine.prefix_cache.num_repeats)
+        if self.coverage is not None:
+            cov = self.coverage()
+            for name, what, value in (("corpus_modules", "Modules in the corpus.", cov.num_modules),
+                                      ("corpus_modules_encoded", "Modules whose KV the store holds.", cov.num_encoded),
+                                      ("corpus_tokens", "Module tokens in the corpus.", cov.num_tokens),
+                                      ("corpus_tokens_encoded", "Module tokens whose KV the store holds.",
+                                       cov.num_encoded_tokens)):
+                yield GaugeMetricFamily(f"{PREFIX}{name}", what, value=value)
 
 
 def tier_stats(store: object) -> list[tuple[str, object]]:

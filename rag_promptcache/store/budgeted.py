@@ -10,22 +10,28 @@ Out of scope: the disk and Redis tiers, whose entries live elsewhere and are ind
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Generic, TypeVar
 
 from .base import StoreStats
 from .eviction import BudgetIndex, Policy
+from .serialize import WarnOnce
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class BudgetedTier(Generic[T]):
+    name = "memory"  # in what the tier logs
+
     def __init__(self, max_bytes: int | None, policy: str | Policy) -> None:
         self._index = BudgetIndex(max_bytes, policy)
         self._entries: dict[str, T] = {}
         self._lock = threading.Lock()
         self._num_hits = 0
         self._num_misses = 0
+        self._warn = WarnOnce(log)
 
     @property
     def max_bytes(self) -> int | None:
@@ -47,7 +53,12 @@ class BudgetedTier(Generic[T]):
         budget) goes to `_evicted`, outside the lock."""
         with self._lock:
             self._entries[key] = held
-            evicted = [(v.key, self._entries.pop(v.key)) for v in self._index.add(key, num_bytes, num_tokens)]
+            victims = self._index.add(key, num_bytes, num_tokens)
+            evicted = [(v.key, self._entries.pop(v.key)) for v in victims]
+        if victims and victims[0].key == key and not self._index.fits(num_bytes):
+            self._warn("too-big", "%s store: an entry of %d bytes is larger than the whole budget of %d bytes; "
+                       "entries this size are not cached (recomputed or read from a lower tier on every use): raise "
+                       "the budget", self.name, num_bytes, self._index.max_bytes)
         self._evicted(evicted)
 
     def _evicted(self, evicted: list[tuple[str, T]]) -> None:
@@ -69,6 +80,12 @@ class BudgetedTier(Generic[T]):
         self._evicted(evicted)
         return [key for key, _ in evicted]
 
+    def resize(self, max_bytes: int | None) -> list[str]:
+        """A new budget (None: unbounded), held now: returns the keys evicted to fit it."""
+        with self._lock:
+            self._index.max_bytes = max_bytes
+        return self.evict_to(max_bytes) if max_bytes is not None else []
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._entries)
@@ -81,4 +98,4 @@ class BudgetedTier(Generic[T]):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._index = BudgetIndex(self._index.max_bytes, self._index.policy)
+            self._index = BudgetIndex(self._index.max_bytes, self._index.policy)  # aging starts over too

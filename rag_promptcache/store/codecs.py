@@ -6,6 +6,9 @@
   the outlier channels of post-RoPE keys get their own range), values per token (min/max over
   head_dim). Scale and zero point are kept in fp16 (fp32 if the range overflows fp16). int4 packs two
   codes per byte along head_dim.
+- "k8v4": keys as int8, values as int4 (the same axes): keys decide which tokens a question reads
+  (their error passes through the softmax), values only what is read, and measured here keys carry the
+  outlier channels while values do not (docs/stores.md, "Choosing the cachegen codec"). 0.4 of fp16.
 - "cachegen": a step per channel's deviation and per layer, entropy-coded (cachegen.py).
 
 Each codec carries a version, written into every serialized entry: an entry of a codec version this
@@ -27,7 +30,7 @@ from .cachegen import CodecError
 __all__ = ["CODECS", "CODEC_VERSIONS", "CODEC_WARNINGS", "CodecError", "EncodedKV", "bytes_per_token", "check_codec", "decode", "encode",
            "layout"]
 
-CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 2}
+CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 2, "k8v4": 1}
 CODECS: tuple[str, ...] = tuple(CODEC_VERSIONS)
 # Codecs not shown to keep answers against fp16 modules on the default model (docs/stores.md, "Codecs and
 # answers"): what a corpus that chooses one is warned of.
@@ -35,12 +38,14 @@ CODEC_WARNINGS: dict[str, str] = {
     "int4": "is not shown to keep answers: over modules read back from int4 the tuned model kept 0.69-0.86 of "
             "fp16 modules' right answers in five of six fidelity cells (docs/stores.md, \"Codecs and answers\"); "
             "check it on your questions with `rag-promptcache eval QUESTIONS --corpus CORPUS --codec int4`",
+    "k8v4": "is not shown to keep answers yet (docs/stores.md, \"Codecs and answers\"); check it on your questions "
+            "with `rag-promptcache eval QUESTIONS --corpus CORPUS --codec k8v4`",
     "cachegen": "is not shown to keep answers: over modules read back from cachegen the tuned model kept 0.54-0.74 "
                 "of fp16 modules' right answers in the fidelity cells (docs/stores.md, \"Codecs and answers\"); "
                 "check it on your questions with `rag-promptcache eval QUESTIONS --corpus CORPUS --codec cachegen`",
 }
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_BITS = {"int8": 8, "int4": 4}
+_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}  # (key bits, value bits)
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
@@ -82,10 +87,10 @@ def layout(codec: str, shape: tuple[int, int, int, int], start: int = 0) -> dict
         return cachegen.layout(shape, start)
     if codec in ("native", "fp16", "bf16"):
         return {"k": shape, "v": shape}
-    width = D if codec == "int8" else (D + 1) // 2
+    kw, vw = ((D if bits == 8 else (D + 1) // 2) for bits in _BITS[codec])
     return {
-        "k": (L, H, S, width),
-        "v": (L, H, S, width),
+        "k": (L, H, S, kw),
+        "v": (L, H, S, vw),
         "k_scale": (L, H, 1, D),
         "k_zero": (L, H, 1, D),
         "v_scale": (L, H, S, 1),
@@ -107,7 +112,7 @@ def bytes_per_token(codec: str, geometry: tuple[int, int, int], dtype: torch.dty
         return elements * 2
     if codec == "cachegen":
         return elements * cachegen.bits_per_element(geometry) / 8
-    codes = elements * _BITS[codec] // 8
+    codes = elements * sum(_BITS[codec]) // 16
     # fp16 scale and zero: keys per channel (per module), values per token
     return codes + 2 * 2 * L * H * D / max(module_tokens, 1) + 2 * 2 * L * H
 
@@ -150,9 +155,9 @@ def encode(kv: ModuleKV, codec: str = "native", device: torch.device | str = "cp
     elif codec == "cachegen":
         tensors = {n: x.to(device) for n, x in cachegen.encode(keys.cpu(), values.cpu(), kv.start).items()}
     else:
-        bits = _BITS[codec]
-        k, k_scale, k_zero = _quantize(keys, dim=2, bits=bits)  # per channel: range over tokens
-        v, v_scale, v_zero = _quantize(values, dim=3, bits=bits)  # per token: range over head_dim
+        kbits, vbits = _BITS[codec]
+        k, k_scale, k_zero = _quantize(keys, dim=2, bits=kbits)  # per channel: range over tokens
+        v, v_scale, v_zero = _quantize(values, dim=3, bits=vbits)  # per token: range over head_dim
         tensors = {"k": k, "v": v, "k_scale": k_scale, "k_zero": k_zero, "v_scale": v_scale, "v_zero": v_zero}
         tensors = {n: x.to(device) for n, x in tensors.items()}
     if pin:
@@ -175,9 +180,9 @@ def decode(enc: EncodedKV, dtype: torch.dtype | None = None, device: torch.devic
         keys, values = cachegen.decode({n: x.cpu() for n, x in t.items()}, enc.shape, enc.start)
         device = device or next(iter(t.values())).device
     else:
-        bits, D = _BITS[enc.codec], enc.shape[3]
-        keys = _dequantize(t["k"], t["k_scale"], t["k_zero"], bits, D)
-        values = _dequantize(t["v"], t["v_scale"], t["v_zero"], bits, D)
+        (kbits, vbits), D = _BITS[enc.codec], enc.shape[3]
+        keys = _dequantize(t["k"], t["k_scale"], t["k_zero"], kbits, D)
+        values = _dequantize(t["v"], t["v_scale"], t["v_zero"], vbits, D)
     # keys, values: [layers, kv_heads, tokens, head_dim]
     keys = keys.to(device=device, dtype=dtype)
     values = values.to(device=device, dtype=dtype)

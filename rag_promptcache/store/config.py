@@ -63,6 +63,8 @@ class RedisConfig:
     codec: str = "native"
     chunk_bytes: int = 8 * 2**20
     retry_after_s: float = 2.0
+    max_bytes: int | None = None  # this prefix's entries (store/redis_budget.py); None: Redis' own maxmemory
+    policy: str = "lru"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,8 @@ OPTIONS: dict[str, tuple[str, str, Callable[..., object]]] = {
     "redis_codec": ("redis", "codec", check_codec),
     "redis_chunk_bytes": ("redis", "chunk_bytes", parse_size),
     "redis_retry_after_s": ("redis", "retry_after_s", float),
+    "redis_max_bytes": ("redis", "max_bytes", parse_size),
+    "redis_policy": ("redis", "policy", str),
     "prefix_cache_bytes": ("", "prefix_cache_bytes", _byte_budget),
     "gpu_max_bytes": ("gpu", "max_bytes", parse_size),
     "gpu_device": ("gpu", "device", str),
@@ -197,8 +201,10 @@ def _tier(part: str, cfg: StoreConfig) -> Store:
         return DiskStore(path, max_bytes=d.max_bytes, codec=d.codec, policy=d.policy)
     if part == "redis" or part.startswith(("redis://", "rediss://", "unix://")):
         r = cfg.redis
+        make_policy(r.policy)
         url = r.url if part == "redis" else part
-        return RedisStore(url, r.prefix, r.ttl_s, r.codec, r.chunk_bytes, r.retry_after_s)
+        return RedisStore(url, r.prefix, r.ttl_s, r.codec, r.chunk_bytes, r.retry_after_s, max_bytes=r.max_bytes,
+                          policy=r.policy)
     raise ValueError(
         f"unknown store tier {part!r}; valid tiers: gpu[:device], memory, disk:/path, redis://host:port/db "
         "(joined by '+'), or off"

@@ -34,6 +34,8 @@ def default_budget(device: torch.device) -> int | None:
 
 
 class DeviceStore(BudgetedTier[ModuleKV]):
+    name = "device"
+
     def __init__(self, max_bytes: int | None = None, device: str | torch.device = "cuda",
                  policy: str | Policy = "lru") -> None:
         self.device = torch.device(device)

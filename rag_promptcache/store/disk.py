@@ -42,14 +42,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import disk_counts
+from . import disk_counts, disk_index
 from .base import ModuleKV, StoreStats, VerifyReport
 from .codecs import CodecError, check_codec, decode, encode
 from .eviction import BudgetIndex, Entry, Policy
 from .serialize import CorruptEntry, WarnOnce, dumps, load_file, read_header
 
 log = logging.getLogger(__name__)
-INDEX_VERSION = 2  # 1: `last_used` in unix seconds (read, renumbered in its order)
 SUFFIX = ".safetensors"
 _STALE_TMP_S = 600.0
 STATS_FLUSH_S = 5.0
@@ -89,6 +88,8 @@ class DiskStore:
         self._write_errors: set[int] = set()
         with self._locked():
             self._sync()
+        if max_bytes is not None:
+            self.resize(max_bytes)  # a budget lowered since the entries were written is held from the start
 
     @property
     def max_bytes(self) -> int | None:
@@ -136,6 +137,9 @@ class DiskStore:
         path = self.path_for(key)
         data = dumps(key, encode(kv, self.codec))
         if not self._index.fits(len(data)):
+            self._warn("too-big", "disk store %s: an entry of %d bytes is larger than the whole budget of %d bytes; "
+                       "entries this size are not cached (recomputed on every use): raise the budget",
+                       self.root, len(data), self._index.max_bytes)
             return
         tmp = path.parent / f".tmp-{key}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
@@ -204,6 +208,20 @@ class DiskStore:
             for victim in victims:
                 self.path_for(victim.key).unlink(missing_ok=True)
             self._save_index()
+        return [v.key for v in victims]
+
+    def resize(self, max_bytes: int | None) -> list[str]:
+        """A new budget (None: unbounded), held now: returns the keys evicted to fit it."""
+        with self._locked():
+            self._sync()
+            self._index.max_bytes = max_bytes
+            victims = self._index.evict_to(max_bytes) if max_bytes is not None else []
+            for victim in victims:
+                self.path_for(victim.key).unlink(missing_ok=True)
+            if victims:
+                self._save_index()
+                log.info("disk store %s: over its budget of %d bytes, evicted %d entries", self.root, max_bytes,
+                         len(victims))
         return [v.key for v in victims]
 
     def verify(self) -> VerifyReport:
@@ -275,7 +293,8 @@ class DiskStore:
             self._save_index()
         elif stamp != self._index_stamp:
             try:
-                self._load_index(json.loads(self._index_path.read_bytes()))
+                self._index = disk_index.parse(json.loads(self._index_path.read_bytes()), self._index.max_bytes,
+                                               self._index.policy)
                 self._index_stamp = stamp
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 log.warning("disk store %s: unreadable index (%s), rebuilding it from the files", self.root, e)
@@ -286,26 +305,15 @@ class DiskStore:
             if entry is not None:
                 entry.last_used = self._index.stamp()
                 entry.num_hits += num_hits
+                entry.inflation = self._index.inflation
         self._touched.clear()
 
-    def _load_index(self, raw: dict) -> None:
-        """The index from index.json's contents; ValueError (KeyError, TypeError) when it is not one."""
-        version = raw.get("version")
-        if version not in (1, INDEX_VERSION):
-            raise ValueError(f"index version {version!r}, expected {INDEX_VERSION}")
-        rows = [(key, int(b), int(t), float(u), int(h)) for key, (b, t, u, h) in raw["entries"].items()]
-        if version == 1:  # unix-time stamps: renumbered in their order, ties by key
-            rows = [(k, b, t, i, h) for i, (k, b, t, _, h) in enumerate(sorted(rows, key=lambda r: (r[3], r[0])), 1)]
-        self._reset_index(int(raw.get("seq", 0)))
-        for key, num_bytes, num_tokens, last_used, num_hits in rows:
-            self._index.load(Entry(key, num_bytes, num_tokens, int(last_used), num_hits))
-
-    def _reset_index(self, seq: int = 0) -> None:
-        self._index = BudgetIndex(self._index.max_bytes, self._index.policy, seq=seq)
+    def _reset_index(self, seq: int = 0, inflation: float = 0.0) -> None:
+        self._index = BudgetIndex(self._index.max_bytes, self._index.policy, seq=seq, inflation=inflation)
 
     def _rebuild(self) -> None:
         """Under the lock: the index from the files themselves; unreadable files and stale temps go."""
-        self._reset_index(self._index.seq)  # numbers stay above any a process may still hold
+        self._reset_index(self._index.seq, self._index.inflation)  # numbers stay above any a process may still hold
         now = time.time()
         for path in self.root.glob("??/.tmp-*"):
             with contextlib.suppress(OSError):  # gone already, or a read-only directory
@@ -333,10 +341,9 @@ class DiskStore:
 
     def _save_index(self) -> None:
         """Under the lock: write index.json atomically. Failing to is harmless (it is rebuildable)."""
-        entries = {e.key: [e.num_bytes, e.num_tokens, e.last_used, e.num_hits] for e in self._index.entries.values()}
         tmp = self.root / f".index.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            tmp.write_text(json.dumps({"version": INDEX_VERSION, "seq": self._index.seq, "entries": entries}))
+            tmp.write_text(disk_index.dumps(self._index))
             os.replace(tmp, self._index_path)
         except OSError as e:
             self._write_failed(tmp, e)

@@ -20,8 +20,10 @@ replica, an ACL user without write permission) is not down: a refused write is a
 counted in `num_write_errors` and logged once per kind of refusal, and reads go on; a refused read
 is a miss.
 
-Out of scope: a byte budget (configure Redis' own `maxmemory` and an eviction policy), and
-cleaning chunks orphaned by a writer that died between its chunks and its manifest (use a TTL).
+`max_bytes` bounds this prefix's entries (redis_budget.py: ranked by `policy`, shared by every process
+writing under the prefix); None leaves the bound to Redis' own `maxmemory` and eviction policy.
+
+Out of scope: cleaning chunks orphaned by a writer that died between its chunks and its manifest (use a TTL).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from collections.abc import Callable
 
 from .base import ModuleKV, StoreStats, VerifyReport
 from .codecs import CodecError, check_codec, decode, encode
+from .eviction import Policy
 from .link import Link, LinkMeter
+from .redis_budget import RedisBudget, parse_row
 from .serialize import CorruptEntry, WarnOnce, dumps, loads
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,8 @@ class RedisStore:
         retry_after_s: float = 2.0,
         timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        max_bytes: int | None = None,
+        policy: str | Policy = "lru",
     ) -> None:
         try:
             import redis
@@ -86,6 +92,12 @@ class RedisStore:
         self._num_write_errors = 0
         self._warn = WarnOnce(log)
         self.meter = LinkMeter()  # this process's measure of the link to the server
+        self.budget = None if max_bytes is None else RedisBudget(self._client, prefix, max_bytes, policy)
+        self._lock_error = redis.exceptions.LockError
+
+    @property
+    def max_bytes(self) -> int | None:
+        return None if self.budget is None else self.budget.max_bytes
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}:kv:{key}"
@@ -153,6 +165,13 @@ class RedisStore:
             self._count(False)
             return None
         self._count(True)
+        if self.budget is not None:
+            try:
+                self.budget.used(key)
+            except self._errors as e:
+                self._failed(e)
+            except self._refused as e:
+                self._refusal(e, write=True)
         return kv
 
     def _fetch(self, key: str) -> tuple[bytes, float] | None:
@@ -167,8 +186,8 @@ class RedisStore:
             t1 = time.perf_counter()
             if head is None or head[:1] == b"V":
                 self._ok()
-                if head is None and self.ttl_s is not None:
-                    self._client.hdel(self._index_key, key)  # expired or deleted elsewhere
+                if head is None and self.ttl_s is not None:  # expired or deleted elsewhere
+                    self.budget.removed(key) if self.budget is not None else self._client.hdel(self._index_key, key)
                 return None if head is None else (head[1:], t1 - t0)
             self.meter.round_trip(t1 - t0)  # a manifest: a few hundred bytes
             chunk_keys = self._chunk_keys(key, head)
@@ -202,7 +221,13 @@ class RedisStore:
             return
         data = dumps(key, encode(kv, self.codec))
         px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+        if self.budget is not None and not self.budget.fits(len(data)):
+            self._warn("too-big", "redis store %s: an entry of %d bytes is larger than the whole budget of %d bytes; "
+                       "entries this size are not cached (recomputed on every use): raise the budget",
+                       self.url, len(data), self.budget.max_bytes)
+            return
         try:
+            self._make_room(key, len(data))
             if len(data) <= self.chunk_bytes:
                 head = b"V" + data
                 old = self._client.set(self._k(key), head, px=px, get=True)
@@ -220,11 +245,15 @@ class RedisStore:
                 manifest = json.dumps({"nonce": nonce, "num_chunks": n, "num_bytes": len(data)}).encode()
                 head = b"M" + manifest
                 old = self._client.set(self._k(key), head, px=px, get=True)
-            self._client.hset(self._index_key, key, f"{len(data)},{kv.num_tokens}")
+            if self.budget is None:
+                self._client.hset(self._index_key, key, f"{len(data)},{kv.num_tokens}")
+            else:
+                self.budget.added(key, len(data), kv.num_tokens)
             # a SET tried again after a timeout may return what its first try wrote: not stale
             stale = self._chunk_keys(key, old) if old and old != head else None
             if stale:
                 self._client.delete(*stale)
+            self._make_room(key, 0)  # concurrent writers may each have made room for themselves only
         except self._errors as e:
             self._failed(e)
             with self._lock:
@@ -234,6 +263,30 @@ class RedisStore:
             self._refusal(e, write=True)
             return
         self._ok()
+
+    def resize(self, max_bytes: int | None) -> None:
+        """A new budget for this prefix's entries (None: Redis' own maxmemory), held now."""
+        if max_bytes is None:
+            self.budget = None
+            return
+        if self.budget is None:
+            self.budget = RedisBudget(self._client, self.prefix, max_bytes, "lru")
+        self.budget.max_bytes = max_bytes
+        try:
+            self._make_room("", 0)
+        except self._errors as e:
+            self._failed(e)
+        except self._refused as e:
+            self._refusal(e, write=True)
+
+    def _make_room(self, key: str, num_bytes: int) -> None:
+        if self.budget is None:
+            return
+        try:
+            self.budget.make_room(key, num_bytes, self.delete)
+        except self._lock_error as e:  # another writer held the lock for 10 s: its eviction stands for ours
+            self._warn("lock", "redis store %s: could not take the eviction lock (%s); the next write evicts",
+                       self.url, e)
 
     def link(self) -> Link:
         """Latency, bandwidth and decode time measured by this process's calls."""
@@ -260,7 +313,7 @@ class RedisStore:
             return False
         try:
             old = self._client.getdel(self._k(key))
-            self._client.hdel(self._index_key, key)
+            self.budget.removed(key) if self.budget is not None else self._client.hdel(self._index_key, key)
             stale = self._chunk_keys(key, old) if old else None
             if stale:
                 self._client.delete(*stale)
@@ -286,8 +339,8 @@ class RedisStore:
                 self._refusal(e, write=False)
                 rows = []
             for row in rows:
-                b, t = row.split(b",")
-                num_entries, num_bytes, num_tokens = num_entries + 1, num_bytes + int(b), num_tokens + int(t)
+                b, t, _ = parse_row(row)
+                num_entries, num_bytes, num_tokens = num_entries + 1, num_bytes + b, num_tokens + t
         with self._lock:
             return StoreStats(num_entries, num_bytes, self._num_hits, self._num_misses, num_tokens, self._num_errors,
                               self._num_write_errors)

@@ -18,6 +18,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,6 +146,11 @@ class Planner:
         self.relocator, self.geometry, self.config = relocator, geometry, config
         self.model_lock = model_lock  # held around every forward: encoding misses, recovery passes
         self.reusable = reusable
+        # store key -> the result of the request encoding it now (`encode_once`); plan() is never called
+        # under model_lock, so a waiter never holds what the encoder needs
+        self._encoding: dict[str, Future[ModuleKV]] = {}
+        self._encoding_lock = threading.Lock()
+        self.num_shared_encodes = 0  # misses answered by another request's encoding
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
              max_new_tokens: int = 0, fallback: bool = True) -> Plan:
@@ -194,9 +200,7 @@ class Planner:
             else:
                 kvs[name] = kv
         encoded = 0
-        for u, kv in zip(misses, self.encode(misses)):
-            if u.name not in stored_anyway:
-                self.store.put(keys[u.name], kv)
+        for u, kv in zip(misses, self.encode_once(misses, keys, stored_anyway)):
             kvs[u.name] = kv
             encoded += kv.num_tokens
         chosen = cfg.recovery if recovery is None else Recovery.parse(recovery)
@@ -240,6 +244,53 @@ class Planner:
         costs = fallback.costs
         estimate = load_s(key, num_tokens) if costs is not None else None
         return estimate is not None and estimate > costs.full(num_tokens)
+
+    def encode_once(self, units: Sequence[Unit], keys: Mapping[str, str], unstored: set[str]) -> list[ModuleKV]:
+        """The KV of missed `units`, each encoded once however many requests miss it at the same time:
+        the first encodes (all of its own in one batch) and stores it (unless in `unstored`: recomputing
+        was chosen over loading it), the others wait for its result. A unit stored meanwhile is read back."""
+        mine: list[Unit] = []
+        waits: dict[str, Future[ModuleKV]] = {}
+        with self._encoding_lock:
+            for u in units:
+                pending = self._encoding.get(keys[u.name])
+                if pending is None:
+                    self._encoding[keys[u.name]] = Future()
+                    mine.append(u)
+                else:
+                    waits[u.name] = pending
+        out: dict[str, ModuleKV] = {}
+        try:
+            todo = []
+            for u in mine:  # another request may have stored it between our miss and our claim
+                kv = None if u.name in unstored else self.store.get(keys[u.name])
+                if kv is not None and (kv.token_ids, kv.fingerprint) == (u.token_ids, self.config.fingerprint):
+                    out[u.name] = kv
+                else:
+                    todo.append(u)
+            for u, kv in zip(todo, self.encode(todo)):
+                if u.name not in unstored:
+                    self.store.put(keys[u.name], kv)
+                out[u.name] = kv
+        except BaseException as e:
+            with self._encoding_lock:
+                for u in mine:
+                    self._encoding.pop(keys[u.name]).set_exception(e)
+            raise
+        with self._encoding_lock:
+            for u in mine:
+                self._encoding.pop(keys[u.name]).set_result(out[u.name])
+        self.num_shared_encodes += len(waits)
+        failed = []
+        for u in units:
+            if u.name in waits:
+                if waits[u.name].exception() is None:  # waits for the other request's encoding
+                    out[u.name] = waits[u.name].result()
+                else:  # that request failed (or was stopped): this one encodes it itself
+                    failed.append(u)
+        for u, kv in zip(failed, self.encode(failed)):
+            out[u.name] = kv
+        return [out[u.name] for u in units]
 
     def encode(self, units: Sequence[Unit]) -> list[ModuleKV]:
         """The KV of `units`, computed now (not stored: the caller knows their keys)."""

@@ -1,0 +1,244 @@
+"""Lazy module KV: a corpus whose modules are chunked, embedded and indexed at ingest and whose KV is
+computed when a question first retrieves them (the planner's miss path: encoded once however many
+requests miss it at once, written back through every tier within its budget).
+
+- `ingest --kv lazy` (`Corpus.build(kv="lazy")`): ingest costs what chunking and embedding cost, and the
+  store starts at zero bytes; `eager` (the default) computes every module's KV at ingest, so no first
+  question pays for it. Where the line is: docs/stores.md ("Lazy or eager").
+- `coverage`: how much of the corpus's KV is held now (what `info` and the server's `/metrics` show).
+- `RetrievalLog`: how often each module was retrieved, kept in the corpus's table (`warm` reads it).
+- `warm`: encode the N modules questions retrieve most (from a question log, or from that record),
+  skipping those held already, so an interrupted warm resumes where it stopped.
+
+Not here: the miss path itself (engine/planning/plan.py), the budget (budget.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rag_promptcache.rag import budget as budgeting
+from rag_promptcache.rag import corpus_store, layout
+from rag_promptcache.rag.budget import KV_MODES, StoreBudget, check_kv, module_bytes  # noqa: F401 - KV_MODES, check_kv: re-exported
+
+if TYPE_CHECKING:
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.rag.corpus import Corpus
+    from rag_promptcache.rag.records import Manifest
+    from rag_promptcache.rag.table import ChunkTable
+    from rag_promptcache.store.base import Store
+
+FLUSH_EVERY = 32  # retrievals noted between writes of their counts
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """How much of a corpus's module KV the store holds now (in any tier)."""
+
+    num_modules: int
+    num_encoded: int
+    num_tokens: int
+    num_encoded_tokens: int
+
+    @property
+    def share(self) -> float:
+        """Of the corpus's module tokens, the share whose KV is held."""
+        return self.num_encoded_tokens / self.num_tokens if self.num_tokens else 0.0
+
+
+def held_keys(corpus: Corpus) -> set[str]:
+    """Store keys the corpus's tiers hold: its engine's store where it loaded one, else the disk tier's
+    files and the Redis tier's index (no model is loaded for this)."""
+    engine = corpus._engine
+    if engine is not None:
+        tiers = getattr(engine.store, "tiers", None) or [engine.store]
+        return {k for t in tiers if hasattr(t, "keys") for k in t.keys()}
+    held = layout.store_keys(corpus.path) if corpus.disk_tier else set()
+    if corpus.redis_url is not None:
+        from rag_promptcache.store import RedisStore
+
+        redis = RedisStore(corpus.redis_url, prefix=corpus_store.redis_prefix(corpus.manifest.name))
+        try:
+            held |= set(redis.keys())
+        finally:
+            redis.close()
+    return held
+
+
+def coverage(corpus: Corpus) -> Coverage:
+    rows = corpus.table.module_keys()
+    held = held_keys(corpus)
+    encoded = [n for _, key, n in rows if key in held]
+    return Coverage(len(rows), len(encoded), sum(n for _, _, n in rows), sum(encoded))
+
+
+class RetrievalLog:
+    """Counts of retrieved modules, added into the table every `FLUSH_EVERY` retrievals and on `flush`.
+    A table that cannot be written (a read-only corpus) keeps nothing, and questions go on."""
+
+    def __init__(self, table: ChunkTable) -> None:
+        self.table = table
+        self._counts: Counter[str] = Counter()
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def note(self, module_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._counts.update(module_ids)
+            self._pending += 1
+            due = self._pending >= FLUSH_EVERY
+        if due:
+            self.flush()
+
+    def flush(self) -> None:
+        import sqlite3
+
+        with self._lock:
+            counts, self._counts, self._pending = dict(self._counts), Counter(), 0
+        if counts:
+            try:
+                self.table.count_retrievals(counts)
+            except sqlite3.Error:
+                pass  # read-only or busy: frequencies are a hint for `warm`, never worth a failed answer
+
+
+@dataclass(frozen=True, slots=True)
+class WarmReport:
+    num_wanted: int  # the top modules asked for (capped by what the budget holds)
+    num_held: int  # of those, already held (a resumed or repeated warm)
+    num_encoded: int
+    num_tokens: int  # encoded now
+    seconds: float
+    capped: str = ""  # why fewer than asked, if so
+
+
+def read_questions(path: Path) -> list[str]:
+    """A question log: one question a line, or JSON lines with a "question" (or "text") field."""
+    if not path.is_file():
+        raise ValueError(f"no such question log: {path}")
+    out = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                row = json.loads(line)
+                out.append(str(row.get("question") or row["text"]))
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"{path}:{number}: a JSON line needs a \"question\" or \"text\" field") from e
+        else:
+            out.append(line.strip())
+    if not out:
+        raise ValueError(f"{path} holds no questions")
+    return out
+
+
+def ranked(corpus: Corpus, questions: Sequence[str] | None, k: int) -> list[str]:
+    """Module ids, most retrieved first: by `questions` (each searched for its `k` nearest), else by the
+    corpus's record of what questions retrieved."""
+    if questions is None:
+        return [m for m, _ in corpus.table.retrieval_counts()]
+    counts: Counter[str] = Counter()
+    for q in questions:
+        counts.update(m for m, _ in corpus.search(q, k))
+    order = {m: i for i, (m, _, _) in enumerate(corpus.table.module_keys())}
+    return sorted(counts, key=lambda m: (-counts[m], order.get(m, 0)))
+
+
+def warm(corpus: Corpus, top: int, questions: Sequence[str] | None = None, k: int = 4,
+         progress: Callable[[int], None] | None = None) -> WarmReport:
+    """Encode the `top` most retrieved modules not held yet (resumable: what is held is skipped), capped
+    at what the store's budget holds; `progress(n)` after each batch encoded."""
+    import time
+
+    if top < 1:
+        raise ValueError(f"--top must be at least 1, got {top}")
+    t0 = time.perf_counter()
+    order = ranked(corpus, questions, k)
+    if not order:
+        raise ValueError("nothing to warm from: no question has retrieved a module of this corpus yet; "
+                         "pass a question log (--questions FILE)")
+    tokens = {m: n for m, _, n in corpus.table.module_keys()}
+    room = _room(corpus)
+    wanted, used, capped = [], 0, ""
+    for m in order[:top]:
+        size = module_bytes(corpus._loaded_engine(), tokens.get(m, 0), corpus.manifest.codec)
+        if room is not None and used + size > room:
+            capped = (f"the store budget holds about {len(wanted)} of the {min(top, len(order))} modules asked "
+                      f"for ({corpus.budget.describe()})")
+            break
+        wanted.append(m)
+        used += size
+    if len(order) < top and not capped:
+        capped = f"only {len(order)} modules were ever retrieved"
+    engine = corpus.prepare()
+    report = engine.encode(corpus.manifest.name, wanted, progress=progress)
+    return WarmReport(len(wanted), report.num_skipped, report.num_modules, report.num_tokens,
+                      time.perf_counter() - t0, capped)
+
+
+def _room(corpus: Corpus) -> int | None:
+    """The bytes the corpus's persistent tiers hold (writes go through to each, so the largest of disk and
+    Redis where both are used); the memory tier's where it is the only one. None: unbounded."""
+    b = corpus.budget
+    limits = [v for use, v in ((corpus.disk_tier, b.disk), (corpus.redis_url is not None, b.redis)) if use]
+    if not limits:
+        return b.memory
+    return None if any(v is None for v in limits) else max(limits)  # type: ignore[type-var]
+
+
+class StoreAccess:
+    """Mixed into `Corpus` (which sets these): its store's tiers and budget, how much of its KV they hold,
+    warming them."""
+
+    path: Path
+    manifest: Manifest
+    table: ChunkTable
+    memory_bytes: int | None
+    disk_tier: bool
+    redis_url: str | None
+    _lock: threading.RLock
+    _retrievals: RetrievalLog
+    _engine: PromptCache | None  # and `_loaded_engine()`, the engine loaded on first use
+    _owns_engine: bool
+
+    def open_store(self) -> Store:
+        """A new handle on this corpus's KV store (memory → disk → Redis, as configured), within its budget."""
+        disk = self.path / layout.STORE if self.disk_tier else None
+        return corpus_store.open_store(disk, True, self.redis_url, self.manifest.name, self.manifest.codec, self.budget)
+
+    @property
+    def budget(self) -> StoreBudget:
+        """The store budget this process holds its tiers to: the recorded one, `memory_bytes` over its memory."""
+        recorded = StoreBudget.of(self.manifest)
+        return recorded if self.memory_bytes is None else dataclasses.replace(recorded, memory=self.memory_bytes)
+
+    def set_budget(self, budget: StoreBudget | None, kv: str | None = None) -> list[str]:
+        """Record a new store budget (None: keep it) and how later ingests encode (`kv`; None: keep it);
+        returns what changed ("disk 4.0 GiB -> 2.0 GiB"). A tier budget smaller than one module is a
+        ValueError. Tiers already open keep the old budget until reopened (a lowered disk budget is held
+        when the store opens: store/disk.py)."""
+        with self._lock:
+            self.manifest, changed = budgeting.record(self.manifest, budget, kv, self._loaded_engine)
+            if changed:
+                layout.write_manifest(self.path, self.manifest)
+                if budget is not None and self._engine is not None and self._owns_engine:
+                    corpus_store.resize(self._engine.store, self.budget)
+            return changed
+
+    def coverage(self) -> Coverage:
+        """How much of the corpus's module KV its store holds now (`ingest --kv lazy` starts at none)."""
+        return coverage(self)  # type: ignore[arg-type]
+
+    def warm(self, top: int, questions: Sequence[str] | None = None, k: int = 4) -> WarmReport:
+        """Encode the `top` modules questions retrieve most (from `questions`, else from what questions
+        retrieved so far), those not held yet, within the store's budget."""
+        self._retrievals.flush()
+        return warm(self, top, questions, k)  # type: ignore[arg-type]
