@@ -22,10 +22,10 @@ import torch
 from rag_promptcache.bench.common import Bench, BenchConfig
 
 SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve", "chat",
-             "sustained")
+             "sustained", "retrieval")
 # fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients) and sustained
-# (novel questions against tiers smaller than the corpus) build their own corpus and take minutes: only when asked
-# for (--scenarios fidelity,ingest,serve,sustained).
+# (novel questions against tiers smaller than the corpus) and retrieval (recall and answers on real manuals, latency
+# at 10k and 100k modules) build their own corpus and take minutes: only when asked for (--scenarios fidelity,...).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
 
 
@@ -133,6 +133,10 @@ def run_loaded(
             from rag_promptcache.bench import sustained
 
             out["sustained"] = sustained.run(bench)
+        elif name == "retrieval":
+            from rag_promptcache.bench import retrieval
+
+            out["retrieval"] = retrieval.run(bench, quick)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0

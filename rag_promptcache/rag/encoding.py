@@ -44,11 +44,13 @@ def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix
 
 
 def encode_modules(engine: PromptCache, embedder: EmbedderLike, manifest: Manifest,
-                   modules: Sequence[tuple[str, str]]) -> Encoded:
-    """Embed the modules' text and store their KV through the engine's store."""
+                   modules: Sequence[tuple[str, str]], embed_texts: Sequence[str] | None = None) -> Encoded:
+    """Embed `embed_texts` (what retrieval reads of each module, `chunker.search_text`; default: the
+    modules' text) and store the modules' KV through the engine's store."""
     if not modules:
         return Encoded(np.zeros((0, manifest.dim), np.float32), 0.0)
-    vectors = embedder.embed([text for _, text in modules])
+    assert embed_texts is None or len(embed_texts) == len(modules), f"{len(modules)=}"
+    vectors = embedder.embed(list(embed_texts) if embed_texts is not None else [text for _, text in modules])
     t = time.perf_counter()
     engine.add_schema(corpus_schema(manifest, modules, suffix=INGEST_SUFFIX), replace=True)
     # All units: the batch's modules and the root (instructions), so no question pays for them.
