@@ -5,8 +5,10 @@ turn's retrieval once, remembered for the turns after it.
 `search` is the one place every path retrieves (`ask`, `chat`, `eval`, `tune`, the server, the
 LangChain and LlamaIndex retrievers). Hybrid by default: the dense ranking (FAISS over the embedded
 modules) and the lexical one (BM25, `lexical.py`), each `FUSION_DEPTH` deep, fused by reciprocal rank
-(Cormack et al. 2009: each module scores the sum of 1 / (RRF_K + its rank) over the rankings that hold
-it). A question with no lexical match is ranked by the dense half alone. Whatever ranked it, each hit's
+(Cormack et al. 2009: each module scores the sum of weight / (RRF_K + its rank) over the rankings that
+hold it), the lexical ranking weighted `LEXICAL_WEIGHT` (on manuals, where questions name options and
+settings, it ranks the answer first more often: `bench --scenarios retrieval`, docs/retrieval.md). A
+question with no lexical match is ranked by the dense half alone. Whatever ranked it, each hit's
 score is its cosine similarity to the question, so `min_score` means one thing in every mode.
 
 The one rule for how history counts against the window: every earlier turn's text (system, user,
@@ -35,6 +37,7 @@ RETRIEVALS_KEPT = 256  # conversation turns whose retrieval `Conversations` reme
 NOT_FOUND = "Not found in the documents."
 MODES = ("hybrid", "dense", "lexical")  # `search`'s rankings: fused (the default), FAISS alone, BM25 alone
 RRF_K = 60  # reciprocal rank fusion's constant, as its authors set it
+LEXICAL_WEIGHT = 1.5  # the BM25 ranking's weight in the fusion, the dense one's being 1
 FUSION_DEPTH = 50  # candidates each ranking gives the fusion
 
 
@@ -57,7 +60,7 @@ def search(index: VectorIndex, lexical: LexicalIndex | None, lock: threading.RLo
     with lock:
         dense = index.search(vector, depth)[0] if mode != "lexical" else []
         words = lexical.search(question, depth) if mode != "dense" and lexical is not None else []
-    ranked = fuse([[i for i, _ in dense], [i for i, _ in words]])
+    ranked = fuse([[i for i, _ in dense], [i for i, _ in words]], (1.0, LEXICAL_WEIGHT))
     names = table.module_ids_for(ranked)  # a module removed since the lexical index was built is gone here
     ranked = [i for i in ranked if i in names][:k]
     cosine = dict(dense)
@@ -67,13 +70,13 @@ def search(index: VectorIndex, lexical: LexicalIndex | None, lock: threading.RLo
     return [(names[i], cosine[i]) for i in ranked if i in cosine]
 
 
-def fuse(rankings: Sequence[Sequence[int]]) -> list[int]:
-    """Reciprocal rank fusion of rankings (ids, best first) into one, best first; ties keep the first
-    ranking's order."""
+def fuse(rankings: Sequence[Sequence[int]], weights: Sequence[float] | None = None) -> list[int]:
+    """Weighted reciprocal rank fusion of rankings (ids, best first) into one, best first; ties keep the
+    first ranking's order."""
     score: dict[int, float] = {}
-    for ranking in rankings:
+    for ranking, weight in zip(rankings, weights or [1.0] * len(rankings)):
         for rank, i in enumerate(ranking, start=1):
-            score[i] = score.get(i, 0.0) + 1.0 / (RRF_K + rank)
+            score[i] = score.get(i, 0.0) + weight / (RRF_K + rank)
     return sorted(score, key=lambda i: -score[i])
 
 
