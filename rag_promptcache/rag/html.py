@@ -109,7 +109,7 @@ def _is_furniture(tag) -> bool:
     if total == 0 or (links and linked >= LINK_SHARE * total):
         return True
     if nav:
-        return total < 12 and tag.find(["h1", "h2", "h3", "h4", "h5", "h6", "pre", "table"]) is None
+        return total < 12 and tag.find(["pre", "table"]) is None  # a widget's title ("Quick search") goes too
     return total < FRAME_WORDS_MAX and tag.find(["h1", "h2", "h3", "h4", "h5", "h6"]) is None
 
 

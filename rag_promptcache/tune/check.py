@@ -93,6 +93,22 @@ def _cloze(text: str, rng: random.Random) -> tuple[str, str] | None:
             " ".join(words[cut:cut + 3]).strip(",;:()\"'"))
 
 
+# How a blanked sentence is asked (`phrase`): "blank" names the blank ("Which word or number fills the blank
+# in this sentence ..."), "continue" gives the sentence up to the blank and asks how it goes on, as a user
+# quoting the documents would. Measured on real manuals: see PHRASING.
+PHRASINGS = ("blank", "continue")
+PHRASING = "blank"
+
+
+def phrase(sentence: str, how: str | None = None) -> str:
+    """A blanked sentence (`blanks`) as a check question."""
+    how = how or PHRASING
+    if how == "blank":
+        return f'Which word or number fills the blank in this sentence from the documents: "{sentence}"'
+    head = sentence[: sentence.index(BLANK)].rstrip()
+    return f'According to the documents, how does this go on (one word or number): "{head} ..."?'
+
+
 def made_questions(texts: Sequence[str], limit: int, seed: int) -> list[tuple[str, str, str]]:
     """Up to `limit` (question, answer, kind) about `texts`, taken from each text in turn: its blanks,
     or one cloze question where it has none."""
@@ -101,8 +117,7 @@ def made_questions(texts: Sequence[str], limit: int, seed: int) -> list[tuple[st
     for text in texts:
         found = blanks(text)
         rng.shuffle(found)
-        rows = [(f'Which word or number fills the blank in this sentence from the documents: "{s}"', a, "blank")
-                for s, a in found]
+        rows = [(phrase(s), a, "blank") for s, a in found]
         if not rows and (cloze := _cloze(text, rng)) is not None:
             rows.append((*cloze, "cloze"))
         per_text.append(rows)
