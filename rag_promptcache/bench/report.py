@@ -50,6 +50,10 @@ def markdown(report: dict[str, object]) -> str:
                 f"{worst.get('cached_path', 'cached')} path.", ""]
     if isinstance(report.get("chat"), dict):
         out += _chat_markdown(report["chat"])
+    if isinstance(report.get("retrieval"), dict):
+        from rag_promptcache.bench import retrieval
+
+        out += retrieval.markdown(report["retrieval"])
     if report.get("decode"):
         out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, EOS ignored, "
                 f"{report['decode'][0]['context_tokens']}-token context)", "",

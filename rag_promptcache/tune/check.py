@@ -169,6 +169,22 @@ def summarize(rows: Sequence[CheckQuestion], right: dict[str, list[bool]]) -> Ch
     return Check(len(ref), {s: sum(r) for s, r in right.items()}, kept, dict(Counter(r.kind for r in rows)))
 
 
+MIN_RIGHT = 3  # base/full right answers below which `kept` cannot tell an adapter from chance
+MIN_SHARE = 1 / 3  # ... nor where it answers fewer than this share of the questions made from the corpus
+
+
+def too_few_to_judge(rows: Sequence[CheckQuestion], texts: dict[str, list[str]]) -> str | None:
+    """Why questions made from the corpus cannot judge an adapter: the base model's full prefill answered
+    too few of them (fewer than MIN_RIGHT, or than MIN_SHARE of them); else None. Asked before training, so
+    the budget is not spent on an adapter nothing can judge. (The user's own questions are theirs to judge.)"""
+    right = sum(judge(rows, {"base/full": texts["base/full"]})["base/full"])
+    if right >= MIN_RIGHT and right >= MIN_SHARE * len(rows):
+        return None
+    return (f"the base model's full prefill answered {right} of the {len(rows)} check questions made from held-out "
+            "modules: too few to judge an adapter, so nothing was trained; ask your own with --questions FILE "
+            '(JSON lines: {"question": ..., "answer": ...}), or train unchecked with --check 0')
+
+
 def verdict(check: Check) -> tuple[bool, str]:
     """Applied only where the tuned model's cached answers keep more than the model's would without this
     tune (the base model's, and the shipped adapter's where one ships), and its full prefill answers no
