@@ -182,22 +182,3 @@ def lookalike(bench: Bench, split: str, tmp: Path) -> list[dict[str, object]]:
     corpus.close()
     return rows
 
-
-def markdown(out: dict[str, object]) -> list[str]:
-    """The scenario's tables, for bench.md."""
-    from rag_promptcache.bench.report import table
-
-    rows = [*out["real"], *out["lookalike"]]
-    lines = ["## Retrieval (recall of the answer-bearing module, real manuals and look-alike splits)", "",
-             table(["set", "mode", "questions", *(f"recall@{k}" for k in KS), "MRR"],
-                   [[r["set"], r["mode"], r["questions"], *(r[f"recall@{k}"] for k in KS), r["mrr"]] for r in rows]), ""]
-    a = out["answers"]
-    lines += [f"Answers at k = {a['k']} (hybrid) on {a['questions']} questions, the answer-bearing module retrieved for "
-              f"{a['retrieved']}: full prefill {a['full_right']} right, the default cached path ({a['recovery']}) "
-              f"{a['cached_right']}; answers copying a source label {a['full_label']} / {a['cached_label']}, the context "
-              f"line {a['full_context']} / {a['cached_context']}, navigation {a['full_navigation']} / {a['cached_navigation']}.", ""]
-    lines += ["Retrieval latency (one question, its embedding included; synthetic filler beyond the real modules)", "",
-              table(["modules", "mode", "p50 ms", "max ms", "embedding p50 ms", "BM25 build s"],
-                    [[r["modules"], r["mode"], r["p50_ms"], r["max_ms"], r["embed_p50_ms"], r["lexical_build_s"]]
-                     for r in out["latency"]]), ""]
-    return lines
