@@ -51,3 +51,21 @@ def test_bad_input_writes_nothing(tiny, tmp_path):
     with pytest.raises(AdapterError, match="lacks"):
         ship(tmp_path, "none", model="m", into=into)
     assert not into.exists()
+
+
+def test_an_adapter_trained_with_links_ships_without_them_when_asked(tiny, tmp_path):
+    from rag_promptcache.model import links
+
+    lora = save_random_lora(tiny, tmp_path / "trained")
+    base, _ = load_model(tiny, device="cpu", dtype="float32", adapter="none")
+    links.save(links.fresh(base, 4, seed=2), lora)
+    assert adapters.read(lora).num_links == 4
+    with pytest.raises(ValueError, match="links:4.*would have none"):
+        ship(lora, "links:4", model="m", into=tmp_path / "refused", with_links=False)
+    assert not (tmp_path / "refused").exists()
+    target = ship(lora, "last:1", model="m", into=tmp_path / "adapters", with_links=False)
+    assert not (target / links.FILE).exists() and adapters.read(target).num_links == 0
+    model, _ = load_model(tiny, device="cpu", dtype="float32", adapter=str(target))
+    assert links.of(model) is None
+    kept = ship(lora, "links:4", model="m", into=tmp_path / "with", with_links=True)
+    assert adapters.read(kept).num_links == 4

@@ -156,3 +156,23 @@ def test_recipe_end_to_end_with_workers(tiny, tmp_path):
     assert meta["metrics"]["base_text_loss"] > 0 and meta["metrics"]["tuned_probe_seconds"] > 0
     assert json.loads((tmp_path / "a" / "tune.json").read_text())["base_fingerprint"] == meta["base_fingerprint"]
     assert (tmp_path / "a" / "adapter_config.json").exists()
+
+
+@pytest.mark.slow
+def test_recipe_trains_wrapper_tokens_with_the_lora(tiny, tmp_path):
+    """`--wrap W`: W learned tokens before and after every module, trained with the LoRA; the adapter
+    loads with them and the engine encodes every module wrapped."""
+    from rag_promptcache.model import adapter as adapters
+    from rag_promptcache.model import links
+    from rag_promptcache.model.loading import load_model
+    from rag_promptcache.tune.recipe import main
+
+    meta = main(["--out", str(tmp_path / "w"), "--model", str(tiny), "--device", "cpu", "--steps", "2", "--wrap", "2",
+                 "--tokens-per-batch", "1500", "--k-max", "3", "--families", "reference"])
+    assert meta["recipe"]["wrap"] == 2 and meta["metrics"]["steps"] == 2
+    record = adapters.read(tmp_path / "w")
+    assert (record.num_wrap, record.num_links) == (2, 0)
+    model, _ = load_model(str(tiny), device="cpu", dtype="float32", adapter=str(tmp_path / "w"))
+    fresh = links.fresh(model, 4, seed=meta["recipe"]["seed"])
+    assert not torch.allclose(links.of(model).links.float(), fresh), "the wrappers trained"
+    assert [len(ids) for ids in links.wrap_ids(model)] == [2, 2]

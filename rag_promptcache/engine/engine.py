@@ -118,7 +118,7 @@ class PromptCache:
         attention.available(model.dtype, model.device)  # builds the CPU kernels now where they run, not in a request
         self.geometry = kv_geometry(model)
         self.context_window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-        self.compiler = Compiler(tokenizer, role_markup(tokenizer))
+        self.compiler = Compiler(tokenizer, role_markup(tokenizer), links.wrap_ids(model))
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.prompt_lookup = prompt_lookup
         if prefix_cache_bytes is None:

@@ -61,6 +61,7 @@ class Adapter:
     base_fingerprint: str
     shipped: bool  # it ships with this package for `base_model`
     num_links: int = 0  # trained link tokens (model/links.py); 0: none
+    num_wrap: int = 0  # trained wrapper tokens on each side of every module (model/links.py); 0: none
 
 
 def shipped_dir(model_name: str) -> Path | None:
@@ -111,12 +112,13 @@ def read(directory: Path) -> Adapter:
         raise AdapterError(f"{where}: recovery must be a string like 'none' or 'last:1', not {recovery!r}")
     resolved = directory.resolve()
     try:
-        table = links.load(resolved)
+        table, wrap = links.load(resolved), links.wrap_of(resolved)
     except Exception as e:  # safetensors raises its own types for a damaged file
         raise AdapterError(f"{resolved / links.FILE} is not a readable link table: {e}") from e
     return Adapter(name=resolved.name, path=str(resolved), digest=digest(resolved), recovery=recovery,
                    mode=tune["mode"], base_model=tune["base_model"], base_fingerprint=tune["base_fingerprint"],
-                   shipped=resolved.parent == SHIPPED, num_links=0 if table is None else int(table.shape[0]))
+                   shipped=resolved.parent == SHIPPED, num_links=0 if table is None else int(table.shape[0]) - 2 * wrap,
+                   num_wrap=wrap)
 
 
 def digest(directory: Path) -> str:
@@ -157,7 +159,7 @@ def merge(model: torch.nn.Module, adapter: Adapter, fingerprint: str, model_name
             merged = PeftModel.from_pretrained(model, adapter.path).merge_and_unload()
         table = links.load(adapter.path)
         if table is not None:
-            links.install(merged, table)
+            links.install(merged, table, adapter.num_wrap)
     except (ValueError, KeyError, RuntimeError) as e:
         raise AdapterError(f"adapter {adapter.path!r} does not fit this model: {e}") from e
     setattr(merged, _ATTR, adapter)

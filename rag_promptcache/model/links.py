@@ -1,4 +1,5 @@
-"""Link tokens (KVLink, Yang et al. 2025): a few learned embeddings placed after each cached module.
+"""Link tokens (KVLink, Yang et al. 2025): a few learned embeddings placed after each cached module;
+and wrapper tokens (KV Packet, Chen et al. 2026): learned embeddings placed around every module.
 
 A link token is an ordinary new token of the prompt whose embedding is learned. Its id lies past the
 model's vocabulary (`first_id = vocab_size`, then `first_id + 1`, ...), so the tokenizer never makes
@@ -10,7 +11,12 @@ engine/planning/recovery.py): each sees the cached modules before it and the lin
 carries what those modules would have seen of each other. A tuned adapter saves the table beside its
 LoRA (`links.safetensors`, model/adapter.py) and `merge` installs it.
 
-Out of scope: training them (tune/train.py), placing them in a prompt (the recovery).
+Wrapper tokens are rows of the same table, before the links: W opening and W closing rows (`wrap_ids`),
+which the prompt compiler puts before and after every module's own tokens (engine/prompt/compiler.py).
+They are part of the module, so they are encoded with it when it is stored and cost nothing when a
+question reads it; the table's `wrap` (saved in the file's metadata) says how many there are.
+
+Out of scope: training them (tune/train.py), placing them in a prompt (the recovery, the compiler).
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ KEY = "links"
 
 
 class LinkEmbedding(nn.Module):
-    """The model's token embedding, with `num_links` learned rows for the ids from `first_id` on."""
+    """The model's token embedding, with learned rows for the ids from `first_id` on: 2 x `wrap` wrapper
+    rows (opening, then closing), then `num_links` link rows."""
 
-    def __init__(self, base: nn.Module, links: torch.Tensor) -> None:
+    def __init__(self, base: nn.Module, links: torch.Tensor, wrap: int = 0) -> None:
         super().__init__()
         self.base = base
         self.first_id = int(base.weight.shape[0])
         self.links = nn.Parameter(links.to(base.weight.dtype), requires_grad=False)
+        self.wrap = wrap
 
     @property
     def weight(self) -> torch.Tensor:
@@ -39,26 +47,34 @@ class LinkEmbedding(nn.Module):
         return self.base.weight
 
     @property
-    def num_links(self) -> int:
+    def num_rows(self) -> int:
         return int(self.links.shape[0])
+
+    @property
+    def num_links(self) -> int:
+        """Link rows: the table's rows after the wrappers'."""
+        return self.num_rows - 2 * self.wrap
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         is_link = ids >= self.first_id
         out = self.base(ids.clamp(max=self.first_id - 1))  # [..., E]
         if not bool(is_link.any()):
             return out
-        rows = self.links[(ids - self.first_id).clamp(0, self.num_links - 1)].to(out.dtype)  # [..., E]
+        rows = self.links[(ids - self.first_id).clamp(0, self.num_rows - 1)].to(out.dtype)  # [..., E]
         return torch.where(is_link.unsqueeze(-1), rows, out)
 
 
-def install(model: nn.Module, links: torch.Tensor) -> LinkEmbedding:
-    """Wrap `model`'s input embedding with link rows `links` [N, hidden] (replacing earlier ones)."""
+def install(model: nn.Module, links: torch.Tensor, wrap: int = 0) -> LinkEmbedding:
+    """Wrap `model`'s input embedding with learned rows `links` [N, hidden], the first 2 x `wrap` of them
+    wrapper rows (replacing earlier ones)."""
     current = model.get_input_embeddings()
     base = current.base if isinstance(current, LinkEmbedding) else current
     hidden = base.weight.shape[1]
     if links.dim() != 2 or links.shape[1] != hidden or links.shape[0] < 1:
         raise ValueError(f"link embeddings must be [N >= 1, {hidden}] for this model, got {list(links.shape)}")
-    wrapped = LinkEmbedding(base, links.to(base.weight.device))
+    if wrap < 0 or 2 * wrap > links.shape[0]:
+        raise ValueError(f"{wrap} wrapper tokens a side need {2 * wrap} rows; the table has {links.shape[0]}")
+    wrapped = LinkEmbedding(base, links.to(base.weight.device), wrap)
     model.set_input_embeddings(wrapped)
     return wrapped
 
@@ -89,13 +105,35 @@ def ids(model: nn.Module, num: int) -> tuple[int, ...]:
         raise ValueError(f"links:{num} needs an adapter trained with link tokens; this model has {what} "
                          "(load an adapter with links.safetensors, or use last:N or none)")
     assert emb is not None, f"{num=}"
-    return tuple(range(emb.first_id, emb.first_id + num))
+    first = emb.first_id + 2 * emb.wrap
+    return tuple(range(first, first + num))
 
 
-def save(links: torch.Tensor, directory: str | Path) -> None:
+def wrap_ids(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids of the wrapper tokens every module opens and closes with: ((), ()) where there are none."""
+    emb = of(model)
+    if emb is None or not emb.wrap:
+        return (), ()
+    first, w = emb.first_id, emb.wrap
+    return tuple(range(first, first + w)), tuple(range(first + w, first + 2 * w))
+
+
+def save(links: torch.Tensor, directory: str | Path, wrap: int = 0) -> None:
     from safetensors.torch import save_file
 
-    save_file({KEY: links.detach().to(torch.float32).cpu().contiguous()}, str(Path(directory) / FILE))
+    save_file({KEY: links.detach().to(torch.float32).cpu().contiguous()}, str(Path(directory) / FILE),
+              metadata={"wrap": str(wrap)})
+
+
+def wrap_of(directory: str | Path) -> int:
+    """How many wrapper tokens a side the table saved in `directory` holds (0: none, or no table)."""
+    path = Path(directory) / FILE
+    if not path.is_file():
+        return 0
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return int((f.metadata() or {}).get("wrap", "0"))
 
 
 def load(directory: str | Path) -> torch.Tensor | None:

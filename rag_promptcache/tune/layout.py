@@ -42,8 +42,8 @@ class Laid:
     context: list[int]
     loss_from: int
     answer_from: int
-    num_links: int = 0  # link tokens among the new ones, all before `loss_from` (model/links.py)
-    first_link: int = 0  # the first link token's id; ids from it on are links
+    num_links: int = 0  # learned tokens (links, wrappers: model/links.py), all before `loss_from`
+    first_link: int = 0  # the first learned token's id; ids from it on are learned
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -61,14 +61,18 @@ class Layouter:
     """Lays out (instructions, module texts, question, answer) as the engine would for a corpus prompt;
     with `link_ids`, those link tokens after each module, as recovery `links:N` places them."""
 
-    def __init__(self, tokenizer, mode: str = "shared_prefix", link_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer, mode: str = "shared_prefix", link_ids: Sequence[int] = (),
+                 wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
+        """`wrap`: wrapper token ids every module opens and closes with (the engine's compiler places
+        them so for a model trained with them)."""
         if mode not in MODES:
             raise ValueError(f"unknown encoding mode {mode!r}; valid: {', '.join(MODES)}")
         self.tokenizer = tokenizer
         self.mode = mode
-        self.schemas = Schemas(Compiler(tokenizer, role_markup(tokenizer)), "tune", mode)
+        self.schemas = Schemas(Compiler(tokenizer, role_markup(tokenizer), wrap), "tune", mode)
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
         self.link_ids = tuple(link_ids)
+        self.wrap_ids = (*wrap[0], *wrap[1])
 
     def lay(self, instructions: str, modules: Sequence[str], question: str, answer: str) -> Laid:
         names = [f"m{i}" for i in range(len(modules))]
@@ -90,15 +94,15 @@ class Layouter:
             ids.extend(p.token_ids)
             unit.extend([numbers[p.unit] if p.cached else -1] * len(p.token_ids))
             context.extend([ctx] * len(p.token_ids))
-        links = set(self.link_ids)
-        num_links = sum(1 for t in ids if t in links)
-        first_new = next(i for i, (u, t) in enumerate(zip(unit, ids)) if u == -1 and t not in links)
+        learned = set(self.link_ids) | set(self.wrap_ids)  # a full prefill reads none of them (`Laid.plain`)
+        num_links = sum(1 for t in ids if t in learned)
+        first_new = next(i for i, (u, t) in enumerate(zip(unit, ids)) if u == -1 and t not in learned)
         answer_ids = self.tokenizer.encode(answer, add_special_tokens=False) + [self.eos]
         answer_from = len(ids)
         ids.extend(answer_ids)
         unit.extend([-1] * len(answer_ids))
         context.extend([0] * len(answer_ids))
-        return Laid(ids, unit, context, first_new, answer_from, num_links, min(self.link_ids, default=0))
+        return Laid(ids, unit, context, first_new, answer_from, num_links, min(learned, default=0))
 
 
 def block_mask(laid: Laid, device: torch.device | str = "cpu") -> torch.Tensor:

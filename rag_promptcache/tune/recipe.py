@@ -33,9 +33,10 @@ FORMAT = 1
 _worker: tuple[SampleMaker, Layouter] | None = None
 
 
-def _init(maker: SampleMaker, tokenizer, mode: str, link_ids: tuple[int, ...] = ()) -> None:
+def _init(maker: SampleMaker, tokenizer, mode: str, link_ids: tuple[int, ...] = (),
+          wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
     global _worker
-    _worker = (maker, Layouter(tokenizer, mode, link_ids))
+    _worker = (maker, Layouter(tokenizer, mode, link_ids, wrap))
 
 
 def _lay(index: int) -> tuple[int, Laid]:
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--k-max", type=int, default=10, help="most modules in a training prompt")
     ap.add_argument("--k-min", type=int, default=1, help="fewest modules in a training prompt")
     ap.add_argument("--links", type=int, default=0, help="link tokens after each module (0: none)")
+    ap.add_argument("--wrap", type=int, default=0,
+                    help="wrapper tokens before and after every module, encoded with it (0: none)")
     ap.add_argument("--init", default="", help="an adapter directory to start from (same rank and projections)")
     ap.add_argument("--families", default=",".join(FAMILIES), help="text families to train on")
     ap.add_argument("--fact-share", type=float, default=0.45, help="samples asking a fact where one can be asked")
@@ -184,12 +187,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         neighbors=shared_fact_neighbors(train_passages, seed=args.seed), fact_share=args.fact_share)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
                      tokens_per_batch=args.tokens_per_batch, seed=args.seed, links=args.links, init=args.init,
-                     full_share=args.full_share)
-    vocab = model.get_input_embeddings().weight.shape[0]  # link ids follow the vocabulary (model/links.py)
-    link_ids = tuple(range(vocab, vocab + args.links))
+                     full_share=args.full_share, wrap=args.wrap)
+    vocab = model.get_input_embeddings().weight.shape[0]  # learned ids follow the vocabulary (model/links.py)
+    w = args.wrap  # the table: w opening wrappers, w closing ones, then the links
+    wrap = (tuple(range(vocab, vocab + w)), tuple(range(vocab + w, vocab + 2 * w)))
+    link_ids = tuple(range(vocab + 2 * w, vocab + 2 * w + args.links))
     pool = None
     if args.workers:
-        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode, link_ids))
+        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode, link_ids, wrap))
 
         def stream(start: int):
             # windows of 256, the next one laid out while this one trains; never `imap` over an endless
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 window, ahead = ahead.get(), pool.map_async(_lay, range(start, start + 256), chunksize=8)
                 yield from window
     else:
-        _init(maker, tokenizer, args.mode, link_ids)
+        _init(maker, tokenizer, args.mode, link_ids, wrap)
 
         def stream(start: int):
             return map(_lay, itertools.count(start))

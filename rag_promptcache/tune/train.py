@@ -54,6 +54,7 @@ class TuneConfig:
     init: str = ""  # an adapter directory the LoRA starts from (same rank and targets); empty: a fresh LoRA
     links: int = 0  # link tokens after each module (the samples must be laid out with as many); 0: none
     links_lr_scale: float = 5.0  # the link embeddings' learning rate against the LoRA's
+    wrap: int = 0  # wrapper tokens on each side of every module (the samples laid out with them); 0: none
 
 
 @dataclass(slots=True)
@@ -118,12 +119,12 @@ def attach(model, cfg: TuneConfig):
 
     for p in model.parameters():
         p.requires_grad_(False)
-    if cfg.links:
-        links.install(model, links.fresh(model, cfg.links, cfg.seed))
+    if cfg.links or cfg.wrap:
+        links.install(model, links.fresh(model, 2 * cfg.wrap + cfg.links, cfg.seed), cfg.wrap)
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets), lora_dropout=0.0,
                       bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
-    if cfg.links:
+    if cfg.links or cfg.wrap:
         links.of(model).links.requires_grad_(True)
     return peft_model
 
@@ -222,7 +223,7 @@ def _save(peft_model, opt, state: Progress, ckpt: Path) -> None:
 def _save_links(peft_model, directory: Path) -> None:
     table = links.of(peft_model.get_base_model())
     if table is not None:
-        links.save(table.links, directory)
+        links.save(table.links, directory, table.wrap)
 
 
 def _load_links(peft_model, directory: Path) -> None:
@@ -230,8 +231,9 @@ def _load_links(peft_model, directory: Path) -> None:
     table, saved = links.of(peft_model.get_base_model()), links.load(directory)
     if table is None or saved is None:
         return
-    if saved.shape != table.links.shape:
-        raise ValueError(f"{directory} holds {saved.shape[0]} link tokens, this run trains {table.num_links}")
+    if saved.shape != table.links.shape or links.wrap_of(directory) != table.wrap:
+        raise ValueError(f"{directory} holds {saved.shape[0]} learned tokens ({links.wrap_of(directory)} wrappers a "
+                         f"side), this run trains {table.num_rows} ({table.wrap} a side)")
     with torch.no_grad():
         table.links.copy_(saved)
 

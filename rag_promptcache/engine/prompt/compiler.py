@@ -73,9 +73,13 @@ class CompiledSchema:
 class Compiler:
     """Tokenizes schemas (once, lazily per module) and compiles prompts against them."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, markup: RoleMarkup) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, markup: RoleMarkup,
+                 wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
+        """`wrap`: token ids every module opens and closes with (a model's trained wrapper tokens,
+        model/links.py), part of the module's own tokens; none by default."""
         self.tokenizer = tokenizer
         self.markup = markup
+        self.wrap = wrap
         ids = tokenizer("a")["input_ids"]
         bos = tokenizer.bos_token_id
         self.bos: tuple[int, ...] = (bos,) if bos is not None and ids and ids[0] == bos else ()
@@ -138,6 +142,8 @@ class Compiler:
     ) -> int:
         """Compile one unit and, recursively, its children. Returns its full size in schema positions."""
         flat = _flatten(children, self.markup, lead, structural=name == ROOT)
+        opening, closing = self.wrap if name != ROOT else ((), ())
+        lead_ids = lead_ids + opening
         token_ids: list[int] = list(lead_ids)
         segs: list[Seg] = []
         pos = schema_start
@@ -171,6 +177,10 @@ class Compiler:
                         )
                     pos += widest
                 segs.append(Seg("slot", offset, 0, schema_pos=slot_pos))
+        if closing:
+            segs.append(Seg("text", len(token_ids), len(closing), schema_pos=pos))
+            token_ids.extend(closing)
+            pos += len(closing)
         units[name] = Unit(name, tuple(token_ids), tuple(segs), encode_start, context, slot)
         return pos - schema_start
 
