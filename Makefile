@@ -10,7 +10,7 @@ TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo 
 KERNELS  := rag_promptcache/model/kernels
 LIBRARY  := $(KERNELS)/librag-promptcache-kernels.so
 
-.PHONY: venv kernels test test-fast test-coarse docs demo bench bench-quick redis browser clean gpu-check gpu-wheels
+.PHONY: venv kernels test test-fast test-coarse docs demo bench bench-quick redis browser manuals clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,14 @@ redis:
 	  $$SUDO apt-get install -y -q redis-server >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; }
 	@command -v redis-server >/dev/null 2>&1 && echo "redis-server: $$(command -v redis-server)"
+
+# bench --scenarios retrieval reads SQLite's and Git's HTML manuals (rag_promptcache/bench/data/retrieval_manuals.json).
+manuals:
+	@{ [ -f /usr/share/doc/sqlite3/wal.html ] && [ -f /usr/share/doc/git-doc/git-stash.html ]; } || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q sqlite3-doc git-doc >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q sqlite3-doc git-doc >/dev/null; }; }
+	@ls /usr/share/doc/sqlite3/wal.html /usr/share/doc/git-doc/git-stash.html
 
 # The chat page's test drives Debian's chromium through Selenium (Playwright's browser download is not reachable).
 browser: venv

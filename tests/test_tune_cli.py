@@ -13,7 +13,7 @@ import pytest
 from rag_promptcache.model import adapter as adapters
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag.fidelity import EvalQuestion
-from rag_promptcache.tune.check import Check, CheckQuestion, blanks, judge, made_questions, verdict
+from rag_promptcache.tune.check import Check, CheckQuestion, blanks, judge, made_questions, phrase, too_few_to_judge, verdict
 from rag_promptcache.tune.corpus import tune_corpus
 from rag_promptcache.tune.train import TuneConfig
 from tests.tiny_adapter import save_random_lora
@@ -42,11 +42,16 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     done = cli("tune", "-c", tmp_path / "c", "--steps", "2", "--check", "3", "--corpus-only", "--json", timeout=600)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["steps"] == 2 and report["adapter"] == str(tmp_path / "c" / "tuned")
-    assert set(report["check"]["right"]) == {"base/full", "base/none", "tuned/full", "tuned/none"}
+    # a random model answers none of the questions made from the corpus: said before training, nothing trained
+    assert report["steps"] == 0 and report["applied"] is False
+    assert "nothing was trained" in report["reason"] and "--questions" in report["reason"]
+    assert set(report["check"]["right"]) == {"base/full", "base/none"} and report["check"]["right"]["base/full"] == 0
     assert set(report["check"]["kinds"]) == {"blank"} and report["check"]["questions"] == 3
-    # a random model answers nothing right: there is nothing to keep, so nothing is applied
-    assert report["applied"] is False and "nothing to compare" in report["reason"]
+    assert not (tmp_path / "c" / "tuned" / "adapter_model.safetensors").exists()
+    done = cli("tune", "-c", tmp_path / "c", "--steps", "2", "--check", "0", "--corpus-only", "--json", timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["steps"] == 2 and report["adapter"] == str(tmp_path / "c" / "tuned") and report["applied"] is True
     meta = json.loads((tmp_path / "c" / "tuned" / "tune.json").read_text())
     assert meta["mode"] == "shared_prefix" and meta["recovery"] == "none"
     assert (tmp_path / "c" / "tuned" / "adapter_model.safetensors").exists()
@@ -127,3 +132,23 @@ def test_verdict() -> None:
     shipped.right["default/none"], shipped.kept["default/none"] = 6, 0.8
     ok, why = verdict(shipped)
     assert not ok and "the shipped adapter's 0.80" in why
+
+
+def test_too_few_right_answers_to_judge_is_said_before_training() -> None:
+    rows = [CheckQuestion(f"q{i}", (str(100 + i),), (), "", "blank") for i in range(6)]
+
+    def said(n_right: int, rows=rows) -> dict[str, list[str]]:
+        return {"base/full": [f"It is {100 + i}." if i < n_right else "I do not know." for i in range(len(rows))]}
+
+    why = too_few_to_judge(rows, said(2))
+    assert why is not None and "answered 2 of the 6 check questions" in why and "--questions" in why and "--check 0" in why
+    assert too_few_to_judge(rows, said(3)) is None
+    many = rows * 2  # 3 of 12: fewer than a third
+    assert "3 of the 12" in too_few_to_judge(many, said(3, many))
+
+
+def test_check_questions_can_be_asked_as_a_continuation() -> None:
+    sentence = "By default the checkpoint runs when the log reaches ___ pages."
+    assert phrase(sentence, "continue") == ('According to the documents, how does this go on (one word or number): '
+                                            '"By default the checkpoint runs when the log reaches ..."?')
+    assert phrase(sentence, "blank").endswith(f'"{sentence}"')

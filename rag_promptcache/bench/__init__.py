@@ -22,11 +22,12 @@ import torch
 from rag_promptcache.bench.common import Bench, BenchConfig
 
 SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve", "chat",
-             "sustained", "json", "fuzz", "soak")
+             "sustained", "json", "fuzz", "soak", "retrieval")
 # fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients), sustained
 # (novel questions against tiers smaller than the corpus), json (json_object answers under a small budget), fuzz
-# (schemathesis against the server) and soak (20 minutes of mixed load on the server) build their own corpus and
-# take minutes: only when asked for (--scenarios fidelity,ingest,serve,sustained,json,fuzz,soak).
+# (schemathesis against the server), soak (20 minutes of mixed load on the server) and retrieval (recall and answers
+# on real manuals, latency at 10k and 100k modules) build their own corpus and take minutes: only when asked for
+# (--scenarios fidelity,ingest,serve,sustained,json,fuzz,soak,retrieval).
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
 SUSTAINED_SIZES = ("small", "large", "both")  # the sustained scenario's settings (BenchConfig.sustained_size)
 
@@ -153,6 +154,10 @@ def run_loaded(
             from rag_promptcache.bench import soak
 
             out[name] = soak.fuzz(bench) if name == "fuzz" else soak.run(bench)
+        elif name == "retrieval":
+            from rag_promptcache.bench import retrieval
+
+            out["retrieval"] = retrieval.run(bench, quick)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0

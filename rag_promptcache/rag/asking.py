@@ -21,6 +21,7 @@ from rag_promptcache.rag.retrieval import Conversations, Hit, Retrieved
 if TYPE_CHECKING:
     from rag_promptcache.rag.embed import EmbedderLike
     from rag_promptcache.rag.index import VectorIndex
+    from rag_promptcache.rag.lexical import LexicalIndex
     from rag_promptcache.rag.table import ChunkTable
 
 
@@ -30,21 +31,23 @@ class Answering:
     path: Path
     manifest: Manifest
     index: VectorIndex
+    lexical: LexicalIndex
     table: ChunkTable
     embedder: EmbedderLike
     _lock: threading.RLock
     _conversations: Conversations
     _retrievals: RetrievalLog
 
-    def search(self, question: str, k: int = 4) -> list[tuple[str, float]]:
-        """The k modules nearest to the question: (module id, cosine score), best first. No text."""
+    def search(self, question: str, k: int = 4, mode: str = "hybrid") -> list[tuple[str, float]]:
+        """The k modules that best answer the question: (module id, cosine score), best first. No text.
+        `mode`: "hybrid" (dense and BM25 rankings fused, the default), "dense" or "lexical" (`retrieval.MODES`)."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         if not len(self.index):
             raise ValueError(f"corpus {self.path} is empty; add documents with: rag-promptcache ingest PATH --corpus {self.path}")
         if not question.strip():
             raise ValueError("the question is empty")
-        return retrieval.search(self.index, self._lock, self.embedder, self.table, question, k)
+        return retrieval.search(self.index, self.lexical, self._lock, self.embedder, self.table, question, k, mode)
 
     def retrieve(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (),
                  max_new_tokens: int = 256, min_score: float | None = None) -> list[Hit]:

@@ -3,8 +3,14 @@
 Counting uses the LLM's own tokenizer (anything with `encode(text, add_special_tokens=False)`),
 because a chunk becomes a prompt module and its length in *that* model's tokens is what costs KV.
 Chunks prefer paragraph, then sentence, then word boundaries; a chunk's text is always an exact
-slice `text[start:end]` of the document. The module a chunk becomes (label + text) never exceeds
+slice `text[start:end]` of the document. The module a chunk becomes (header + text) never exceeds
 `max_tokens`. Memory stays bounded: text is consumed block by block.
+
+Markdown headings (`# ...`, outside fenced code; HTML pages arrive as Markdown, `html.py`) are followed:
+a new section starts a new chunk unless the one open is still short, no overlap is carried across
+it, and each chunk records its context: the document's title and the heading path it sits under
+("SQLite Autoincrement › 3. The AUTOINCREMENT Keyword"), which retrieval reads with the text
+(`search_text`).
 
 Not here: where text comes from (`loaders.py`) or which chunks are new (`corpus.py`).
 """
@@ -21,6 +27,15 @@ _PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n\s*")
 _WORD = re.compile(r"\s*\S+\s*")
 _FORCE_FLUSH_CHARS = 1 << 22  # a "paragraph" this long with no blank line is cut at a sentence
+_HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$")
+_FENCE = re.compile(r"^\s*(?:>\s*)*```", re.M)
+SEPARATOR = " › "  # between the title and the headings of a chunk's context
+MAX_CONTEXT_CHARS = 200  # a longer heading path keeps its title and its innermost headings
+SECTION_FLUSH = 4  # at a heading, the open chunk is emitted when it holds at least 1/SECTION_FLUSH of a chunk
+# What a module's text starts with: the document's label ("[guide/intro.md]"), the chunk's context
+# (title and heading path), or nothing. See MODULE_HEADER.
+MODULE_HEADERS = ("label", "context", "none")
+MODULE_HEADER = "label"
 
 
 class Tokenizer(Protocol):
@@ -54,11 +69,29 @@ class Chunk:
     start: int
     end: int
     num_tokens: int  # of module_text
+    context: str = ""  # the document's title and the headings the chunk sits under, joined by SEPARATOR
 
 
 def module_text(label: str, text: str) -> str:
     body = text.strip()
     return f"[{label}]\n{body}\n\n" if label else f"{body}\n\n"
+
+
+def search_text(context: str, module: str) -> str:
+    """What retrieval reads of a module, the dense embedding and the lexical index alike: its context
+    line (title and headings), then its text."""
+    return f"{context}\n{module}" if context else module
+
+
+def context_of(title: str, headings: list[str]) -> str:
+    """A chunk's context: the title, then the heading path (a first heading that repeats the title
+    dropped), shortened from the outside in to MAX_CONTEXT_CHARS."""
+    parts = [p for p in [title, *headings] if p]
+    if len(parts) > 1 and parts[1].lower().startswith(parts[0].lower()):
+        parts.pop(1)
+    while len(parts) > 2 and len(SEPARATOR.join(parts)) > MAX_CONTEXT_CHARS:
+        parts.pop(1)
+    return SEPARATOR.join(parts)[:MAX_CONTEXT_CHARS]
 
 
 def module_id(text: str) -> str:
@@ -77,26 +110,52 @@ class Chunker:
     def __init__(self, tokenizer: Tokenizer, params: ChunkParams = ChunkParams()) -> None:
         self.tokenizer = tokenizer
         self.params = params
+        self._overheads: dict[str, int] = {}  # tokens a module header costs, by header
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def chunks(self, blocks: Iterable[str], label: str = "") -> Iterator[Chunk]:
-        """Chunks of the text that `blocks` concatenate to, in order, identical ones dropped."""
-        overhead = self.count(module_text(label, "x")) - 1
-        target = self.params.chunk_tokens - overhead
-        if target < 8:
-            raise ValueError(f"source label {label!r} leaves only {target} tokens of a {self.params.chunk_tokens}-token chunk")
+    def chunks(self, blocks: Iterable[str], label: str = "", *, title: str = "", headings: bool = False) -> Iterator[Chunk]:
+        """Chunks of the text that `blocks` concatenate to, in order, identical ones dropped. With
+        `headings`, Markdown headings open sections and name each chunk's context under `title`."""
         seen: set[str] = set()
         window: list[_Unit] = []
+        path: list[tuple[int, str]] = []  # (level, heading) of the section being read
+        context = context_of(title, [])
+        fenced = False
         for offset, paragraph in _paragraphs(blocks):
+            heading = None if fenced or not headings else _HEADING.match(paragraph.strip())
+            fenced ^= len(_FENCE.findall(paragraph)) % 2 == 1
+            if heading is not None and "\n" not in paragraph.strip():
+                level = len(heading.group(1))
+                path = [(lv, h) for lv, h in path if lv < level] + [(level, heading.group(2).strip())]
+                if window and sum(u.num_tokens for u in window) * SECTION_FLUSH >= self.params.chunk_tokens:
+                    yield from self._emit(window, self._header(label, context), context, seen)
+                    window = []
+                if not window:
+                    context = context_of(title, [h for _, h in path])
+            target = self._target(self._header(label, context), label)
             for unit in self._units(offset, paragraph, target):
                 if window and sum(u.num_tokens for u in window) + unit.num_tokens > target:
-                    yield from self._emit(window, label, seen)
+                    yield from self._emit(window, self._header(label, context), context, seen)
                     window = self._carry(window, unit.num_tokens, target)
+                    context = context_of(title, [h for _, h in path])
                 window.append(unit)
         if window and any(u.text.strip() for u in window):
-            yield from self._emit(window, label, seen)
+            yield from self._emit(window, self._header(label, context), context, seen)
+
+    @staticmethod
+    def _header(label: str, context: str) -> str:
+        return {"label": label, "context": context, "none": ""}[MODULE_HEADER]
+
+    def _target(self, header: str, label: str) -> int:
+        """Tokens of text a chunk may hold beside its header."""
+        if header not in self._overheads:
+            self._overheads[header] = self.count(module_text(header, "x")) - 1
+        target = self.params.chunk_tokens - self._overheads[header]
+        if target < 8:
+            raise ValueError(f"source label {label!r} leaves only {target} tokens of a {self.params.chunk_tokens}-token chunk")
+        return target
 
     def _carry(self, window: list[_Unit], incoming: int, target: int) -> list[_Unit]:
         """The trailing units (≤ overlap tokens) that open the next chunk, leaving room for `incoming`."""
@@ -142,29 +201,29 @@ class Chunker:
             yield _Unit(offset + start, piece, self.count(piece))
             start += lo
 
-    def _emit(self, window: list[_Unit], label: str, seen: set[str]) -> Iterator[Chunk]:
+    def _emit(self, window: list[_Unit], header: str, context: str, seen: set[str]) -> Iterator[Chunk]:
         text = "".join(u.text for u in window)
         if not text.strip():
             return
-        mtext = module_text(label, text)
+        mtext = module_text(header, text)
         n = self.count(mtext)
         if n > self.params.hard_max:
             # Token merges across unit seams made the whole longer than its parts; split and retry.
             if len(window) > 1:
                 half = len(window) // 2
-                yield from self._emit(window[:half], label, seen)
-                yield from self._emit(window[half:], label, seen)
+                yield from self._emit(window[:half], header, context, seen)
+                yield from self._emit(window[half:], header, context, seen)
             else:
                 unit = window[0]
                 for piece in self._cut(unit.start, unit.text, max(8, unit.num_tokens // 2)):
-                    yield from self._emit([piece], label, seen)
+                    yield from self._emit([piece], header, context, seen)
             return
         mid = module_id(mtext)
         if mid in seen:
             return
         seen.add(mid)
         start = window[0].start
-        yield Chunk(mid, text, mtext, start, start + len(text), n)
+        yield Chunk(mid, text, mtext, start, start + len(text), n, context)
 
 
 def _split(text: str, pattern: re.Pattern[str]) -> list[tuple[int, str]]:

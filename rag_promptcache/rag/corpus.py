@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,12 +90,23 @@ class Corpus(Answering, StoreAccess):
         self._retrievals = lazy.RetrievalLog(self.table)
         self.last_report: IngestReport | None = None
         self._index_generation = self.table.generation
-        self.index, damaged = layout.load_index(path, manifest, self.table)
-        if damaged:
-            try:
-                layout.save_index(path, self.index, self._index_generation)
-            except OSError:
-                pass  # a read-only corpus: the warning repeats on each open, nothing is lost
+        self.index, problem = layout.load_index(path, manifest, self.table)
+        if problem:
+            self._repaired(problem, "the vector index", lambda: layout.save_index(path, self.index, self._index_generation))
+        self.lexical, self._lexical_generation, problem = layout.load_lexical(path, self.table)
+        if problem:
+            self._repaired(problem, "the lexical (BM25) index",
+                           lambda: layout.save_lexical(path, self.lexical, self._lexical_generation))
+
+    def _repaired(self, problem: str, what: str, save: Callable[[], None]) -> None:
+        """Save a derived index rebuilt from the table on open, and say so once."""
+        try:
+            save()
+            done = "saved"
+        except OSError as e:
+            done = f"not saved ({e.strerror or e}): it is rebuilt on each open until the corpus is writable"
+        warnings.warn(f"{problem}; rebuilt {what} from {layout.TABLE} ({len(self.index)} modules) and {done}",
+                      CorpusWarning, stacklevel=4)
 
     # -- opening and creating ----------------------------------------------------------------------
 
@@ -267,6 +278,7 @@ class Corpus(Answering, StoreAccess):
                 return False
             self.manifest = layout.read_manifest(self.path)
             self.index, _ = layout.load_index(self.path, self.manifest, self.table)
+            self.lexical, self._lexical_generation, _ = layout.load_lexical(self.path, self.table)
             self._index_generation = generation
             return True
 
@@ -372,8 +384,16 @@ class Corpus(Answering, StoreAccess):
             corpus_store.delete(list(dropped.store_keys), disk, self.redis_url, self.manifest.name)
 
     def _save_index(self) -> None:
+        """Save the vector index, and the lexical one rebuilt from the table when the table has moved
+        since it was built (bm25s indexes are built whole: `lexical.py`)."""
+        lexical = None
+        if self.table.generation != self._lexical_generation:
+            lexical = layout.build_lexical(self.table)  # outside the lock: searches go on meanwhile
         with self._lock:
             layout.save_index(self.path, self.index, self._index_generation)
+            if lexical is not None:
+                self.lexical, self._lexical_generation = lexical
+                layout.save_lexical(self.path, self.lexical, self._lexical_generation)
             self.manifest = dataclasses.replace(self.manifest, updated=time.time())
             layout.write_manifest(self.path, self.manifest)
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rag_promptcache.rag.budget import StoreBudget
+from rag_promptcache.rag.chunker import search_text
 from rag_promptcache.rag.corpus_store import DEFAULT_CODEC, open_store
 from rag_promptcache.rag.encoding import Batch, encode_modules
 from rag_promptcache.rag.models import adapter_to_load, load_embedder, load_engine
@@ -180,11 +181,11 @@ class EncodeWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, modules: list[tuple[str, str]]) -> BatchOut:
+    def run(self, modules: list[tuple[str, str]], embed_texts: list[str]) -> BatchOut:
         from rag_promptcache.store import encode
 
         self._fault(modules)
-        out = encode_modules(self.engine, self.embedder, self.spec.manifest, modules)
+        out = encode_modules(self.engine, self.embedder, self.spec.manifest, modules, embed_texts)
         # fp16 on the way to the driver, whose store encodes in the corpus's codec (coding twice would
         # quantize twice)
         kv = tuple((k, encode(v, DEFAULT_CODEC)) for k, v in self.collect.take().items()) if self.collect else ()
@@ -263,7 +264,8 @@ def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]]]
         for i, (batch, finished) in enumerate(batches):
             new = new_modules(batch)
             slot = i % len(actors)
-            ref = actors[slot].run.options(retry_exceptions=True).remote([(m, c.module_text) for m, c in new.items()]) if new else None
+            ref = actors[slot].run.options(retry_exceptions=True).remote([(m, c.module_text) for m, c in new.items()],
+                                                                    [search_text(c.context, c.module_text) for c in new.values()]) if new else None
             pending.append(_Pending(batch, finished, new, ref, slot))
             while len(pending) > 2 * len(actors):  # bounded: a worker always has its next batch queued
                 finish(pending.popleft())

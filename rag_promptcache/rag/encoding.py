@@ -44,12 +44,14 @@ def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix
 
 
 def encode_modules(engine: PromptCache, embedder: EmbedderLike, manifest: Manifest,
-                   modules: Sequence[tuple[str, str]]) -> Encoded:
-    """Embed the modules' text and store their KV through the engine's store (a lazy corpus's: not now;
-    its first question to retrieve a module encodes it, rag/lazy.py)."""
+                   modules: Sequence[tuple[str, str]], embed_texts: Sequence[str] | None = None) -> Encoded:
+    """Embed `embed_texts` (what retrieval reads of each module, `chunker.search_text`; default: the
+    modules' text) and store the modules' KV through the engine's store (a lazy corpus's: not now; its
+    first question to retrieve a module encodes it, rag/lazy.py)."""
     if not modules:
         return Encoded(np.zeros((0, manifest.dim), np.float32), 0.0)
-    vectors = embedder.embed([text for _, text in modules])
+    assert embed_texts is None or len(embed_texts) == len(modules), f"{len(modules)=}"
+    vectors = embedder.embed(list(embed_texts) if embed_texts is not None else [text for _, text in modules])
     return Encoded(vectors, encode_kv(engine, manifest, modules))
 
 

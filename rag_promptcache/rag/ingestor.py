@@ -13,6 +13,7 @@ Not here: gathering inputs and the budget (`ingest.py`), the encoding itself (`e
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,12 +22,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rag_promptcache.rag.budget import StoreBudget
-from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams
+from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams, search_text
 from rag_promptcache.rag.embed import EmbedderLike, one_thread
 from rag_promptcache.rag.encoding import Batch, encode_kv, encode_modules, store_keys
 from rag_promptcache.rag.index import faiss_id
 from rag_promptcache.rag import ingest
-from rag_promptcache.rag.loaders import Document, LoadReport
+from rag_promptcache.rag.loaders import Document, LoaderWarning, LoadReport
 from rag_promptcache.rag.records import IngestReport, Manifest, StoreEstimate
 from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
 
@@ -38,6 +39,8 @@ OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far
 # Embedding beside encoding (`Ingestor.flush`): measured in `bench --scenarios ingest` (docs/benchmarks.md).
 OVERLAP = True
 OnEstimate = Callable[[StoreEstimate], None]
+# why a page gave no chunks: only navigation, a table of contents or an index (`html.main_text`)
+NO_MAIN_TEXT = "no main text (navigation, a table of contents or an index only)"
 
 
 @dataclass(slots=True)
@@ -75,6 +78,7 @@ class Ingestor:
         self.on_estimate = on_estimate
         self.progress = progress
         self.stats = IngestStats()
+        self.empty: list[tuple[str, str]] = []  # (source, why) of documents that gave no chunk
         self._bar = None
 
     def run(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
@@ -120,7 +124,7 @@ class Ingestor:
         return IngestReport(
             num_documents=len(docs), num_unchanged=len(docs) - len(todo), num_ingested=len(todo), num_removed=len(gone),
             num_modules=s.num_modules, num_tokens=s.num_tokens, num_reused=s.num_reused,
-            seconds=time.perf_counter() - t0, encode_seconds=s.encode_seconds, skipped=tuple(report.skipped),
+            seconds=time.perf_counter() - t0, encode_seconds=s.encode_seconds, skipped=(*report.skipped, *self.empty),
             replaced=tuple(replaced), **extra,
         )
 
@@ -157,12 +161,17 @@ class Ingestor:
             row = DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes, doc.identity)
             self.parts.forget(table.begin_document(row, doc.metadata))
             done = table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
-            for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label)):
+            seq = -1
+            for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label, title=doc.title or doc.label,
+                                                       headings=doc.headings)):
                 if chunk.module_id not in done:
                     batch.append((doc.source, seq, chunk))
                 if len(batch) >= self.batch_chunks:
                     yield batch, finished
                     batch, finished = [], []
+            if seq < 0:
+                self.empty.append((doc.source, NO_MAIN_TEXT if doc.kind in ("html", "htm") else "no text"))
+                warnings.warn(f"{doc.source}: {self.empty[-1][1]}; nothing of it is searched", LoaderWarning, stacklevel=2)
             finished.append(doc.source)
         yield batch, finished
 
@@ -179,14 +188,15 @@ class Ingestor:
         new = self.new_modules(batch)
         modules = [(m, c.module_text) for m, c in new.items()]
         engine, embedder, manifest = self.parts.engine(), self.parts.embedder(), self.parts.manifest
+        texts = [search_text(c.context, c.module_text) for c in new.values()]  # what retrieval reads
         if not self.overlap or not modules:
-            out = encode_modules(engine, embedder, manifest, modules)
+            out = encode_modules(engine, embedder, manifest, modules, texts)
             self.stats.encode_seconds += out.encode_seconds
             self.commit(batch, finished, new, out.vectors)
             return
         if self._embedding is None:
             self._embedding = ThreadPoolExecutor(1, thread_name_prefix="embed", initializer=one_thread)
-        vectors = self._embedding.submit(embedder.embed, [text for _, text in modules])
+        vectors = self._embedding.submit(embedder.embed, texts)
         try:
             self.stats.encode_seconds += encode_kv(engine, manifest, modules)
         finally:
@@ -202,7 +212,7 @@ class Ingestor:
         assert len(vectors) == len(new), f"{len(vectors)=} {len(new)=}"
         table = self.parts.table
         # With batches in flight on a cluster, another batch may have committed the same module since.
-        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v)
+        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v, c.context)
                    for (m, c), v in zip(new.items(), vectors) if not table.has_module(m)]
         chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]
         keys = store_keys(self.parts.engine(), self.parts.manifest, [(m, c.module_text) for m, c in new.items()])

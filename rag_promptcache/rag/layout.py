@@ -6,7 +6,10 @@ saved FAISS index.
 - `chunks.sqlite`: documents, chunks with offsets, module texts and vectors: the source of truth
   (`table.ChunkTable`).
 - `index.faiss` + `index.json`: a saved index and the table generation it reflects. Derived data:
-  rebuilt from the table when missing, behind it, or damaged.
+  rebuilt from the table when missing, behind it, or damaged; a missing or damaged one is saved
+  again at once, with a `CorpusWarning`.
+- `lexical/`: the BM25 index (`lexical.py`), derived the same way: a corpus made before it, or one
+  whose copy is missing or damaged, gets it built from the table and saved, with a `CorpusWarning`.
 - `store/`: module KV (`corpus_store.py`).
 
 Not here: what ingest writes (`ingestor.py`) or how the index is searched (`retrieval.py`).
@@ -17,11 +20,11 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from rag_promptcache.rag.index import VectorIndex
+from rag_promptcache.rag.lexical import LexicalIndex
 from rag_promptcache.rag.records import Manifest
 from rag_promptcache.rag.table import ChunkTable
 
@@ -29,6 +32,7 @@ MANIFEST = "manifest.json"
 TABLE = "chunks.sqlite"
 INDEX = "index.faiss"
 INDEX_META = "index.json"
+LEXICAL = "lexical"
 STORE = "store"
 
 
@@ -97,22 +101,23 @@ def check_files(path: Path) -> None:
                          "restore it from a backup, or re-ingest the documents into a new corpus")
 
 
-def load_index(path: Path, manifest: Manifest, table: ChunkTable) -> tuple[VectorIndex, bool]:
-    """The saved index when it reflects the table's generation, else one rebuilt from the table;
-    True when the saved one was damaged (the caller saves the rebuilt one, so it warns once)."""
+def load_index(path: Path, manifest: Manifest, table: ChunkTable) -> tuple[VectorIndex, str | None]:
+    """The saved index when it reflects the table's generation, else one rebuilt from the table; with
+    what was wrong when the saved one was missing or damaged (the caller saves the rebuilt one and warns,
+    once). One merely behind the table (an ingest stopped between commit and save, or one under way in
+    another process) is rebuilt without a word: that ingest saves it."""
     file, meta = path / INDEX, path / INDEX_META
     if file.exists() and meta.exists():
         try:
             saved = json.loads(meta.read_text())
             if saved.get("generation") == table.generation and saved.get("kind") == manifest.index:
-                return VectorIndex.load(file, manifest.dim, manifest.index), False
+                return VectorIndex.load(file, manifest.dim, manifest.index), None
         except (ValueError, RuntimeError, AssertionError) as e:  # faiss raises RuntimeError on a damaged file
             # the index is derived data: the table holds every vector, so rebuild rather than fail
-            warnings.warn(f"{file} or {meta.name} is damaged ({str(e).strip().splitlines()[0]}); "
-                          f"rebuilding the index from {TABLE}", CorpusWarning, stacklevel=3)
-            return _rebuilt(manifest, table), True
-    # Missing or behind the table (an ingest stopped between commit and save): rebuild.
-    return _rebuilt(manifest, table), False
+            return _rebuilt(manifest, table), f"{file} or {meta.name} is damaged ({str(e).strip().splitlines()[0]})"
+        return _rebuilt(manifest, table), None
+    index = _rebuilt(manifest, table)
+    return index, (f"{file.name if not file.exists() else meta.name} is missing" if len(index) else None)
 
 
 def _rebuilt(manifest: Manifest, table: ChunkTable) -> VectorIndex:
@@ -126,6 +131,34 @@ def save_index(path: Path, index: VectorIndex, generation: int) -> None:
     index.save(path / INDEX)
     meta = {"generation": generation, "kind": index.kind, "num_vectors": len(index)}
     write_atomic(path / INDEX_META, json.dumps(meta) + "\n")
+
+
+def load_lexical(path: Path, table: ChunkTable) -> tuple[LexicalIndex, int, str | None]:
+    """The saved BM25 index and the table generation it reflects when it reflects the current one,
+    else one built from the table now; with what was wrong when the saved one was missing (a corpus
+    made before hybrid retrieval) or damaged, for the caller to save it and warn once."""
+    folder = path / LEXICAL
+    generation = table.generation
+    if folder.is_dir():
+        try:
+            index, saved = LexicalIndex.load(folder)
+            if saved == generation:
+                return index, generation, None
+            return build_lexical(table)[0], generation, None  # behind: whoever ingested saves it
+        except ValueError as e:
+            return build_lexical(table)[0], generation, str(e)
+    index = build_lexical(table)[0]
+    return index, generation, (f"{folder} is missing (a corpus made before hybrid retrieval)" if len(index) else None)
+
+
+def build_lexical(table: ChunkTable) -> tuple[LexicalIndex, int]:
+    """The BM25 index of every module in the table, and the table generation it reflects."""
+    generation = table.generation  # first: a batch committed meanwhile makes the index look behind, never ahead
+    return LexicalIndex(*table.search_texts()), generation
+
+
+def save_lexical(path: Path, index: LexicalIndex, generation: int) -> None:
+    index.save(path / LEXICAL, generation)
 
 
 def store_bytes(path: Path) -> int:

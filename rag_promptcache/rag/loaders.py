@@ -1,7 +1,10 @@
 """Turn paths and in-memory documents into `Document`s whose text is read lazily, in blocks.
 
 Plain text, Markdown, JSON Lines stream with bounded memory (one block or one line at a time);
-HTML, PDF and whole-file JSON are read per file. A text or HTML file that is not UTF-8 is read in the
+HTML, PDF and whole-file JSON are read per file. HTML becomes its main text as Markdown (`html.py`:
+navigation, tables of contents, headers and footers dropped); PDF pages lose the running headers and
+footers they repeat and their page numbers (`pdf_pages`). Each document has a title where it names
+one (HTML `<title>`, a Markdown file's first `# ` heading, a PDF's metadata). A text or HTML file that is not UTF-8 is read in the
 encoding `charset-normalizer` detects, with one warning naming it (JSON must be UTF-8). PDF parser
 messages about a broken file are silenced: the one warning that skips the file says it. LangChain `Document`s and LlamaIndex nodes are
 accepted by duck typing (`page_content`/`metadata`, `get_content()`/`metadata`): the frameworks are
@@ -13,19 +16,30 @@ from __future__ import annotations
 import codecs
 import contextlib
 import hashlib
+import html as html_lib
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rag_promptcache.rag.html import main_text
 from rag_promptcache.rag.records_loader import record_documents
 
 MAX_CHAOS = 0.05  # charset-normalizer's mess ratio past which a guessed encoding is rejected
 BLOCK_CHARS = 1 << 20  # how much text a streaming reader hands on at a time
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 SUFFIXES = (*TEXT_SUFFIXES, ".html", ".htm", ".pdf", ".json", ".jsonl")
+# Part of an HTML file's hash: a page read by another extraction is read again on the next ingest.
+HTML_EXTRACTION = "html-main-text-1"
+TITLE_CHARS = 1 << 16  # how much of a file's start is searched for its title
+EDGE_LINES = 2  # lines at each edge of a PDF page that may be a running header or footer
+RUNNING_SHARE = 0.5  # ... when they recur on at least this share of the pages
+_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.I | re.S)
+_MD_TITLE = re.compile(r"^#[ \t]+(.+?)[ \t#]*$", re.M)
+_PAGE_NUMBER = re.compile(r"^\s*(?:page\s+)?[-–—(\[]?\s*\d{1,5}\s*[-–—)\]]?(?:\s*(?:of|/)\s*\d{1,5})?\s*$", re.I)
 
 
 class LoaderWarning(UserWarning):
@@ -47,6 +61,12 @@ class Document:
     # name; a record: `<that>#<id>`), an object's id. A corpus keeps one document per name, so the
     # same documents ingested from a copied folder replace the earlier ones. "" means the label.
     name: str = ""
+    title: str = ""  # what the document calls itself; "" when it names nothing (the label stands in)
+
+    @property
+    def headings(self) -> bool:
+        """Whether its text marks sections with Markdown headings (the chunker follows them)."""
+        return self.kind in ("md", "markdown", "html", "htm")
 
     @property
     def identity(self) -> str:
@@ -141,7 +161,7 @@ def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> D
         elif problem:
             _skip(report, path, problem)
             return None
-    digest = _hash_file(path)
+    digest = _hash_file(path, HTML_EXTRACTION if suffix in (".html", ".htm") else "")
     kind = suffix.lstrip(".")
     readers: dict[str, Callable[[], Iterator[str]]] = {
         ".html": lambda: iter([_html_text(path.read_text(encoding=encoding, errors="replace"))]),
@@ -149,16 +169,20 @@ def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> D
         ".pdf": lambda: _pdf_pages(path),
     }
     reader = readers.get(suffix, lambda: _text_blocks(path, encoding))
+    title = ""
     if suffix == ".pdf":
         try:
             import pypdf
 
             with _quiet_pdf_parser():
-                pypdf.PdfReader(path)
+                meta = pypdf.PdfReader(path).metadata
+            title = " ".join(str((meta or {}).get("/Title") or "").split())
         except Exception as e:  # noqa: BLE001 - any parse failure means "not a PDF we can read"
             _skip(report, path, f"unreadable PDF: {type(e).__name__}")
             return None
-    return Document(str(path.resolve()), label, digest, reader, size, kind, name=label)
+    else:
+        title = _title(path, suffix, encoding)
+    return Document(str(path.resolve()), label, digest, reader, size, kind, name=label, title=title)
 
 
 def _sniff_text(path: Path) -> str:
@@ -218,28 +242,19 @@ def _text_blocks(path: Path, encoding: str = "utf-8") -> Iterator[str]:
 
 
 def _html_text(html: str) -> str:
-    from bs4 import BeautifulSoup
-
-    soup = BeautifulSoup(html, "html.parser")
-    for tag in soup(["script", "style", "noscript", "template"]):
-        tag.decompose()
-    lines = (line.strip() for line in soup.get_text("\n").splitlines())
-    return _paragraphs(lines)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bs4's "XML parsed as HTML" for XHTML pages, which parse fine
+        return main_text(html).text
 
 
-def _paragraphs(lines: Iterable[str]) -> str:
-    """Collapse runs of blank lines to one blank line: paragraph boundaries survive, noise does not."""
-    out: list[str] = []
-    blank = False
-    for line in lines:
-        if line:
-            if blank and out:
-                out.append("")
-            out.append(line)
-            blank = False
-        else:
-            blank = True
-    return "\n".join(out)
+def _title(path: Path, suffix: str, encoding: str) -> str:
+    """An HTML page's <title>, a Markdown file's first `# ` heading (read from the file's start only)."""
+    if suffix not in (".html", ".htm", ".md", ".markdown"):
+        return ""
+    with path.open("r", encoding=encoding, errors="replace") as f:
+        head = f.read(TITLE_CHARS)
+    found = _HTML_TITLE.search(head) if suffix in (".html", ".htm") else _MD_TITLE.search(head)
+    return " ".join(html_lib.unescape(found.group(1)).split()) if found else ""
 
 
 def _pdf_pages(path: Path) -> Iterator[str]:
@@ -248,9 +263,34 @@ def _pdf_pages(path: Path) -> Iterator[str]:
     with _quiet_pdf_parser():
         reader = pypdf.PdfReader(path)
         pages = [(page.extract_text() or "").strip() for page in reader.pages]
-    for text in pages:
-        if text:
-            yield text + "\n\n"
+    for text in pdf_pages(pages):
+        yield text + "\n\n"
+
+
+def pdf_pages(pages: list[str]) -> list[str]:
+    """Page texts less their running headers and footers: a line among a page's first or last
+    `EDGE_LINES` that, with its digits masked, recurs at that edge on at least a `RUNNING_SHARE` of the
+    pages (and on 3 or more), and a lone page number ("12", "- 12 -", "Page 12 of 40")."""
+    def key(line: str) -> str:
+        return re.sub(r"\d+", "#", " ".join(line.split()).lower())
+
+    lines = [p.splitlines() for p in pages]
+    counts: dict[tuple[str, str], int] = {}
+    for page in lines:
+        for edge, part in (("top", page[:EDGE_LINES]), ("bottom", page[-EDGE_LINES:])):
+            for k in {key(line) for line in part if line.strip()}:
+                counts[(edge, k)] = counts.get((edge, k), 0) + 1
+    need = max(3, RUNNING_SHARE * len(pages))
+    running = {ek for ek, n in counts.items() if n >= need}
+    out = []
+    for page in lines:
+        n = len(page)
+        kept = [line for i, line in enumerate(page)
+                if not _PAGE_NUMBER.match(line)
+                and not (i < EDGE_LINES and ("top", key(line)) in running)
+                and not (i >= n - EDGE_LINES and ("bottom", key(line)) in running)]
+        out.append("\n".join(kept).strip())
+    return [p for p in out if p]
 
 
 def _from_object(obj: object) -> Document:

@@ -1,6 +1,15 @@
-"""Retrieval: a question → the nearest modules (FAISS over the table's vectors, ids → module ids) →
-those that fit the model's context window with the rest of the prompt and the answer, as `Hit`s; and
-for a conversation (`Conversations`), each user turn's retrieval once, remembered for the turns after it.
+"""Retrieval: a question → the modules that answer it → those that fit the model's context window with
+the rest of the prompt and the answer, as `Hit`s; and for a conversation (`Conversations`), each user
+turn's retrieval once, remembered for the turns after it.
+
+`search` is the one place every path retrieves (`ask`, `chat`, `eval`, `tune`, the server, the
+LangChain and LlamaIndex retrievers). Hybrid by default: the dense ranking (FAISS over the embedded
+modules) and the lexical one (BM25, `lexical.py`), each `FUSION_DEPTH` deep, fused by reciprocal rank
+(Cormack et al. 2009: each module scores the sum of weight / (RRF_K + its rank) over the rankings that
+hold it), the lexical ranking weighted `LEXICAL_WEIGHT` (on manuals, where questions name options and
+settings, it ranks the answer first more often: `bench --scenarios retrieval`, docs/retrieval.md). A
+question with no lexical match is ranked by the dense half alone. Whatever ranked it, each hit's
+score is its cosine similarity to the question, so `min_score` means one thing in every mode.
 
 The one rule for how history counts against the window: every earlier turn's text (system, user,
 assistant) counts once, with the chat template's markup around them counted once for the whole prompt
@@ -19,12 +28,17 @@ from dataclasses import dataclass
 from rag_promptcache.engine.errors import ContextWindowExceeded
 from rag_promptcache.rag.embed import EmbedderLike
 from rag_promptcache.rag.index import VectorIndex
+from rag_promptcache.rag.lexical import LexicalIndex
 from rag_promptcache.rag.table import ChunkTable
 
 TEMPLATE_TOKENS = 32  # room for the chat template's role markup around the turns
 RETRIEVALS_KEPT = 256  # conversation turns whose retrieval `Conversations` remembers (for the order of follow-ups)
 # The answer, given without generating, when no chunk scores at least a caller's `min_score`.
 NOT_FOUND = "Not found in the documents."
+MODES = ("hybrid", "dense", "lexical")  # `search`'s rankings: fused (the default), FAISS alone, BM25 alone
+RRF_K = 60  # reciprocal rank fusion's constant, as its authors set it
+LEXICAL_WEIGHT = 1.5  # the BM25 ranking's weight in the fusion, the dense one's being 1
+FUSION_DEPTH = 50  # candidates each ranking gives the fusion
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +48,36 @@ class Hit:
     score: float | None  # cosine similarity to the question; None when the caller named the module
 
 
-def search(index: VectorIndex, lock: threading.RLock, embedder: EmbedderLike, table: ChunkTable,
-           question: str, k: int) -> list[tuple[str, float]]:
-    """The k modules nearest to the question: (module id, cosine score), best first. `lock` guards
-    the index: FAISS indexes are not safe to search while another thread adds or removes."""
-    vector = embedder.embed([question])
+def search(index: VectorIndex, lexical: LexicalIndex | None, lock: threading.RLock, embedder: EmbedderLike,
+           table: ChunkTable, question: str, k: int, mode: str = "hybrid") -> list[tuple[str, float]]:
+    """The k modules that best answer the question by `mode` (see MODES and the module docstring):
+    (module id, cosine score), best first. `lock` guards the indexes: FAISS indexes are not safe to
+    search while another thread adds or removes."""
+    if mode not in MODES:
+        raise ValueError(f"unknown retrieval mode {mode!r}; valid: {', '.join(MODES)}")
+    depth = max(k, FUSION_DEPTH) if mode == "hybrid" else k
+    vector = embedder.embed([question])  # [1, dim]
     with lock:
-        hits = index.search(vector, k)[0]
-    names = table.module_ids_for([i for i, _ in hits])
-    return [(names[i], s) for i, s in hits if i in names]
+        dense = index.search(vector, depth)[0] if mode != "lexical" else []
+        words = lexical.search(question, depth) if mode != "dense" and lexical is not None else []
+    ranked = fuse([[i for i, _ in dense], [i for i, _ in words]], (1.0, LEXICAL_WEIGHT))
+    names = table.module_ids_for(ranked)  # a module removed since the lexical index was built is gone here
+    ranked = [i for i in ranked if i in names][:k]
+    cosine = dict(dense)
+    if missing := [i for i in ranked if i not in cosine]:
+        stored = table.vectors_for(missing)
+        cosine.update({i: float(stored[i] @ vector[0]) for i in missing if i in stored})
+    return [(names[i], cosine[i]) for i in ranked if i in cosine]
+
+
+def fuse(rankings: Sequence[Sequence[int]], weights: Sequence[float] | None = None) -> list[int]:
+    """Weighted reciprocal rank fusion of rankings (ids, best first) into one, best first; ties keep the
+    first ranking's order."""
+    score: dict[int, float] = {}
+    for ranking, weight in zip(rankings, weights or [1.0] * len(rankings)):
+        for rank, i in enumerate(ranking, start=1):
+            score[i] = score.get(i, 0.0) + weight / (RRF_K + rank)
+    return sorted(score, key=lambda i: -score[i])
 
 
 def fit(

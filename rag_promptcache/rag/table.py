@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_promptcache.rag.chunker import search_text
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS documents(
@@ -27,7 +29,7 @@ CREATE TABLE IF NOT EXISTS documents(
     complete INTEGER NOT NULL, num_bytes INTEGER NOT NULL, updated REAL NOT NULL, name TEXT);
 CREATE TABLE IF NOT EXISTS modules(
     module_id TEXT PRIMARY KEY, faiss_id INTEGER UNIQUE NOT NULL, text TEXT NOT NULL,
-    num_tokens INTEGER NOT NULL, vector BLOB NOT NULL);
+    num_tokens INTEGER NOT NULL, vector BLOB NOT NULL, context TEXT);
 CREATE TABLE IF NOT EXISTS chunks(
     source TEXT NOT NULL, module_id TEXT NOT NULL, seq INTEGER NOT NULL,
     start INTEGER NOT NULL, end INTEGER NOT NULL, PRIMARY KEY(source, module_id));
@@ -62,6 +64,7 @@ class ModuleRow:
     text: str
     num_tokens: int
     vector: np.ndarray  # [dim] float32
+    context: str = ""  # its document's title and heading path (`chunker.Chunk.context`), which retrieval reads too
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,8 @@ class ChunkTable:
         self.db.executescript(_SCHEMA)
         if "name" not in {r[1] for r in self.db.execute("PRAGMA table_info(documents)")}:
             self.db.execute("ALTER TABLE documents ADD COLUMN name TEXT")  # a table from before names: NULL
+        if "context" not in {r[1] for r in self.db.execute("PRAGMA table_info(modules)")}:
+            self.db.execute("ALTER TABLE modules ADD COLUMN context TEXT")  # a table from before contexts: NULL
 
     @_serialized
     def close(self) -> None:
@@ -231,6 +236,19 @@ class ChunkTable:
                            "count = count + excluded.count", list(counts.items()))
 
     @_serialized
+    def search_texts(self) -> tuple[np.ndarray, list[str]]:
+        """(faiss ids [n] int64, what retrieval reads of each module: `chunker.search_text`) of every module."""
+        rows = self.db.execute("SELECT faiss_id, context, text FROM modules ORDER BY rowid").fetchall()
+        return np.array([r[0] for r in rows], dtype=np.int64), [search_text(r[1] or "", r[2]) for r in rows]
+
+    @_serialized
+    def vectors_for(self, faiss_ids: Sequence[int]) -> dict[int, np.ndarray]:
+        """The stored vector [dim] float32 of each of these modules that exists."""
+        marks = ",".join("?" * len(faiss_ids))
+        rows = self.db.execute(f"SELECT faiss_id, vector FROM modules WHERE faiss_id IN ({marks})", list(faiss_ids))
+        return {f: np.frombuffer(v, dtype=np.float32) for f, v in rows}
+
+    @_serialized
     def counts(self) -> dict[str, int]:
         one = lambda sql: self.db.execute(sql).fetchone()[0] or 0  # noqa: E731
         return {
@@ -272,8 +290,9 @@ class ChunkTable:
         with self._tx() as db:
             db.executemany("INSERT OR REPLACE INTO module_keys VALUES(?, ?)", list((store_keys or {}).items()))
             db.executemany(
-                "INSERT OR IGNORE INTO modules VALUES(?, ?, ?, ?, ?)",
-                [(m.module_id, m.faiss_id, m.text, m.num_tokens, np.asarray(m.vector, np.float32).tobytes()) for m in modules],
+                "INSERT OR IGNORE INTO modules(module_id, faiss_id, text, num_tokens, vector, context) VALUES(?, ?, ?, ?, ?, ?)",
+                [(m.module_id, m.faiss_id, m.text, m.num_tokens, np.asarray(m.vector, np.float32).tobytes(), m.context or None)
+                 for m in modules],
             )
             db.executemany(
                 "INSERT OR IGNORE INTO chunks VALUES(?, ?, ?, ?, ?)",

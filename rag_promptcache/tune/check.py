@@ -93,6 +93,22 @@ def _cloze(text: str, rng: random.Random) -> tuple[str, str] | None:
             " ".join(words[cut:cut + 3]).strip(",;:()\"'"))
 
 
+# How a blanked sentence is asked (`phrase`): "blank" names the blank ("Which word or number fills the blank
+# in this sentence ..."), "continue" gives the sentence up to the blank and asks how it goes on, as a user
+# quoting the documents would. Measured on real manuals: see PHRASING.
+PHRASINGS = ("blank", "continue")
+PHRASING = "blank"
+
+
+def phrase(sentence: str, how: str | None = None) -> str:
+    """A blanked sentence (`blanks`) as a check question."""
+    how = how or PHRASING
+    if how == "blank":
+        return f'Which word or number fills the blank in this sentence from the documents: "{sentence}"'
+    head = sentence[: sentence.index(BLANK)].rstrip()
+    return f'According to the documents, how does this go on (one word or number): "{head} ..."?'
+
+
 def made_questions(texts: Sequence[str], limit: int, seed: int) -> list[tuple[str, str, str]]:
     """Up to `limit` (question, answer, kind) about `texts`, taken from each text in turn: its blanks,
     or one cloze question where it has none."""
@@ -101,8 +117,7 @@ def made_questions(texts: Sequence[str], limit: int, seed: int) -> list[tuple[st
     for text in texts:
         found = blanks(text)
         rng.shuffle(found)
-        rows = [(f'Which word or number fills the blank in this sentence from the documents: "{s}"', a, "blank")
-                for s, a in found]
+        rows = [(phrase(s), a, "blank") for s, a in found]
         if not rows and (cloze := _cloze(text, rng)) is not None:
             rows.append((*cloze, "cloze"))
         per_text.append(rows)
@@ -152,6 +167,22 @@ def summarize(rows: Sequence[CheckQuestion], right: dict[str, list[bool]]) -> Ch
     ref = right["base/full"]
     kept = {s: (sum(a and b for a, b in zip(ref, r)) / sum(ref) if sum(ref) else None) for s, r in right.items()}
     return Check(len(ref), {s: sum(r) for s, r in right.items()}, kept, dict(Counter(r.kind for r in rows)))
+
+
+MIN_RIGHT = 3  # base/full right answers below which `kept` cannot tell an adapter from chance
+MIN_SHARE = 1 / 3  # ... nor where it answers fewer than this share of the questions made from the corpus
+
+
+def too_few_to_judge(rows: Sequence[CheckQuestion], texts: dict[str, list[str]]) -> str | None:
+    """Why questions made from the corpus cannot judge an adapter: the base model's full prefill answered
+    too few of them (fewer than MIN_RIGHT, or than MIN_SHARE of them); else None. Asked before training, so
+    the budget is not spent on an adapter nothing can judge. (The user's own questions are theirs to judge.)"""
+    right = sum(judge(rows, {"base/full": texts["base/full"]})["base/full"])
+    if right >= MIN_RIGHT and right >= MIN_SHARE * len(rows):
+        return None
+    return (f"the base model's full prefill answered {right} of the {len(rows)} check questions made from held-out "
+            "modules: too few to judge an adapter, so nothing was trained; ask your own with --questions FILE "
+            '(JSON lines: {"question": ..., "answer": ...}), or train unchecked with --check 0')
 
 
 def verdict(check: Check) -> tuple[bool, str]:

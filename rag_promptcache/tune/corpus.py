@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rag_promptcache.model import adapter as adapters
-from rag_promptcache.tune.check import Check, answers_of, check_questions, judge, made_questions, summarize, verdict
+from rag_promptcache.tune.check import (Check, answers_of, check_questions, judge, made_questions, summarize,
+                                        too_few_to_judge, verdict)
 from rag_promptcache.tune.layout import Layouter
 from rag_promptcache.tune.recipe import FORMAT, module_text
 from rag_promptcache.tune.samples import SampleMaker
@@ -76,7 +77,9 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     and check it on `questions` (all of them), or on `check` questions made from held-out modules,
     each over `k` retrieved modules; the adapter and `tune.json` go to `out`. Applying it is the
     caller's choice, on `TuneReport.applied`. `phase(name, models)` hears each of PHASES as it starts
-    (a check phase only where there is a check)."""
+    (a check phase only where there is a check). Where the base model's full prefill answers too few of
+    the check questions to judge an adapter (`check.too_few_to_judge`), it stops before training and
+    says so: the report's reason names `--questions`."""
     from rag_promptcache.model.loading import load_model, model_fingerprint
 
     out = Path(out)
@@ -102,6 +105,13 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     if rows and phase is not None:
         phase(PHASES[0], 2 if shipped is not None and shipped.mode == corpus.manifest.mode else 1)
     texts = answers_of(model, tokenizer, rows, layouter, "base") if rows else {}
+    if rows and not questions and (too_few := too_few_to_judge(rows, texts)):
+        # said before training, not after it: a check that cannot judge would only waste the budget
+        report = TuneReport(out, False, too_few, 0, 0, time.perf_counter() - t0, summarize(rows, judge(rows, texts)))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tune.json").write_text(json.dumps({"format": FORMAT, "base_model": corpus.manifest.model, "metrics": {
+            "check": asdict(report.check), "applied": False, "reason": too_few}}, indent=1))
+        return report
     recovery = "none"
     if shipped is not None and shipped.mode == corpus.manifest.mode:
         # what the user runs untuned is the shipped adapter: start from it where the shapes allow, keep
