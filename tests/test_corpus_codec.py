@@ -101,11 +101,10 @@ def test_choosing_a_codec_not_shown_to_keep_answers_warns(tmp_path: Path, fakes,
 
 
 def test_cli_codec_names_match_the_store() -> None:
-    from rag_promptcache.cli import app
-    from rag_promptcache.cli.app import SHOWN_DTYPES
+    from rag_promptcache.cli.app import SHOWN_CODECS, SHOWN_DTYPES
     from rag_promptcache.model import device
 
-    assert app.SHOWN_CODECS == CODECS
+    assert SHOWN_CODECS == CODECS
     # --dtype is checked before torch is imported: the same names model.device.parse_dtype takes
     assert set(SHOWN_DTYPES) == {"auto", *device.DTYPES, *device._DTYPE_ALIASES}
 

@@ -17,7 +17,9 @@ TOOLCHAINS = ("[all]", "selenium", "langchain-tests", "mkdocs", "ray", "openai",
 def dry_run(target: str, tmp_path: Path) -> str:
     if shutil.which("make") is None:
         pytest.skip("no make here")
-    done = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+    # --no-print-directory: under `make test` this make is nested and would print its directory lines
+    done = subprocess.run(["make", "-n", "--no-print-directory", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                          capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout
