@@ -70,6 +70,32 @@ def test_module_recoveries_parse_and_recompute_whole_modules(tokenizer):
     assert pc.compare(PROMPT, recovery="last:1").kl < pc.compare(PROMPT, recovery="none").kl
 
 
+def test_tail_recomputes_the_nearest_modules_last_tokens(tokenizer):
+    assert [str(Recovery.parse(s)) for s in ("tail:32", "tail:0")] == ["tail:32", "tail:0"]
+    for spec in ("tail:2.5", "tail:-1"):
+        with pytest.raises(ValueError, match="whole number of tokens"):
+            Recovery.parse(spec)
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
+                     fallback="never")
+    pc.add_schema(SCHEMA)
+    base = pc.plan(PROMPT)
+    c = base.kvs["c"].token_ids  # the prompt imports b, a, c: c is nearest the question
+    plan = pc.plan(PROMPT, recovery="tail:3")
+    assert base.num_cached - plan.num_cached == 3
+    fresh = [p for p in plan.pieces if not p.cached]
+    # the first fresh piece is c's last three tokens, at their places; the question follows
+    assert tuple(fresh[0].token_ids) == tuple(c[-3:])
+    cached_c = [p for p in plan.pieces if p.cached and p.unit == "c"]
+    assert sum(len(p.token_ids) for p in cached_c) == len(c) - 3
+    assert cached_c[-1].position + len(cached_c[-1].token_ids) == fresh[0].position
+    # a tail as long as the module is last:1, to the logit
+    whole = pc.compare(PROMPT, recovery=f"tail:{len(c)}")
+    last = pc.compare(PROMPT, recovery="last:1")
+    assert pc.plan(PROMPT, recovery=f"tail:{len(c) + 50}").num_cached == pc.plan(PROMPT, recovery="last:1").num_cached
+    assert whole.max_abs_logit_diff == pytest.approx(last.max_abs_logit_diff, abs=1e-6)
+    assert pc.plan(PROMPT, recovery="tail:0").num_cached == base.num_cached
+
+
 def test_attend_refuses_a_model_without_q_proj(tokenizer):
     pc = PromptCache(build("gpt_neox_pct25", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore())
     pc.add_schema(SCHEMA)

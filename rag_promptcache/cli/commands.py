@@ -61,7 +61,7 @@ TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy; higher samples
 RepetitionOpt = Annotated[float, typer.Option(help="Above 1.0, penalizes tokens the answer already used (1.0 is off).")]
 NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many tokens is generated twice, which stops a verbatim loop (0 is off; the "
                                                       f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
-RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the one its tuned adapter was tuned for, else the engine's, last:3; docs/FIDELITY.md).")]
+RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, tail:T, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the one its tuned adapter was tuned for, else the engine's, last:3; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
 MinScoreOpt = Annotated[float | None, typer.Option("--min-score", help="Answer \"Not found in the documents.\" without generating when no chunk scores at least this (cosine similarity, -1 to 1; `ask --json` shows the scores) [default: off].", show_default=False)]
 

@@ -11,6 +11,10 @@ strategy picks cached tokens to compute again, in place, against everything befo
 - `last:N`: the N retrieved modules nearest the question, whole. A corpus puts its best-ranked
   module there, so this recomputes the module the answer most likely comes from against the others.
   A first module that is exact already (shared_prefix, not moved) is never counted.
+- `tail:T`: the last T tokens of the module nearest the question (the one `last:1` recomputes whole),
+  so the tokens the question sits next to read the other modules, for T tokens' prefill instead of
+  the module's (docs/FIDELITY.md, "Making the one recomputed module cheaper"). T at least the module's
+  length is `last:1`.
 - `question:R` (question-aware, issue 26): the stale module nearest the question whole, plus the
   fraction R of the other modules' tokens the question attends to most (engine/planning/select.py), read at
   layers L/2, L, 3L/2 (`@L`, default 8).
@@ -45,7 +49,7 @@ from rag_promptcache.model import links
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 
-KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question", "links")
+KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question", "links", "tail")
 DEFAULT_LAYER = {"selective": 1, "attend": 8, "question": 8}
 # Chosen on answers, not logits (docs/FIDELITY.md, `rag-promptcache bench --scenarios fidelity`): the
 # fastest setting keeping >= 95% of full prefill's right answers at k = 4, 8 and 12 on both the bench
@@ -58,9 +62,9 @@ DEFAULT_RECOVERY = "last:3"
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
-    kind: Literal["none", "first_k", "selective", "last", "attend", "question", "links"] = "none"
+    kind: Literal["none", "first_k", "selective", "last", "attend", "question", "links", "tail"] = "none"
     # K tokens for first_k; a fraction R in [0, 1] for selective and question; N modules for last/attend;
-    # N link tokens per module for links
+    # T tokens for tail; N link tokens per module for links
     budget: float = 0.0
     # selective: where deviation is measured; attend: where the question's attention is read; question: L
     # reads it at L/2, L and 3L/2 (the default 8: layers 4, 8, 12, as engine/planning/select.py's probe measured)
@@ -69,8 +73,8 @@ class Recovery:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown recovery {self.kind!r}; valid: {', '.join(KINDS)}")
-        if self.kind == "first_k" and (self.budget < 0 or self.budget != int(self.budget)):
-            raise ValueError(f"first_k needs a whole number of tokens k >= 0, got {self.budget}")
+        if self.kind in ("first_k", "tail") and (self.budget < 0 or self.budget != int(self.budget)):
+            raise ValueError(f"{self.kind} needs a whole number of tokens >= 0, got {self.budget}")
         if self.kind in ("last", "attend") and (self.budget < 0 or self.budget != int(self.budget)):
             raise ValueError(f"{self.kind} needs a whole number of modules n >= 0, got {self.budget}")
         if self.kind == "links" and (self.budget < 0 or self.budget != int(self.budget)):
@@ -82,7 +86,8 @@ class Recovery:
 
     @classmethod
     def parse(cls, spec: str | Recovery | None) -> Recovery:
-        """"none", "first_k:8", "selective:0.15[@2]", "last:1", "attend:1[@8]", "question:0.05[@8]", "links:4"."""
+        """"none", "first_k:8", "selective:0.15[@2]", "last:1", "tail:32", "attend:1[@8]", "question:0.05[@8]",
+        "links:4"."""
         if spec is None:
             return cls()
         if isinstance(spec, Recovery):
@@ -95,7 +100,7 @@ class Recovery:
         except ValueError as e:
             if "valid:" in str(e) or "needs" in str(e) or "layer" in str(e):
                 raise
-            raise ValueError(f"bad recovery {spec!r}: write none, first_k:K, selective:R[@layer], last:N, "
+            raise ValueError(f"bad recovery {spec!r}: write none, first_k:K, selective:R[@layer], last:N, tail:T, "
                              "attend:N[@layer], question:R[@layer] or links:N") from e
 
     def __str__(self) -> str:
@@ -124,9 +129,12 @@ def recover(
         return with_links(pieces, links.ids(model, int(recovery.budget)))
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
-    elif recovery.kind == "last":
+    elif recovery.kind in ("last", "tail"):
         stale = [m for m in _module_order(pieces) if m != exact_module(pieces, kvs)]
-        chosen = _modules(pieces, stale[-int(recovery.budget):])
+        if recovery.kind == "last":
+            chosen = _modules(pieces, stale[-int(recovery.budget):])
+        else:  # the nearest stale module's last T cached tokens
+            chosen = set(sorted(_modules(pieces, stale[-1:]))[-int(recovery.budget):])
     elif recovery.kind == "attend":
         chosen = _modules(pieces, _most_attended(pieces, kvs, model, relocator, geometry, int(recovery.budget),
                                                  recovery.layer))
