@@ -257,11 +257,11 @@ def run_split(engine: PromptCache, split: str, cfg: argparse.Namespace, settings
         modules = Modules(engine, corpus)
         num_layers = engine.model.config.num_hidden_layers
         log(f"{split}: {len(data.documents)} documents, {len(corpus)} modules")
-        warm = references(corpus, questions[:1], cfg.k[0], 1)[0]
+        warm = references(corpus, questions[:1], cfg.k[0], 1, retrieval="dense")[0]
         for s in settings:  # every path once, and every module's stored forms made, before anything is timed
             answer(engine, modules, warm, s, 1)
         for k in cfg.k:
-            refs = references(corpus, questions, k, cfg.new_tokens, bench_fidelity.STOP)
+            refs = references(corpus, questions, k, cfg.new_tokens, bench_fidelity.STOP, "dense")
             for r in refs:  # stored forms are made at ingest: not timed
                 for s in settings:
                     if s.neighbours or s.base.startswith("upper"):

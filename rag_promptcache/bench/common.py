@@ -81,6 +81,9 @@ class BenchConfig:
     fidelity_seed_offset: int = 0  # added to each split's data seed: the same templates, other entities and facts
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3
+    # The splits' prompts are retrieved densely, as they were before hybrid retrieval, so that the base model's
+    # reference runs (docs/bench/fidelity-*) judge the same prompts; both modes find every answer's module there.
+    fidelity_retrieval: str = "dense"
     dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default
     adapter: str = "default"  # the tuned adapter merged into the model (model/adapter.py): default, none or a directory
     decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt

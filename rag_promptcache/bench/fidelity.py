@@ -98,6 +98,7 @@ def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = 
             "across_splits": choose_across_splits(rows), "chosen_then_confirmed": choose_then_confirm(rows),
             "splits": list(splits),
             "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": questions,
+            "retrieval": cfg.fidelity_retrieval,
             "new_tokens": cfg.fidelity_new_tokens}
 
 
@@ -133,10 +134,11 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
             engines[mode].encode(corpus.manifest.name)
         corpus.prepare()
         if cfg.fidelity_settings:
-            _warm_up(engines, cfg.fidelity_settings, references(corpus, questions[:1], cfg.fidelity_ks[0], 1)[0].prompt)
+            _warm_up(engines, cfg.fidelity_settings,
+                     references(corpus, questions[:1], cfg.fidelity_ks[0], 1, retrieval=cfg.fidelity_retrieval)[0].prompt)
         for k in cfg.fidelity_ks if cfg.fidelity_settings else ():
             refs, outcomes = _answer_interleaved(corpus, engines, cfg.fidelity_settings, questions, k,
-                                                 cfg.fidelity_new_tokens)
+                                                 cfg.fidelity_new_tokens, cfg.fidelity_retrieval)
             for mode, rec in cfg.fidelity_settings:
                 report = summarize(str(Recovery.parse(rec)), k, refs, outcomes[(mode, rec)])
                 share = recomputed_share(engines[mode], refs, rec)
@@ -175,14 +177,14 @@ def _warm_up(engines: dict[str, PromptCache], settings: tuple[tuple[str, str], .
 
 
 def _answer_interleaved(corpus: Corpus, engines: dict[str, PromptCache], settings: tuple[tuple[str, str], ...],
-                        questions: list[EvalQuestion], k: int, new_tokens: int,
+                        questions: list[EvalQuestion], k: int, new_tokens: int, retrieval: str = "dense",
                         ) -> tuple[list[Reference], dict[tuple[str, str], list[Outcome]]]:
     """Per question, full prefill's answer and then each setting's, back to back: the TTFTs a speed-up
     divides are taken seconds apart, under the same load, not minutes apart."""
     refs: list[Reference] = []
     outcomes: dict[tuple[str, str], list[Outcome]] = {s: [] for s in settings}
     for q in questions:
-        refs.append(references(corpus, [q], k, new_tokens, STOP)[0])
+        refs.append(references(corpus, [q], k, new_tokens, STOP, retrieval)[0])
         for mode, rec in settings:
             outcomes[(mode, rec)].append(answer(engines[mode], refs[-1], rec, new_tokens, STOP))
     return refs, outcomes
@@ -205,7 +207,8 @@ def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
     cfg = bench.config
     mean_tokens = corpus.last_report.num_tokens / corpus.last_report.num_modules
     k = min(len(corpus), max(1, math.ceil(cfg.fidelity_ttft_context / mean_tokens)))
-    refs = references(corpus, questions[: cfg.fidelity_ttft_questions], k, max_new_tokens=1)
+    refs = references(corpus, questions[: cfg.fidelity_ttft_questions], k, max_new_tokens=1,
+                      retrieval=cfg.fidelity_retrieval)
     full: list[float] = []
     per: dict[tuple[str, str], list[float]] = {s: [] for s in cfg.fidelity_settings}
     engine = corpus.engine

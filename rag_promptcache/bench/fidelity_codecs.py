@@ -31,7 +31,7 @@ def rows(bench: Bench, split: str, corpus: Corpus, engine: PromptCache,
     try:
         for k in cfg.fidelity_ks:
             for r in evaluate_codecs(corpus, questions, cfg.fidelity_codecs, recovery, k, cfg.fidelity_new_tokens, STOP,
-                                     engines):
+                                     engines, cfg.fidelity_retrieval):
                 out.append({"split": split, "adapter": adapter_label(bench.model), "mode": engine.mode,
                              **r.as_dict(), "answers": [a.as_dict() for a in r.report.results]})
                 bench.log(f"fidelity {split} k={k} codec {r.codec} ({r.bytes_per_token:.0f} B/token), {recovery}: "

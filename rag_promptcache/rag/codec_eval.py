@@ -68,9 +68,10 @@ class Prompt(NamedTuple):
     context_tokens: int
 
 
-def module_prompt(corpus: Corpus, question: str, k: int) -> Prompt:
-    """The module ids `Corpus.ask` retrieves for `question`, the prompt it writes, their tokens."""
-    ids = tuple(m for m, _ in corpus.search(question, k))
+def module_prompt(corpus: Corpus, question: str, k: int, retrieval: str = "hybrid") -> Prompt:
+    """The module ids `Corpus.ask` retrieves for `question` (`retrieval`: its search mode), the prompt it
+    writes, their tokens."""
+    ids = tuple(m for m, _ in corpus.search(question, k, mode=retrieval))
     return Prompt(ids, corpus.prompt(question, corpus.order(ids)), sum(corpus.table.module(m)[1] for m in ids))
 
 
@@ -132,7 +133,7 @@ def answer_codecs(engines: CodecEngines, prompt: Prompt, question: EvalQuestion,
 
 def evaluate_codecs(corpus: Corpus, questions: Sequence[EvalQuestion], codecs: Sequence[str], recovery: str,
                     k: int = 4, max_new_tokens: int = DEFAULT_NEW_TOKENS, stop: tuple[str, ...] = (),
-                    engines: CodecEngines | None = None) -> list[CodecReport]:
+                    engines: CodecEngines | None = None, retrieval: str = "hybrid") -> list[CodecReport]:
     """Each codec's answers against fp16 modules' over `questions`, with `recovery`: one report per
     codec, fp16's first. `engines` (the caller's, kept open: the bench asks at several k) or new ones."""
     if not questions:
@@ -140,7 +141,7 @@ def evaluate_codecs(corpus: Corpus, questions: Sequence[EvalQuestion], codecs: S
     own = engines is None
     engines = engines or CodecEngines(corpus.prepare(), corpus.schema, codecs)
     try:
-        prompts = [module_prompt(corpus, q.question, k) for q in questions]
+        prompts = [module_prompt(corpus, q.question, k, retrieval) for q in questions]
         warm_up(engines, prompts[0], recovery)
         refs: list[Reference] = []
         outcomes: dict[str, list[Outcome]] = {c: [] for c in engines.codecs}

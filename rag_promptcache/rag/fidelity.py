@@ -265,13 +265,14 @@ def read_questions(path: str | Path) -> list[EvalQuestion]:
 
 def references(
     corpus: Corpus, questions: Iterable[EvalQuestion], k: int, max_new_tokens: int = DEFAULT_NEW_TOKENS,
-    stop: tuple[str, ...] = (),
+    stop: tuple[str, ...] = (), retrieval: str = "hybrid",
 ) -> list[Reference]:
-    """Retrieve as `Corpus.ask` does and answer each question by full prefill of the prompt's tokens."""
+    """Retrieve as `Corpus.ask` does (`retrieval`: its search mode, hybrid by default) and answer each
+    question by full prefill of the prompt's tokens."""
     engine = corpus.prepare()
     out = []
     for q in questions:
-        ids = tuple(m for m, _ in corpus.search(q.question, k))
+        ids = tuple(m for m, _ in corpus.search(q.question, k, mode=retrieval))
         prompt = corpus.prompt(q.question, corpus.order(ids))
         res = engine.generate(prompt, use_cache=False, max_new_tokens=max_new_tokens, stop=stop)
         context = sum(corpus.table.module(m)[1] for m in ids)
