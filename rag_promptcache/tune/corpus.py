@@ -123,8 +123,8 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
         if rows:
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
             # its link and wrapper ids as the merged model numbers them (wrapper rows come first)
-            shipped_layouter = Layouter(tokenizer, corpus.manifest.mode, links.ids(merged, shipped.num_links) if shipped.num_links else (),
-                                        links.wrap_ids(merged))
+            link_ids = links.ids(merged, shipped.num_links) if shipped.num_links else ()
+            shipped_layouter = Layouter(tokenizer, corpus.manifest.mode, link_ids, links.wrap_ids(merged))
             texts.update(answers_of(merged, tokenizer, rows, shipped_layouter, "default"))
             del merged
     if cfg.links:
