@@ -74,8 +74,8 @@ def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = 
     if reference is not None:
         check_reference(reference, bench.config, splits)
     trained = links.of(bench.model)
-    if trained is not None and not any(r.startswith("links:") for _, r in bench.config.fidelity_settings):
-        # a model with trained links is measured with them too
+    if trained is not None and trained.num_links and not any(r.startswith("links:") for _, r in bench.config.fidelity_settings):
+        # a model with trained links is measured with them too (wrapper tokens alone are in every setting)
         bench.config = dataclasses.replace(bench.config, fidelity_settings=(
             *bench.config.fidelity_settings, ("shared_prefix", f"links:{trained.num_links}")))
     rows: list[dict[str, object]] = []
