@@ -74,7 +74,8 @@ class Recovery:
         if self.kind not in KINDS:
             raise ValueError(f"unknown recovery {self.kind!r}; valid: {', '.join(KINDS)}")
         if self.kind in ("first_k", "tail") and (self.budget < 0 or self.budget != int(self.budget)):
-            raise ValueError(f"{self.kind} needs a whole number of tokens >= 0, got {self.budget}")
+            letter = "k" if self.kind == "first_k" else "t"
+            raise ValueError(f"{self.kind} needs a whole number of tokens {letter} >= 0, got {self.budget}")
         if self.kind in ("last", "attend") and (self.budget < 0 or self.budget != int(self.budget)):
             raise ValueError(f"{self.kind} needs a whole number of modules n >= 0, got {self.budget}")
         if self.kind == "links" and (self.budget < 0 or self.budget != int(self.budget)):
