@@ -76,6 +76,11 @@ def encode_units(
         if not relocator.relocatable:
             raise ValueError(f"modules with neighbours need a model whose keys can be moved after encoding; "
                              f"{type(model).__name__}'s cannot (encode them without neighbours)")
+        end = max(u.encode_start + len(u.neighbour_ids) + len(u.token_ids) for u in units if u.neighbour_ids)
+        limit = relocator.exact_below or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if limit is not None and end > limit:
+            raise ValueError(f"a module after its neighbours reaches position {end}, past the {limit} this model "
+                             "encodes exactly; use fewer neighbours or shorter chunks")
     for (before, first), idx in groups.items():
         idx.sort(key=lambda i: len(units[i].token_ids))  # similar lengths share a batch: less padding
         prefix = _prefix_kv(model, before, first) if before else None
