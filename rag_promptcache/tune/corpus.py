@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rag_promptcache.model import adapter as adapters
+from rag_promptcache.model import links
 from rag_promptcache.tune.check import (Check, answers_of, check_questions, judge, made_questions, summarize,
                                         too_few_to_judge, verdict)
 from rag_promptcache.tune.layout import Layouter
@@ -121,7 +122,9 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
             cfg = replace(cfg, init=cfg.init or shipped.path)
         if rows:
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
-            shipped_layouter = Layouter(tokenizer, corpus.manifest.mode, range(vocab, vocab + shipped.num_links))
+            # its link and wrapper ids as the merged model numbers them (wrapper rows come first)
+            link_ids = links.ids(merged, shipped.num_links) if shipped.num_links else ()
+            shipped_layouter = Layouter(tokenizer, corpus.manifest.mode, link_ids, links.wrap_ids(merged))
             texts.update(answers_of(merged, tokenizer, rows, shipped_layouter, "default"))
             del merged
     if cfg.links:
