@@ -45,6 +45,7 @@ def ingest(
     kv: Annotated[str | None, typer.Option("--kv", help="When module KV is computed: eager (now, every chunk) or lazy (when a question first retrieves a chunk; ingest only chunks, embeds and indexes, and the store starts empty) [default: the corpus's, eager for a new one]; docs/stores.md says which to choose.", show_default=False)] = None,
     store_budget: Annotated[str | None, typer.Option("--store-budget", help="The store's bytes per tier, recorded in the corpus and held by every process that opens it: memory=1GiB,disk=20GiB,redis=4GiB (none: unbounded; a tier not named keeps its budget) [default: memory 1 GiB per process, disk and Redis unbounded].", show_default=False)] = None,
     eviction: Annotated[str | None, typer.Option(help="Which entries a full tier drops first: lru or cost (greedy-dual-size-frequency: recompute cost per byte and hits) [default: the corpus's, lru for a new one].", show_default=False)] = None,
+    neighbours: Annotated[int | None, typer.Option("--neighbours", help="Encode each module after the M modules nearest its text (their KV dropped, its own kept), so that it has read what a question likely retrieves beside it: more answers kept at no cost per question, but ingest encodes (M+1)x the tokens. 0: off. Set once for a corpus; not with --ray [default: the corpus's, 0 for a new one]; docs/concepts.md.", metavar="M", show_default=False)] = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray).
@@ -67,6 +68,9 @@ def ingest(
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
 
+    from rag_promptcache.rag.neighbours import check as check_neighbours
+
+    check_neighbours(neighbours, ray_opts)
     parse_dtype(dtype)  # a bad name fails before anything is created
     if codec is not None:
         from rag_promptcache.store.codecs import check_codec
@@ -77,7 +81,7 @@ def ingest(
     budget = _budget(corpus, existed, store_budget, eviction, kv)
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
-                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget)
+                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
         raise typer.Exit(130) from None
@@ -162,7 +166,7 @@ def quiet_ray(address: str | None) -> None:
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget):
+            redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours):
     from rag_promptcache.rag import Corpus, LoaderWarning
 
     with warnings.catch_warnings():
@@ -170,7 +174,7 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
         if existed:
             c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
-            for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index}.items():
+            for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index, "neighbours": neighbours}.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
             if codec is not None and codec != c.manifest.codec:
@@ -189,7 +193,8 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
             c = Corpus.build(paths, corpus, model=model, embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap,
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
                              redis_url=redis_url, ray=ray_opts, dtype=dtype, adapter=adapter,
-                             instructions=instructions, codec=codec, on_estimate=_print_estimate, kv=kv, budget=budget)
+                             instructions=instructions, codec=codec, on_estimate=_print_estimate, kv=kv, budget=budget,
+                             neighbours=neighbours)
             report = c.last_report
     return c, report
 

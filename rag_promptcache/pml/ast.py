@@ -91,6 +91,13 @@ class Schema:
     parents: dict[str, str | None] = field(default_factory=dict, compare=False, repr=False)
     # name -> index of the union that holds it, for the ones inside a union; filled by the parser
     union_of: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    # name -> names of other modules of this schema whose text precedes it when it is encoded, in order
+    # (the last right before it): the module is encoded after its context and their tokens, only its own
+    # KV kept, moved back to its usual position (engine/planning/encoder.py). Names, not texts: a
+    # neighbour is tokenized exactly as the module it names (wrapper tokens, the same splits), the schema
+    # stays the one place a text lives, and a text shared by many modules' lists is held once. Set in
+    # Python only (PML has no syntax for it); empty for every parsed schema.
+    neighbours: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

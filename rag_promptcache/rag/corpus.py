@@ -28,11 +28,11 @@ import numpy as np
 
 from rag_promptcache.pml import ast
 from rag_promptcache.rag import budget as budgeting
-from rag_promptcache.rag import corpus_store, documents, layout, lazy, retrieval
+from rag_promptcache.rag import corpus_store, documents, layout, lazy, neighbours as nbr, retrieval
 from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike
-from rag_promptcache.rag.encoding import corpus_schema
+from rag_promptcache.rag.encoding import Neighbours, corpus_schema
 from rag_promptcache.rag.index import VectorIndex
 from rag_promptcache.rag.ingest import check_budget, collect, count_tokens
 from rag_promptcache.rag.ingestor import CorpusParts, Ingestor, OnBatch, OnEstimate
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag.distributed import RayOptions, RayTarget
 
-__all__ = ["BATCH_CHUNKS", "DEFAULT_INSTRUCTIONS", "DEFAULT_MODEL", "DEFAULT_NO_REPEAT_NGRAM", "Corpus", "CorpusWarning",
-           "Hit", "Manifest", "ModelMismatchError", "is_corpus"]
+__all__ = ["BATCH_CHUNKS", "DEFAULT_INSTRUCTIONS", "DEFAULT_MODEL", "DEFAULT_NO_REPEAT_NGRAM", "Corpus", "CorpusWarning", "Hit",
+           "Manifest", "ModelMismatchError", "is_corpus"]
 
 DEFAULT_INSTRUCTIONS = (
     "You are a helpful assistant. Answer the user's question using only the documents below. "
@@ -148,7 +148,7 @@ class Corpus(Answering, StoreAccess):
               token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
               redis_url: str | None = None, ray: RayOptions | None = None,
               adapter: str | os.PathLike[str] | None = "default", codec: str | None = None,
-              on_estimate: OnEstimate | None = None, kv: str | None = None, budget: StoreBudget | None = None) -> Corpus:
+              on_estimate: OnEstimate | None = None, kv: str | None = None, budget: StoreBudget | None = None, neighbours: int | None = None) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
         `codec` (None: fp16, `corpus_store.DEFAULT_CODEC`; `store.CODECS` lists the valid ones) is how the
         corpus's memory, disk and Redis tiers hold module KV, recorded in the manifest. `on_estimate` is
@@ -160,7 +160,8 @@ class Corpus(Answering, StoreAccess):
         recorded in the manifest; later opens use them. `kv`: "eager" (None, a new corpus's default: every
         module's KV computed now) or "lazy" (chunked, embedded and indexed now, KV computed when a question
         first retrieves a module: rag/lazy.py), recorded for later ingests. `budget`: the store's bytes per
-        tier and its eviction policy (rag/budget.py), recorded; an existing corpus's changes to it."""
+        tier and its eviction policy (rag/budget.py), recorded; an existing corpus's changes to it. `neighbours`
+        (None: 0, off, for a new corpus): each module encoded after its this many nearest (rag/neighbours.py)."""
         path = Path(path)
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
@@ -168,10 +169,11 @@ class Corpus(Answering, StoreAccess):
         if codec is not None:
             check_codec(codec)
         lazy.check_kv(kv)
+        nbr.check(neighbours, ray)
         if is_corpus(path):
             corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,
-                                                   "max_tokens": max_tokens, "index": index, "codec": codec})
+                                                   "max_tokens": max_tokens, "index": index, "codec": codec, "neighbours": neighbours})
             corpus.set_budget(budget, kv=kv)
             corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
                        progress=progress, ray=ray, on_estimate=on_estimate)
@@ -209,7 +211,7 @@ class Corpus(Answering, StoreAccess):
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=layout.package_version(), created=now,
-            updated=now, dtype=dtype_of(engine), codec=codec, kv=kv or "eager", **budget.manifest_fields(),
+            updated=now, dtype=dtype_of(engine), codec=codec, kv=kv or "eager", neighbours=neighbours or 0, **budget.manifest_fields(),
             **adapter_fields(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
@@ -292,7 +294,7 @@ class Corpus(Answering, StoreAccess):
 
     @property
     def schema(self) -> ast.Schema:
-        return corpus_schema(self.manifest, self.table.modules())
+        return corpus_schema(self.manifest, self.table.modules(), neighbours=Neighbours(self.table.neighbours()))
 
     def __len__(self) -> int:
         return len(self.index)
@@ -348,7 +350,8 @@ class Corpus(Answering, StoreAccess):
     def _ingest(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
                 on_batch: OnBatch | None, progress: bool | None, ray: RayOptions | None = None,
                 on_estimate: OnEstimate | None = None) -> IngestReport:
-        parts = CorpusParts(self.table, self.manifest, self._loaded_engine, lambda: self.embedder, self._add_vectors, self._forget)
+        parts = CorpusParts(self.table, self.manifest, self._loaded_engine, lambda: self.embedder, self._add_vectors, self._forget,
+                            lambda v, k: self.index.search(v, k))  # no lock: ingest is the index's one writer
         ingestor = Ingestor(parts, batch_chunks=BATCH_CHUNKS, on_batch=on_batch, progress=progress, on_estimate=on_estimate)
         try:
             self.last_report = ingestor.run(docs, report, inputs, token_budget=token_budget, ray=ray,
@@ -369,19 +372,18 @@ class Corpus(Answering, StoreAccess):
             self._index_generation = self.table.generation
 
     def _forget(self, dropped: Dropped) -> None:
-        """Drop modules no document references any more: vectors now, KV from every tier of the store."""
+        """Drop modules no document references any more (vectors, KV in every tier); encode again those that named one."""
         with self._lock:
             self.index.remove(np.array(dropped.faiss_ids, dtype=np.int64))
             self._index_generation = self.table.generation
-        if not dropped.store_keys:
-            return
-        if self._engine is not None:
-            for k in dropped.store_keys:
-                self._engine.store.delete(k)
-        if self._engine is None or not self._owns_engine:
+        for k in dropped.store_keys if self._engine is not None else ():
+            self._engine.store.delete(k)
+        if dropped.store_keys and (self._engine is None or not self._owns_engine):
             # KV this corpus wrote with its own store (an earlier ingest), not the caller's engine's
             disk = self.path / layout.STORE if self.disk_tier and (self.path / layout.STORE).is_dir() else None
             corpus_store.delete(list(dropped.store_keys), disk, self.redis_url, self.manifest.name)
+        if dropped.changed:
+            nbr.rekey(self._loaded_engine(), self.manifest, self.table, dropped.changed)
 
     def _save_index(self) -> None:
         """Save the vector index, and the lexical one rebuilt from the table when the table has moved
@@ -405,7 +407,7 @@ class Corpus(Answering, StoreAccess):
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
             "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "codec": m.codec, "kv": m.kv, "budget": dataclasses.asdict(StoreBudget.of(m)),
+            "codec": m.codec, "kv": m.kv, "neighbours": m.neighbours, "budget": dataclasses.asdict(StoreBudget.of(m)),
             "encoded": dataclasses.asdict(self.coverage()), "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated,

@@ -4,7 +4,9 @@ Ray worker alike, so both store the same KV under the same keys.
 The schema is union-free: the instructions, then one module per chunk, all inside the system turn.
 A batch is encoded as the schema's `.ingest` twin holding only that batch's modules: a module's KV
 key depends on the text before it in the schema (the instructions), not on its siblings, so this
-matches the full schema a question is planned against.
+matches the full schema a question is planned against. With neighbours (`ingest --neighbours M`,
+rag/neighbours.py) the batch's schema also declares the earlier modules its modules are encoded after,
+each module names them in `Schema.neighbours`, and only the batch's own modules (and the root) are encoded.
 
 Not here: which modules are new or where rows go (`ingestor.py`), loading the model (`models.py`).
 """
@@ -12,12 +14,13 @@ Not here: which modules are new or where rows go (`ingestor.py`), loading the mo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rag_promptcache.engine.prompt.compiler import ROOT
 from rag_promptcache.pml import ast
 from rag_promptcache.rag.chunker import Chunk
 from rag_promptcache.rag.embed import EmbedderLike
@@ -36,11 +39,26 @@ class Encoded:
     encode_seconds: float  # KV encoding only, not embedding
 
 
-def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str = "") -> ast.Schema:
-    """The union-free corpus schema over (module id, text): instructions, then every module, inside the system turn."""
-    mods = {m: ast.Module(m, (ast.Text(text),)) for m, text in modules}
+@dataclass(frozen=True, slots=True)
+class Neighbours:
+    """Which modules each module's KV is encoded after (module id -> ids, least similar first), and the
+    (id, text) of those among them outside the modules at hand (earlier batches'): what a schema needs."""
+
+    of: Mapping[str, tuple[str, ...]]
+    earlier: Sequence[tuple[str, str]] = ()
+
+
+NONE = Neighbours({})
+
+
+def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix: str = "",
+                  neighbours: Neighbours = NONE) -> ast.Schema:
+    """The union-free corpus schema over (module id, text): instructions, then every module, inside the system
+    turn; `neighbours`' earlier modules declared after them."""
+    mods = {m: ast.Module(m, (ast.Text(text),)) for m, text in (*modules, *neighbours.earlier)}
     system = ast.Role("system", (ast.Text(manifest.instructions + "\n\n"), *mods.values()))
-    return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={})
+    return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={},
+                      neighbours={m: tuple(n) for m, n in neighbours.of.items() if n and m in mods})
 
 
 def encode_modules(engine: PromptCache, embedder: EmbedderLike, manifest: Manifest,
@@ -55,21 +73,24 @@ def encode_modules(engine: PromptCache, embedder: EmbedderLike, manifest: Manife
     return Encoded(vectors, encode_kv(engine, manifest, modules))
 
 
-def encode_kv(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]]) -> float:
+def encode_kv(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]],
+              neighbours: Neighbours = NONE) -> float:
     """Store the modules' KV through the engine's store (none for a lazy corpus); the seconds it took."""
     if not modules or manifest.kv == "lazy":
         return 0.0
     t = time.perf_counter()
-    engine.add_schema(corpus_schema(manifest, modules, suffix=INGEST_SUFFIX), replace=True)
-    # All units: the batch's modules and the root (instructions), so no question pays for them.
-    engine.encode(manifest.name + INGEST_SUFFIX)
+    engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX, neighbours), replace=True)
+    # The batch's modules and the root (instructions), so no question pays for them; not the earlier
+    # modules declared as neighbours.
+    engine.encode(manifest.name + INGEST_SUFFIX, [ROOT, *(m for m, _ in modules)] if neighbours.earlier else None)
     return time.perf_counter() - t
 
 
-def store_keys(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]]) -> dict[str, str]:
+def store_keys(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]],
+               neighbours: Neighbours = NONE) -> dict[str, str]:
     """The store key of each module's KV, as the engine computes it (registering the batch's schema
     only tokenizes), so that forgetting a module can drop its KV."""
     if not modules:
         return {}
-    engine.add_schema(corpus_schema(manifest, modules, suffix=INGEST_SUFFIX), replace=True)
+    engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX, neighbours), replace=True)
     return engine.store_keys(manifest.name + INGEST_SUFFIX, [m for m, _ in modules])

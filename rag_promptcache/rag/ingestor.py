@@ -24,9 +24,9 @@ import numpy as np
 from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import Chunk, Chunker, ChunkParams, search_text
 from rag_promptcache.rag.embed import EmbedderLike, one_thread
-from rag_promptcache.rag.encoding import Batch, encode_kv, encode_modules, store_keys
+from rag_promptcache.rag.encoding import NONE, Batch, Neighbours, encode_kv, encode_modules, store_keys
 from rag_promptcache.rag.index import faiss_id
-from rag_promptcache.rag import ingest
+from rag_promptcache.rag import ingest, neighbours as nbr
 from rag_promptcache.rag.loaders import Document, LoaderWarning, LoadReport
 from rag_promptcache.rag.records import IngestReport, Manifest, StoreEstimate
 from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
@@ -63,6 +63,7 @@ class CorpusParts:
     embedder: Callable[[], EmbedderLike]
     add_vectors: Callable[[np.ndarray, np.ndarray], None]  # (faiss ids [n], vectors [n, dim]) into the index
     forget: Callable[[Dropped], None]  # drop modules no document references any more: vectors and KV
+    search: nbr.Search | None = None  # the index's search, for `--neighbours` (rag/neighbours.py)
 
 
 class Ingestor:
@@ -86,6 +87,7 @@ class Ingestor:
         """Ingest new and changed documents, drop those gone from an ingested directory or file."""
         t0 = time.perf_counter()
         table = self.parts.table
+        nbr.check(self.parts.manifest.neighbours, ray)
         todo = [d for d in docs if not self.unchanged(d)]
         lazy = self.parts.manifest.kv == "lazy"
         guess = sum(ingest.estimate_tokens(todo).values())
@@ -189,6 +191,14 @@ class Ingestor:
         modules = [(m, c.module_text) for m, c in new.items()]
         engine, embedder, manifest = self.parts.engine(), self.parts.embedder(), self.parts.manifest
         texts = [search_text(c.context, c.module_text) for c in new.values()]  # what retrieval reads
+        if manifest.neighbours and modules:  # the neighbours come from the embeddings: first embed, then encode
+            assert self.parts.search is not None, "a corpus with neighbours hands its index's search to ingest"
+            vectors = embedder.embed(texts)
+            near = nbr.choose(self.parts.search, self.parts.table, list(new), vectors, manifest.neighbours,
+                              [t for _, t in modules])
+            self.stats.encode_seconds += encode_kv(engine, manifest, modules, near)
+            self.commit(batch, finished, new, vectors, near)
+            return
         if not self.overlap or not modules:
             out = encode_modules(engine, embedder, manifest, modules, texts)
             self.stats.encode_seconds += out.encode_seconds
@@ -203,19 +213,20 @@ class Ingestor:
             done = vectors.result()  # waited for even when encoding failed: no thread outlives the batch's error
         self.commit(batch, finished, new, done)
 
-    def commit(self, batch: Batch, finished: list[str], new: dict[str, Chunk], vectors: np.ndarray) -> None:
+    def commit(self, batch: Batch, finished: list[str], new: dict[str, Chunk], vectors: np.ndarray,
+               near: Neighbours = NONE) -> None:
         """Commit one batch whose modules' KV is stored: its rows and vectors in one transaction,
-        then the index. `vectors` [len(new), dim] are the rows of `new`, in order. The local and the
-        Ray paths both commit here, so both build the same corpus."""
+        then the index. `vectors` [len(new), dim] are the rows of `new`, in order; `near`, the neighbours
+        they were encoded after. The local and the Ray paths both commit here, so both build the same corpus."""
         if not batch and not finished:
             return
         assert len(vectors) == len(new), f"{len(vectors)=} {len(new)=}"
         table = self.parts.table
         # With batches in flight on a cluster, another batch may have committed the same module since.
-        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v, c.context)
+        modules = [ModuleRow(m, faiss_id(m), c.module_text, c.num_tokens, v, c.context, near.of.get(m, ()))
                    for (m, c), v in zip(new.items(), vectors) if not table.has_module(m)]
         chunks = [ChunkRow(s, c.module_id, seq, c.start, c.end) for s, seq, c in batch]
-        keys = store_keys(self.parts.engine(), self.parts.manifest, [(m, c.module_text) for m, c in new.items()])
+        keys = store_keys(self.parts.engine(), self.parts.manifest, [(m, c.module_text) for m, c in new.items()], near)
         table.commit_batch(modules, chunks, finished, keys)
         kept = np.array([m.vector for m in modules], np.float32).reshape(len(modules), self.parts.manifest.dim)
         self.parts.add_vectors(np.array([m.faiss_id for m in modules], dtype=np.int64), kept)

@@ -54,6 +54,9 @@ class Manifest:
     redis_budget: int | None = None
     # The eviction policy of every tier (store/eviction.py POLICIES); manifests before it: lru
     policy: str = "lru"
+    # Each module's KV encoded after its this many nearest modules (`ingest --neighbours`, rag/neighbours.py);
+    # 0 (and manifests before it): each alone after the instructions.
+    neighbours: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS documents(
     complete INTEGER NOT NULL, num_bytes INTEGER NOT NULL, updated REAL NOT NULL, name TEXT);
 CREATE TABLE IF NOT EXISTS modules(
     module_id TEXT PRIMARY KEY, faiss_id INTEGER UNIQUE NOT NULL, text TEXT NOT NULL,
-    num_tokens INTEGER NOT NULL, vector BLOB NOT NULL, context TEXT);
+    num_tokens INTEGER NOT NULL, vector BLOB NOT NULL, context TEXT, neighbours TEXT);
 CREATE TABLE IF NOT EXISTS chunks(
     source TEXT NOT NULL, module_id TEXT NOT NULL, seq INTEGER NOT NULL,
     start INTEGER NOT NULL, end INTEGER NOT NULL, PRIMARY KEY(source, module_id));
@@ -65,6 +65,8 @@ class ModuleRow:
     num_tokens: int
     vector: np.ndarray  # [dim] float32
     context: str = ""  # its document's title and heading path (`chunker.Chunk.context`), which retrieval reads too
+    # the modules its KV was encoded after (`ingest --neighbours`, rag/neighbours.py), least similar first
+    neighbours: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,10 @@ class Dropped:
     """Modules no longer referenced by any document: their FAISS ids and the store keys of their KV."""
 
     faiss_ids: tuple[int, ...] = ()
-    store_keys: tuple[str, ...] = ()
+    store_keys: tuple[str, ...] = ()  # theirs, and the old keys of the modules in `changed`
+    # modules kept that named a dropped one as a neighbour: it is gone from their lists, their KV is to be
+    # encoded again with the neighbours left (rag/neighbours.py `rekey`)
+    changed: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.faiss_ids)
@@ -118,6 +123,8 @@ class ChunkTable:
             self.db.execute("ALTER TABLE documents ADD COLUMN name TEXT")  # a table from before names: NULL
         if "context" not in {r[1] for r in self.db.execute("PRAGMA table_info(modules)")}:
             self.db.execute("ALTER TABLE modules ADD COLUMN context TEXT")  # a table from before contexts: NULL
+        if "neighbours" not in {r[1] for r in self.db.execute("PRAGMA table_info(modules)")}:
+            self.db.execute("ALTER TABLE modules ADD COLUMN neighbours TEXT")  # from before neighbours: NULL, none
 
     @_serialized
     def close(self) -> None:
@@ -195,6 +202,18 @@ class ChunkTable:
         """(module text, token count)."""
         row = self.db.execute("SELECT text, num_tokens FROM modules WHERE module_id = ?", (module_id,)).fetchone()
         return (row[0], row[1]) if row else None
+
+    @_serialized
+    def neighbours(self) -> dict[str, tuple[str, ...]]:
+        """module id -> the modules its KV was encoded after, of every module that has some."""
+        rows = self.db.execute("SELECT module_id, neighbours FROM modules WHERE neighbours IS NOT NULL")
+        return {m: tuple(json.loads(n)) for m, n in rows}
+
+    @_serialized
+    def set_keys(self, store_keys: dict[str, str]) -> None:
+        """New store keys of modules kept (their neighbours changed); not a change of what the corpus holds."""
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO module_keys VALUES(?, ?)", list(store_keys.items()))
 
     @_serialized
     def sources(self, module_id: str) -> list[tuple[str, int, int]]:
@@ -290,9 +309,10 @@ class ChunkTable:
         with self._tx() as db:
             db.executemany("INSERT OR REPLACE INTO module_keys VALUES(?, ?)", list((store_keys or {}).items()))
             db.executemany(
-                "INSERT OR IGNORE INTO modules(module_id, faiss_id, text, num_tokens, vector, context) VALUES(?, ?, ?, ?, ?, ?)",
-                [(m.module_id, m.faiss_id, m.text, m.num_tokens, np.asarray(m.vector, np.float32).tobytes(), m.context or None)
-                 for m in modules],
+                "INSERT OR IGNORE INTO modules(module_id, faiss_id, text, num_tokens, vector, context, neighbours) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?)",
+                [(m.module_id, m.faiss_id, m.text, m.num_tokens, np.asarray(m.vector, np.float32).tobytes(), m.context or None,
+                  json.dumps(list(m.neighbours)) if m.neighbours else None) for m in modules],
             )
             db.executemany(
                 "INSERT OR IGNORE INTO chunks VALUES(?, ?, ?, ?, ?)",
@@ -319,4 +339,17 @@ class ChunkTable:
         ).fetchall()
         db.executemany("DELETE FROM modules WHERE module_id = ?", [(m,) for m, _, _ in orphans])
         db.executemany("DELETE FROM module_keys WHERE module_id = ?", [(m,) for m, _, _ in orphans])
-        return Dropped(tuple(f for _, f, _ in orphans), tuple(k for _, _, k in orphans if k))
+        gone = {m for m, _, _ in orphans}
+        changed = []
+        if gone:  # modules encoded after a dropped one lose it from their neighbours (rag/neighbours.py)
+            rows = db.execute("SELECT m.module_id, m.neighbours, k.store_key FROM modules m LEFT JOIN module_keys k "
+                              "USING(module_id) WHERE m.neighbours IS NOT NULL").fetchall()
+            for m, names, key in rows:
+                names = json.loads(names)
+                if gone & set(names):
+                    left = [n for n in names if n not in gone]
+                    db.execute("UPDATE modules SET neighbours = ? WHERE module_id = ?",
+                               (json.dumps(left) if left else None, m))
+                    changed.append((m, key))
+        return Dropped(tuple(f for _, f, _ in orphans), tuple(k for _, _, k in orphans if k) + tuple(k for _, k in changed if k),
+                       tuple(m for m, _ in changed))

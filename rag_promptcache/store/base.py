@@ -106,11 +106,17 @@ def module_key(
     token_ids: tuple[int, ...] | list[int],
     start: int,
     context_ids: tuple[int, ...] | list[int] = (),
+    neighbour_ids: tuple[int, ...] | list[int] = (),
 ) -> str:
-    """The content address of a module's KV: model, encoding mode, tokens, position and context."""
+    """The content address of a module's KV: model, encoding mode, tokens, position, context and the
+    neighbours' tokens it was encoded after (engine/prompt/compiler.py `Unit.neighbour_ids`). Without
+    neighbours the address is what it always was: stores made before them keep their entries."""
     h = hashlib.blake2b(digest_size=20)
     h.update(f"v{FORMAT_VERSION}|{fingerprint}|{mode}|{start}|".encode())
     h.update(struct.pack(f"<{len(context_ids)}q", *context_ids))
     h.update(b"|")
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if neighbour_ids:  # a marker, then the count: no other tokens can hash the same as these
+        h.update(f"|nbr{len(neighbour_ids)}|".encode())
+        h.update(struct.pack(f"<{len(neighbour_ids)}q", *neighbour_ids))
     return h.hexdigest()

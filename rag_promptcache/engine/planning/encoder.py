@@ -5,6 +5,13 @@ Two encoding modes:
 - `shared_prefix`: a unit after its context (the tokens before it in its smallest prompt: BOS, the
   system text), keeping only the unit's own KV. It sees the start of context that full prefill sees.
 
+A unit with neighbours (`Unit.neighbour_ids`: other modules' tokens the schema puts before it, its
+nearest look-alikes in a corpus) is encoded after its context (in `isolated` mode: none) and those
+tokens, only its own KV kept, and its keys rotated back by the neighbours' length with the model's
+relocator: the stored KV starts at the unit's usual `encode_start`, so assembly places it like any other,
+and it has read the text a question most likely retrieves beside it. Both modes take neighbours the same
+way; a model whose keys cannot be moved (`Relocator.relocatable` False) refuses them.
+
 Units are batched with right padding: under a causal mask a real token never attends to the padding
 after it, so no attention mask is needed. This module does not look anything up or store anything.
 """
@@ -20,7 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 from rag_promptcache.engine.kv.assemble import full_cache
 from rag_promptcache.engine.prompt.compiler import Unit
 from rag_promptcache.engine.compute.runner import forward_base
-from rag_promptcache.model.positions import kv_geometry
+from rag_promptcache.model.positions import Relocator, kv_geometry, relocator_for
 from rag_promptcache.store.base import ModuleKV
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")
@@ -49,29 +56,47 @@ def encode_units(
     mode: str,
     fingerprint: str,
     batch_size: int = 8,
+    relocator: Relocator | None = None,
 ) -> list[ModuleKV]:
-    """Encode `units` (any order, any lengths) and return their ModuleKVs in the same order."""
+    """Encode `units` (any order, any lengths) and return their ModuleKVs in the same order.
+    `relocator`: the model's (default: `relocator_for(model)`), for units with neighbours."""
     check_mode(mode)
     out: dict[int, ModuleKV] = {}
-    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    # (the tokens before the units, the position of the first of them) -> units
+    groups: dict[tuple[tuple[int, ...], int], list[int]] = defaultdict(list)
     for i, u in enumerate(units):
         assert u.token_ids, f"{u.name=} has no tokens"
-        groups[u.context_ids if mode == "shared_prefix" else ()].append(i)
-    for context, idx in groups.items():
+        context = u.context_ids if mode == "shared_prefix" else ()
+        # without neighbours a unit's context starts at 0 (its whole smallest prompt) or is empty; with
+        # them, an isolated unit's neighbours start at its own encode_start
+        first = u.encode_start - len(context) if u.neighbour_ids else 0
+        groups[(context + u.neighbour_ids, first)].append(i)
+    if any(u.neighbour_ids for u in units):
+        relocator = relocator or relocator_for(model)
+        if not relocator.relocatable:
+            raise ValueError(f"modules with neighbours need a model whose keys can be moved after encoding; "
+                             f"{type(model).__name__}'s cannot (encode them without neighbours)")
+        end = max(u.encode_start + len(u.neighbour_ids) + len(u.token_ids) for u in units if u.neighbour_ids)
+        limit = relocator.exact_below or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if limit is not None and end > limit:
+            raise ValueError(f"a module after its neighbours reaches position {end}, past the {limit} this model "
+                             "encodes exactly; use fewer neighbours or shorter chunks")
+    for (before, first), idx in groups.items():
         idx.sort(key=lambda i: len(units[i].token_ids))  # similar lengths share a batch: less padding
-        prefix = _prefix_kv(model, context) if context else None
+        prefix = _prefix_kv(model, before, first) if before else None
         for b in range(0, len(idx), batch_size):
             batch = [units[i] for i in idx[b : b + batch_size]]
-            for i, kv in zip(idx[b : b + batch_size], _encode_batch(model, batch, prefix, mode, fingerprint)):
+            kvs = _encode_batch(model, batch, prefix, mode, fingerprint, relocator)
+            for i, kv in zip(idx[b : b + batch_size], kvs):
                 out[i] = kv
     return [out[i] for i in range(len(units))]
 
 
-def _prefix_kv(model: PreTrainedModel, context: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _prefix_kv(model: PreTrainedModel, context: tuple[int, ...], first: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     device = model.device
     ids = torch.tensor([context], device=device)
     cache = full_cache(model.config, kv_geometry(model))
-    forward_base(model, ids, torch.arange(len(context), device=device)[None], cache)
+    forward_base(model, ids, torch.arange(first, first + len(context), device=device)[None], cache)
     return [(layer.keys, layer.values) for layer in cache.layers]  # each [1, H, C, D]
 
 
@@ -81,8 +106,10 @@ def _encode_batch(
     prefix: list[tuple[torch.Tensor, torch.Tensor]] | None,
     mode: str,
     fingerprint: str,
+    relocator: Relocator | None,
 ) -> list[ModuleKV]:
     device = model.device
+    shift = len(batch[0].neighbour_ids)  # one group: the same neighbours for every unit of the batch
     width = max(len(u.token_ids) for u in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
     pos = torch.zeros(len(batch), width, dtype=torch.long, device=device)
@@ -90,7 +117,7 @@ def _encode_batch(
         n = len(u.token_ids)
         ids[r, :n] = torch.tensor(u.token_ids, device=device)
         ids[r, n:] = u.token_ids[-1]
-        pos[r] = torch.arange(u.encode_start, u.encode_start + width, device=device)
+        pos[r] = torch.arange(u.encode_start + shift, u.encode_start + shift + width, device=device)
     # every layer keeps every token (a module may be longer than a sliding window): full_cache
     if prefix is None:
         cache = full_cache(model.config, kv_geometry(model))
@@ -105,5 +132,8 @@ def _encode_batch(
     result = []
     for r, u in enumerate(batch):
         keys, values = stack_layers(cache, r, skip, skip + len(u.token_ids))
+        if shift:  # encoded `shift` positions late, after the neighbours: back to the unit's own place
+            assert relocator is not None
+            keys = relocator.rotate(keys, torch.full((len(u.token_ids),), -shift, device=keys.device)).contiguous()
         result.append(ModuleKV(keys, values, u.encode_start, u.token_ids, fingerprint, mode))
     return result

@@ -299,7 +299,7 @@ class Planner:
         with self.model_lock:
             t0 = time.perf_counter()
             kvs = encode_units(self.model, units, mode=self.config.mode, fingerprint=self.config.fingerprint,
-                               batch_size=self.config.batch_size)
+                               batch_size=self.config.batch_size, relocator=self.relocator)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
             seconds = time.perf_counter() - t0

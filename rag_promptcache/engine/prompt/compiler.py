@@ -12,7 +12,7 @@ docs/ARCHITECTURE.md ("How a prompt is compiled"). This module does not touch te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from rag_promptcache.pml import ast
@@ -47,6 +47,9 @@ class Unit:
     encode_start: int  # position of token 0 when encoded
     context_ids: tuple[int, ...]  # tokens before it in its smallest prompt (used by shared-prefix encoding)
     slot: tuple[str, int] = ("", -1)  # (parent unit, index of the slot seg in it) where this unit goes
+    # the schema's neighbours of this module (`ast.Schema.neighbours`), their tokens in order: encoded
+    # between its context and it, their KV dropped, its keys moved back to `encode_start`
+    neighbour_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,14 @@ class Compiler:
         units: dict[str, Unit] = {}
         lead = self.markup.prefix + (self.markup.default_system if default_system else "") if chat else ""
         size = self._unit(ROOT, schema.children, lead, () if chat else self.bos, 0, (), 0, ("", -1), units)
+        for name, names in schema.neighbours.items():
+            bad = [n for n in (name, *names) if n not in units or n == ROOT] + [n for n in names if n == name]
+            if bad:
+                known = ", ".join(n for n in units if n != ROOT) or "none"
+                raise ValueError(f"schema {schema.name!r}: neighbours of {name!r} name {bad[0]!r}, which is not "
+                                 f"another module of the schema; valid: {known}")
+            ids = tuple(t for n in names for t in units[n].token_ids)
+            units[name] = replace(units[name], neighbour_ids=ids)
         return CompiledSchema(schema.name, units, size)
 
     def _unit(

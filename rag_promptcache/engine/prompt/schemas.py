@@ -111,7 +111,8 @@ class Schemas:
             key = self._keys.get(memo)
         if key is None:
             context = unit.context_ids if self.mode == "shared_prefix" else ()
-            key = module_key(self.fingerprint, self.mode, unit.token_ids, unit.encode_start, context)
+            key = module_key(self.fingerprint, self.mode, unit.token_ids, unit.encode_start, context,
+                             unit.neighbour_ids)
             with self._lock:  # memoised only for the current compilation: a schema may be replaced meanwhile
                 if self._compiled.get((compiled.name, chat, default_system)) is compiled:
                     self._keys[memo] = key
@@ -129,8 +130,9 @@ class Schemas:
 
 
 def _same_schema(a: ast.Schema, b: ast.Schema) -> bool:
-    """The same content, wherever it was written: positions in the PML source do not count."""
-    return to_pml(a) == to_pml(b)
+    """The same content, wherever it was written: positions in the PML source do not count. Neighbours
+    (which PML does not write) count."""
+    return to_pml(a) == to_pml(b) and a.neighbours == b.neighbours
 
 
 def _first_role(nodes: Iterable[object]) -> str | None:
