@@ -135,6 +135,7 @@ def test_fidelity_rows_and_files(fidelity_report):
     result, out = fidelity_report
     fid = result["fidelity"]
     assert fid["retrieval"] == "dense"  # the base model's reference runs judged dense retrieval's prompts
+    assert fid["neighbours"] == 0  # modules encoded alone unless --neighbours asks
     rows = fid["rows"]
     assert FIDELITY.fidelity_splits == ("bench", "heldout", "manuals")  # all by default: chosen on one, confirmed on the others
     assert [(r["split"], r["k"], r["mode"], r["recovery"]) for r in rows] == [

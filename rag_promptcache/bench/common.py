@@ -84,6 +84,7 @@ class BenchConfig:
     # The splits' prompts are retrieved densely, as they were before hybrid retrieval, so that the base model's
     # reference runs (docs/bench/fidelity-*) judge the same prompts; both modes find every answer's module there.
     fidelity_retrieval: str = "dense"
+    fidelity_neighbours: int = 0  # each split's modules encoded after their M nearest (rag/neighbours.py); 0: alone
     dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default
     adapter: str = "default"  # the tuned adapter merged into the model (model/adapter.py): default, none or a directory
     decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt

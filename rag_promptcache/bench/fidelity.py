@@ -98,7 +98,7 @@ def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = 
             "across_splits": choose_across_splits(rows), "chosen_then_confirmed": choose_then_confirm(rows),
             "splits": list(splits),
             "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": questions,
-            "retrieval": cfg.fidelity_retrieval,
+            "retrieval": cfg.fidelity_retrieval, "neighbours": cfg.fidelity_neighbours,
             "new_tokens": cfg.fidelity_new_tokens}
 
 
@@ -124,7 +124,7 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
         engines[modes[0]] = PromptCache(model, tok, store=MemoryStore(codec=cfg.fidelity_codec), mode=modes[0], name=bench.model_name,
                                         **NO_FALLBACK)
         corpus = Corpus.build(data.documents, f"{tmp}/corpus", engine=engines[modes[0]], chunk_tokens=chunk,
-                              progress=False)
+                              progress=False, neighbours=cfg.fidelity_neighbours)
         bench.log(f"fidelity {split}: corpus of {len(data.documents)} documents, {len(corpus)} modules, "
                   f"{corpus.last_report.num_tokens} tokens")
         for mode in modes[1:]:  # the same modules, encoded in another mode, before anything is timed
@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--reference", type=Path, metavar="FIDELITY_JSON",
                     help="judge retained and kept against this run's full-prefill answers (the base model's, over the "
                          "same split, k, questions and seed offset); speed-ups stay against this model's own full prefill")
+    ap.add_argument("--neighbours", type=int, default=0, metavar="M",
+                    help="encode each module after its M nearest in the split's corpus (ingest --neighbours) [default: 0]")
     ap.add_argument("--ttft-point", action="store_true", help="also time the bench split at ~2k context")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="FIDELITY_JSON",
                     help="no model run: pool these runs' fidelity.json (other seeds) into one report")
@@ -367,7 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                               fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
                               fidelity_seed_offset=args.seed_offset, fidelity_codec=check_codec(args.codec),
                               fidelity_codecs=tuple(check_codec(c.strip()) for c in args.codecs.split(",") if c.strip()),
-                              fidelity_codec_recovery=args.codec_recovery, adapter=args.adapter)
+                              fidelity_codec_recovery=args.codec_recovery, adapter=args.adapter,
+                              fidelity_neighbours=args.neighbours)
     splits = GROUPS.get(args.split, (args.split,))
     reference = None
     if args.reference is not None:
