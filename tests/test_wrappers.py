@@ -11,24 +11,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.model import adapter as adapters
 from rag_promptcache.model import links
-from rag_promptcache.pml import ast
-from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.store import MemoryStore
-from rag_promptcache.tune.layout import SCHEMA, Layouter, batch_masks
-from tests.tiny_llama import save_tiny_llama
+from rag_promptcache.tune.layout import Layouter, batch_masks
+from tests.test_links import INSTRUCTIONS, MODULES, NAMES, QUESTION, tiny_dir  # noqa: F401 - a fixture
+from tests.test_links import _engine as links_engine, _prompt
 
-INSTRUCTIONS = "Answer from the documents below."
-MODULES = ["[a.md]\nThe Kettle bridge opened in 1802 and has nine arches.\n\n",
-           "[b.md]\nThe Ferro bridge opened in 1877; it has four arches and a toll house.\n\n",
-           "[c.md]\nThe Lamb bridge opened in 1931.\n\n"]
-QUESTION = "When did the Ferro bridge open?"
-NAMES = [f"m{i}" for i in range(len(MODULES))]
 WRAP = 2  # a side
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture()
@@ -39,15 +27,7 @@ def tiny(tiny_dir):
 
 
 def _engine(model, tok, mode="shared_prefix", **kwargs) -> PromptCache:
-    engine = PromptCache(model, tok, mode=mode, fallback="never", store=MemoryStore(), **kwargs)
-    mods = {n: ast.Module(n, (ast.Text(t),)) for n, t in zip(NAMES, MODULES)}
-    engine.add_schema(ast.Schema(SCHEMA, (ast.Role("system", (ast.Text(INSTRUCTIONS + "\n\n"), *mods.values())),),
-                                 modules=mods, parents={n: None for n in NAMES}, union_of={}))
-    return engine
-
-
-def _prompt() -> ast.Prompt:
-    return prompt_pml(SCHEMA, NAMES, [("user", QUESTION)])
+    return links_engine(model, tok, mode, store=MemoryStore(), **kwargs)
 
 
 def test_the_table_keeps_wrappers_before_links(tiny):
