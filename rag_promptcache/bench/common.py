@@ -81,8 +81,10 @@ class BenchConfig:
     fidelity_seed_offset: int = 0  # added to each split's data seed: the same templates, other entities and facts
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to
     fidelity_ttft_questions: int = 3
-    # The splits' prompts are retrieved densely, as they were before hybrid retrieval, so that the base model's
-    # reference runs (docs/bench/fidelity-*) judge the same prompts; both modes find every answer's module there.
+    # The splits' prompts are retrieved densely, as the base model's reference runs (docs/bench/fidelity-*) were,
+    # before hybrid retrieval. Since then the dense index embeds each chunk's title and section with its text
+    # (chunker.search_text), so some prompts differ from the references' (every answer's module is still
+    # retrieved): re-run the reference with this runner (--adapter none) before judging a difference of an answer.
     fidelity_retrieval: str = "dense"
     fidelity_neighbours: int = 0  # each split's modules encoded after their M nearest (rag/neighbours.py); 0: alone
     dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default
