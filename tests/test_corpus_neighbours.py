@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 from rag_promptcache.rag import Corpus
-from rag_promptcache.rag.models import load_embedder
 from rag_promptcache.rag.table import ChunkTable
 from rag_promptcache.store import DiskStore
-from tiny_llama import save_tiny_llama
+from tiny_llama import tiny_llama_and_records
 
 TOPICS = {
     "rivers.txt": "The Nile flows north through eleven countries into the Mediterranean Sea. ",
@@ -30,10 +29,7 @@ QUESTION = "Why do bees dance?"
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory) -> tuple[str, Path, object]:
-    docs = tmp_path_factory.mktemp("docs")
-    for name, sentence in TOPICS.items():
-        (docs / name).write_text(" ".join(f"{sentence.strip()[:-1]}, as noted in record {i}." for i in range(20)))
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny")), docs, load_embedder(None)
+    return tiny_llama_and_records(tmp_path_factory, TOPICS, 20)
 
 
 def build(parts, path: Path, inputs=None, **kw) -> Corpus:

@@ -19,10 +19,9 @@ import pytest
 
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag.budget import StoreBudget
-from rag_promptcache.rag.models import load_embedder
 from rag_promptcache.store import DiskStore
 from rag_promptcache.store import disk as disk_module
-from tiny_llama import save_tiny_llama
+from tiny_llama import tiny_llama_and_records
 
 TOPICS = {
     "rivers.txt": "The Nile flows north through eleven countries into the Mediterranean Sea. ",
@@ -36,10 +35,7 @@ QUESTIONS = ["Which way does the Nile flow?", "What does lava cool into?", "Why 
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory) -> tuple[str, Path, object]:
-    docs = tmp_path_factory.mktemp("docs")
-    for name, sentence in TOPICS.items():
-        (docs / name).write_text(" ".join(f"{sentence.strip()[:-1]}, as noted in record {i}." for i in range(24)))
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny")), docs, load_embedder(None)
+    return tiny_llama_and_records(tmp_path_factory, TOPICS, 24)
 
 
 def build(parts, path: Path, **kw) -> Corpus:

@@ -36,3 +36,14 @@ def build_tiny_corpus(tmp_path_factory, docs: dict[str, str], max_positions: int
     Corpus.build([folder], path, model=model, progress=False, redis_url="").close()
     return path
 
+
+
+def tiny_llama_and_records(tmp_path_factory, topics: dict[str, str], records: int) -> tuple[str, Path, object]:
+    """(a saved tiny Llama, a folder of one file per topic, each its sentence as `records` numbered records,
+    the real MiniLM embedder): what the corpus tests over a tiny model and real retrieval build from."""
+    from rag_promptcache.rag.models import load_embedder
+
+    docs = tmp_path_factory.mktemp("docs")
+    for name, sentence in topics.items():
+        (docs / name).write_text(" ".join(f"{sentence.strip()[:-1]}, as noted in record {i}." for i in range(records)))
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny")), docs, load_embedder(None)
