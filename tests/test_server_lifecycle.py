@@ -129,9 +129,10 @@ def test_metrics_need_the_key_and_count_requests_tokens_caches_and_repeats(serve
     assert grew(f"{p}store_hits_total", tier="all") + grew(f"{p}store_misses_total", tier="all") > 0
     assert {("memory",), ("disk",)} <= {tuple(v for _, v in labels) for name, labels in after if name == f"{p}store_hits_total"}
     assert after[(f"{p}num_requests_running", ())] == 0 and after[(f"{p}num_requests_waiting", ())] == 0
-    # an eager corpus: every module's KV held from the start (a lazy one's gauge grows: tests/test_lazy.py)
-    assert after[(f"{p}corpus_modules_encoded", ())] == after[(f"{p}corpus_modules", ())] > 0
-    assert after[(f"{p}corpus_tokens_encoded", ())] == after[(f"{p}corpus_tokens", ())]
+    # this corpus was built over an in-memory store (build_corpus), so the server encodes a module when a
+    # question first retrieves it: the gauge counts those (k = 2), up to the corpus's modules
+    assert 2 <= after[(f"{p}corpus_modules_encoded", ())] <= after[(f"{p}corpus_modules", ())]
+    assert 0 < after[(f"{p}corpus_tokens_encoded", ())] <= after[(f"{p}corpus_tokens", ())]
 
 
 def test_sigterm_finishes_open_requests_then_cancels_the_rest_and_exits_0(served):
