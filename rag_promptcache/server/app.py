@@ -34,6 +34,7 @@ from importlib import resources
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -288,6 +289,8 @@ async def submit(s: Served, build: Callable[[int], ChatPrompt], body: p.Generati
         prompt_field = "messages" if isinstance(body, p.ChatRequest) else "prompt"
         raise ApiError(400, str(e).replace("max_new_tokens", field), code="context_length_exceeded",
                        param=field if e.max_new_fits else prompt_field) from e
+    except ValidationError:
+        raise  # one of our own response bodies failed its model: a server bug, answered 500, not the client's
     except ValueError as e:
         raise ApiError(400, str(e), param=_param_of(str(e), body)) from e
 

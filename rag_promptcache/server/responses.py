@@ -63,7 +63,7 @@ class Usage(_Out):
 class SourceOut(_Out):
     module_id: str
     label: str
-    score: float
+    score: float | None  # None: the request named its modules (`module_ids`), nothing was retrieved
     snippet: str
 
 
