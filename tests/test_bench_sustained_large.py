@@ -41,7 +41,8 @@ def test_the_large_scenario_runs_small_with_its_checks(tmp_path, tokenizer):
         assert len(run["rows"]) == 20 and len(run["windows"]) == 2
         assert sum(r["full_s"] is not None for r in run["rows"]) == 10
         assert all(r["eager_s"] is not None for r in run["rows"] if r["full_s"] is not None)
-        assert 0 < run["windows"][-1]["served_share"] <= 1
+        # the store serves some module tokens (which window, at this size, depends on the questions drawn)
+        assert all(0 <= w["served_share"] <= 1 for w in run["windows"]) and any(w["served_share"] > 0 for w in run["windows"])
         assert set(run["replay"]) == {1.0, 0.5, 2.0, 4.0} and set(run["replay"][1.0]) == {"lru", "cost"}
         assert run["replay"][4.0]["lru"]["served_share"] >= run["replay"][0.5]["lru"]["served_share"]
         shared = "disk" if "disk" in run["tiers"] else "redis"

@@ -42,6 +42,7 @@ import numpy as np
 
 from rag_promptcache.bench import eviction_replay, real_text, redis_server
 from rag_promptcache.bench.common import Bench
+from rag_promptcache.engine.planning.costmodel import Fallback
 from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.sample import SampleDocument
@@ -204,6 +205,9 @@ def _run_tiers(bench: Bench, path: Path, tiers: str, budget: StoreBudget,
         stack.callback(corpus.close)
         corpus.set_budget(budget)
         engine = corpus.prepare()
+        # the cached path always: this measures what the store serves, not the planner's choice of path (on a
+        # loaded machine the timed cost model may run short prompts as full prefill, and serve nothing)
+        engine.fallback = Fallback("never")
         keys = {m: (key, n) for m, key, n in corpus.table.module_keys()}
         per_token = _bytes_per_token(corpus, corpus.manifest.codec)
         rows, trace = [], []
@@ -255,7 +259,7 @@ def _eager_ttft(corpus: Corpus, engine, ans) -> float:
     ref = getattr(corpus, "_eager_ref", None)
     if ref is None:
         ref = PromptCache(engine.model, engine.tokenizer, store=MemoryStore(codec="fp16"), mode=engine.mode,
-                          recovery=str(engine.recovery), prefix_cache_bytes=0, name=engine.model_name)
+                          recovery=str(engine.recovery), prefix_cache_bytes=0, name=engine.model_name, fallback="never")
         corpus._eager_ref = ref  # type: ignore[attr-defined]
     ref.store.close()  # only this question's modules: the store of a corpus that holds every one
     modules = [(m, corpus.table.module(m)[0]) for m in ans.module_ids]
