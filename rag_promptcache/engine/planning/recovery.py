@@ -13,8 +13,8 @@ strategy picks cached tokens to compute again, in place, against everything befo
   A first module that is exact already (shared_prefix, not moved) is never counted.
 - `tail:T`: the last T tokens of the module nearest the question (the one `last:1` recomputes whole),
   so the tokens the question sits next to read the other modules, for T tokens' prefill instead of
-  the module's (docs/FIDELITY.md, "Making the one recomputed module cheaper"). T at least the module's
-  length is `last:1`.
+  the module's. It keeps the answers on short chunks only (docs/FIDELITY.md, 2026-11-28). T at least
+  the module's length is `last:1`.
 - `question:R` (question-aware, issue 26): the stale module nearest the question whole, plus the
   fraction R of the other modules' tokens the question attends to most (engine/planning/select.py), read at
   layers L/2, L, 3L/2 (`@L`, default 8).
