@@ -58,19 +58,18 @@ def ingest(
     from rag_promptcache.model.loading import parse_dtype
     from rag_promptcache.rag import is_corpus
 
+    from rag_promptcache.rag.neighbours import check as check_neighbours
+
     ray_opts = None
     if ray:
         from rag_promptcache.rag.distributed import RayOptions
 
-        quiet_ray(ray_address)
-
         ray_opts = RayOptions(address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker, kv=ray_kv)
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
-
-    from rag_promptcache.rag.neighbours import check as check_neighbours
-
-    check_neighbours(neighbours, ray_opts)
+    check_neighbours(neighbours, ray_opts)  # refused before Ray's settings touch this process
+    if ray:
+        quiet_ray(ray_address)
     parse_dtype(dtype)  # a bad name fails before anything is created
     if codec is not None:
         from rag_promptcache.store.codecs import check_codec
