@@ -207,8 +207,7 @@ def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
     cfg = bench.config
     mean_tokens = corpus.last_report.num_tokens / corpus.last_report.num_modules
     k = min(len(corpus), max(1, math.ceil(cfg.fidelity_ttft_context / mean_tokens)))
-    refs = references(corpus, questions[: cfg.fidelity_ttft_questions], k, max_new_tokens=1,
-                      retrieval=cfg.fidelity_retrieval)
+    refs = references(corpus, questions[: cfg.fidelity_ttft_questions], k, 1, retrieval=cfg.fidelity_retrieval)
     full: list[float] = []
     per: dict[tuple[str, str], list[float]] = {s: [] for s in cfg.fidelity_settings}
     engine = corpus.engine
@@ -344,8 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--reference", type=Path, metavar="FIDELITY_JSON",
                     help="judge retained and kept against this run's full-prefill answers (the base model's, over the "
                          "same split, k, questions and seed offset); speed-ups stay against this model's own full prefill")
-    ap.add_argument("--neighbours", type=int, default=0, metavar="M",
-                    help="encode each module after its M nearest in the split's corpus (ingest --neighbours) [default: 0]")
+    ap.add_argument("--neighbours", type=int, default=0, metavar="M", help="each module encoded after its M nearest (ingest --neighbours)")
     ap.add_argument("--ttft-point", action="store_true", help="also time the bench split at ~2k context")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="FIDELITY_JSON",
                     help="no model run: pool these runs' fidelity.json (other seeds) into one report")
@@ -365,12 +363,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         (check_mode(mode or "shared_prefix"), str(Recovery.parse(rec)))
         for mode, _, rec in (s.strip().rpartition("/") for s in args.settings.split(",") if s.strip())))
     cfg = dataclasses.replace(BenchConfig(), fidelity_questions=args.questions, fidelity_ks=tuple(args.k),
-                              fidelity_per_kind=args.per_kind,
-                              fidelity_settings=settings, fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
+                              fidelity_per_kind=args.per_kind, fidelity_settings=settings,
+                              fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
                               fidelity_seed_offset=args.seed_offset, fidelity_codec=check_codec(args.codec),
                               fidelity_codecs=tuple(check_codec(c.strip()) for c in args.codecs.split(",") if c.strip()),
-                              fidelity_codec_recovery=args.codec_recovery, adapter=args.adapter,
-                              fidelity_neighbours=args.neighbours)
+                              fidelity_codec_recovery=args.codec_recovery, adapter=args.adapter, fidelity_neighbours=args.neighbours)
     splits = GROUPS.get(args.split, (args.split,))
     reference = None
     if args.reference is not None:
