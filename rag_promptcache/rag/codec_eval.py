@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outcome, Reference, SettingReport, answer,
-                                          summarize, too_few)
+from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outcome, Prompt, Reference, SettingReport,
+                                          answer, module_prompt, summarize, too_few)
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -60,19 +60,6 @@ def recommend_codec(reports: Sequence[CodecReport]) -> CodecReport | None:
         return None
     met = [r for r in reports if r.meets]
     return min(met, key=lambda r: r.bytes_per_token) if met else None
-
-
-class Prompt(NamedTuple):
-    module_ids: tuple[str, ...]
-    text: str
-    context_tokens: int
-
-
-def module_prompt(corpus: Corpus, question: str, k: int, retrieval: str = "hybrid") -> Prompt:
-    """The module ids `Corpus.ask` retrieves for `question` (`retrieval`: its search mode), the prompt it
-    writes, their tokens."""
-    ids = tuple(m for m, _ in corpus.search(question, k, mode=retrieval))
-    return Prompt(ids, corpus.prompt(question, corpus.order(ids)), sum(corpus.table.module(m)[1] for m in ids))
 
 
 class CodecEngines:

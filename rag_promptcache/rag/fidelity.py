@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from rag_promptcache.timing import ratio
 
@@ -263,20 +263,31 @@ def read_questions(path: str | Path) -> list[EvalQuestion]:
     return out
 
 
+class Prompt(NamedTuple):
+    module_ids: tuple[str, ...]
+    text: str
+    context_tokens: int
+
+
+def module_prompt(corpus: Corpus, question: str, k: int, retrieval: str = "hybrid") -> Prompt:
+    """The module ids `Corpus.ask` retrieves for `question` (`retrieval`: its search mode), the prompt it
+    writes, their tokens."""
+    ids = tuple(m for m, _ in corpus.search(question, k, mode=retrieval))
+    return Prompt(ids, corpus.prompt(question, corpus.order(ids)), sum(corpus.table.module(m)[1] for m in ids))
+
+
 def references(
     corpus: Corpus, questions: Iterable[EvalQuestion], k: int, max_new_tokens: int = DEFAULT_NEW_TOKENS,
     stop: tuple[str, ...] = (), retrieval: str = "hybrid",
 ) -> list[Reference]:
-    """Retrieve as `Corpus.ask` does (`retrieval`: its search mode, hybrid by default) and answer each
-    question by full prefill of the prompt's tokens."""
+    """Retrieve as `Corpus.ask` does (`module_prompt`) and answer each question by full prefill of the
+    prompt's tokens."""
     engine = corpus.prepare()
     out = []
     for q in questions:
-        ids = tuple(m for m, _ in corpus.search(q.question, k, mode=retrieval))
-        prompt = corpus.prompt(q.question, corpus.order(ids))
-        res = engine.generate(prompt, use_cache=False, max_new_tokens=max_new_tokens, stop=stop)
-        context = sum(corpus.table.module(m)[1] for m in ids)
-        out.append(Reference(q, ids, prompt, res.text, res.ttft_s, context))
+        p = module_prompt(corpus, q.question, k, retrieval)
+        res = engine.generate(p.text, use_cache=False, max_new_tokens=max_new_tokens, stop=stop)
+        out.append(Reference(q, p.module_ids, p.text, res.text, res.ttft_s, p.context_tokens))
     return out
 
 
