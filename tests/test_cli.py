@@ -17,6 +17,7 @@ from rag_promptcache.engine.result import Result, Stream
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.ingestor import Ingestor
+from rag_promptcache.rag.corpus_store import DEFAULT_CODEC
 
 
 def use_fake_models(monkeypatch, engine):
@@ -251,9 +252,9 @@ def test_demo_builds_then_reuses(tmp_path: Path, fakes, capsys) -> None:
 
 def test_store_commands(built: Path, capsys) -> None:
     code, out, _ = run(capsys, "store", "info", "--corpus", built, "--json")
-    assert code == 0 and json.loads(out)["kind"] == "DiskStore" and json.loads(out)["codec"] == "fp16"
+    assert code == 0 and json.loads(out)["kind"] == "DiskStore" and json.loads(out)["codec"] == DEFAULT_CODEC == "int8"
     code, out, _ = run(capsys, "store", "info", "--corpus", built)
-    assert code == 0 and out.splitlines()[1].split() == ["entries", "0", "(0", "tokens)"] and "codec    fp16" in out
+    assert code == 0 and out.splitlines()[1].split() == ["entries", "0", "(0", "tokens)"] and f"codec    {DEFAULT_CODEC}" in out
     code, out, _ = run(capsys, "store", "verify", "--corpus", built)
     assert code == 0 and out.startswith("checked")
     code, out, _ = run(capsys, "store", "evict", "--corpus", built, "--to", "0")

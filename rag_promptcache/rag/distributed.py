@@ -44,7 +44,7 @@ import numpy as np
 
 from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import search_text
-from rag_promptcache.rag.corpus_store import DEFAULT_CODEC, open_store
+from rag_promptcache.rag.corpus_store import open_store
 from rag_promptcache.rag.encoding import Batch, encode_modules
 from rag_promptcache.rag.models import adapter_to_load, load_embedder, load_engine
 from rag_promptcache.rag.records import Manifest
@@ -188,7 +188,7 @@ class EncodeWorker:
         out = encode_modules(self.engine, self.embedder, self.spec.manifest, modules, embed_texts)
         # fp16 on the way to the driver, whose store encodes in the corpus's codec (coding twice would
         # quantize twice)
-        kv = tuple((k, encode(v, DEFAULT_CODEC)) for k, v in self.collect.take().items()) if self.collect else ()
+        kv = tuple((k, encode(v, "fp16")) for k, v in self.collect.take().items()) if self.collect else ()
         return BatchOut(out.vectors, kv, out.encode_seconds)
 
     def _fault(self, modules: list[tuple[str, str]]) -> None:
