@@ -43,7 +43,7 @@ def _manual(tmp_path: Path) -> Path:
 
 def test_load_gold_and_recall_rows(tmp_path: Path) -> None:
     pages, questions = retrieval_data.load(_manual(tmp_path))
-    c = Corpus.build(pages["toy"], tmp_path / "c", engine=FakeEngine(), embedder=FakeEmbedder(), chunk_tokens=32,
+    c = Corpus.build(pages["toy"], tmp_path / "c", engine=FakeEngine(), embedder=FakeEmbedder(), chunk_tokens=64,
                      overlap=0, progress=False)
     texts = retrieval_data.by_source(c)
     relevant = [retrieval_data.gold(texts, q) for q in questions]

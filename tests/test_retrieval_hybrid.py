@@ -77,8 +77,9 @@ def test_a_question_with_no_lexical_match_is_ranked_by_the_dense_half(corpus: Co
 def test_headings_give_each_chunk_its_context_and_retrieval_reads_it(corpus: Corpus) -> None:
     contexts = dict(corpus.table.db.execute("SELECT text, context FROM modules").fetchall())
     sync = next(c for t, c in contexts.items() if "synchronous" in t)
-    assert sync == "Pragmas › Sync"  # the title (first `# ` heading) and the section; not in the module text
-    assert all("›" not in t for t in contexts)
+    assert sync == "Pragmas › Sync"  # the title (first `# ` heading) and the section
+    module = next(t for t in contexts if "synchronous" in t)
+    assert module.startswith("[Pragmas › Sync]\n")  # the model reads it too (chunker.MODULE_HEADER)
     ids, texts = corpus.table.search_texts()
     assert any(t.startswith("Pragmas › Sync\n") for t in texts)
     # the heading word alone finds its section, through the context both rankings read
