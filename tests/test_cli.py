@@ -16,8 +16,8 @@ from rag_promptcache.cli.store_cmds import parse_size
 from rag_promptcache.engine.result import Result, Stream
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag import corpus as corpus_mod
-from rag_promptcache.rag.ingestor import Ingestor
 from rag_promptcache.rag.corpus_store import DEFAULT_CODEC
+from rag_promptcache.rag.ingestor import Ingestor
 
 
 def use_fake_models(monkeypatch, engine):
