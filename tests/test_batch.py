@@ -69,9 +69,11 @@ def test_rows_admit_in_order_stay_packed_and_bound_the_queue():
 @pytest.fixture(scope="module")
 def tiny(tokenizer, device):
     # no prefix cache: these tests hold a batched request to the same prompt run alone, counts included,
-    # and the second of two equal prompts would reuse the first's KV (tests/test_prefix_cache.py)
+    # and the second of two equal prompts would reuse the first's KV (tests/test_prefix_cache.py); the cached
+    # path always (fallback "never"): under load the timed cost model chose full prefill for one of two equal
+    # prefills and cached for the other, and their logits differ in the last bits (tests/conftest.py)
     pc = PromptCache(build("llama", device, vocab_size=len(tokenizer)), tokenizer, store=MemoryStore(), recovery="none",
-                     prefix_cache_bytes=0)
+                     prefix_cache_bytes=0, fallback="never")
     pc.add_schema(SCHEMA)
     return pc
 
