@@ -119,11 +119,28 @@ def ask(
             typer.echo(cut)
         typer.echo(f"\nsources: {', '.join(dict.fromkeys(answer.sources)) or 'none (nothing scored --min-score)'}")
         typer.echo(_stats(answer))
+    _store_deferred(c, answer, quiet=as_json)
     c.close()
 
 
+def _store_deferred(c, answer, quiet: bool) -> None:
+    """The modules this answer computed without waiting for their encoding, stored before the process ends
+    (Ctrl-C skips it: the store keeps what was written whole, and they are misses next time)."""
+    if not answer.deferred_modules:
+        return
+    if not quiet:
+        typer.echo(f"storing {len(answer.deferred_modules)} module(s) for later questions (Ctrl-C skips)", err=True)
+    try:
+        c.store_deferred()
+    except KeyboardInterrupt:
+        typer.echo("skipped: they are computed again when next retrieved", err=True)
+
+
 def _stats(answer) -> str:
-    missed = f", {len(answer.missed_modules)} module(s) recomputed" if answer.missed_modules else ""
+    if answer.deferred_modules:
+        missed = f", {len(answer.deferred_modules)} missed module(s) computed here, stored after the answer"
+    else:
+        missed = f", {len(answer.missed_modules)} module(s) encoded first" if answer.missed_modules else ""
     return (f"ttft {answer.ttft_s:.2f}s ({answer.path} path), {answer.cached_tokens} cached / {answer.computed_tokens} "
             f"computed tokens{missed}")
 

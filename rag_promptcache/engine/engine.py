@@ -2,10 +2,11 @@
 
 Each step is owned once, elsewhere; this class wires them over one model and one store:
 - the schema registry (engine/prompt/schemas.py) and the planner (engine/planning/plan.py): a module whose KV is
-  missing from the store is encoded from its text in the request, used, and written back; the answer
-  is the same as on a hit. On a model with learned absolute positions a module is reused only where
-  it was encoded; elsewhere its tokens are recomputed in the prefill, and the result lists it in
-  `recomputed_modules`;
+  missing from the store is computed in the request's prefill and queued for the background encoder
+  (engine/planning/background.py), which writes it to the store while no request runs (`misses="encode"`:
+  encoded in the request, used and written back first). On a model with learned absolute positions a
+  module is reused only where it was encoded; elsewhere its tokens are recomputed in the prefill, and
+  the result lists it in `recomputed_modules`;
 - the prefill (engine/planning/prefill.py), then the request's `DecodeState` (engine/decoding/state.py) driven by the
   single-request loop (engine/decoding/decode.py) or, through `scheduler()`, by the batcher (engine/batching/batcher.py).
 
@@ -20,6 +21,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Sequence
 
 import torch
@@ -34,6 +36,7 @@ from rag_promptcache.engine.decoding.decode import can_crop, decode
 from rag_promptcache.engine.planning.encoder import DEFAULT_MODE, check_mode
 from rag_promptcache.engine.decoding.grammar import Grammar
 from rag_promptcache.engine.decoding.lookup import lookup_tokens
+from rag_promptcache.engine.planning.background import Activity, BackgroundEncoder, misses_policy
 from rag_promptcache.engine.planning.plan import Plan, PlanConfig, Planner, uncached
 from rag_promptcache.engine.planning.prefill import Prefilled, Prefilling, start
 from rag_promptcache.engine.prefix.prefix_cache import PrefixUse, cache_layers, make_prefix_cache, token_labels
@@ -69,6 +72,8 @@ class PromptCache:
         prompt_lookup: int | None = None,
         prefix_cache_bytes: int | None = None,
         fallback: str | Fallback | None = None,
+        misses: str | None = None,
+        admission: str | None = None,
     ) -> None:
         """`recovery`: the default where a request names none; None: the recovery the model's merged
         adapter was tuned for (`model/adapter.py`), else `DEFAULT_RECOVERY`. `engine.recovery = None`
@@ -85,7 +90,11 @@ class PromptCache:
         `fallback`: "auto" runs a plain full prefill where this machine's cost model (engine/planning/costmodel.py,
         measured on the first request and stored under the cache home) says it beats the cached plan,
         "never" always runs the cached plan, "always" never does; None reads RAG_PROMPTCACHE_FALLBACK
-        (unset: auto); a `Fallback` is used as given (its own costs). `Result.path` says which ran."""
+        (unset: auto); a `Fallback` is used as given (its own costs). `Result.path` says which ran.
+
+        `misses`: "encode" (None, unless RAG_PROMPTCACHE_MISSES says otherwise) or "defer"; `admission`:
+        which deferred misses the background encoder stores (engine/planning/plan.py, background.py)."""
+        misses = misses_policy(misses)
         prompt_lookup = lookup_tokens(prompt_lookup)
         if not isinstance(fallback, Fallback):  # a bad policy fails here, before anything is built
             fallback = Fallback(fallback, self._measure_costs, remeasure=self._remeasure_costs)
@@ -139,6 +148,10 @@ class PromptCache:
             self.model_lock,
             lambda labels: self.prefix_cache.num_reusable(self.prefix_namespace, labels),
         )
+        self.activity = Activity()  # requests in flight: the background encoder works only when there are none
+        self.background = BackgroundEncoder(self.planner.encode, store, self.activity, admission=admission)
+        if misses == "defer":
+            self.planner.defer = self.background.submit
 
     def _default_recovery(self, spec: str | Recovery | None) -> Recovery:
         if spec is not None:
@@ -247,12 +260,13 @@ class PromptCache:
     # -- the request path: plan → prefill → decode -----------------------------------------------
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
-             max_new_tokens: int = 0, fallback: bool = True) -> Plan:
-        """Compile the prompt and fetch (or encode and store) the KV of every module it uses.
+             max_new_tokens: int = 0, fallback: bool = True, misses: str | None = None) -> Plan:
+        """Compile the prompt and fetch the KV of every module it uses (a miss: `misses`, the constructor's).
         Raises ValueError if the prompt plus `max_new_tokens` does not fit the model's context window.
         `fallback=False`: the cached plan even where this engine's policy would run full prefill."""
-        return self.planner.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=max_new_tokens,
-                                 fallback=fallback)
+        with self.activity.request():
+            return self.planner.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=max_new_tokens,
+                                     fallback=fallback, misses=misses)
 
     def start_prefill(self, plan: Plan, room: int = 0) -> Prefilling:
         """`plan`'s KV assembled with `room` tokens to spare → its new tokens to run, whole or a chunk at a
@@ -282,7 +296,7 @@ class PromptCache:
         cache (the caller `release`s it when done), the next-token logits and the answer's first
         position; `start_prefill` says what is reused from the prefix cache."""
         todo = self.start_prefill(plan, room)
-        with self.model_lock:
+        with self.activity.request(), self.model_lock:
             first = todo.run(self.model)
         assert first is not None, f"{todo.num_left=}"
         return first
@@ -313,9 +327,18 @@ class PromptCache:
 
     def stream_plan(self, plan: Plan, sampling: Sampling, *, t0: float | None = None) -> Stream:
         """Decode an answer to an already made plan (`plan`, possibly altered by the caller)."""
-        return Stream(self._run(plan, sampling, time.perf_counter() if t0 is None else t0))
+        ticket = self.activity.begin()  # in flight until the answer ends, or the stream is dropped unread
+        stream = Stream(self._run(plan, sampling, time.perf_counter() if t0 is None else t0, ticket.end))
+        weakref.finalize(stream, ticket.end)
+        return stream
 
-    def _run(self, plan: Plan, s: Sampling, t0: float) -> Generator[str, None, Result]:
+    def _run(self, plan: Plan, s: Sampling, t0: float, done: Callable[[], None]) -> Generator[str, None, Result]:
+        try:
+            return (yield from self._answer(plan, s, t0))
+        finally:
+            done()
+
+    def _answer(self, plan: Plan, s: Sampling, t0: float) -> Generator[str, None, Result]:
         first = self.prefill(plan, s.max_new_tokens)
         state = self.decode_state(plan, s, t0=t0, lookup=can_crop(first.cache))
         sound = False  # whether the cache holds what the state says (not after a failed forward)
@@ -339,18 +362,22 @@ class PromptCache:
         self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None, **sampling
     ) -> Result:
         """Generate a completion. `use_cache=False` prefills the same token sequence from scratch;
-        `recovery` ("none", "first_k:K", "selective:R") overrides the engine's default for this call."""
+        `recovery` ("none", "first_k:K", "selective:R") overrides the engine's default for this call;
+        `misses="encode"` waits for a missed module's own encoding (see the constructor)."""
         return self.stream(prompt, use_cache=use_cache, recovery=recovery, **sampling).consume()
 
     def stream(
-        self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None, **sampling
+        self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
+        misses: str | None = None, **sampling
     ) -> Stream:
         s = Sampling(**sampling)
         t0 = time.perf_counter()
         # raises here, before the first next()
         self.grammar(s)
-        plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
-        return self.stream_plan(plan, s, t0=t0)
+        with self.activity.request():  # from planning on: the stream's own ticket takes over before this ends
+            plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens,
+                             misses=misses)
+            return self.stream_plan(plan, s, t0=t0)
 
     async def agenerate(self, prompt: str | ast.Prompt, **kwargs) -> Result:
         return await asyncio.to_thread(self.generate, prompt, **kwargs)
@@ -376,7 +403,7 @@ class PromptCache:
     def compare(self, prompt: str | ast.Prompt, *, recovery: str | Recovery | None = None) -> Comparison:
         """Next-token logits of the cached assembly against a full prefill of the same tokens."""
         # the cached assembly is what is compared, alone: nothing from the prefix cache
-        plan = dataclasses.replace(self.plan(prompt, recovery=recovery, fallback=False), sources=None)
+        plan = dataclasses.replace(self.plan(prompt, recovery=recovery, fallback=False, misses="encode"), sources=None)
         cached, full = self.prefill(plan), self.prefill(uncached(plan))
         release(cached.cache)
         release(full.cache)

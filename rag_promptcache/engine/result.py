@@ -23,7 +23,9 @@ class Result:
     cached_tokens: int  # prompt tokens whose KV was not computed here: from the store or the prefix cache
     computed_tokens: int  # prompt tokens computed in this request (new text, misses, recomputed modules)
     hit_modules: tuple[str, ...]
-    missed_modules: tuple[str, ...]  # not in the store: encoded from their text, used, and written back
+    # not in the store: computed in this request's prefill and queued for the background encoder (the
+    # deferred ones), or encoded from their text, used and written back (`misses="encode"`)
+    missed_modules: tuple[str, ...]
     recomputed_modules: tuple[str, ...]  # stored but not reusable at this position (absolute positions)
     # forwards after the prefill: one per token after the first, fewer where prompt lookup drafts were accepted
     num_decode_forwards: int = 0
@@ -35,6 +37,18 @@ class Result:
     path: Path = "cached"
     # the tuned adapter merged into the model's weights (its name, model/adapter.py); None: the base model
     adapter: str | None = None
+    # of missed_modules, those this request did not wait for: computed in its prefill (or by the full prefill
+    # the cost model chose), their store entries left to the background encoder
+    deferred_modules: tuple[str, ...] = ()
+
+    @property
+    def served(self) -> str:
+        """How the modules were served: "store" (every module from the store or the prefix cache), "deferred"
+        (some missed, computed here without waiting for their encoding), "waited" (some missed and were
+        encoded before the answer), "none" (no module)."""
+        if self.missed_modules:
+            return "waited" if set(self.missed_modules) - set(self.deferred_modules) else "deferred"
+        return "store" if self.hit_modules or self.cached_tokens else "none"
 
     @property
     def num_generated(self) -> int:

@@ -31,8 +31,11 @@ class ModelMismatchError(ValueError):
 def load_engine(model: str, store: Store | None, mode: str | None, dtype: str | None = None,
                 adapter: str | os.PathLike[str] | None = DEFAULT_ADAPTER) -> PromptCache:
     from rag_promptcache.engine import PromptCache
+    from rag_promptcache.engine.planning.background import misses_policy
 
+    # a question never waits for a missed module's encoding: the background encoder stores it (docs/stores.md)
     return PromptCache.from_pretrained(model, store=store, dtype=dtype, adapter=adapter,
+                                       misses=misses_policy(None, default="defer"),
                                        **({} if mode is None else {"mode": mode}))
 
 

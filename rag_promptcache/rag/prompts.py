@@ -34,7 +34,7 @@ OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repet
            "response_format", "stop_repeats")  # stop_repeats (default True): end at a repeated sentence  # response_format: OpenAI's shapes, constrained decoding (engine/decoding/grammar.py)
 ALIASES = {"max_new_tokens": "max_tokens"}  # the CLI's and PromptCache.generate's name (docs/langchain.md)
 STATS = ("finish_reason", "ttft_s", "total_s", "prompt_tokens", "cached_tokens", "computed_tokens",
-         "hit_modules", "missed_modules", "recomputed_modules", "path", "adapter")
+         "hit_modules", "missed_modules", "recomputed_modules", "deferred_modules", "path", "adapter")
 
 
 def format_refs(refs: Iterable[tuple[str, str]]) -> str:

@@ -159,6 +159,9 @@ class Answer:
     finish_reason: str
     prompt: str  # the PML prompt, for replaying (e.g. `engine.full_prefill_ttft(answer.prompt)`)
     path: str = "cached"  # "full": the planner ran a plain full prefill, faster here (engine/planning/costmodel.py)
+    # of missed_modules, those computed in this answer's prefill and left to the background encoder to store
+    deferred_modules: tuple[str, ...] = ()
+    served: str = "store"  # `Result.served`: "store", "deferred" (missed, not waited for), "waited" or "none"
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -184,6 +187,8 @@ class Answer:
             finish_reason=result.finish_reason,
             prompt=prompt,
             path=result.path,
+            deferred_modules=tuple(result.deferred_modules),
+            served=result.served,
         )
 
 

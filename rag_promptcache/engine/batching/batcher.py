@@ -53,6 +53,7 @@ from rag_promptcache.engine.batching.handle import Cancelled, Handle
 from rag_promptcache.engine.result import Result
 from rag_promptcache.engine.decoding.sampling import Sampling
 from rag_promptcache.engine.batching.scheduler import QueueFull, Rows
+from rag_promptcache.engine.planning.background import Activity, Ticket
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,6 +76,7 @@ class Engine(Protocol):
     model: PreTrainedModel
     geometry: KVGeometry
     model_lock: AbstractContextManager[object]  # held around every forward
+    activity: Activity  # requests in flight (engine/planning/background.py)
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = ..., recovery: str | Recovery | None = ...,
              max_new_tokens: int = ...) -> Plan: ...
@@ -126,6 +128,7 @@ class Batcher:
         model = engine.model
         self.batch = BatchCache(model.config, engine.geometry, max_batch, 256, model.dtype, model.device)
         self._handles: dict[int, Handle] = {}
+        self._tickets: dict[int, Ticket] = {}  # each request's place in engine.activity
         self._running: dict[int, _Running] = {}
         self._prefilling: deque[int] = deque()  # admitted (each holds a row), oldest first, not yet prefilled
         self._partial: dict[int, Prefilling] = {}  # the ones whose prefill has started: KV assembled
@@ -148,15 +151,21 @@ class Batcher:
         if self._closed:
             raise RuntimeError("this scheduler is closed")
         self.engine.grammar(s)  # a response_format schema that cannot be used raises here, not in the loop
-        # planning may encode missing modules (forward passes under engine.model_lock); raises on a
-        # prompt past the context window
-        plan = self.engine.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
-        handle = Handle(next(self._ids), plan, s, t0)
-        handle.on_cancel = self._wake
-        with self._cv:
-            self.rows.submit(handle.id)  # raises QueueFull
-            self._handles[handle.id] = handle
-            self._cv.notify()
+        ticket = self.engine.activity.begin()  # in flight until `_finish`: the background encoder waits for it
+        try:
+            # planning may encode missing modules (forward passes under engine.model_lock); raises on a
+            # prompt past the context window
+            plan = self.engine.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens)
+            handle = Handle(next(self._ids), plan, s, t0)
+            handle.on_cancel = self._wake
+            with self._cv:
+                self.rows.submit(handle.id)  # raises QueueFull
+                self._handles[handle.id] = handle
+                self._tickets[handle.id] = ticket
+                self._cv.notify()
+        except BaseException:
+            ticket.end()
+            raise
         return handle
 
     def generate(self, prompts: Sequence[str | ast.Prompt], **kwargs) -> list[Result]:
@@ -176,6 +185,10 @@ class Batcher:
             self._closed = True
             self._cv.notify()
         self._thread.join()
+        with self._cv:  # requests left unanswered no longer hold the engine busy
+            for ticket in self._tickets.values():
+                ticket.end()
+            self._tickets.clear()
 
     def __enter__(self) -> Batcher:
         return self
@@ -370,6 +383,9 @@ class Batcher:
         with self._cv:
             move = self.rows.leave(rid)
             handle = self._handles.pop(rid)
+            ticket = self._tickets.pop(rid, None)
+        if ticket is not None:
+            ticket.end()
         self._running.pop(rid, None)
         if rid in self._prefilling:
             self._prefilling.remove(rid)

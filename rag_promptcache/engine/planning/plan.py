@@ -1,10 +1,17 @@
 """Planning a request: a prompt → its token pieces, and the KV of every module it uses (`Plan`).
 
 `Planner.plan` compiles the prompt against its schema, checks it fits the context window, fetches each
-module's KV from the store, encodes and stores the ones missing (a miss: never encoded, evicted,
-corrupt, or made by another model; the key is content-addressed, so that is a miss too), turns modules
-that cannot move to their place here (learned absolute positions) into new tokens, and applies the
-quality recovery (engine/planning/recovery.py). The plan is the request's one record from here to its `Result`.
+module's KV from the store, and handles the ones missing (a miss: never encoded, evicted, corrupt, or
+made by another model; the key is content-addressed, so that is a miss too) one of two ways:
+- deferred (the engine's default, `misses="defer"`): the module's tokens are computed in this request's
+  prefill, against the modules before it as a full prefill computes them, and the module is handed to
+  the background encoder (engine/planning/background.py), which stores it while no request runs. No
+  question waits for an encoding, and the cost model still picks the sooner of this plan and full prefill;
+- encoded (`misses="encode"`): encoded on its own and stored before the request goes on, so the
+  request reads it exactly as later ones will (what `eval` measures).
+It then turns modules that cannot move to their place here (learned absolute positions) into new
+tokens, and applies the quality recovery (engine/planning/recovery.py). The plan is the request's one
+record from here to its `Result`.
 
 Out of scope: assembling the KV and running the prefill (engine/planning/prefill.py), decoding (engine/decoding/state.py,
 engine/decoding/decode.py), the schema registry (engine/prompt/schemas.py), earlier requests' KV: the plan is made
@@ -26,6 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit
+from rag_promptcache.engine.planning.background import MISSES, Job
 from rag_promptcache.engine.planning.costmodel import Fallback
 from rag_promptcache.engine.planning.encoder import encode_units
 from rag_promptcache.engine.errors import ContextWindowExceeded
@@ -53,6 +61,8 @@ class Plan:
     # prefix cache's labels (engine/prefix/prefix_cache.py); None: a full-prefill reference, which reuses nothing
     sources: Mapping[str, str] | None = None
     path: str = "cached"  # "full": every token computed (use_cache=False, or the fallback chose it)
+    # missed modules computed in this request's prefill and queued for the background encoder
+    deferred: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +114,7 @@ class Plan:
             computed_tokens=self.num_tokens - cached,
             hit_modules=tuple(n for n in self.hits if n != ROOT),
             missed_modules=tuple(n for n in self.misses if n != ROOT),
+            deferred_modules=tuple(n for n in self.deferred if n != ROOT),
             recomputed_modules=tuple(n for n in self.recomputed if n != ROOT),
             num_decode_forwards=state.stats.num_forwards,
             num_prefix_tokens=num_prefix_tokens,
@@ -121,6 +132,18 @@ def uncached(plan: Plan) -> Plan:
     )
     pieces = (merged,) if contiguous else tuple(Piece(p.token_ids, p.position) for p in plan.pieces if p.token_ids)
     return Plan(pieces, {}, (), (), (), 0, sources=None, path="full")
+
+
+# recoveries that read only the modules' order, so a module computed in the prefill simply counts as recomputed;
+# the others probe every module's stored KV, so their misses are encoded first
+DEFERRABLE = ("none", "last", "tail", "first_k")
+
+
+def misses_or(misses: str | None, defer: object | None) -> str:
+    """A request's misses policy: its own, else "defer" where there is somewhere to defer to."""
+    if misses is None:
+        return "defer" if defer is not None else "encode"
+    return misses
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,14 +174,19 @@ class Planner:
         self._encoding: dict[str, Future[ModuleKV]] = {}
         self._encoding_lock = threading.Lock()
         self.num_shared_encodes = 0  # misses answered by another request's encoding
+        # where deferred misses go (the engine's `BackgroundEncoder.submit`); None: misses are encoded in the request
+        self.defer: Callable[[Sequence[Job]], int] | None = None
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
-             max_new_tokens: int = 0, fallback: bool = True) -> Plan:
-        """Compile the prompt and fetch (or encode and store) the KV of every module it uses. Raises
-        `ContextWindowExceeded` if the prompt plus `max_new_tokens` does not fit the model's context window.
+             max_new_tokens: int = 0, fallback: bool = True, misses: str | None = None) -> Plan:
+        """Compile the prompt and fetch the KV of every module it uses. Raises `ContextWindowExceeded` if
+        the prompt plus `max_new_tokens` does not fit the model's context window.
         `fallback`: let the engine's policy (engine/planning/costmodel.py) swap the plan for a full prefill of the
-        same tokens where that is faster; missed modules are encoded and stored either way."""
+        same tokens where that is faster. `misses`: "defer" or "encode" (the module docstring); None: "defer"
+        where the engine has a background encoder."""
         cfg = self.config
+        if misses not in (None, *MISSES):
+            raise ValueError(f"unknown misses policy {misses!r}; valid: {', '.join(MISSES)}")
         out = self.schemas.compile_prompt(prompt, cfg.layout)
         compiled, pieces, chat, default = out.schema, list(out.pieces), out.chat, out.default_system
         if not pieces or not any(p.token_ids for p in pieces):
@@ -184,38 +212,51 @@ class Planner:
         needed = list(dict.fromkeys(p.unit for p in pieces if p.cached))
         keys = {name: self.schemas.key(compiled, compiled.units[name], chat, default) for name in needed}
         kvs: dict[str, ModuleKV] = {}
-        misses: list[Unit] = []
+        missing: list[Unit] = []
         stored_anyway: set[str] = set()
         for name in needed:
             unit = compiled.units[name]
             if self.recompute_sooner(keys[name], len(unit.token_ids)):
-                misses.append(unit)
+                missing.append(unit)
                 stored_anyway.add(name)
                 continue
             kv = self.store.get(keys[name])
             # keys are content addresses; this re-checks what the entry says of itself, so a foreign
             # entry planted under our key is recomputed, never used
             if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, cfg.fingerprint, cfg.mode):
-                misses.append(unit)
+                missing.append(unit)
             else:
                 kvs[name] = kv
+        chosen = cfg.recovery if recovery is None else Recovery.parse(recovery)
+        # every module in sequence order, before a deferred miss becomes new tokens: `last:N` counts those among the N
+        order = list(dict.fromkeys(p.unit for p in pieces if p.cached and p.unit != ROOT))
+        deferred: list[Unit] = []
+        to_encode = missing
+        if missing and chosen.kind in DEFERRABLE and misses_or(misses, self.defer) == "defer":
+            # computed in this prefill against what precedes them; stored later, off the request's path
+            computed = {u.name for u in missing}
+            pieces = [Piece(p.token_ids, p.position) if p.unit in computed else p for p in pieces]
+            deferred, to_encode = [u for u in missing if u.name not in stored_anyway], []
         encoded = 0
-        for u, kv in zip(misses, self.encode_once(misses, keys, stored_anyway)):
+        for u, kv in zip(to_encode, self.encode_once(to_encode, keys, stored_anyway)):
             kvs[u.name] = kv
             encoded += kv.num_tokens
-        chosen = cfg.recovery if recovery is None else Recovery.parse(recovery)
         # the full prefill of this prompt: its own tokens, without any link tokens recovery adds
         full = uncached(Plan(tuple(pieces), {}, (), (), (), 0))
         with self.model_lock:
-            pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry)
+            pieces = recover(chosen, pieces, kvs, self.model, self.relocator, self.geometry, order=order)
         self.check_window(pieces, max_new_tokens)  # link tokens lengthen the prompt
-        missed = {u.name for u in misses}
+        missed = {u.name for u in missing}
         plan = Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
-                    tuple(u.name for u in misses), tuple(dict.fromkeys(recomputed)), encoded, keys)
+                    tuple(u.name for u in missing), tuple(dict.fromkeys(recomputed)), encoded, keys,
+                    deferred=tuple(u.name for u in deferred))
+        if deferred and self.defer is not None:
+            self.defer([Job(keys[u.name], u, len(u.token_ids)) for u in deferred])
         if fallback and cfg.fallback is not None and self._full_pays(plan, full, cfg.fallback):
             # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
             # an earlier full-path request computed of the same tokens (the prefix cache's labels)
-            return dataclasses.replace(full, misses=plan.misses, num_encoded_tokens=encoded, sources={})
+            return dataclasses.replace(full, misses=plan.misses, num_encoded_tokens=encoded, sources={},
+                                       deferred=plan.deferred)
         return plan
 
     def _full_pays(self, plan: Plan, full: Plan, fallback: Fallback) -> bool:

@@ -119,8 +119,11 @@ def recover(
     model: PreTrainedModel,
     relocator: Relocator,
     geometry: KVGeometry,
+    order: Sequence[str] | None = None,
 ) -> list[Piece]:
-    """The pieces with the chosen cached tokens turned into new ones."""
+    """The pieces with the chosen cached tokens turned into new ones. `order`: every retrieved module in
+    sequence order, including those the planner already turned into new tokens (a deferred miss), which
+    `last:N` and `tail:T` count among the nearest as already recomputed; None: the cached ones."""
     if recovery.kind == "question":  # budget 0 still recomputes the nearest module whole
         chosen = _question(pieces, kvs, model, relocator, geometry, recovery)
         return split(pieces, chosen)
@@ -131,7 +134,8 @@ def recover(
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
     elif recovery.kind in ("last", "tail"):
-        stale = [m for m in _module_order(pieces) if m != exact_module(pieces, kvs)]
+        exact = exact_module(pieces, kvs)
+        stale = [m for m in (_module_order(pieces) if order is None else order) if m != exact]
         if recovery.kind == "last":
             chosen = _modules(pieces, stale[-int(recovery.budget):])
         else:  # the nearest stale module's last T cached tokens

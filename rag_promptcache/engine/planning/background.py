@@ -1,0 +1,288 @@
+"""Encoding missed modules off the request's path.
+
+A request whose module is missing from the store does not wait for it to be encoded: the planner
+computes the module's tokens in the request's own prefill (against the modules before it, as a full
+prefill would) and hands the module here. `BackgroundEncoder` encodes it later, the way an ingest
+would (alone after the schema's context, or after its neighbours where the corpus says so), and
+writes it to the store, so the next question that retrieves it reads it as stored.
+
+- One forward at a time, and only while no request is in flight (`Activity`): a request that
+  arrives meanwhile waits for at most the forward already running, never for the queue.
+- `EncodeQueue` (no torch): duplicates coalesce by store key; a full queue drops the newest job
+  rather than grow; `Admission` says which misses are worth a forward at all (a module retrieved
+  once is not worth evicting one retrieved often).
+- A job that fails (a store that cannot write, a model error) is counted and dropped: the question
+  was answered already, and a store entry is written whole or not at all (each tier's `put`).
+- `drain` encodes what is queued in the caller's thread (the CLI's `ask`, after the answer is out).
+
+Out of scope: what a module's KV is (engine/planning/encoder.py), where it is stored (store/), which
+modules are hot across restarts (rag/lazy.py's retrieval log, which `warm` reads).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from rag_promptcache.engine.prompt.compiler import Unit
+from rag_promptcache.store.base import ModuleKV, Store
+
+DEFAULT_MAX_QUEUE = 256  # modules waiting; past it a new miss is dropped (it is computed again when next retrieved)
+MISSES = ("defer", "encode")
+
+
+def misses_policy(spec: str | None, default: str = "encode") -> str:
+    """An engine's misses policy: `spec`, else $RAG_PROMPTCACHE_MISSES, else `default` (a bare engine encodes
+    a miss where it is asked; a corpus's engine, `rag.models.load_engine`, defers it)."""
+    spec = spec or os.environ.get("RAG_PROMPTCACHE_MISSES") or default
+    if spec not in MISSES:
+        raise ValueError(f"unknown misses policy {spec!r}; valid: {', '.join(MISSES)}")
+    return spec
+
+
+class Ticket:
+    """One request's place in `Activity`; `end` is idempotent (the request's end, or its stream collected)."""
+
+    __slots__ = ("_activity", "_open", "__weakref__")
+
+    def __init__(self, activity: Activity) -> None:
+        self._activity, self._open = activity, True
+
+    def end(self) -> None:
+        if self._open:
+            self._open = False
+            self._activity.exit()
+
+
+class Activity:
+    """Requests in flight, from planning to their result: the background encoder runs only at zero."""
+
+    def __init__(self) -> None:
+        self._num = 0
+        self._cv = threading.Condition()
+
+    @property
+    def busy(self) -> bool:
+        return self._num > 0
+
+    def enter(self) -> None:
+        with self._cv:
+            self._num += 1
+
+    def exit(self) -> None:
+        with self._cv:
+            assert self._num > 0, f"{self._num=}"
+            self._num -= 1
+            if not self._num:
+                self._cv.notify_all()
+
+    def begin(self) -> Ticket:
+        self.enter()
+        return Ticket(self)
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.exit()
+
+    def wait_idle(self, stopped: Callable[[], bool], poll_s: float = 0.05) -> bool:
+        """Block until no request is in flight (True) or `stopped()` (False)."""
+        with self._cv:
+            while self._num and not stopped():
+                self._cv.wait(poll_s)
+            return not stopped()
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Which missed modules are queued: `first` every miss; `second:W` a module missed (retrieved and not
+    held) at least twice within the last W requests that missed anything."""
+
+    min_misses: int = 1
+    window: int = 0
+
+    @classmethod
+    def parse(cls, spec: str | Admission | None) -> Admission:
+        """`spec`, else $RAG_PROMPTCACHE_ADMISSION, else "first"."""
+        if isinstance(spec, Admission):
+            return spec
+        spec = spec or os.environ.get("RAG_PROMPTCACHE_ADMISSION")
+        if spec in (None, "first"):
+            return cls()
+        head, _, window = str(spec).partition(":")
+        if head == "second" and window.isdigit() and int(window) >= 1:
+            return cls(2, int(window))
+        raise ValueError(f"bad admission {spec!r}: write first (every miss) or second:W (a module missed twice "
+                         "within the last W requests)")
+
+    def __str__(self) -> str:
+        return "first" if self.min_misses <= 1 else f"second:{self.window}"
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    key: str  # the module's store key: what coalesces
+    unit: Unit
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackgroundStats:
+    num_queued: int  # waiting now
+    num_encoded: int  # encoded and written
+    num_tokens: int  # tokens of those
+    num_coalesced: int  # misses of a module already queued, or found stored when its turn came
+    num_dropped: int  # not queued: the queue was full
+    num_deferred: int  # misses the admission rule did not queue yet
+    num_failed: int  # encodes or writes that failed (the question was answered; the store is unchanged)
+    last_error: str = ""  # the latest failure, `Type: message`
+
+
+class EncodeQueue:
+    """The background encoder's bookkeeping: jobs in arrival order, one per store key, bounded, with
+    the admission rule's recent misses. Pure Python (tested without tensors); not thread-safe alone."""
+
+    def __init__(self, max_jobs: int = DEFAULT_MAX_QUEUE, admission: Admission | None = None) -> None:
+        if max_jobs < 1:
+            raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
+        self.max_jobs = max_jobs
+        self.admission = admission or Admission()
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._recent: deque[tuple[str, ...]] = deque()  # the keys each of the last W missing requests missed
+        self._counts: Counter[str] = Counter()
+        self.num_coalesced = self.num_dropped = self.num_deferred = 0
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def offer(self, jobs: Sequence[Job]) -> list[Job]:
+        """One request's misses → the jobs newly queued."""
+        rule = self.admission
+        if rule.min_misses > 1:
+            keys = tuple(dict.fromkeys(j.key for j in jobs))
+            self._recent.append(keys)
+            self._counts.update(keys)
+            if len(self._recent) > rule.window:
+                self._counts.subtract(self._recent.popleft())
+        queued = []
+        for job in jobs:
+            if job.key in self._jobs:
+                self.num_coalesced += 1
+            elif self._counts[job.key] < rule.min_misses and rule.min_misses > 1:
+                self.num_deferred += 1
+            elif len(self._jobs) >= self.max_jobs:
+                self.num_dropped += 1
+            else:
+                self._jobs[job.key] = job
+                queued.append(job)
+        return queued
+
+    def take(self) -> Job | None:
+        """The oldest job, removed; None when empty."""
+        return self._jobs.popitem(last=False)[1] if self._jobs else None
+
+
+class BackgroundEncoder:
+    """A daemon thread that encodes queued misses one at a time while no request is in flight and writes
+    them to `store`. `encode(units)` is the planner's (it takes the model lock); started on first use."""
+
+    def __init__(self, encode: Callable[[Sequence[Unit]], list[ModuleKV]], store: Store, activity: Activity,
+                 *, max_queue: int = DEFAULT_MAX_QUEUE, admission: str | Admission | None = None) -> None:
+        self.encode, self.store, self.activity = encode, store, activity
+        self.queue = EncodeQueue(max_queue, Admission.parse(admission))
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._working = False
+        self.num_encoded = self.num_tokens = self.num_failed = 0
+        self.last_error = ""
+
+    def submit(self, jobs: Sequence[Job]) -> int:
+        """Queue one request's misses → how many were queued (the rest coalesced, deferred or dropped)."""
+        with self._cv:
+            if self._closed:
+                return 0
+            queued = self.queue.offer(jobs)
+            if queued:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="rag-promptcache-encoder", daemon=True)
+                    self._thread.start()
+                self._cv.notify()
+        return len(queued)
+
+    def stats(self) -> BackgroundStats:
+        with self._cv:
+            q = self.queue
+            return BackgroundStats(len(q) + self._working, self.num_encoded, self.num_tokens,
+                                   q.num_coalesced, q.num_dropped, q.num_deferred, self.num_failed, self.last_error)
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or being encoded (True), or `timeout` seconds pass (False)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not (len(self.queue) or self._working), timeout)
+
+    def drain(self, stopped: Callable[[], bool] = lambda: False) -> int:
+        """Encode every queued job now, in this thread, until the queue is empty or `stopped()` → how many
+        were written. The thread keeps its own job; this takes the rest."""
+        done = 0
+        while not stopped():
+            with self._cv:
+                job = self.queue.take()
+            if job is None:
+                break
+            done += self._run(job)
+        with self._cv:
+            self._cv.notify_all()
+        return done
+
+    def close(self) -> None:
+        """Stop after the job in hand; what is queued is dropped (it is a miss again next time)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or len(self.queue)):
+                    self._cv.wait()
+                if self._closed:
+                    return
+            if not self.activity.wait_idle(lambda: self._closed):
+                return
+            with self._cv:
+                job = self.queue.take()
+                self._working = job is not None
+            if job is not None:
+                self._run(job)
+                with self._cv:
+                    self._working = False
+                    self._cv.notify_all()
+
+    def _run(self, job: Job) -> int:
+        """Encode and write one job → 1 if written, 0 if it was stored meanwhile or failed."""
+        try:
+            if self.store.contains(job.key):  # another process or an ingest wrote it meanwhile
+                with self._cv:
+                    self.queue.num_coalesced += 1
+                return 0
+            (kv,) = self.encode([job.unit])
+            self.store.put(job.key, kv)
+        except Exception as e:  # noqa: BLE001 - the question was answered; a failed write leaves the store as it was
+            with self._cv:
+                self.num_failed += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+            return 0
+        with self._cv:
+            self.num_encoded += 1
+            self.num_tokens += job.num_tokens
+        return 1
