@@ -58,9 +58,12 @@ def test_a_lazy_corpus_starts_empty_and_answers_as_an_eager_one(parts, tmp_path:
         assert held_bytes(tmp_path / "l") == 0 and lazy.coverage().num_encoded == 0
         assert len(lazy) == len(eager) and eager.coverage().share == 1.0
         for q in QUESTIONS[:2]:
+            first = lazy.ask(q, k=3, max_new_tokens=8)  # its misses computed in its prefill, not waited for
+            assert first.served == "deferred" and set(first.deferred_modules) == set(first.missed_modules) != set()
+            lazy.store_deferred()  # what the background encoder does while no request runs
             a, b = eager.ask(q, k=3, max_new_tokens=8), lazy.ask(q, k=3, max_new_tokens=8)
             assert a.answer == b.answer and a.module_ids == b.module_ids
-            assert not a.missed_modules
+            assert not a.missed_modules and not b.missed_modules and b.served == "store"
         again = lazy.ask(QUESTIONS[0], k=3, max_new_tokens=8)
         assert not again.missed_modules and set(again.hit_modules) == set(again.module_ids)
         cov = lazy.coverage()
@@ -93,6 +96,7 @@ def test_metrics_say_how_much_of_a_lazy_corpus_is_encoded(parts, tmp_path: Path)
         before = gauges()
         assert before["corpus_modules_encoded"] == 0 and before["corpus_modules"] == len(c) > 0
         answer = c.ask(QUESTIONS[2], k=2, max_new_tokens=4)
+        assert c.engine.background.wait_done(timeout=120)  # stored while no request is in flight
         after = gauges()
         assert after["corpus_modules_encoded"] == len(answer.module_ids)
         assert 0 < after["corpus_tokens_encoded"] < after["corpus_tokens"]
@@ -255,6 +259,8 @@ from rag_promptcache.rag import Corpus
 c = Corpus.open(sys.argv[1])
 for q in sys.argv[2:]:
     c.ask(q, k=3, max_new_tokens=4)
+    c.store_deferred()  # the background encoder's queue, written now: both processes write the store
+    print("stored", flush=True)
 c.close()
 """
 
@@ -273,6 +279,24 @@ def test_two_processes_filling_one_lazy_corpus_leave_no_corrupt_entry(parts, tmp
     store.close()
     c = Corpus.open(tmp_path / "c", embedder=parts[2])
     assert c.coverage().num_encoded == report.num_checked - 1  # every entry a module's, and the root
+    c.close()
+
+
+def test_a_process_killed_while_storing_deferred_modules_leaves_the_store_consistent(parts, tmp_path: Path) -> None:
+    build(parts, tmp_path / "c", kv="lazy").close()
+    env = {**os.environ, "RAG_PROMPTCACHE_REDIS_URL": ""}
+    proc = subprocess.Popen([sys.executable, "-c", FILL, str(tmp_path / "c"), *QUESTIONS * 3], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "stored", proc.stderr.read()
+    proc.kill()  # during a later question or its modules' writes
+    proc.communicate(timeout=60)
+    store = DiskStore(tmp_path / "c" / "store")
+    report = store.verify()
+    assert report.bad_keys == () and report.num_checked > 0
+    store.close()
+    c = Corpus.open(tmp_path / "c", embedder=parts[2])
+    answer = c.ask(QUESTIONS[0], k=3, max_new_tokens=4)  # reads what was written whole
+    assert answer.hit_modules and answer.finish_reason  # (a tiny random model's answer may be empty)
     c.close()
 
 
