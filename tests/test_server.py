@@ -105,7 +105,8 @@ def _idle(base_url: str, timeout: float = 30) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         health = httpx.get(f"{base_url}/health").json()
-        if health["running"] == 0 and health["waiting"] == 0 or time.monotonic() > deadline:
+        idle = health["running"] == 0 and health["waiting"] == 0 and health["background_queue"] == 0
+        if idle or time.monotonic() > deadline:
             return health
         time.sleep(0.1)
 
@@ -188,6 +189,14 @@ def test_concurrent_clients_get_their_one_at_a_time_answers(client, base_url):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], **GREEDY)
         return r.choices[0].message.content
 
+    # a module the store lacks is computed in its request (usage.served "deferred") and stored by the
+    # background encoder while no request runs; from then on it is served from the store
+    first = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], **GREEDY)
+             for q in QUESTIONS]
+    assert {r.usage.model_extra["served"] for r in first} <= {"deferred", "store"}
+    assert _idle(base_url, timeout=120)["background_queue"] == 0
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert "rag_promptcache:background_failed_total 0.0" in metrics and "background_encoded_total" in metrics
     alone = [ask(q) for q in QUESTIONS]
     together: list[str | None] = [None] * len(QUESTIONS)
     threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(QUESTIONS[i]))) for i in range(4)]

@@ -164,7 +164,8 @@ async def index(request: Request) -> HTMLResponse:
 async def health(request: Request) -> r.Health:
     b = served(request).batcher
     return r.Health(status="ok", model=served(request).model_id, running=b.num_running, waiting=b.num_waiting,
-                    max_batch=b.rows.max_batch, max_queue=b.rows.max_queue)
+                    max_batch=b.rows.max_batch, max_queue=b.rows.max_queue,
+                    background_queue=b.engine.background.stats().num_queued)
 
 
 @router.get("/metrics", response_class=Response, **openapi.METRICS)

@@ -68,6 +68,9 @@ class Metrics:
         self.computed = Counter(f"{PREFIX}prompt_tokens_computed", "Prompt tokens computed in their request.",
                                 registry=r)
         self.generated = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=r)
+        self.served = Counter(f"{PREFIX}answers_served", "Answers by how their modules were served: store (every "
+                              "one held), deferred (a miss computed in the request, stored after it), waited "
+                              "(a miss encoded before the answer), none (no module).", ["served"], registry=r)
         r.register(_Live(batcher, engine, coverage))
 
     def finished(self, result: Result) -> None:
@@ -79,6 +82,7 @@ class Metrics:
         self.cached.inc(result.cached_tokens)
         self.computed.inc(result.computed_tokens)
         self.generated.inc(result.num_generated)
+        self.served.labels(result.served).inc()
 
     async def pieces(self, handle: Handle) -> AsyncIterator[str]:
         """`handle`'s text pieces, the gaps between them observed; its result counted once it is done."""
@@ -131,6 +135,13 @@ class _Live:
                                   value=tree.num_hits)
         yield CounterMetricFamily(f"{PREFIX}prefix_cache_repeats", "Exact repeats: answered with no prefill.",
                                   value=self.engine.prefix_cache.num_repeats)
+        bg = self.engine.background.stats()
+        yield GaugeMetricFamily(f"{PREFIX}background_queue", "Missed modules waiting for the background encoder.",
+                                value=bg.num_queued)
+        for name, what, value in (("encoded", "Modules the background encoder stored.", bg.num_encoded),
+                                  ("dropped", "Missed modules not queued: the queue was full.", bg.num_dropped),
+                                  ("failed", "Background encodes or writes that failed.", bg.num_failed)):
+            yield CounterMetricFamily(f"{PREFIX}background_{name}", what, value=value)
         if self.coverage is not None:
             cov = self.coverage()
             for name, what, value in (("corpus_modules", "Modules in the corpus.", cov.num_modules),

@@ -5,7 +5,8 @@ schema (`openapi.py`), so the schema says exactly what goes out: each model forb
 declare, and a stream's chunks are these models too (`ChatCompletionChunk`, `CompletionChunk`, dumped
 one per server-sent event). Our extra fields: `sources` (a response's and a stream's first chunk's
 retrieved chunks), `usage.ttft_s`, `usage.path` (the engine's: "cached", "full", or "none" when nothing
-was generated) and `usage.adapter`.
+was generated), `usage.served` (how the modules were served: "store", "deferred": a miss computed in the
+request and stored after it, "waited": a miss encoded before the answer, "none") and `usage.adapter`.
 
 Not here: request bodies (`protocol.py`), routing (`app.py`).
 """
@@ -57,6 +58,7 @@ class Usage(_Out):
     prompt_tokens_details: PromptTokensDetails
     ttft_s: float  # the server's time to the first token
     path: Literal["cached", "full", "none"]
+    served: Literal["store", "deferred", "waited", "none"]  # `Result.served`
     adapter: str | None  # the tuned adapter merged into the model; null: the base model
 
 
@@ -187,6 +189,7 @@ class Health(_Out):
     waiting: int
     max_batch: int
     max_queue: int
+    background_queue: int  # missed modules the background encoder has yet to store (it works while idle)
 
 
 # -- builders ------------------------------------------------------------------------------------------
@@ -199,7 +202,7 @@ def usage(result: Result) -> Usage:
     return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.num_generated,
                  total_tokens=result.prompt_tokens + result.num_generated,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
-                 ttft_s=round(result.ttft_s, 4), path=result.path, adapter=result.adapter)
+                 ttft_s=round(result.ttft_s, 4), path=result.path, served=result.served, adapter=result.adapter)
 
 
 def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[SourceOut]:
