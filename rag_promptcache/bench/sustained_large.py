@@ -215,6 +215,7 @@ def _run_tiers(bench: Bench, path: Path, tiers: str, budget: StoreBudget,
         t0 = time.perf_counter()
         for i, (_, q) in enumerate(questions):
             ans = corpus.ask(q, k=cfg.large_k, max_new_tokens=1)
+            engine.background.wait_done()  # a user's pause: the question's deferred misses are stored before the next
             hit = set(ans.hit_modules)
             row = {"question": i, "cached_s": ans.ttft_s, "path": ans.path,
                    "module_tokens": sum(keys[m][1] for m in ans.module_ids),

@@ -293,8 +293,9 @@ def references(
 
 def answer(engine: PromptCache, ref: Reference, recovery: str, max_new_tokens: int = DEFAULT_NEW_TOKENS,
            stop: tuple[str, ...] = ()) -> Outcome:
-    """One reference's prompt answered from the cache with `recovery`, judged against full prefill's answer."""
-    res = engine.generate(ref.prompt, recovery=recovery, max_new_tokens=max_new_tokens, stop=stop)
+    """One reference's prompt answered from the cache with `recovery`, judged against full prefill's answer:
+    a module the store lacks is encoded first (`misses="encode"`), so every module is read as stored."""
+    res = engine.generate(ref.prompt, recovery=recovery, misses="encode", max_new_tokens=max_new_tokens, stop=stop)
     right = ref.question.judge(res.text)
     return Outcome(recovery, res.text, right, res.text.strip() == ref.text.strip(), res.ttft_s)
 
