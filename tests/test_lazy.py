@@ -300,6 +300,32 @@ def test_a_process_killed_while_storing_deferred_modules_leaves_the_store_consis
     c.close()
 
 
+def test_idle_time_refills_what_questions_came_back_to_and_nothing_else(parts, tmp_path: Path) -> None:
+    import shutil
+
+    c = build(parts, tmp_path / "c", kv="lazy")
+    try:
+        twice = set(c.ask(QUESTIONS[0], k=2, max_new_tokens=2).module_ids)
+        assert set(c.ask(QUESTIONS[0], k=2, max_new_tokens=2).module_ids) == twice
+        once = set(c.ask(QUESTIONS[3], k=2, max_new_tokens=2).module_ids) - twice
+        assert once, "the second question should retrieve a module the first did not"
+    finally:
+        c.close()  # the retrieval log is kept in the table; the store is dropped below (a new machine, a wipe)
+    shutil.rmtree(tmp_path / "c" / "store")
+    c = Corpus.open(tmp_path / "c", embedder=parts[2], redis_url="")
+    try:
+        engine = c.prepare()
+        c.warm_when_idle()  # what `serve` does at start-up: no question asked in this process yet
+        assert engine.background.wait_done(timeout=120)
+        name = c.manifest.name
+        assert all(engine.is_cached(name, m) for m in twice)  # retrieved twice: hot
+        assert not any(engine.is_cached(name, m) for m in once)  # retrieved once: not worth a forward
+        stats = engine.background.stats()
+        assert stats.num_failed == 0 and stats.num_queued == 0
+    finally:
+        c.close()
+
+
 def test_the_ingest_estimate_is_the_real_chunkers_count_on_a_sample(tokenizer, tmp_path: Path, monkeypatch) -> None:
     """The 4-bytes-a-token guess ran 20% high on HTML manuals; the estimate now chunks a sample for real."""
     from rag_promptcache.rag import ingest

@@ -184,6 +184,27 @@ def warm(corpus: Corpus, top: int, questions: Sequence[str] | None = None, k: in
                       time.perf_counter() - t0, capped)
 
 
+HOT = 2  # retrievals that make a module worth warming in idle time
+
+
+def warm_one(corpus: Corpus, engine: PromptCache, warmed: set[str]) -> bool:
+    """One step of idle warming (`StoreAccess.warm_when_idle`): encode the most retrieved module, among those
+    the budget holds, that is not held and not warmed before by `warmed`'s owner → whether one was."""
+    tokens = {m: n for m, _, n in corpus.table.module_keys()}
+    room, used, name = _room(corpus), 0, corpus.manifest.name
+    for m, count in corpus.table.retrieval_counts():
+        size = module_bytes(engine, tokens.get(m, 0), corpus.manifest.codec)
+        if count < HOT or (room is not None and used + size > room):
+            return False
+        used += size
+        if m in warmed or engine.is_cached(name, m):
+            continue
+        warmed.add(m)
+        engine.encode(name, [m])
+        return True
+    return False
+
+
 def _room(corpus: Corpus) -> int | None:
     """The bytes the corpus's persistent tiers hold (writes go through to each, so the largest of disk and
     Redis where both are used); the memory tier's where it is the only one. None: unbounded."""
@@ -236,6 +257,20 @@ class StoreAccess:
     def coverage(self) -> Coverage:
         """How much of the corpus's module KV its store holds now (`ingest --kv lazy` starts at none)."""
         return coverage(self)  # type: ignore[arg-type]
+
+    def warm_when_idle(self) -> None:
+        """Spend the engine's idle time (no request in flight, no missed module queued) encoding the modules
+        the retrieval log says are hot (retrieved at least twice) and the store does not hold, most retrieved
+        first, within what the budget holds, each at most once per process: a restarted server refills what
+        its questions come back to before they do. What `serve` and the Ray replicas call at start-up."""
+        engine = self._loaded_engine()
+        warmed: set[str] = set()
+
+        def step() -> bool:
+            self._retrievals.flush()  # this process's latest retrievals count too
+            return warm_one(self, engine, warmed)  # type: ignore[arg-type]
+
+        engine.background.start_idle(step)
 
     def warm(self, top: int, questions: Sequence[str] | None = None, k: int = 4) -> WarmReport:
         """Encode the `top` modules questions retrieve most (from `questions`, else from what questions

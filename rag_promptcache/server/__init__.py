@@ -53,6 +53,7 @@ def build(corpus: str | Path | Corpus, *, k: int = 4, max_batch: int = 8, max_qu
     except BaseException:
         c.close()
         raise
+    c.warm_when_idle()  # idle time refills what questions keep coming back to (rag/lazy.py)
     model_id = c.path.resolve().name
     try:
         return create_app(chat, batcher, model_id=model_id, k=k, api_key=api_key, min_score=min_score), batcher, chat

@@ -14,6 +14,9 @@ writes it to the store, so the next question that retrieves it reads it as store
 - A job that fails (a store that cannot write, a model error) is counted and dropped: the question
   was answered already, and a store entry is written whole or not at all (each tier's `put`).
 - `drain` encodes what is queued in the caller's thread (the CLI's `ask`, after the answer is out).
+- `idle`: a server's idle time: when the queue is empty and no request is in flight, the thread asks
+  this callable for one step of other work (a corpus warms what its retrieval log says is hot,
+  rag/lazy.py) until it says there is none, and again after later questions.
 
 Out of scope: what a module's KV is (engine/planning/encoder.py), where it is stored (store/), which
 modules are hot across restarts (rag/lazy.py's retrieval log, which `warm` reads).
@@ -203,6 +206,9 @@ class BackgroundEncoder:
         self._working = False
         self.num_encoded = self.num_tokens = self.num_failed = 0
         self.last_error = ""
+        # one step of work for idle time → whether it did any (`start_idle`); None: none
+        self.idle: Callable[[], bool] | None = None
+        self._idle_due = False  # questions came since `idle` last said it had nothing to do
 
     def submit(self, jobs: Sequence[Job]) -> int:
         """Queue one request's misses → how many were queued (the rest coalesced, deferred or dropped)."""
@@ -210,12 +216,23 @@ class BackgroundEncoder:
             if self._closed:
                 return 0
             queued = self.queue.offer(jobs)
-            if queued:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="rag-promptcache-encoder", daemon=True)
-                    self._thread.start()
-                self._cv.notify()
+            self._idle_due = self.idle is not None and not self._closed
+            if queued or self._idle_due:
+                self._start()
         return len(queued)
+
+    def start_idle(self, idle: Callable[[], bool]) -> None:
+        """Spend idle time on `idle()` steps from now on (a server at start-up, before any question)."""
+        with self._cv:
+            self.idle, self._idle_due = idle, True
+            if not self._closed:
+                self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rag-promptcache-encoder", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
 
     def stats(self) -> BackgroundStats:
         with self._cv:
@@ -224,9 +241,10 @@ class BackgroundEncoder:
                                    q.num_coalesced, q.num_dropped, q.num_deferred, self.num_failed, self.last_error)
 
     def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until nothing is queued or being encoded (True), or `timeout` seconds pass (False)."""
+        """Block until nothing is queued or being encoded and idle work has no more to do (True), or `timeout`
+        seconds pass (False)."""
         with self._cv:
-            return self._cv.wait_for(lambda: not (len(self.queue) or self._working), timeout)
+            return self._cv.wait_for(lambda: not (len(self.queue) or self._working or self._idle_due), timeout)
 
     def drain(self, stopped: Callable[[], bool] = lambda: False) -> int:
         """Encode every queued job now, in this thread, until the queue is empty or `stopped()` → how many
@@ -245,7 +263,7 @@ class BackgroundEncoder:
     def close(self) -> None:
         """Stop after the job in hand; what is queued is dropped (it is a miss again next time)."""
         with self._cv:
-            self._closed = True
+            self._closed, self._idle_due = True, False
             self._cv.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -253,7 +271,7 @@ class BackgroundEncoder:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._closed or len(self.queue)):
+                while not (self._closed or len(self.queue) or self._idle_due):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -261,12 +279,25 @@ class BackgroundEncoder:
                 return
             with self._cv:
                 job = self.queue.take()
-                self._working = job is not None
+                idle = self.idle if job is None and self._idle_due else None
+                self._working = job is not None or idle is not None
             if job is not None:
                 self._run(job)
+            elif idle is not None and not self._idle_step(idle):
                 with self._cv:
-                    self._working = False
-                    self._cv.notify_all()
+                    self._idle_due = False
+            with self._cv:
+                self._working = False
+                self._cv.notify_all()
+
+    def _idle_step(self, idle: Callable[[], bool]) -> bool:
+        try:
+            return idle()
+        except Exception as e:  # noqa: BLE001 - idle work is a bonus: a failure ends it until the next questions
+            with self._cv:
+                self.num_failed += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+            return False
 
     def _run(self, job: Job) -> int:
         """Encode and write one job → 1 if written, 0 if it was stored meanwhile or failed."""
