@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rag_promptcache.engine.planning.background import Activity, BackgroundEncoder
 from rag_promptcache.engine.result import EncodeReport, Result, Stream
 from rag_promptcache.pml import ast
 from rag_promptcache.rag import corpus as corpus_mod
@@ -36,6 +37,8 @@ class FakeEngine:
         self.encode_calls: list[str] = []
         self.prompts: list[str] = []
         self.store = self  # closed by a corpus that loaded this engine
+        # no miss is ever deferred here (nothing is planned): the real encoder, with nothing to do
+        self.background = BackgroundEncoder(lambda units: [], self, Activity())  # type: ignore[arg-type]
 
     def close(self) -> None:
         pass
