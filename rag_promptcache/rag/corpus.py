@@ -418,16 +418,8 @@ class Corpus(Answering, StoreAccess):
         """Each document: `name`, `source`, `num_chunks`, `num_bytes`, `complete`, `metadata` (`documents.listing`)."""
         return documents.listing(self.table)
 
-    def store_deferred(self, stopped: Callable[[], bool] = lambda: False) -> int:
-        """Encode and store now, in this thread, the modules earlier answers computed without waiting for
-        their encoding (the engine's background queue) → how many were written. The CLI's `ask` calls it
-        once the answer is out, so the next process reads them as stored; a server leaves it to the
-        background encoder, which works while no request is in flight."""
-        return 0 if self._engine is None else self._engine.background.drain(stopped)
-
     def close(self) -> None:
         self._retrievals.flush()
         self.table.close()
         if self._owns_engine and self._engine is not None:
-            self._engine.background.close()  # the module in hand is written whole; the rest is a miss next time
-            self._engine.store.close()
+            self.close_store()

@@ -258,6 +258,20 @@ class StoreAccess:
         """How much of the corpus's module KV its store holds now (`ingest --kv lazy` starts at none)."""
         return coverage(self)  # type: ignore[arg-type]
 
+    def store_deferred(self, stopped: Callable[[], bool] = lambda: False) -> int:
+        """Encode and store now, in this thread, the modules earlier answers computed without waiting for
+        their encoding (the engine's background queue) → how many were written. The CLI's `ask` calls it
+        once the answer is out, so the next process reads them as stored; a server leaves it to the
+        background encoder, which works while no request is in flight."""
+        return 0 if self._engine is None else self._engine.background.drain(stopped)
+
+    def close_store(self) -> None:
+        """Stop the background encoder (the module in hand is written whole; what is queued is a miss next
+        time), then close the store of the engine this corpus loaded."""
+        assert self._engine is not None and self._owns_engine, f"{self._owns_engine=}"
+        self._engine.background.close()
+        self._engine.store.close()
+
     def warm_when_idle(self) -> None:
         """Spend the engine's idle time (no request in flight, no missed module queued) encoding the modules
         the retrieval log says are hot (retrieved at least twice) and the store does not hold, most retrieved
