@@ -84,7 +84,7 @@ class Answering:
         one place they are filled for every path (ask, chat, the server, the adapters)."""
         label = self.label(module_id)
         return Hit(module_id, label, score, retrieval.section_of(self.table.context(module_id), label),
-                   retrieval.shorten(self.text(module_id)))
+                   retrieval.snippet(self.text(module_id)))
 
     def label(self, module_id: str) -> str:
         """The name of the document a module came from, as `documents()` and answers' sources show it."""

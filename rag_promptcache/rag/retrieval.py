@@ -20,6 +20,7 @@ Not here: the prompt built from them (`Corpus.prompt`, `prompts.build_prompt`) o
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ FUSION_DEPTH = 50  # candidates each ranking gives the fusion
 # earlier turns and the best chunk) is refused as too long, not answered with a token or two.
 MIN_ANSWER_TOKENS = 32
 SNIPPET_CHARS = 240  # a hit's snippet: the start of its chunk's text, cut at a word
+_HEADING_LINE = re.compile(r"\s*#{1,6}\s|\s*$")  # a Markdown heading, or a blank line
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,15 @@ def section_of(context: str, label: str) -> str:
     if context == label:
         return ""
     return context.removeprefix(label + SEPARATOR)
+
+
+def snippet(text: str) -> str:
+    """A chunk's text → its snippet: the start of its words, the heading lines it opens with dropped (the
+    section names them)."""
+    lines = text.strip().splitlines()
+    while len(lines) > 1 and _HEADING_LINE.match(lines[0]):
+        lines.pop(0)
+    return shorten("\n".join(lines))
 
 
 def shorten(text: str, chars: int = SNIPPET_CHARS) -> str:
