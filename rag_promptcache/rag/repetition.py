@@ -81,11 +81,12 @@ def repeated_sentence(text: str, final: bool = False) -> Repeat:
 
 
 def answer_options(sampling: Mapping[str, object]) -> dict[str, object]:
-    """`sampling` (engine keyword arguments) with the repetition control every answer path shares:
-    `no_repeat_ngram` defaults to DEFAULT_NO_REPEAT_NGRAM (0 is off), and the answer ends before a
+    """`sampling` (engine keyword arguments) with `ANSWER_DEFAULTS`' sampling where it sets none: greedy
+    (`temperature`), `no_repeat_ngram` (0 is off), and the answer ends before a
     repeated sentence (`stop_when=repeated_sentence`) unless `stop_repeats=False`, which is consumed,
     or the answer is JSON (`response_format`)."""
     out = dict(sampling)
+    out.setdefault("temperature", ANSWER_DEFAULTS.temperature)
     out.setdefault("no_repeat_ngram", ANSWER_DEFAULTS.no_repeat_ngram)
     # a JSON answer is ended by its grammar: cut at a repeated sentence it would not parse, and the
     # n-gram ban stops its loops (the grammar wins where it allows nothing else)
