@@ -94,7 +94,8 @@ def ask(
     adapter: AdapterOpt = "default",
     min_score: MinScoreOpt = None,
 ) -> None:
-    """Answer a question from the corpus."""
+    """Answer a question from the corpus; each source is shown as file › section with a snippet. A
+    question too long for the model's context window is refused with exit code 2."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")

@@ -176,7 +176,7 @@ class Answer:
             answer=result.text.strip(),
             module_ids=tuple(h.module_id for h in hits),
             sources=tuple(h.label for h in hits),
-            scores=tuple(round(h.score, 4) for h in hits if h.score is not None),
+            scores=tuple(round(float(h.score), 4) for h in hits),  # type: ignore[arg-type] - retrieved hits are scored
             ttft_s=result.ttft_s,
             total_s=result.total_s,
             prompt_tokens=result.prompt_tokens,
