@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant")
 
 
-Source = Hit  # a response's source: module id, label, score (rounded to 4 places; None when named by the caller), section, snippet
+Source = Hit  # a response's source: module id, label, score (rounded; None when named by the caller), section, snippet
 
 
 @dataclass(frozen=True, slots=True)

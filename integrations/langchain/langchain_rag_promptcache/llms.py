@@ -31,7 +31,7 @@ class PromptCacheLLM(BaseLLM):
     max_tokens: int = Field(default=ANSWER_DEFAULTS.max_new_tokens, gt=0,
                             validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = ANSWER_DEFAULTS.temperature
-    no_repeat_ngram: int = Field(default=ANSWER_DEFAULTS.no_repeat_ngram, ge=0)  # 0 turns it off
+    no_repeat_ngram: int = Field(default=ANSWER_DEFAULTS.no_repeat_ngram, ge=0)  # zero turns it off
     stop_repeats: bool = ANSWER_DEFAULTS.stop_repeats  # end the answer before a sentence it repeats
     top_p: float | None = None
     top_k: int | None = None
