@@ -57,7 +57,7 @@ def main() -> None:
                 print(chunk.content, end="", flush=True)
                 reply = chunk if reply is None else reply + chunk
             usage = reply.usage_metadata
-            print(f"\n     sources: {', '.join(dict.fromkeys(d.metadata['source'] for d in docs))}"
+            print(f"\n     sources: {', '.join(dict.fromkeys(d.metadata['where'] for d in docs))}"
                   f"  ({usage['input_token_details']['cache_read']} of {usage['input_tokens']} prompt tokens cached)\n")
             history += [HumanMessage(question), AIMessage(reply.content)]
     except (EOFError, KeyboardInterrupt):

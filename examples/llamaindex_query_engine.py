@@ -35,7 +35,7 @@ def main() -> None:
         response = engine.query(question)
         for piece in response.response_gen:
             print(piece, end="", flush=True)
-        sources = dict.fromkeys(n.node.metadata["source"] for n in response.source_nodes)
+        sources = dict.fromkeys(n.node.metadata["where"] for n in response.source_nodes)  # "file › section"
         print(f"\n   sources: {', '.join(sources)}\n")
     corpus.close()
 

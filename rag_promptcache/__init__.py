@@ -14,6 +14,8 @@ _LAZY = {
     "Comparison": "rag_promptcache.engine",
     "load_model": "rag_promptcache.model.loading",
     "Corpus": "rag_promptcache.rag",
+    "ContextWindowExceeded": "rag_promptcache.engine.errors",
+    "QuestionTooLong": "rag_promptcache.engine.errors",
 }
 
 
@@ -26,4 +28,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'rag_promptcache' has no attribute {name!r}")
 
 
-__all__ = ["PMLError", "PromptCache", "Result", "Comparison", "load_model", "Corpus", "__version__"]
+__all__ = ["PMLError", "PromptCache", "Result", "Comparison", "load_model", "Corpus", "ContextWindowExceeded",
+           "QuestionTooLong", "__version__"]

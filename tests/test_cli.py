@@ -80,7 +80,7 @@ def test_ingest_ask_info_remove(built: Path, tmp_path: Path, capsys) -> None:
     assert {"answer", "module_ids", "sources", "ttft_s", "cached_tokens", "computed_tokens", "missed_modules"} <= set(answer)
     assert len(answer["module_ids"]) == 2 and answer["sources"][0] == "rivers.md"
     code, out, _ = run(capsys, "ask", "--corpus", built, "volcano lava?", "--stream")
-    assert code == 0 and out.startswith("echo: ") and "sources: sub/volcano.txt" in out
+    assert code == 0 and out.startswith("echo: ") and "sources:\n  sub/volcano.txt (" in out
     code, out, _ = run(capsys, "info", "--corpus", built)
     assert code == 0 and re.search(r"documents\s+3\n", out) and "fake-model" in out
     code, out, _ = run(capsys, "ingest", tmp_path / "docs", "--corpus", built)
@@ -94,7 +94,7 @@ def test_chat(built: Path, capsys, monkeypatch) -> None:
     lines = iter(["tell me about cats", "/sources", "/nope", "and rivers?", "/quit"])
     monkeypatch.setattr("rag_promptcache.cli.commands._prompt", lambda prompt="": next(lines))
     code, out, _ = run(capsys, "chat", "--corpus", built, "-k", "1")
-    assert code == 0 and out.count("bot> echo: m") == 2 and "cats.txt  (m" in out and "commands:" in out
+    assert code == 0 and out.count("bot> echo: m") == 2 and "\n  cats.txt (" in out and "commands:" in out
 
 
 def test_chat_sources_after_a_stopped_answer_are_that_answers(built: Path, fakes, capsys, monkeypatch) -> None:
@@ -118,7 +118,7 @@ def test_chat_sources_after_a_stopped_answer_are_that_answers(built: Path, fakes
     code, out, _ = run(capsys, "chat", "--corpus", built, "-k", "1")
     assert code == 0 and "[stopped; the chat goes on]" in out
     listed = out.split("[stopped; the chat goes on]", 1)[1]
-    assert "rivers.md  (m" in listed and "cats.txt" not in listed
+    assert "  rivers.md › Rivers (" in listed and "cats.txt" not in listed
 
 
 def test_ingest_from_a_copied_folder_says_it_replaced(built: Path, tmp_path: Path, capsys) -> None:

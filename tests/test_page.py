@@ -1,6 +1,6 @@
 """The chat page at `/` in a real headless browser: Debian's chromium driven by Selenium, against a
 real `serve --api-key` process. The page asks for the key once, streams an answer, shows its sources
-(document names and snippets) and its TTFT and cached/prompt tokens, keeps the conversation for a
+(document names with their sections, and snippets) and its TTFT and cached/prompt tokens, keeps the conversation for a
 second turn, and "New chat" clears it. A screenshot is saved under out/test-artifacts/ (path printed).
 
 Skipped only when chromium or chromedriver is absent (`make browser` installs both)."""
@@ -90,6 +90,12 @@ def test_the_page_asks_for_the_key_streams_answers_with_sources_and_starts_new_c
     assert len(sources) == 2  # --k 2
     assert sources[0].find_element(By.CSS_SELECTOR, ".doc").text.endswith("zorblat.txt")
     assert "purple fruit" in sources[0].find_element(By.CSS_SELECTOR, ".snippet").text
+    # a source with a section shows it after the file: the page renders the server's `where`
+    shown = b.execute_script("""const div = document.createElement("div");
+        showSources(div, [{module_id: "m", label: "trains.md", section: "Trains", where: "trains.md › Trains",
+                           score: 0.5, snippet: "The Blue Line"}]);
+        return div.querySelector(".sources .doc").textContent;""")
+    assert shown == "trains.md › Trains"
     stats = answer.find_element(By.CSS_SELECTOR, ".stats").text
     assert "TTFT" in stats and "cached" in stats and "prompt" in stats and "finish: " in stats, stats
 

@@ -1,6 +1,7 @@
 """The `rag-promptcache` command: one typer app, its error policy, and where subcommands plug in.
 
-Exit codes: 0 ok, 1 user error (one line on stderr, no traceback), 2 internal error, 130 interrupted,
+Exit codes: 0 ok, 1 user error (one line on stderr, no traceback), 2 internal error, or a question
+too long for the model's context window (`TOO_LONG`, as click's usage errors: the input must change), 130 interrupted,
 141 output closed early (`info | head -2`: quietly, with the code a shell gives a program SIGPIPE ends,
 as `cat` or `git log` would; Python ignores SIGPIPE, so we turn its BrokenPipeError into that).
 Heavy imports (torch, transformers, faiss) happen inside commands, so `--help` and `--version`
@@ -144,11 +145,16 @@ ERROR_TYPES = {1: "invalid_request_error", 2: "internal_error", 130: "interrupte
 JSON_ERRORS: contextvars.ContextVar[bool] = contextvars.ContextVar("json_errors", default=False)  # the command's --json
 
 
-def fail(message: str, code: int = 1) -> typer.Exit:
+TOO_LONG = 2  # `ask`'s exit code for a question the model's context window cannot take
+
+
+def fail(message: str, code: int = 1, error_code: str | None = None) -> typer.Exit:
     """One line on stderr; for a command run with --json, one JSON object on stdout instead,
-    {"error": {"message", "type"}}, so a reader of the JSON gets the failure in the same shape."""
+    {"error": {"message", "type"}} (and "code", OpenAI's, where one is given: "context_length_exceeded"),
+    so a reader of the JSON gets the failure in the same shape."""
     if JSON_ERRORS.get():
-        typer.echo(json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(code, "error")}}))
+        kind = "invalid_request_error" if error_code else ERROR_TYPES.get(code, "error")
+        typer.echo(json.dumps({"error": {"message": message, "type": kind, **({"code": error_code} if error_code else {})}}))
     else:
         typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)

@@ -11,13 +11,14 @@ from typing import Annotated
 
 import typer
 
-from rag_promptcache.cli.app import SHOWN_DTYPES, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
+from rag_promptcache.cli.app import SHOWN_DTYPES, TOO_LONG, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
 from rag_promptcache.cli.ingest_cmd import CorpusOpt, KOpt, encoded_line, quiet_ray  # noqa: F401 - re-exported
-from rag_promptcache.cli.output import cut_off
+from rag_promptcache.cli.output import cut_off, empty_answer, source_lines
 
 # Help shows the corpus default (rag_promptcache.rag.repetition.DEFAULT_NO_REPEAT_NGRAM; a test holds
 # them equal) without importing rag, whose package imports torch: `--help` stays fast.
 SHOWN_NO_REPEAT_NGRAM = 6
+SHOWN_MAX_NEW_TOKENS = 256  # rag.repetition.ANSWER_DEFAULTS.max_new_tokens, held equal the same way
 
 SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
@@ -82,7 +83,7 @@ def ask(
     k: KOpt = 4,
     stream: Annotated[bool, typer.Option("--stream", help="Print the answer as it is generated (with --json: JSON lines).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (with --stream: one line per piece, then the answer).")] = False,
-    max_new_tokens: MaxNewOpt = 256,
+    max_new_tokens: MaxNewOpt = SHOWN_MAX_NEW_TOKENS,
     redis_url: RedisOpt = None,
     temperature: TemperatureOpt = 0.0,
     repetition_penalty: RepetitionOpt = 1.0,
@@ -93,7 +94,8 @@ def ask(
     adapter: AdapterOpt = "default",
     min_score: MinScoreOpt = None,
 ) -> None:
-    """Answer a question from the corpus."""
+    """Answer a question from the corpus; each source is shown as file › section with a snippet. A
+    question too long for the model's context window is refused with exit code 2."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
@@ -101,23 +103,30 @@ def ask(
     c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
     sampling["min_score"] = min_score
-    if stream:
-        s = c.ask_stream(question, k, max_new_tokens=max_new_tokens, **sampling)
-        for piece in s:
-            typer.echo(json.dumps({"delta": piece}) if as_json else piece, nl=as_json)
-        if not as_json:
-            typer.echo()
-        answer = s.answer
-    else:
-        answer = c.ask(question, k, max_new_tokens=max_new_tokens, **sampling)
+    from rag_promptcache.engine.errors import ContextWindowExceeded
+
+    try:
+        if stream:
+            s = c.ask_stream(question, k, max_new_tokens=max_new_tokens, **sampling)
+            for piece in s:
+                typer.echo(json.dumps({"delta": piece}) if as_json else piece, nl=as_json)
+            if not as_json:
+                typer.echo()
+            answer = s.answer
+        else:
+            answer = c.ask(question, k, max_new_tokens=max_new_tokens, **sampling)
+    except ContextWindowExceeded as e:  # a question the window cannot take is refused, never answered with nothing
+        raise fail(str(e).replace("max_new_tokens", "--max-new-tokens"), TOO_LONG, "context_length_exceeded") from None
     if as_json:
         typer.echo(json.dumps(answer.to_dict()))
     else:
         if not stream:
             typer.echo(answer.answer)
-        if cut := cut_off(answer.finish_reason, max_new_tokens):
-            typer.echo(cut)
-        typer.echo(f"\nsources: {', '.join(dict.fromkeys(answer.sources)) or 'none (nothing scored --min-score)'}")
+        if note := cut_off(answer.finish_reason, max_new_tokens) or empty_answer(answer.answer, answer.finish_reason):
+            typer.echo(note)
+        typer.echo("\nsources:" + ("" if answer.module_ids else " none (nothing scored --min-score)"))
+        for line in source_lines(_rows(answer)):
+            typer.echo(line)
         typer.echo(_stats(answer))
     _store_deferred(c, answer, quiet=as_json)
     c.close()
@@ -136,6 +145,15 @@ def _store_deferred(c, answer, quiet: bool) -> None:
         typer.echo("skipped: they are computed again when next retrieved", err=True)
 
 
+def _rows(answer) -> list[tuple[str, float | None, str]]:
+    """An `Answer`'s sources as `source_lines` takes them: (file › section, score, snippet)."""
+    from rag_promptcache.rag.retrieval import where
+
+    sections = answer.sections or ("",) * len(answer.sources)
+    snippets = answer.snippets or ("",) * len(answer.sources)
+    return [(where(src, sec), score, snip) for src, sec, score, snip in zip(answer.sources, sections, answer.scores, snippets)]
+
+
 def _stats(answer) -> str:
     if answer.deferred_modules:
         missed = f", {len(answer.deferred_modules)} missed module(s) computed here, stored after the answer"
@@ -150,7 +168,7 @@ def _stats(answer) -> str:
 def chat(
     corpus: CorpusOpt,
     k: KOpt = 4,
-    max_new_tokens: MaxNewOpt = 256,
+    max_new_tokens: MaxNewOpt = SHOWN_MAX_NEW_TOKENS,
     turns: Annotated[int, typer.Option(help="Earlier turns kept as context.")] = 3,
     temperature: TemperatureOpt = 0.0,
     repetition_penalty: RepetitionOpt = 1.0,
@@ -173,9 +191,9 @@ def chat(
     typer.echo(f"chatting with {corpus} ({len(c)} modules); /sources shows where the last answer came from, "
                "/quit (or Ctrl-D) ends, Ctrl-C stops an answer")
     history: list[tuple[str, str]] = []
-    # What /sources shows: the last answer's (module id, source, score), a stopped answer's too; None
-    # before any question, [] when a question was stopped before retrieval found anything.
-    shown: list[tuple[str, str, float]] | None = None
+    # What /sources shows: the last answer's (file › section, score, snippet), a stopped answer's too;
+    # None before any question, [] when a question was stopped before retrieval found anything.
+    shown: list[tuple[str, float | None, str]] | None = None
     while True:
         try:
             line = _prompt("you> ").strip()
@@ -193,8 +211,8 @@ def chat(
                 typer.echo("no answer yet")
             elif not shown:
                 typer.echo("the last question was stopped before its sources were retrieved")
-            for mid, src, score in shown or ():
-                typer.echo(f"  {src}  ({mid}, score {score:.3f})")
+            for row in source_lines(shown or ()):
+                typer.echo(row)
             continue
         if line.startswith("/"):
             typer.echo("commands: /sources, /quit")
@@ -209,16 +227,16 @@ def chat(
             if s is not None:
                 s.close()
             # the stopped answer is not history, but what it was drawn from is what /sources asks
-            shown = [] if s is None else [(m, src, score) for (m, score), src in zip(s.hits, s.sources)]
+            shown = [] if s is None else [(h.where, h.score, h.snippet) for h in s.found]
             typer.echo("\n  [stopped; the chat goes on]")
             continue
         except ValueError as e:  # this question cannot be answered (too long, say): the chat goes on
             typer.echo(f"\nerror: {e}", err=True)
             continue
         last = s.answer
-        shown = list(zip(last.module_ids, last.sources, last.scores))
-        if cut := cut_off(last.finish_reason, max_new_tokens):
-            typer.echo(f"\n  {cut}", nl=False)
+        shown = _rows(last)
+        if note := cut_off(last.finish_reason, max_new_tokens) or empty_answer(last.answer, last.finish_reason):
+            typer.echo(f"\n  {note}", nl=False)
         typer.echo(f"\n  [{_stats(last)}]")
         history.append((line, last.answer))
     c.close()

@@ -1,6 +1,6 @@
 """One output style for the inspecting commands (`info`, `store info`): an aligned two-column table
 for people, or `--json` (one object) for scripts; and the mark under an answer the token budget cut
-off (`ask`, `chat`, `demo`). Formatting only."""
+off or left empty (`ask`, `chat`, `demo`); the sources under an answer. Formatting only."""
 
 from __future__ import annotations
 
@@ -38,3 +38,32 @@ def cut_off(finish_reason: str, max_new_tokens: int) -> str:
     if finish_reason != "length":
         return ""
     return f"[cut off: the answer reached --max-new-tokens {max_new_tokens}; raise it for the rest]"
+
+
+def empty_answer(text: str, finish_reason: str) -> str:
+    """The mark for an answer the model ended before writing anything, so that a blank line is never
+    all a question gets; empty for any other answer."""
+    if text.strip():
+        return ""
+    return f"[no answer: the model ended it at once (finish_reason {finish_reason}); ask it differently or more briefly]"
+
+
+SNIPPET_ROOM = 24  # the fewest characters of a snippet worth showing beside a source; fewer: none
+SHOWN_WIDTH = 100  # the line width sources are fitted to when output is not a terminal
+
+
+def source_lines(rows: Sequence[tuple[str, float | None, str]], width: int | None = None) -> list[str]:
+    """(where, score, snippet) of each source (`rag.retrieval.Hit`: `file › section`) → one line each,
+    with as much of the snippet as the line has room for (`ask`, `chat`'s /sources)."""
+    import shutil
+
+    width = width or shutil.get_terminal_size((SHOWN_WIDTH, 24)).columns
+    out = []
+    for where, score, snippet in rows:
+        line = f"  {where}" + ("" if score is None else f" ({score:.2f})")
+        room = width - len(line) - 4
+        text = " ".join(snippet.split())
+        if text and room >= SNIPPET_ROOM:
+            line += ": " + (text if len(text) <= room else text[:room - 2].rsplit(" ", 1)[0] + " …")
+        out.append(line)
+    return out

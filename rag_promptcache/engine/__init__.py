@@ -2,10 +2,10 @@
 
 from rag_promptcache.engine.planning.encoder import DEFAULT_MODE, MODES
 from rag_promptcache.engine.engine import PromptCache
-from rag_promptcache.engine.errors import ContextWindowExceeded
+from rag_promptcache.engine.errors import ContextWindowExceeded, QuestionTooLong
 from rag_promptcache.engine.planning.plan import Plan
 from rag_promptcache.engine.result import AsyncStream, Comparison, EncodeReport, Result, Stream
 from rag_promptcache.engine.decoding.sampling import Sampling
 from rag_promptcache.engine.prompt.schemas import PLAIN
 
-__all__ = ["ContextWindowExceeded", "DEFAULT_MODE", "MODES", "PLAIN", "AsyncStream", "Comparison", "EncodeReport", "Plan", "PromptCache", "Result", "Sampling", "Stream"]
+__all__ = ["ContextWindowExceeded", "QuestionTooLong", "DEFAULT_MODE", "MODES", "PLAIN", "AsyncStream", "Comparison", "EncodeReport", "Plan", "PromptCache", "Result", "Sampling", "Stream"]

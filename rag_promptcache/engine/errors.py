@@ -13,3 +13,14 @@ class ContextWindowExceeded(ValueError):
     def __init__(self, message: str, *, max_new_fits: int | None = None) -> None:
         super().__init__(message)
         self.max_new_fits = max_new_fits
+
+
+class QuestionTooLong(ContextWindowExceeded):
+    """The question, with the rest of the prompt, leaves too little of the model's context window for
+    an answer: refused, where generating would give an empty or cut-off answer that says nothing of
+    why. `num_question_tokens` and `window` are the numbers the message names."""
+
+    def __init__(self, message: str, *, num_question_tokens: int, window: int) -> None:
+        super().__init__(message, max_new_fits=None)
+        self.num_question_tokens = num_question_tokens
+        self.window = window

@@ -15,7 +15,7 @@ from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.rag import retrieval
 from rag_promptcache.rag.lazy import RetrievalLog
 from rag_promptcache.rag.records import Answer, AnswerStream, Manifest
-from rag_promptcache.rag.repetition import answer_options
+from rag_promptcache.rag.repetition import ANSWER_DEFAULTS, answer_options
 from rag_promptcache.rag.retrieval import Conversations, Hit, Retrieved
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class Answering:
         return retrieval.search(self.index, self.lexical, self._lock, self.embedder, self.table, question, k, mode)
 
     def retrieve(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (),
-                 max_new_tokens: int = 256, min_score: float | None = None) -> list[Hit]:
+                 max_new_tokens: int = ANSWER_DEFAULTS.max_new_tokens, min_score: float | None = None) -> list[Hit]:
         """`search`, less the hits scoring below `min_score`, then the lowest-scoring hits dropped until
         the prompt (instructions, modules, `history`, question) and `max_new_tokens` fit the model's
         context window: what `ask` imports. `ContextWindowExceeded` when not even the best hit fits;
@@ -64,9 +64,9 @@ class Answering:
             instructions=self.manifest.instructions, question=question, history=history, max_new=max_new_tokens,
             window=getattr(engine, "context_window", 0) or 1 << 30)
         self._retrievals.note(m for m, _ in hits)  # what `warm` encodes first (rag/lazy.py)
-        return [Hit(m, self.label(m), s) for m, s in hits]
+        return [self.hit(m, s) for m, s in hits]
 
-    def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *, max_new_tokens: int = 256,
+    def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *, max_new_tokens: int = ANSWER_DEFAULTS.max_new_tokens,
                        min_score: float | None = None) -> Retrieved:
         """A conversation's retrieval: `turns` (role, text), the last one the user's question → its hits
         (`retrieve`, every earlier turn's text counted against the window; those scoring below `min_score`
@@ -78,6 +78,13 @@ class Answering:
             return self._conversations.retrieve(
                 turns, k, max_new_tokens,
                 lambda q, history: self.retrieve(q, k, history=history, max_new_tokens=max_new_tokens), min_score)
+
+    def hit(self, module_id: str, score: float | None = None) -> Hit:
+        """A module as answers show it: its document's label, section and snippet (`retrieval.Hit`), the
+        one place they are filled for every path (ask, chat, the server, the adapters)."""
+        label = self.label(module_id)
+        return Hit(module_id, label, score, retrieval.section_of(self.table.context(module_id), label),
+                   retrieval.snippet(self.text(module_id)))
 
     def label(self, module_id: str) -> str:
         """The name of the document a module came from, as `documents()` and answers' sources show it."""
@@ -114,7 +121,7 @@ class Answering:
         return list(module_ids)[::-1]
 
     def ask(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (), stream: bool = False,
-            max_new_tokens: int = 256, min_score: float | None = None, **sampling: object) -> Answer | AnswerStream:
+            max_new_tokens: int = ANSWER_DEFAULTS.max_new_tokens, min_score: float | None = None, **sampling: object) -> Answer | AnswerStream:
         """Retrieve, import the modules' cached KV, and generate. `stream=True` returns an
         `AnswerStream` (iterate for text; `.answer` when done). With `min_score`, a question no chunk
         scores at least that for (cosine) is answered `retrieval.NOT_FOUND` without generating
@@ -130,12 +137,11 @@ class Answering:
         found = self.retrieve_turns([*turns, ("user", question)], k, max_new_tokens=max_new_tokens, min_score=min_score)
         hits = found.hits
         if not hits:
-            out = AnswerStream(fixed_stream(retrieval.NOT_FOUND), [], [], "")
+            out = AnswerStream(fixed_stream(retrieval.NOT_FOUND), (), "")
             return out if stream else out.consume()
         prompt = self.prompt(question, self.order(found.order), history)
         engine = self.prepare()
-        out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling),
-                           [(h.module_id, h.score) for h in hits], [h.label for h in hits], prompt)
+        out = AnswerStream(engine.stream(prompt, max_new_tokens=max_new_tokens, **sampling), hits, prompt)
         return out if stream else out.consume()
 
     def ask_stream(self, question: str, k: int = 4, **kwargs: object) -> AnswerStream:

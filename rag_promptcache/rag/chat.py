@@ -12,13 +12,14 @@ Not here: generation (the engine's scheduler) and any HTTP types (server/).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rag_promptcache.pml import ast
-from rag_promptcache.rag.prompts import build_prompt
+from rag_promptcache.rag.prompts import ANSWER_DEFAULTS, build_prompt
 from rag_promptcache.rag.retrieval import Hit
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant")
 
 
-Source = Hit  # a response's source: (module_id, label, score rounded to 4 places, or None when named by the caller)
+Source = Hit  # a response's source: module id, label, score (rounded; None when named by the caller), section, snippet
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,7 @@ class CorpusChat:
         *,
         k: int = 4,
         module_ids: Sequence[str] | None = None,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = ANSWER_DEFAULTS.max_new_tokens,
         min_score: float | None = None,
     ) -> ChatPrompt:
         """The prompt for the last user turn with its sources. With `min_score` and no chunk scoring it
@@ -75,14 +76,14 @@ class CorpusChat:
                 found = c.retrieve_turns(turns, k, max_new_tokens=max_new_tokens, min_score=min_score)
                 if not found.hits:
                     return ChatPrompt(None, ())
-                hits = [Hit(h.module_id, h.label, round(float(h.score), 4)) for h in found.hits]
+                hits = [dataclasses.replace(h, score=round(float(h.score), 4)) for h in found.hits]
                 order = list(found.order)
             else:
                 unknown = [m for m in module_ids if not c.has_module(m)]
                 if unknown:
                     raise ValueError(f"unknown module id(s) {unknown} in corpus {c.path.name}; "
                                      "module ids come from a response's sources")
-                hits = [Hit(m, c.label(m), None) for m in dict.fromkeys(module_ids)]
+                hits = [c.hit(m) for m in dict.fromkeys(module_ids)]
                 order = [h.module_id for h in hits]
             prompt = build_prompt(turns, corpus=c, module_ids=order)
         return ChatPrompt(prompt, tuple(hits))

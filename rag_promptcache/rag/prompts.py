@@ -6,8 +6,9 @@
 - `build_prompt`: (role, text) turns + references → a PML prompt, a chat prompt with no schema, or
   plain completion text.
 - `generation_options`: framework call options (`max_tokens`, or its other name `max_new_tokens`, …)
-  → engine keyword arguments. Callers put the shared repetition default in their defaults
-  (`DEFAULT_NO_REPEAT_NGRAM`, re-exported here from `rag.repetition`; `no_repeat_ngram=0` is off).
+  → engine keyword arguments, over `ANSWER_DEFAULTS` (re-exported here from `rag.repetition`: the
+  length, greedy sampling and repetition control `ask` answers with) where neither the adapter's
+  settings nor the call set one (`no_repeat_ngram=0` is off).
 - `result_stats`: an engine `Result` → the statistics adapters report, under the engine's names.
 
 Out of scope: any framework's types (the adapters translate those), retrieval, generation.
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from rag_promptcache.pml import ast
 from rag_promptcache.pml.build import prompt_pml
 from rag_promptcache.pml.parser import escape, unescape
-from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, answer_options  # noqa: F401 - DEFAULT_NO_REPEAT_NGRAM: the adapters' default, re-exported
+from rag_promptcache.rag.repetition import (ANSWER_DEFAULTS, DEFAULT_NO_REPEAT_NGRAM,  # noqa: F401 - the adapters' defaults, re-exported
+                                            AnswerDefaults, answer_options)
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import Result
@@ -105,7 +107,8 @@ def _text(raw: str | None) -> str | None:
 
 
 def generation_options(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Call options over defaults (None means unset) → engine keyword arguments."""
+    """Call options over an adapter's `defaults` over `ANSWER_DEFAULTS` (None means unset) → engine
+    keyword arguments."""
     if unknown := set(overrides) - set(OPTIONS) - set(ALIASES):
         valid = ", ".join(OPTIONS) + "".join(f" ({alias} = {name})" for alias, name in ALIASES.items())
         raise ValueError(f"unsupported option(s) {sorted(unknown)}; valid: {valid}")
@@ -115,7 +118,9 @@ def generation_options(defaults: Mapping[str, Any], overrides: Mapping[str, Any]
             value = given.pop(alias)
             if given.setdefault(name, value) != value:
                 raise ValueError(f"{name}={given[name]} and {alias}={value} disagree; pass one of them")
-    merged = {**defaults, **given}
+    shared = {"max_tokens": ANSWER_DEFAULTS.max_new_tokens, "temperature": ANSWER_DEFAULTS.temperature,
+              "no_repeat_ngram": ANSWER_DEFAULTS.no_repeat_ngram}
+    merged = {**shared, **{k: v for k, v in defaults.items() if v is not None}, **given}
     max_tokens = merged.get("max_tokens")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import Result, Stream
+    from rag_promptcache.rag.retrieval import Hit
 
 MANIFEST_FORMAT = 1
 
@@ -162,6 +163,8 @@ class Answer:
     # of missed_modules, those computed in this answer's prefill and left to the background encoder to store
     deferred_modules: tuple[str, ...] = ()
     served: str = "store"  # `Result.served`: "store", "deferred" (missed, not waited for), "waited" or "none"
+    sections: tuple[str, ...] = ()  # each module's section in its document (`Hit.section`; "" where none)
+    snippets: tuple[str, ...] = ()  # the start of each module's text (`Hit.snippet`)
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -171,12 +174,12 @@ class Answer:
         return out
 
     @classmethod
-    def from_result(cls, result: Result, hits: list[tuple[str, float]], sources: list[str], prompt: str) -> Answer:
+    def from_result(cls, result: Result, hits: Sequence[Hit], prompt: str) -> Answer:
         return cls(
             answer=result.text.strip(),
-            module_ids=tuple(m for m, _ in hits),
-            sources=tuple(sources),
-            scores=tuple(round(s, 4) for _, s in hits),
+            module_ids=tuple(h.module_id for h in hits),
+            sources=tuple(h.label for h in hits),
+            scores=tuple(round(float(h.score), 4) for h in hits),  # type: ignore[arg-type] - retrieved hits are scored
             ttft_s=result.ttft_s,
             total_s=result.total_s,
             prompt_tokens=result.prompt_tokens,
@@ -189,16 +192,19 @@ class Answer:
             path=result.path,
             deferred_modules=tuple(result.deferred_modules),
             served=result.served,
+            sections=tuple(h.section for h in hits),
+            snippets=tuple(h.snippet for h in hits),
         )
 
 
 class AnswerStream(Iterator[str]):
     """Iterate for text pieces as they are generated; `.answer` is set once the stream is exhausted."""
 
-    def __init__(self, stream: Stream, hits: list[tuple[str, float]], sources: list[str], prompt: str) -> None:
+    def __init__(self, stream: Stream, found: Sequence[Hit], prompt: str) -> None:
         self._stream = stream
-        self.hits = hits
-        self.sources = sources
+        self.found = tuple(found)  # the retrieved modules, best first, as `Answer` shows them
+        self.hits = [(h.module_id, h.score) for h in found]
+        self.sources = [h.label for h in found]
         self.prompt = prompt
         self.answer: Answer | None = None
 
@@ -210,7 +216,7 @@ class AnswerStream(Iterator[str]):
             return next(self._stream)
         except StopIteration:
             if self.answer is None and self._stream.result is not None:
-                self.answer = Answer.from_result(self._stream.result, self.hits, self.sources, self.prompt)
+                self.answer = Answer.from_result(self._stream.result, self.found, self.prompt)
             raise
 
     def close(self) -> None:

@@ -20,12 +20,14 @@ Not here: the prompt built from them (`Corpus.prompt`, `prompts.build_prompt`) o
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rag_promptcache.engine.errors import ContextWindowExceeded
+from rag_promptcache.engine.errors import ContextWindowExceeded, QuestionTooLong
+from rag_promptcache.rag.chunker import SEPARATOR
 from rag_promptcache.rag.embed import EmbedderLike
 from rag_promptcache.rag.index import VectorIndex
 from rag_promptcache.rag.lexical import LexicalIndex
@@ -39,13 +41,54 @@ MODES = ("hybrid", "dense", "lexical")  # `search`'s rankings: fused (the defaul
 RRF_K = 60  # reciprocal rank fusion's constant, as its authors set it
 LEXICAL_WEIGHT = 1.5  # the BM25 ranking's weight in the fusion, the dense one's being 1
 FUSION_DEPTH = 50  # candidates each ranking gives the fusion
+# The least answer room a question is asked with: a question that leaves less (with the instructions,
+# earlier turns and the best chunk) is refused as too long, not answered with a token or two.
+MIN_ANSWER_TOKENS = 32
+SNIPPET_CHARS = 240  # a hit's snippet: the start of its chunk's text, cut at a word
+_HEADING_LINE = re.compile(r"\s*#{1,6}\s|\s*$")  # a Markdown heading, or a blank line
 
 
 @dataclass(frozen=True, slots=True)
 class Hit:
+    """One retrieved (or named) chunk as every answer path shows it; `Corpus.hit` fills it."""
+
     module_id: str
     label: str  # the document the chunk came from, as `Corpus.documents()` names it
     score: float | None  # cosine similarity to the question; None when the caller named the module
+    section: str = ""  # the chunk's title and heading path in its document ("" where it has none)
+    snippet: str = ""  # the start of the chunk's text, at most SNIPPET_CHARS
+
+    @property
+    def where(self) -> str:
+        return where(self.label, self.section)
+
+
+def where(label: str, section: str) -> str:
+    """`label › section`, or the label alone: what a user reads to find a chunk."""
+    return f"{label}{SEPARATOR}{section}" if section else label
+
+
+def section_of(context: str, label: str) -> str:
+    """A chunk's context (`chunker.context_of`: its title, else its document's label, then headings) →
+    its section as shown after the label: the label not repeated, "" where the context is the label."""
+    if context == label:
+        return ""
+    return context.removeprefix(label + SEPARATOR)
+
+
+def snippet(text: str) -> str:
+    """A chunk's text → its snippet: the start of its words, the heading lines it opens with dropped (the
+    section names them)."""
+    lines = text.strip().splitlines()
+    while len(lines) > 1 and _HEADING_LINE.match(lines[0]):
+        lines.pop(0)
+    return shorten("\n".join(lines))
+
+
+def shorten(text: str, chars: int = SNIPPET_CHARS) -> str:
+    """`text` on one line, at most about `chars` characters, cut at a word (with " …")."""
+    text = " ".join(text.split())
+    return text if len(text) <= chars else text[:chars].rsplit(" ", 1)[0] + " …"
 
 
 def search(index: VectorIndex, lexical: LexicalIndex | None, lock: threading.RLock, embedder: EmbedderLike,
@@ -92,23 +135,31 @@ def fit(
     window: int,
 ) -> list[tuple[str, float]]:
     """Drop the lowest-scoring hits (`sizes`: each one's tokens) until the prompt and the answer fit
-    the window; `ContextWindowExceeded` naming what takes the room when even the best one does not."""
-    parts = {"instructions": count(instructions), "question": count(question),
+    the window. When even the best one does not: `QuestionTooLong` where what is left for the answer
+    is under MIN_ANSWER_TOKENS (or `max_new`, if smaller), else `ContextWindowExceeded` with the
+    `max_new` that fits; both name the question's tokens, what else takes the room, and the window."""
+    parts = {"question": count(question), "instructions": count(instructions),
              "history": sum(count(u) + count(a) for u, a in history), "chat template (about)": TEMPLATE_TOKENS}
     fixed = sum(parts.values())
     sizes = list(sizes)
     best = sizes[0] if sizes else 0
     while hits and fixed + sum(sizes) + max_new > window:
         hits, sizes = hits[:-1], sizes[:-1]
-    if not hits and fixed + best + max_new > window:
-        named = ", ".join(f"{n} {what}" for what, n in [("for the best retrieved chunk", best), *parts.items()] if n or what != "history")
-        raise ContextWindowExceeded(
-            f"the prompt needs {fixed + best} tokens ({named}) plus max_new_tokens {max_new}: "
-            f"{fixed + best + max_new}, more than the model's {window}-token window; "
-            + (f"lower max_new_tokens to at most {window - fixed - best}" if window > fixed + best else "shorten the question"),
-            max_new_fits=window - fixed - best if window > fixed + best else None,
-        )
-    return hits
+    if hits or fixed + best + max_new <= window:
+        return hits
+    named = ", ".join(f"{n} {what}" for what, n in [*parts.items(), ("for the best retrieved chunk", best)] if n or what != "history")
+    needs = f"the prompt needs {fixed + best} tokens ({named})"
+    room, least = window - fixed - best, min(MIN_ANSWER_TOKENS, max_new)
+    if room < least:
+        most = parts["question"] + room - least  # the longest question that leaves `least`
+        raise QuestionTooLong(
+            f"the question is {parts['question']} tokens, too long for the model's {window}-token context window: "
+            f"{needs}, which leaves {max(room, 0)} for the answer, under the least an answer is asked with ({least}); "
+            + (f"shorten the question to at most {most} tokens" if most > 0 else "shorten the question and the conversation before it"),
+            num_question_tokens=parts["question"], window=window)
+    raise ContextWindowExceeded(
+        f"{needs} plus max_new_tokens {max_new}: {fixed + best + max_new}, more than the model's {window}-token "
+        f"window; lower max_new_tokens to at most {room}, or shorten the question", max_new_fits=room)
 
 
 def above(hits: list[tuple[str, float]], min_score: float | None) -> list[tuple[str, float]]:

@@ -204,6 +204,12 @@ class ChunkTable:
         return (row[0], row[1]) if row else None
 
     @_serialized
+    def context(self, module_id: str) -> str:
+        """The module's title and heading path (`chunker.Chunk.context`); "" where it has none."""
+        row = self.db.execute("SELECT context FROM modules WHERE module_id = ?", (module_id,)).fetchone()
+        return (row[0] or "") if row else ""
+
+    @_serialized
     def neighbours(self) -> dict[str, tuple[str, ...]]:
         """module id -> the modules its KV was encoded after, of every module that has some."""
         rows = self.db.execute("SELECT module_id, neighbours FROM modules WHERE neighbours IS NOT NULL")

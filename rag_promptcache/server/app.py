@@ -44,7 +44,7 @@ from rag_promptcache.engine.batching.batcher import Batcher, Handle
 from rag_promptcache.engine.batching.scheduler import QueueFull
 from rag_promptcache.engine.result import Result, fixed_stream
 from rag_promptcache.rag.chat import ChatPrompt, CorpusChat
-from rag_promptcache.rag.retrieval import NOT_FOUND
+from rag_promptcache.rag.retrieval import MIN_ANSWER_TOKENS, NOT_FOUND
 from rag_promptcache.server import openapi
 from rag_promptcache.server import protocol as p
 from rag_promptcache.server import responses as r
@@ -260,8 +260,10 @@ async def submit(s: Served, build: Callable[[int], ChatPrompt], body: p.Generati
                  max_tokens: int | None) -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
     """Build the prompt for an answer of up to n tokens (`build(n)`) and queue it, in a thread: retrieval
     and planning run models. A request that sets no `max_tokens` gets `DEFAULT_MAX_TOKENS`, or what the
-    context window leaves when that is less (OpenAI's default is the window's rest). The engine's refusals
-    become the API's errors, naming the API's own fields."""
+    context window leaves when that is less (OpenAI's default is the window's rest; an answer that then
+    reaches it ends "length"), but never under MIN_ANSWER_TOKENS: a prompt that leaves less is refused,
+    not answered with a token or two. The engine's refusals become the API's errors, naming the API's
+    own fields."""
     def work() -> tuple[Handle | NotFound, ChatPrompt, list[r.SourceOut]]:
         limit = max_tokens or p.DEFAULT_MAX_TOKENS
         for _ in range(FIT_TRIES):
@@ -270,6 +272,11 @@ async def submit(s: Served, build: Callable[[int], ChatPrompt], body: p.Generati
             except ContextWindowExceeded as e:
                 if max_tokens is not None or not e.max_new_fits or e.max_new_fits >= limit:
                     raise
+                if e.max_new_fits < MIN_ANSWER_TOKENS:
+                    window = s.chat.corpus.engine.context_window
+                    raise ContextWindowExceeded(f"the prompt leaves {e.max_new_fits} tokens of the model's {window}-token "
+                                                f"context window for the answer, under the least an answer is given "
+                                                f"({MIN_ANSWER_TOKENS}): shorten the prompt") from e
                 limit = e.max_new_fits
         return queue(limit)
 
@@ -277,7 +284,7 @@ async def submit(s: Served, build: Callable[[int], ChatPrompt], body: p.Generati
         built = build(limit)
         if built.not_found:
             return NotFound(), built, []
-        found = r.sources(built.sources, s.chat.corpus.text)
+        found = r.sources(built.sources)
         return s.batcher.submit(built.prompt, recovery=body.recovery, ignore_eos=body.ignore_eos,
                                 **body.sampling(limit)), built, found
     try:

@@ -27,10 +27,10 @@ from pydantic_core import PydanticCustomError
 
 from rag_promptcache.engine.decoding.grammar import ResponseFormat
 from rag_promptcache.engine.decoding.sampling import SEED_MIN, SEED_MAX
-from rag_promptcache.rag.repetition import answer_options
+from rag_promptcache.rag.repetition import ANSWER_DEFAULTS, answer_options
 from rag_promptcache.server.embeddings import MAX_INPUTS
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = ANSWER_DEFAULTS.max_new_tokens  # `ask`'s answer length, where a request sets none
 
 # Not implemented: accepted only at the value that means "off" (or null).
 OFF: dict[str, tuple[object, ...]] = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -26,7 +25,6 @@ from rag_promptcache.engine.result import Result
 from rag_promptcache.rag.chat import Source
 
 FINISH: dict[str, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}  # ours → OpenAI's
-SNIPPET_CHARS = 240
 Finish = Literal["stop", "length"]
 
 
@@ -64,9 +62,11 @@ class Usage(_Out):
 
 class SourceOut(_Out):
     module_id: str
-    label: str
+    label: str  # the document
+    section: str  # the chunk's title and heading path in it; "" where it has none
+    where: str  # "label › section" (the label alone without a section): what to show a user
     score: float | None  # None: the request named its modules (`module_ids`), nothing was retrieved
-    snippet: str
+    snippet: str  # the start of the chunk's text
 
 
 class AssistantMessage(_Out):
@@ -205,14 +205,9 @@ def usage(result: Result) -> Usage:
                  ttft_s=round(result.ttft_s, 4), path=result.path, served=result.served, adapter=result.adapter)
 
 
-def sources(found: tuple[Source, ...], text_of: Callable[[str], str]) -> list[SourceOut]:
-    """`text_of(module_id)` gives the chunk's text; its start becomes the source's snippet."""
-    out = []
-    for s in found:
-        text = " ".join(text_of(s.module_id).split())
-        snippet = text if len(text) <= SNIPPET_CHARS else text[:SNIPPET_CHARS].rsplit(" ", 1)[0] + " …"
-        out.append(SourceOut(module_id=s.module_id, label=s.label, score=s.score, snippet=snippet))
-    return out
+def sources(found: tuple[Source, ...]) -> list[SourceOut]:
+    return [SourceOut(module_id=s.module_id, label=s.label, section=s.section, where=s.where, score=s.score,
+                      snippet=s.snippet) for s in found]
 
 
 def embeddings_response(model: str, vectors: np.ndarray, num_tokens: int, encoding: str) -> EmbeddingList:

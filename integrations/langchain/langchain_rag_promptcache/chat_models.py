@@ -2,8 +2,8 @@
 
 Messages become (role, text) turns rendered with the tokenizer's chat template. With a corpus, the
 last user message is the question: the `k` chunks nearest to it are retrieved and their modules
-imported (`rag.chat.CorpusChat`, what the server runs; their labels and scores in
-`response_metadata["sources"]`), unless a message already holds `format_modules` references (a retriever
+imported (`rag.chat.CorpusChat`, what the server runs; their labels, sections ("file › section" in
+`where`), scores and snippets in `response_metadata["sources"]`), unless a message already holds `format_modules` references (a retriever
 chain chose them) or `k=0`. With `min_score`, a question no chunk scores that for is answered "Not found
 in the documents." without generating. Text content only. Translation only."""
 
@@ -23,7 +23,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, mo
 
 from rag_promptcache.engine.result import AsyncStream, fixed_stream
 from rag_promptcache.rag.chat import CorpusChat
-from rag_promptcache.rag.prompts import (DEFAULT_NO_REPEAT_NGRAM, REFERENCE, build_prompt, generation_options,
+from rag_promptcache.rag.prompts import (ANSWER_DEFAULTS, REFERENCE, build_prompt, generation_options,
                                          result_stats)
 from rag_promptcache.rag.retrieval import NOT_FOUND
 
@@ -86,10 +86,12 @@ class ChatPromptCache(BaseChatModel):
     k: int = Field(default=4, ge=0)  # chunks retrieved per question with a corpus; 0: only modules the messages name
     min_score: float | None = Field(default=None, ge=-1, le=1)
     model_name: str = ""
-    max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
-    temperature: float = 0.0
-    # the CLI's and Corpus.ask's repetition control (README: Limits); 0 turns it off
-    no_repeat_ngram: int = Field(default=DEFAULT_NO_REPEAT_NGRAM, ge=0)
+    # `ask`'s answer defaults, one record (rag.repetition.AnswerDefaults): the length is the knob to turn
+    max_tokens: int = Field(default=ANSWER_DEFAULTS.max_new_tokens, gt=0,
+                            validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
+    temperature: float = ANSWER_DEFAULTS.temperature
+    no_repeat_ngram: int = Field(default=ANSWER_DEFAULTS.no_repeat_ngram, ge=0)  # zero turns it off
+    stop_repeats: bool = ANSWER_DEFAULTS.stop_repeats  # end the answer before a sentence it repeats
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
@@ -127,7 +129,7 @@ class ChatPromptCache(BaseChatModel):
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # `stream=` is LangChain's, already acted on
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                     "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
-                    "no_repeat_ngram": self.no_repeat_ngram}
+                    "no_repeat_ngram": self.no_repeat_ngram, "stop_repeats": self.stop_repeats}
         options = generation_options(defaults, {**kwargs, "stop": stop})
         turns = [_turn(m) for m in messages]
         if self.corpus is None or not self.k or turns[-1][0] != "user" or any(REFERENCE.search(t) for _, t in turns):
@@ -136,7 +138,8 @@ class ChatPromptCache(BaseChatModel):
             self._chat = CorpusChat(self.corpus)
         built = self._chat.chat_prompt(turns, k=self.k, max_new_tokens=options.get("max_new_tokens", self.max_tokens),
                                        min_score=self.min_score)
-        sources = [{"module_id": h.module_id, "source": h.label, "score": h.score} for h in built.sources]
+        sources = [{"module_id": h.module_id, "source": h.label, "section": h.section, "where": h.where, "score": h.score,
+                    "snippet": h.snippet} for h in built.sources]
         return built.prompt, sources, options
 
     def _run(self, prompt: Any, options: dict[str, Any]) -> Any:

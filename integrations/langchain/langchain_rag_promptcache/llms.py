@@ -14,7 +14,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
-from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM, build_prompt, generation_options, result_stats, wants_chat
+from rag_promptcache.rag.prompts import ANSWER_DEFAULTS, build_prompt, generation_options, result_stats, wants_chat
 
 from langchain_rag_promptcache.modules import engine_of
 
@@ -27,10 +27,12 @@ class PromptCacheLLM(BaseLLM):
     corpus: Any = None
     engine: Any = None
     model_name: str = ""
-    max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
-    temperature: float = 0.0
-    # the CLI's and Corpus.ask's repetition control (README: Limits); 0 turns it off
-    no_repeat_ngram: int = Field(default=DEFAULT_NO_REPEAT_NGRAM, ge=0)
+    # `ask`'s answer defaults, one record (rag.repetition.AnswerDefaults): the length is the knob to turn
+    max_tokens: int = Field(default=ANSWER_DEFAULTS.max_new_tokens, gt=0,
+                            validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
+    temperature: float = ANSWER_DEFAULTS.temperature
+    no_repeat_ngram: int = Field(default=ANSWER_DEFAULTS.no_repeat_ngram, ge=0)  # zero turns it off
+    stop_repeats: bool = ANSWER_DEFAULTS.stop_repeats  # end the answer before a sentence it repeats
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
@@ -56,7 +58,7 @@ class PromptCacheLLM(BaseLLM):
         engine_prompt = build_prompt([("user", prompt)], corpus=self.corpus, chat=wants_chat(self.engine, prompt))
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                     "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
-                    "no_repeat_ngram": self.no_repeat_ngram}
+                    "no_repeat_ngram": self.no_repeat_ngram, "stop_repeats": self.stop_repeats}
         return engine_prompt, generation_options(defaults, {**kwargs, "stop": stop})
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,

@@ -1,7 +1,8 @@
 """`PromptCacheRetriever`: a LangChain `BaseRetriever` over a corpus. Each `Document` carries the
 chunk's text (for display, and for LLMs without the cache) and `metadata["module_id"]`, which
 `format_modules` turns into a module reference; `metadata["source"]` is the document's name as the CLI
-and the server show it. `min_score` drops chunks scoring below it. Translation only."""
+and the server show it, `metadata["section"]` the chunk's title and heading path in it ("" where it has
+none) and `metadata["where"]` both, "file › section". `min_score` drops chunks scoring below it. Translation only."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ class PromptCacheRetriever(BaseRetriever):
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 k: int | None = None) -> list[Document]:
-        return [
-            Document(page_content=self.corpus.text(m), id=m,
-                     metadata={"module_id": m, "score": score, "source": self.corpus.label(m)})
-            for m, score in above(self.corpus.search(query, self.k if k is None else k), self.min_score)
-        ]
+        hits = [self.corpus.hit(m, score) for m, score in above(self.corpus.search(query, self.k if k is None else k), self.min_score)]
+        return [Document(page_content=self.corpus.text(h.module_id), id=h.module_id,
+                         metadata={"module_id": h.module_id, "score": h.score, "source": h.label, "section": h.section,
+                                   "where": h.where})
+                for h in hits]

@@ -37,3 +37,25 @@ def corpus():
     atexit.register(shutil.rmtree, root, True)
     docs = [Document(page_content=t, metadata={"source": f"fact{i}.txt"}) for i, t in enumerate(FACTS)]
     return Corpus.build(docs, f"{root}/corpus", engine=engine(), progress=False)
+
+
+class Asked(list):
+    """The keyword options of each call of an engine's `generate` and `stream`, oldest first (the engine's
+    own calls inside one come after it); `cap`: each runs with at most this many new tokens."""
+
+    cap: int | None = None
+
+
+def record_calls(engine, monkeypatch) -> Asked:
+    calls = Asked()
+    for name in ("generate", "stream"):
+        real = getattr(engine, name)
+
+        @functools.wraps(real)
+        def record(prompt, _real=real, **options):
+            calls.append(options)
+            ran = options if calls.cap is None else {**options, "max_new_tokens": min(options.get("max_new_tokens", calls.cap), calls.cap)}
+            return _real(prompt, **ran)
+
+        monkeypatch.setattr(engine, name, record)
+    return calls

@@ -4,8 +4,6 @@ says otherwise. The real engine runs; a wrapper records what the adapter asked o
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from langchain_core.messages import HumanMessage
 from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM
@@ -14,21 +12,6 @@ from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM as SHARED
 from langchain_rag_promptcache import ChatPromptCache, PromptCacheLLM
 
 pytestmark = pytest.mark.smollm
-
-
-@pytest.fixture
-def asked(engine, monkeypatch) -> list[dict]:
-    calls: list[dict] = []
-    for name in ("generate", "stream"):
-        real = getattr(engine, name)
-
-        @functools.wraps(real)
-        def record(prompt, _real=real, **options):
-            calls.append(options)
-            return _real(prompt, **options)
-
-        monkeypatch.setattr(engine, name, record)
-    return calls
 
 
 @pytest.mark.parametrize("cls", [PromptCacheLLM, ChatPromptCache])

@@ -1,5 +1,5 @@
 import pytest
-from li_shared import corpus as _corpus, engine as _engine
+from li_shared import corpus as _corpus, engine as _engine, record_calls
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +11,9 @@ def engine():
 @pytest.fixture(scope="session")
 def corpus(engine):
     return _corpus()
+
+
+@pytest.fixture
+def asked(engine, monkeypatch):
+    """What the adapter asked of the engine, call by call (`Asked`); the real engine runs."""
+    return record_calls(engine, monkeypatch)

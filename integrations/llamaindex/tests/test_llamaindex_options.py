@@ -4,29 +4,12 @@ says otherwise. The real engine runs; a wrapper records what the adapter asked o
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from llama_index.core.llms import ChatMessage
 from llama_index.llms.rag_promptcache import PromptCacheLLM
 from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM
 
 pytestmark = pytest.mark.smollm
-
-
-@pytest.fixture
-def asked(engine, monkeypatch) -> list[dict]:
-    calls: list[dict] = []
-    for name in ("generate", "stream"):
-        real = getattr(engine, name)
-
-        @functools.wraps(real)
-        def record(prompt, _real=real, **options):
-            calls.append(options)
-            return _real(prompt, **options)
-
-        monkeypatch.setattr(engine, name, record)
-    return calls
 
 
 def test_max_new_tokens_at_call_time(engine, asked):

@@ -17,7 +17,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import AliasChoices, ConfigDict, Field, model_validator
-from rag_promptcache.rag.prompts import DEFAULT_NO_REPEAT_NGRAM, ModuleRef, build_prompt, generation_options, result_stats, wants_chat
+from rag_promptcache.rag.prompts import ANSWER_DEFAULTS, ModuleRef, build_prompt, generation_options, result_stats, wants_chat
 
 ROLES = ("system", "user", "assistant")
 
@@ -30,10 +30,12 @@ class PromptCacheLLM(CustomLLM):
     corpus: Any = None
     engine: Any = None
     model_name: str = ""
-    max_tokens: int = Field(default=256, gt=0, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
-    temperature: float = 0.0
-    # the CLI's and Corpus.ask's repetition control (README: Limits); 0 turns it off
-    no_repeat_ngram: int = Field(default=DEFAULT_NO_REPEAT_NGRAM, ge=0)
+    # `ask`'s answer defaults, one record (rag.repetition.AnswerDefaults): the length is the knob to turn
+    max_tokens: int = Field(default=ANSWER_DEFAULTS.max_new_tokens, gt=0,
+                            validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
+    temperature: float = ANSWER_DEFAULTS.temperature
+    no_repeat_ngram: int = Field(default=ANSWER_DEFAULTS.no_repeat_ngram, ge=0)  # zero turns it off
+    stop_repeats: bool = ANSWER_DEFAULTS.stop_repeats  # end the answer before a sentence it repeats
     stop: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -58,7 +60,7 @@ class PromptCacheLLM(CustomLLM):
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = {k: v for k, v in kwargs.items() if k != "formatted"}
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stop": self.stop,
-                    "no_repeat_ngram": self.no_repeat_ngram}
+                    "no_repeat_ngram": self.no_repeat_ngram, "stop_repeats": self.stop_repeats}
         return generation_options(defaults, kwargs)
 
     def _completion(self, prompt: str, module_ids: Sequence[ModuleRef]) -> Any:

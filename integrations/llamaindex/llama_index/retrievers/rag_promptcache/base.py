@@ -1,6 +1,7 @@
 """`PromptCacheRetriever`: a LlamaIndex `BaseRetriever` over a corpus. Each `NodeWithScore` holds a
 `TextNode` whose id is the module id (what `PromptCacheLLM` imports) and whose text is the chunk's;
-`metadata["source"]` is the document's name as the CLI and the server show it. `min_score` drops
+`metadata["source"]` is the document's name as the CLI and the server show it, `metadata["section"]`
+the chunk's title and heading path in it ("" where it has none) and `metadata["where"]` both, "file › section". `min_score` drops
 chunks scoring below it (the query engine then answers "Not found in the documents." without
 generating). Translation only."""
 
@@ -26,7 +27,7 @@ class PromptCacheRetriever(BaseRetriever):
         super().__init__(**kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [
-            NodeWithScore(node=TextNode(id_=m, text=self.corpus.text(m), metadata={"source": self.corpus.label(m)}), score=score)
-            for m, score in above(self.corpus.search(query_bundle.query_str, self.similarity_top_k), self.min_score)
-        ]
+        hits = [self.corpus.hit(m, s) for m, s in above(self.corpus.search(query_bundle.query_str, self.similarity_top_k), self.min_score)]
+        return [NodeWithScore(node=TextNode(id_=h.module_id, text=self.corpus.text(h.module_id),
+                                            metadata={"source": h.label, "section": h.section, "where": h.where}), score=h.score)
+                for h in hits]

@@ -30,14 +30,16 @@ def corpus_nodes(corpus: Any, module_ids: Sequence[str] | None = None) -> list[T
     by_faiss = dict(zip(faiss_ids.tolist(), vectors))
     from rag_promptcache.rag import faiss_id
 
+    hits = [corpus.hit(m) for m in ids]
+    shown = ["source", "section", "where"]  # the names the CLI and server show, not for the LLM or the embedder
     return [
         TextNode(
-            id_=m, text=corpus.text(m), embedding=by_faiss[faiss_id(m)].tolist(),
-            metadata={MODULE_KEY: m, "source": corpus.label(m)},  # the name the CLI and server show
-            excluded_llm_metadata_keys=["source"], excluded_embed_metadata_keys=[MODULE_KEY, "source"],
+            id_=h.module_id, text=corpus.text(h.module_id), embedding=by_faiss[faiss_id(h.module_id)].tolist(),
+            metadata={MODULE_KEY: h.module_id, "source": h.label, "section": h.section, "where": h.where},
+            excluded_llm_metadata_keys=shown, excluded_embed_metadata_keys=[MODULE_KEY, *shown],
             metadata_template="{value}", text_template=REFERENCE_TEMPLATE,
         )
-        for m in ids
+        for h in hits
     ]
 
 
