@@ -63,6 +63,7 @@ NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many to
                                                       f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
 RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, tail:T, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the one its tuned adapter was tuned for, else the engine's, last:3; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
+WhereOpt = Annotated[list[str] | None, typer.Option("--where", help="Only chunks whose metadata matches: KEY=VALUE (repeatable: all must hold; a key repeated with = means one of its values), KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE, KEY~GLOB, or a JSON filter. Keys: source, path, type, title, modified, section and the documents' own fields (docs/retrieval.md).", show_default=False)]
 MinScoreOpt = Annotated[float | None, typer.Option("--min-score", help="Answer \"Not found in the documents.\" without generating when no chunk scores at least this (cosine similarity, -1 to 1; `ask --json` shows the scores) [default: off].", show_default=False)]
 
 
@@ -92,12 +93,13 @@ def ask(
     dtype: DtypeOpt = None,
     adapter: AdapterOpt = "default",
     min_score: MinScoreOpt = None,
+    where: WhereOpt = None,
 ) -> None:
     """Answer a question from the corpus."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
-    sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
+    sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "filter": _where(where)}
     c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
     sampling["min_score"] = min_score
@@ -117,9 +119,19 @@ def ask(
             typer.echo(answer.answer)
         if cut := cut_off(answer.finish_reason, max_new_tokens):
             typer.echo(cut)
-        typer.echo(f"\nsources: {', '.join(dict.fromkeys(answer.sources)) or 'none (nothing scored --min-score)'}")
+        typer.echo(f"\nsources: {', '.join(dict.fromkeys(answer.sources)) or 'none (nothing scored --min-score or matched --where)'}")
         typer.echo(_stats(answer))
     c.close()
+
+
+def _where(clauses: list[str] | None) -> object:
+    """`--where` clauses as one filter (`rag.filters.where`); a malformed clause is a usage error."""
+    from rag_promptcache.rag.filters import where
+
+    try:
+        return where(clauses or ())
+    except ValueError as e:
+        raise fail(str(e)) from e
 
 
 def _stats(answer) -> str:
@@ -144,12 +156,15 @@ def chat(
     dtype: DtypeOpt = None,
     adapter: AdapterOpt = "default",
     min_score: MinScoreOpt = None,
+    where: WhereOpt = None,
 ) -> None:
     """Chat with the corpus: streaming answers, history, /sources, /quit. Ctrl-C stops an answer."""
     _check_k(k)
-    sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "min_score": min_score}
+    sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "min_score": min_score,
+                "filter": _where(where)}
     c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
+    c.catalog.check(sampling["filter"])  # an unknown key ends the command now, not each question
     typer.echo(f"loading the model and the embedder for {corpus} ...", err=True)
     c.prepare()  # now, so that no loading output lands inside the first answer
     c.embedder  # noqa: B018 - loads it

@@ -32,6 +32,7 @@ LOGICAL = ("$and", "$or")
 # `--where` operators, longest first so that `>=` is not read as `>`
 WHERE_OPERATORS = {">=": "$gte", "<=": "$lte", "!=": "$ne", "~": "$glob", ">": "$gt", "<": "$lt", "=": "$eq"}
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?(Z|[+-]\d{2}:?\d{2})?$")
+MAX_DEPTH = 16  # levels of $and/$or
 Scalar = str | int | float | bool | None
 
 
@@ -79,10 +80,12 @@ class Filter:
             return spec
         if not isinstance(spec, Mapping):
             raise ValueError(f"a filter is a dict such as {{\"source\": \"guide.md\"}}, got a {type(spec).__name__}")
-        return cls._parse(spec) if spec else None
+        return cls._parse(spec, 1) if spec else None
 
     @classmethod
-    def _parse(cls, spec: Mapping[str, object]) -> Filter:
+    def _parse(cls, spec: Mapping[str, object], depth: int) -> Filter:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"a filter nests $and/$or at most {MAX_DEPTH} deep")
         if not isinstance(spec, Mapping) or not spec:
             raise ValueError(f"each part of $and/$or is a non-empty dict such as {{\"source\": \"guide.md\"}}, got {spec!r}")
         parts: list[Condition | Filter] = []
@@ -95,7 +98,7 @@ class Filter:
                                      f"(and, under a key, {', '.join(OPERATORS)})")
                 if not isinstance(value, Sequence) or isinstance(value, str) or not value:
                     raise ValueError(f"{key} takes a non-empty list of filters, got {value!r}")
-                parts.append(cls(key, tuple(cls._parse(v) for v in value)))
+                parts.append(cls(key, tuple(cls._parse(v, depth + 1) for v in value)))
             elif isinstance(value, Mapping):
                 if not value:
                     raise ValueError(f"filter key {key!r}: an empty operator dict; valid operators: {', '.join(OPERATORS)}")
