@@ -98,7 +98,9 @@ class Filter:
                                      f"(and, under a key, {', '.join(OPERATORS)})")
                 if not isinstance(value, Sequence) or isinstance(value, str) or not value:
                     raise ValueError(f"{key} takes a non-empty list of filters, got {value!r}")
-                parts.append(cls(key, tuple(cls._parse(v, depth + 1) for v in value)))
+                subs = [cls._parse(v, depth + 1) for v in value]
+                # a one-key dict inside $and/$or is that key's condition, not an $and of one
+                parts.append(cls(key, tuple(f.parts[0] if f.op == "$and" and len(f.parts) == 1 else f for f in subs)))
             elif isinstance(value, Mapping):
                 if not value:
                     raise ValueError(f"filter key {key!r}: an empty operator dict; valid operators: {', '.join(OPERATORS)}")
@@ -233,4 +235,5 @@ def _value(text: str) -> object:
         value = json.loads(text)
     except json.JSONDecodeError:
         return text
-    return value if value is None or isinstance(value, (bool, int, float)) else text
+    # a number only where it reads back the same: "1.10" (a version) stays text
+    return value if value is None or isinstance(value, bool) or (isinstance(value, (int, float)) and json.dumps(value) == text) else text
