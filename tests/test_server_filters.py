@@ -16,8 +16,8 @@ from tests.tiny_llama import build_tiny_corpus
 
 pytestmark = [pytest.mark.slow]
 DOCS = {
-    "zorblat.md": "---\nyear: 2019\nteam: farm\n---\n# Zorblat\n\nThe zorblat is a purple fruit of Quenti.\n\n"
-                  "## Harvest\n\nFarmers harvest zorblats in the month of Ember.\n",
+    "zorblat.md": "---\nyear: 2019\nteam: farm\n---\n# Zorblat\n\n" + "The zorblat is a purple fruit that grows on the island of Quenti. " * 8 + "\n\n"
+                  + "## Harvest\n\nFarmers harvest zorblats in the month of Ember.\n",
     "trains.md": "---\nyear: 2024\nteam: transit\n---\n# Trains\n\nThe Blue Line train leaves every 12 minutes.\n",
     "castle.txt": "Castle Varn was built in 1342. Its bell rings at dawn, when the zorblat farmers wake.",
 }
@@ -44,7 +44,8 @@ def test_the_filter_field_narrows_retrieval(client) -> None:
     assert set(labels(ask({"team": "transit"}))) == {"trains.md"}
     harvest = ask({"section": "Harvest"})
     assert labels(harvest) == ["zorblat.md"] and "Ember" in harvest.model_extra["sources"][0]["snippet"]
-    assert sorted(labels(ask({"year": {"$lt": 2024}}, k=3))) == ["castle.txt", "zorblat.md", "zorblat.md"]
+    assert labels(ask({"year": {"$lt": 2024}}, k=3)) == ["zorblat.md", "zorblat.md"]  # castle.txt has no year
+    assert sorted(labels(ask({"team": {"$nin": ["transit"]}}, k=3))) == ["castle.txt", "zorblat.md", "zorblat.md"]
     assert set(labels(ask({"$or": [{"source": {"$glob": "*.txt"}}, {"year": 2024}]}, k=2))) == {"castle.txt", "trains.md"}
     none = ask({"year": {"$gt": 3000}})
     assert none.choices[0].message.content == NOT_FOUND and none.model_extra["sources"] == []
@@ -68,4 +69,4 @@ def test_a_bad_filter_is_a_400_naming_it_and_the_server_stays_up(client) -> None
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     schema = httpx.get(f"{url}/openapi.json", timeout=5).json()
     field = schema["components"]["schemas"]["ChatRequest"]["properties"]["filter"]
-    assert "$gte" in field["description"] and {"type": "object"} in field.get("anyOf", [field])
+    assert "$gte" in field["description"] and {"type": "object", "additionalProperties": True} in field["anyOf"]
