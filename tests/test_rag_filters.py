@@ -11,7 +11,6 @@ import os
 import sqlite3
 from pathlib import Path
 
-import numpy as np
 import pytest
 from tests.test_cli import assert_user_error, run, use_fake_models
 
@@ -19,7 +18,7 @@ from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag import retrieval
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.filters import Filter
-from tests.test_rag_corpus import FakeEmbedder, FakeEngine, build, write_docs
+from tests.test_rag_corpus import FakeEmbedder, FakeEngine, build, stop_after, write_docs
 
 # Every file holds several chunks about the same things, so an unfiltered search mixes them.
 DOCS = {
@@ -134,15 +133,8 @@ def test_filters_on_a_lazy_corpus(docs: Path, tmp_path: Path) -> None:
 
 def test_filters_on_an_interrupted_ingest_and_after_it_resumes(docs: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(corpus_mod, "BATCH_CHUNKS", 4)
-    seen = []
-
-    def stop_after_two(num_modules: int, num_tokens: int) -> None:
-        seen.append(num_modules)
-        if len(seen) == 2:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        build(docs, tmp_path / "c", on_batch=stop_after_two)
+        build(docs, tmp_path / "c", on_batch=stop_after(2))
     partial = Corpus.open(tmp_path / "c", FakeEngine(), embedder=FakeEmbedder())
     assert partial.info()["num_incomplete"] > 0
     committed = {d["source"] for d in partial.documents() if d["num_chunks"]}
