@@ -42,6 +42,7 @@ from rag_promptcache.rag.table import ChunkTable, DocumentRow
 KEYS = ("source", "path", "type", "title", "modified", "section")  # what every chunk carries (module docstring)
 FIXED = ("source", "path", "type")  # a document's own field of one of these names does not replace it
 RECORDED = ("title", "modified")  # missing from documents ingested before metadata was kept
+FILTERS_KEPT = 64  # filters whose matching modules are remembered until the table changes (oldest out first)
 
 
 def document_fields(row: DocumentRow, own: dict[str, object]) -> dict[str, object]:
@@ -84,6 +85,7 @@ class Catalog:
         self._keys: frozenset[str] = frozenset()
         self._num_old = 0  # documents from before metadata was kept
         self._first: dict[int, tuple[str, str]] = {}  # FAISS id -> (its first source, its section)
+        self._matched: dict[str, np.ndarray] = {}  # a filter's canonical form -> its modules, until the table changes
 
     def _read(self) -> None:
         version = self.table.metadata_version
@@ -97,6 +99,7 @@ class Catalog:
             self._first[f] = (s, section)  # the first source by name, as `Corpus.source` names it
         self._keys = frozenset(k for d in self._documents.values() for k in d) | {"section"}
         self._num_old = sum(row.kind is None for row, _ in rows)
+        self._matched = {}
         self._version = version
 
     def keys(self) -> frozenset[str]:
@@ -127,6 +130,8 @@ class Catalog:
             return None
         with self._lock:
             self._read()
+            if (found := self._matched.get(str(flt))) is not None:
+                return found
             seen: dict[tuple[str, str], bool] = {}  # a document's sections share one test
             ids = set()
             for faiss_id, source, section in self._chunks:
@@ -135,7 +140,10 @@ class Catalog:
                     seen[key] = flt.matches({**self._documents.get(source, {}), "section": section})
                 if seen[key]:
                     ids.add(faiss_id)
-        return np.array(sorted(ids), dtype=np.int64)
+            if len(self._matched) >= FILTERS_KEPT:
+                self._matched.pop(next(iter(self._matched)))
+            found = self._matched[str(flt)] = np.array(sorted(ids), dtype=np.int64)
+            return found
 
     def of(self, faiss_id: int) -> dict[str, object]:
         """A module's metadata: its first chunk's (the first document by source, as `Corpus.source` names
