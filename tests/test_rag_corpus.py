@@ -118,6 +118,18 @@ def build(docs: Path, where: Path, engine: FakeEngine | None = None, **kw) -> Co
     return Corpus.build([docs], where, engine=engine or FakeEngine(), embedder=FakeEmbedder(), chunk_tokens=32, overlap=8, progress=False, **kw)
 
 
+def stop_after(num_batches: int):
+    """An `on_batch` that interrupts the ingest (as Ctrl-C does) once `num_batches` batches are committed."""
+    seen = []
+
+    def on_batch(num_modules: int, num_tokens: int) -> None:
+        seen.append(num_modules)
+        if len(seen) == num_batches:
+            raise KeyboardInterrupt
+
+    return on_batch
+
+
 def snapshot(c: Corpus) -> tuple:
     rows = c.table.db.execute("SELECT source, module_id, seq, start, end FROM chunks ORDER BY source, seq").fetchall()
     mods = c.table.db.execute("SELECT module_id, faiss_id, text, num_tokens, vector FROM modules ORDER BY module_id").fetchall()
@@ -207,15 +219,8 @@ def test_interrupted_ingest_resumes_to_the_same_corpus(docs: Path, tmp_path: Pat
     reference = build(docs, tmp_path / "ref")
 
     engine = FakeEngine()
-    seen = []
-
-    def stop_after_two(num_modules: int, num_tokens: int) -> None:
-        seen.append(num_modules)
-        if len(seen) == 2:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        build(docs, tmp_path / "c", engine, on_batch=stop_after_two)
+        build(docs, tmp_path / "c", engine, on_batch=stop_after(2))
     interrupted_calls = list(engine.encode_calls)
     partial = Corpus.open(tmp_path / "c", engine, embedder=FakeEmbedder())
     assert 0 < len(partial) < len(reference) and partial.info()["num_incomplete"] > 0

@@ -361,7 +361,7 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
 def _retrieval_markdown(out: dict[str, object]) -> list[str]:
     """bench/retrieval.py's tables."""
     ks = (1, 4, 8)
-    rows = [*out["real"], *out["lookalike"]]
+    rows = [*out["real"], *out.get("filtered", []), *out["lookalike"]]
     lines = ["## Retrieval (recall of the answer-bearing module, real manuals and look-alike splits)", "",
              table(["set", "mode", "questions", *(f"recall@{k}" for k in ks), "MRR"],
                    [[r["set"], r["mode"], r["questions"], *(r[f"recall@{k}"] for k in ks), r["mrr"]] for r in rows]), ""]

@@ -3,7 +3,8 @@
 - **Real documents** (bench/retrieval_data.py): 22 pages of SQLite's and Git's manuals, ingested as a
   user would (HTML main text, the real embedder), and 63 questions checked in their text. For the dense
   (FAISS), lexical (BM25) and hybrid (fused, the default) rankings: recall@1/4/8 (the share of questions
-  whose answer-bearing module is in the top k) and MRR (over the top 8).
+  whose answer-bearing module is in the top k) and MRR (over the top 8); and, hybrid, with each question's
+  search filtered to its manual and to its page (`Corpus.search(filter=...)`, retrieval_data.scopes).
 - **Look-alike splits** (bench/fidelity_*.py: confusable records, reports, manuals): the same rows, so
   hybrid retrieval is seen not to lose where documents differ only in names and numbers.
 - **Answers** on the real documents at k = 4 (hybrid), every other question: right answers of the engine's full prefill and
@@ -64,7 +65,10 @@ def run(bench: Bench, quick: bool | None = None) -> dict[str, object]:
         relevant = [retrieval_data.gold(texts, q) for q in questions]
         out["unanswerable"] = [q.question for q, r in zip(questions, relevant) if not r]
         out["real"] = recall_rows(corpus, [q.question for q in questions], relevant, "manuals")
-        for row in out["real"]:
+        out["filtered"] = [row for scope, filters in retrieval_data.scopes(pages, questions).items()
+                           for row in recall_rows(corpus, [q.question for q in questions], relevant,
+                                                  f"manuals within the {scope}", filters, ("hybrid",))]
+        for row in [*out["real"], *out["filtered"]]:
             bench.log(_line(row))
         # every other question (every fourth in a quick run): both manuals, at half the generation time
         step = ANSWER_EVERY * (2 if quick else 1)
@@ -88,20 +92,22 @@ def _line(row: dict[str, object]) -> str:
             + f", MRR {row['mrr']:.2f} ({row['questions']} questions)")
 
 
-def recall_rows(corpus: Corpus, questions: list[str], relevant: list[set[str]], name: str) -> list[dict[str, object]]:
+def recall_rows(corpus: Corpus, questions: list[str], relevant: list[set[str]], name: str,
+                filters: list[dict[str, object] | None] | None = None,
+                modes: tuple[str, ...] = retrieval.MODES) -> list[dict[str, object]]:
     """Per mode: recall@k and MRR over the questions that have an answer-bearing module, and the misses
-    at k = 4 (question, what came first)."""
+    at k = 4 (question, what came first). `filters`: each question's search is within its own."""
     rows = []
-    kept = [(q, r) for q, r in zip(questions, relevant) if r]
-    for mode in retrieval.MODES:
-        found = [[m for m, _ in corpus.search(q, max(KS), mode)] for q, _ in kept]
-        rank = [retrieval_data.ranks(f, r) for f, (_, r) in zip(found, kept)]
+    kept = [(q, r, f) for q, r, f in zip(questions, relevant, filters or [None] * len(questions)) if r]
+    for mode in modes:
+        found = [[m for m, _ in corpus.search(q, max(KS), mode, filter=f)] for q, _, f in kept]
+        rank = [retrieval_data.ranks(f, r) for f, (_, r, _) in zip(found, kept)]
         n = max(1, len(kept))
         rows.append({"set": name, "mode": mode, "questions": len(kept),
                      **{f"recall@{k}": sum(1 for x in rank if x is not None and x <= k) / n for k in KS},
                      "mrr": sum(1 / x for x in rank if x is not None) / n,
                      "missed@4": [{"question": q, "first": corpus.label(f[0]) if f else None}
-                                  for (q, _), f, x in zip(kept, found, rank) if x is None or x > 4]})
+                                  for (q, _, _), f, x in zip(kept, found, rank) if x is None or x > 4]})
     return rows
 
 

@@ -59,6 +59,14 @@ def load(path: Path | None = None) -> tuple[dict[str, list[Path]], list[RealQues
     return pages, questions
 
 
+def scopes(pages: dict[str, list[Path]], questions: list[RealQuestion]) -> dict[str, list[dict[str, object]]]:
+    """Each question's metadata filter to its manual (its pages' files) and to its page (the file): the
+    filtered rows of the scenario."""
+    files = {name: [str(p.resolve()) for p in found] for name, found in pages.items()}
+    return {"manual": [{"path": {"$in": files[q.manual]}} for q in questions],
+            "page": [{"path": q.source} for q in questions]}
+
+
 def by_source(corpus: Corpus) -> dict[str, dict[str, str]]:
     """Each document's modules and their text (without the header a module carries)."""
     out: dict[str, dict[str, str]] = {}

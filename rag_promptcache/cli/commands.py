@@ -64,6 +64,7 @@ NoRepeatOpt = Annotated[int | None, typer.Option(help="No n-gram of this many to
                                                       f"same default as Corpus.ask and the adapters) [default: {SHOWN_NO_REPEAT_NGRAM}].", show_default=False)]
 RecoveryOpt = Annotated[str | None, typer.Option(help="Cross-module attention recovery: none, last:N, tail:T, attend:N, question:R, first_k:K or selective:R (default: the corpus's, set by eval --apply, else the one its tuned adapter was tuned for, else the engine's, last:3; docs/FIDELITY.md).")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop the answer at this string (repeatable).")]
+WhereOpt = Annotated[list[str] | None, typer.Option("--where", help="Only chunks whose metadata matches: KEY=VALUE (repeatable: all must hold; a key repeated with = means one of its values), KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE, KEY~GLOB, or a JSON filter. Keys: source, path, type, title, modified, section and the documents' own fields (docs/retrieval.md).", show_default=False)]
 MinScoreOpt = Annotated[float | None, typer.Option("--min-score", help="Answer \"Not found in the documents.\" without generating when no chunk scores at least this (cosine similarity, -1 to 1; `ask --json` shows the scores) [default: off].", show_default=False)]
 
 
@@ -93,13 +94,14 @@ def ask(
     dtype: DtypeOpt = None,
     adapter: AdapterOpt = "default",
     min_score: MinScoreOpt = None,
+    where: WhereOpt = None,
 ) -> None:
     """Answer a question from the corpus; each source is shown as file › section with a snippet. A
     question too long for the model's context window is refused with exit code 2."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
-    sampling = _sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop)
+    sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "filter": _where(where)}
     c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
     sampling["min_score"] = min_score
@@ -124,7 +126,7 @@ def ask(
             typer.echo(answer.answer)
         if note := cut_off(answer.finish_reason, max_new_tokens) or empty_answer(answer.answer, answer.finish_reason):
             typer.echo(note)
-        typer.echo("\nsources:" + ("" if answer.module_ids else " none (nothing scored --min-score)"))
+        typer.echo("\nsources:" + ("" if answer.module_ids else " none (nothing scored --min-score or matched --where)"))
         for line in source_lines(_rows(answer)):
             typer.echo(line)
         typer.echo(_stats(answer))
@@ -154,6 +156,16 @@ def _rows(answer) -> list[tuple[str, float | None, str]]:
     return [(where(src, sec), score, snip) for src, sec, score, snip in zip(answer.sources, sections, answer.scores, snippets)]
 
 
+def _where(clauses: list[str] | None) -> object:
+    """`--where` clauses as one filter (`rag.filters.where`); a malformed clause is a usage error."""
+    from rag_promptcache.rag.filters import where
+
+    try:
+        return where(clauses or ())
+    except ValueError as e:
+        raise fail(str(e)) from e
+
+
 def _stats(answer) -> str:
     if answer.deferred_modules:
         missed = f", {len(answer.deferred_modules)} missed module(s) computed here, stored after the answer"
@@ -179,12 +191,15 @@ def chat(
     dtype: DtypeOpt = None,
     adapter: AdapterOpt = "default",
     min_score: MinScoreOpt = None,
+    where: WhereOpt = None,
 ) -> None:
     """Chat with the corpus: streaming answers, history, /sources, /quit. Ctrl-C stops an answer."""
     _check_k(k)
-    sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "min_score": min_score}
+    sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "min_score": min_score,
+                "filter": _where(where)}
     c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
+    c.catalog.check(sampling["filter"])  # an unknown key ends the command now, not each question
     typer.echo(f"loading the model and the embedder for {corpus} ...", err=True)
     c.prepare()  # now, so that no loading output lands inside the first answer
     c.embedder  # noqa: B018 - loads it

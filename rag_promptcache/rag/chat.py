@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,9 +60,11 @@ class CorpusChat:
         module_ids: Sequence[str] | None = None,
         max_new_tokens: int = ANSWER_DEFAULTS.max_new_tokens,
         min_score: float | None = None,
+        filter: Mapping[str, object] | None = None,  # noqa: A002 - LangChain's name, the request field's
     ) -> ChatPrompt:
         """The prompt for the last user turn with its sources. With `min_score` and no chunk scoring it
-        (cosine), `ChatPrompt.not_found`; `module_ids` skip retrieval and `min_score`."""
+        (cosine), `ChatPrompt.not_found`; so with `filter` (`Corpus.search`) and no chunk matching it.
+        `module_ids` skip retrieval and `min_score`, and cannot come with a filter."""
         if not turns:
             raise ValueError("no messages: send at least one user message")
         for role, _ in turns:
@@ -71,9 +73,15 @@ class CorpusChat:
         if turns[-1][0] != "user":
             raise ValueError(f"the last message must be the user's question, got a {turns[-1][0]!r} message")
         c = self.corpus
+        try:
+            flt = c.catalog.check(filter)
+        except ValueError as e:
+            raise ValueError(f"filter: {e}") from e
+        if flt is not None and module_ids is not None:
+            raise ValueError("filter: module_ids name the modules and skip retrieval, which a filter narrows; send one of them")
         with self._lock:
             if module_ids is None:
-                found = c.retrieve_turns(turns, k, max_new_tokens=max_new_tokens, min_score=min_score)
+                found = c.retrieve_turns(turns, k, max_new_tokens=max_new_tokens, min_score=min_score, filter=flt)
                 if not found.hits:
                     return ChatPrompt(None, ())
                 hits = [dataclasses.replace(h, score=round(float(h.score), 4)) for h in found.hits]

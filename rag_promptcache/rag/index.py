@@ -82,16 +82,25 @@ class VectorIndex:
         self.add(all_ids[keep], vectors[keep])
         return int((~keep).sum())
 
-    def search(self, queries: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
-        """For each query row, up to k (id, inner product) pairs, best first."""
+    def search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None) -> list[list[tuple[int, float]]]:
+        """For each query row, up to k (id, inner product) pairs, best first; with `allowed` (ids [n]
+        int64), among those ids only, inside the search (FAISS's ID selector). A `hnsw` graph or the `ivf`
+        lists probed may hold fewer than k allowed ids near the query: the caller tops up (`retrieval.search`)."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
-        if not len(self):
+        if not len(self) or (allowed is not None and not len(allowed)):
             return [[] for _ in queries]
+        faiss = _faiss()
+        nprobe = {"nprobe": max(1, self.index.nlist // 4)} if self.kind == "ivf" else {}
         if self.kind == "ivf":
-            self.index.nprobe = max(1, self.index.nlist // 4)
-        scores, ids = self.index.search(queries, min(k, len(self)))
+            self.index.nprobe = nprobe["nprobe"]
+        params = None
+        if allowed is not None:
+            selector = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
+            kind = {"flat": faiss.SearchParameters, "hnsw": faiss.SearchParametersHNSW, "ivf": faiss.SearchParametersIVF}
+            params = kind[self.kind](sel=selector, **nprobe)  # `selector` stays referenced until the search returns
+        scores, ids = self.index.search(queries, min(k, len(self)), params=params)
         return [[(int(i), float(s)) for i, s in zip(row_ids, row_scores) if i != -1] for row_ids, row_scores in zip(ids, scores)]
 
     def save(self, path: Path) -> None:

@@ -12,6 +12,7 @@ Not here: gathering inputs and the budget (`ingest.py`), the encoding itself (`e
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -66,6 +67,16 @@ class CorpusParts:
     search: nbr.Search | None = None  # the index's search, for `--neighbours` (rag/neighbours.py)
 
 
+def document_row(doc: Document) -> DocumentRow:
+    """The table's row of a document about to be ingested (incomplete until its last batch commits)."""
+    return DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes, doc.identity, doc.kind, doc.title,
+                       doc.modified)
+
+
+def _json(metadata: dict[str, object]) -> str:
+    return json.dumps(metadata, sort_keys=True, default=str)
+
+
 class Ingestor:
     """One ingest run over a corpus's parts; `batch_chunks` chunks are embedded and encoded at a time."""
 
@@ -89,6 +100,7 @@ class Ingestor:
         table = self.parts.table
         nbr.check(self.parts.manifest.neighbours, ray)
         todo = [d for d in docs if not self.unchanged(d)]
+        self.update_metadata([d for d in docs if d.source not in {t.source for t in todo}])
         lazy = self.parts.manifest.kv == "lazy"
         guess = sum(ingest.estimate_tokens(todo).values())
         if todo and (not lazy or (self.on_estimate is not None and guess >= ingest.LARGE_INGEST_TOKENS)):
@@ -150,6 +162,15 @@ class Ingestor:
         row = self.parts.table.document(doc.source)
         return row is not None and row.complete and row.content_hash == doc.content_hash
 
+    def update_metadata(self, unchanged: list[Document]) -> None:
+        """Record the metadata of unchanged documents where it moved (a file touched; a table from before
+        metadata was kept: an ingest of the same paths records it without encoding anything)."""
+        stored = {row.source: (row.kind, row.title, row.modified, _json(meta)) for row, meta in self.parts.table.document_metadata()}
+        moved = [(document_row(d), d.metadata) for d in unchanged
+                 if stored.get(d.source) != (d.kind, d.title, d.modified, _json(d.metadata))]
+        if moved:
+            self.parts.table.update_metadata(moved)
+
     def batches(self, todo: list[Document]) -> Iterator[tuple[Batch, list[str]]]:
         """(chunks to embed and encode, documents complete once they are committed), in order.
         Starts each document in the table as it reaches it; skips chunks an interrupted ingest committed."""
@@ -160,8 +181,7 @@ class Ingestor:
         batch: Batch = []
         finished: list[str] = []
         for doc in todo:
-            row = DocumentRow(doc.source, doc.label, doc.content_hash, False, doc.num_bytes, doc.identity)
-            self.parts.forget(table.begin_document(row, doc.metadata))
+            self.parts.forget(table.begin_document(document_row(doc), doc.metadata))
             done = table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
             seq = -1
             for seq, chunk in enumerate(chunker.chunks(doc.blocks(), doc.label, title=doc.title or doc.label,

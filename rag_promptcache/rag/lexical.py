@@ -92,15 +92,18 @@ class LexicalIndex:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def search(self, query: str, k: int) -> list[tuple[int, float]]:
+    def search(self, query: str, k: int, allowed: np.ndarray | None = None) -> list[tuple[int, float]]:
         """Up to k (FAISS id, BM25 score) with a score above zero, best first; empty when no query term
-        is in the index."""
+        is in the index. With `allowed` (FAISS ids), among those only: the others score zero before the top k
+        is taken."""
         if not len(self) or k < 1:
             return []
         terms = [t for t in tokens(query) if t in self._bm25.vocab_dict]
         if not terms:
             return []
         scores = self._bm25.get_scores(terms)  # [num_docs]
+        if allowed is not None:
+            scores = np.where(np.isin(self.ids, allowed), scores, 0.0)
         k = min(k, len(scores))
         top = np.argpartition(-scores, k - 1)[:k]
         top = top[np.argsort(-scores[top], kind="stable")]

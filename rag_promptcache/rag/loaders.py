@@ -4,7 +4,9 @@ Plain text, Markdown, JSON Lines stream with bounded memory (one block or one li
 HTML, PDF and whole-file JSON are read per file. HTML becomes its main text as Markdown (`html.py`:
 navigation, tables of contents, headers and footers dropped); PDF pages lose the running headers and
 footers they repeat and their page numbers (`pdf_pages`). Each document has a title where it names
-one (HTML `<title>`, a Markdown file's first `# ` heading, a PDF's metadata). A text or HTML file that is not UTF-8 is read in the
+one (HTML `<title>`, a Markdown file's first `# ` heading, a PDF's metadata). A Markdown file's YAML
+front matter (between `---` lines at its start) is its metadata, as a record's other fields are a
+record's, and an object's `metadata` is its own; each file's modification time is kept. A text or HTML file that is not UTF-8 is read in the
 encoding `charset-normalizer` detects, with one warning naming it (JSON must be UTF-8). PDF parser
 messages about a broken file are silenced: the one warning that skips the file says it. LangChain `Document`s and LlamaIndex nodes are
 accepted by duck typing (`page_content`/`metadata`, `get_content()`/`metadata`): the frameworks are
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import hashlib
 import html as html_lib
+import json
 import logging
 import os
 import re
@@ -38,6 +42,7 @@ TITLE_CHARS = 1 << 16  # how much of a file's start is searched for its title
 EDGE_LINES = 2  # lines at each edge of a PDF page that may be a running header or footer
 RUNNING_SHARE = 0.5  # ... when they recur on at least this share of the pages
 _HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.I | re.S)
+_FRONT_MATTER = re.compile(r"\A\ufeff?---[ \t]*\r?\n(.*?)\r?\n(?:---|\.\.\.)[ \t]*(?:\r?\n|\Z)", re.S)
 _MD_TITLE = re.compile(r"^#[ \t]+(.+?)[ \t#]*$", re.M)
 _PAGE_NUMBER = re.compile(r"^\s*(?:page\s+)?[-–—(\[]?\s*\d{1,5}\s*[-–—)\]]?(?:\s*(?:of|/)\s*\d{1,5})?\s*$", re.I)
 
@@ -62,6 +67,7 @@ class Document:
     # same documents ingested from a copied folder replace the earlier ones. "" means the label.
     name: str = ""
     title: str = ""  # what the document calls itself; "" when it names nothing (the label stands in)
+    modified: float | None = None  # the file's modification time (epoch seconds); None for an object
 
     @property
     def headings(self) -> bool:
@@ -113,7 +119,8 @@ def load(
                 label = file.relative_to(path).as_posix() if path.is_dir() else file.name
                 if file.suffix.lower() in (".json", ".jsonl"):
                     if _readable(file, report):
-                        yield from record_documents(file, label, field_name, id_field, lambda where, why: _skip(report, where, why), Document)
+                        yield from record_documents(file, label, field_name, id_field, lambda where, why: _skip(report, where, why),
+                                                    functools.partial(Document, modified=file.stat().st_mtime))
                     continue
                 doc = _load_file(file, label, field_name, report)
                 if doc is not None:
@@ -182,7 +189,9 @@ def _load_file(path: Path, label: str, field_name: str, report: LoadReport) -> D
             return None
     else:
         title = _title(path, suffix, encoding)
-    return Document(str(path.resolve()), label, digest, reader, size, kind, name=label, title=title)
+    meta = front_matter(path, encoding) if suffix in (".md", ".markdown") else {}
+    return Document(str(path.resolve()), label, digest, reader, size, kind, meta, name=label, title=title,
+                    modified=path.stat().st_mtime)
 
 
 def _sniff_text(path: Path) -> str:
@@ -257,6 +266,29 @@ def _title(path: Path, suffix: str, encoding: str) -> str:
     return " ".join(html_lib.unescape(found.group(1)).split()) if found else ""
 
 
+def front_matter(path: Path, encoding: str = "utf-8") -> dict[str, object]:
+    """A Markdown file's YAML front matter as a dict (dates as ISO-8601 strings); {} when it has none, or
+    none that reads as a mapping."""
+    with path.open("r", encoding=encoding, errors="replace") as f:
+        head = f.read(TITLE_CHARS)
+    found = _FRONT_MATTER.match(head)
+    if found is None:
+        return {}
+    import yaml
+
+    try:
+        meta = yaml.safe_load(found.group(1))
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(meta, dict):
+        return {}
+    return json.loads(json.dumps({str(k): v for k, v in meta.items()}, default=_iso))
+
+
+def _iso(value: object) -> str:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
 def _pdf_pages(path: Path) -> Iterator[str]:
     import pypdf
 
@@ -312,4 +344,5 @@ def _from_object(obj: object) -> Document:
         (str(metadata[k]) for k in ("source", "file_path", "file_name", "doc_id") if metadata.get(k)),
         None,
     ) or str(getattr(obj, "id_", None) or getattr(obj, "id", None) or f"doc-{digest[:12]}")
-    return Document(source, source, digest, lambda: iter([text]), len(text.encode()), "object")
+    own = json.loads(json.dumps({str(k): v for k, v in metadata.items()}, default=_iso))
+    return Document(source, source, digest, lambda: iter([text]), len(text.encode()), "object", own)

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from rag_promptcache.engine.errors import ContextWindowExceeded, QuestionTooLong
 from rag_promptcache.rag.chunker import SEPARATOR
 from rag_promptcache.rag.embed import EmbedderLike
@@ -46,6 +48,7 @@ FUSION_DEPTH = 50  # candidates each ranking gives the fusion
 MIN_ANSWER_TOKENS = 32
 SNIPPET_CHARS = 240  # a hit's snippet: the start of its chunk's text, cut at a word
 _HEADING_LINE = re.compile(r"\s*#{1,6}\s|\s*$")  # a Markdown heading, or a blank line
+EXACT_BATCH = 10_000  # vectors read per query by `exact` (below SQLite's limit on a statement's parameters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +95,23 @@ def shorten(text: str, chars: int = SNIPPET_CHARS) -> str:
 
 
 def search(index: VectorIndex, lexical: LexicalIndex | None, lock: threading.RLock, embedder: EmbedderLike,
-           table: ChunkTable, question: str, k: int, mode: str = "hybrid") -> list[tuple[str, float]]:
+           table: ChunkTable, question: str, k: int, mode: str = "hybrid",
+           allowed: np.ndarray | None = None) -> list[tuple[str, float]]:
     """The k modules that best answer the question by `mode` (see MODES and the module docstring):
-    (module id, cosine score), best first. `lock` guards the indexes: FAISS indexes are not safe to
-    search while another thread adds or removes."""
+    (module id, cosine score), best first. `allowed` (FAISS ids, a filter's: `metadata.Catalog`)
+    restricts both rankings inside their search, so k come back whenever k modules are allowed. `lock`
+    guards the indexes: FAISS indexes are not safe to search while another thread adds or removes."""
     if mode not in MODES:
         raise ValueError(f"unknown retrieval mode {mode!r}; valid: {', '.join(MODES)}")
+    if allowed is not None and not len(allowed):
+        return []
     depth = max(k, FUSION_DEPTH) if mode == "hybrid" else k
     vector = embedder.embed([question])  # [1, dim]
     with lock:
-        dense = index.search(vector, depth)[0] if mode != "lexical" else []
-        words = lexical.search(question, depth) if mode != "dense" and lexical is not None else []
+        dense = index.search(vector, depth, allowed)[0] if mode != "lexical" else []
+        words = lexical.search(question, depth, allowed) if mode != "dense" and lexical is not None else []
+    if allowed is not None and mode != "lexical" and len(dense) < min(depth, len(allowed)):
+        dense = exact(table, vector[0], allowed, depth)
     ranked = fuse([[i for i, _ in dense], [i for i, _ in words]], (1.0, LEXICAL_WEIGHT))
     names = table.module_ids_for(ranked)  # a module removed since the lexical index was built is gone here
     ranked = [i for i in ranked if i in names][:k]
@@ -111,6 +120,21 @@ def search(index: VectorIndex, lexical: LexicalIndex | None, lock: threading.RLo
         stored = table.vectors_for(missing)
         cosine.update({i: float(stored[i] @ vector[0]) for i in missing if i in stored})
     return [(names[i], cosine[i]) for i in ranked if i in cosine]
+
+
+def exact(table: ChunkTable, vector: np.ndarray, allowed: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k allowed modules nearest `vector` [dim] by their stored vectors, best first: the dense ranking
+    where an approximate index (an HNSW graph, the IVF lists probed) held fewer allowed modules near the
+    question than there are."""
+    stored: dict[int, np.ndarray] = {}
+    for start in range(0, len(allowed), EXACT_BATCH):
+        stored.update(table.vectors_for(allowed[start:start + EXACT_BATCH].tolist()))
+    ids = np.array(list(stored), dtype=np.int64)
+    if not len(ids):
+        return []
+    scores = np.stack(list(stored.values())) @ vector  # [n]
+    top = np.argsort(-scores, kind="stable")[:k]
+    return [(int(ids[i]), float(scores[i])) for i in top]
 
 
 def fuse(rankings: Sequence[Sequence[int]], weights: Sequence[float] | None = None) -> list[int]:
@@ -212,21 +236,22 @@ class Conversations:
         self.num_searches = 0
 
     def retrieve(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve,
-                 min_score: float | None = None) -> Retrieved:
+                 min_score: float | None = None, scope: str = "") -> Retrieved:
         """`turns` (role, text), the last one the user's question → its retrieval (less the hits scoring
-        below `min_score`; empty when none does) and the import order."""
+        below `min_score`; empty when none does) and the import order. `scope` names what `search` is
+        restricted to (a filter's canonical form): a turn remembered under another scope is searched again."""
         assert turns and turns[-1][0] == "user", f"{turns[-1:]=}"
         users = [i for i, (role, _) in enumerate(turns) if role == "user"]
-        rankings = [self._one(turns[: i + 1], k, max_new_tokens, search, fresh=i == users[-1]) for i in users]
+        rankings = [self._one(turns[: i + 1], k, max_new_tokens, search, scope, fresh=i == users[-1]) for i in users]
         scored = dict(above([(h.module_id, h.score) for h in rankings[-1]], min_score))
         rankings[-1] = [h for h in rankings[-1] if h.module_id in scored]
         if not rankings[-1]:
             return Retrieved((), ())
         return Retrieved(tuple(rankings[-1]), tuple(keep_order([[h.module_id for h in r] for r in rankings])))
 
-    def _one(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve,
+    def _one(self, turns: Sequence[tuple[str, str]], k: int, max_new_tokens: int, search: Retrieve, scope: str,
              fresh: bool) -> list[Hit]:
-        key = (tuple(turns), k, max_new_tokens)
+        key = (tuple(turns), k, max_new_tokens, scope)
         if key in self._kept and not fresh:
             self._kept.move_to_end(key)
             return self._kept[key]

@@ -100,6 +100,10 @@ class DocumentRow:
     complete: bool
     num_bytes: int
     name: str | None = None  # the identity (`loaders.Document.name`); None in tables older than it: the label
+    # what filters read (rag/metadata.py); None in tables from before they were kept
+    kind: str | None = None  # `loaders.Document.kind`: md, html, pdf, txt, record, object, ...
+    title: str | None = None
+    modified: float | None = None  # the file's modification time, epoch seconds
 
     @property
     def shown(self) -> str:
@@ -110,6 +114,13 @@ class DocumentRow:
         if name == label or not name.endswith("#" + label):
             return name
         return label if label.startswith(name[: -len(label) - 1]) else name
+
+
+_DOCUMENT = "source, label, content_hash, complete, num_bytes, name, kind, title, modified"  # a `DocumentRow`'s columns
+
+
+def _document(row: Sequence[object]) -> DocumentRow:
+    return DocumentRow(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7], row[8])  # type: ignore[arg-type]
 
 
 class ChunkTable:
@@ -125,6 +136,10 @@ class ChunkTable:
             self.db.execute("ALTER TABLE modules ADD COLUMN context TEXT")  # a table from before contexts: NULL
         if "neighbours" not in {r[1] for r in self.db.execute("PRAGMA table_info(modules)")}:
             self.db.execute("ALTER TABLE modules ADD COLUMN neighbours TEXT")  # from before neighbours: NULL, none
+        have = {r[1] for r in self.db.execute("PRAGMA table_info(documents)")}
+        for column, kind in (("kind", "TEXT"), ("title", "TEXT"), ("modified", "REAL")):
+            if column not in have:  # from before metadata filters: NULL, derived or refused (rag/metadata.py)
+                self.db.execute(f"ALTER TABLE documents ADD COLUMN {column} {kind}")
 
     @_serialized
     def close(self) -> None:
@@ -157,21 +172,20 @@ class ChunkTable:
     @_serialized
     def document(self, source: str) -> DocumentRow | None:
         row = self.db.execute(
-            "SELECT source, label, content_hash, complete, num_bytes, name FROM documents WHERE source = ?", (source,)
+            f"SELECT {_DOCUMENT} FROM documents WHERE source = ?", (source,)
         ).fetchone()
-        return DocumentRow(row[0], row[1], row[2], bool(row[3]), row[4], row[5]) if row else None
+        return _document(row) if row else None
 
     @_serialized
     def named(self, name: str) -> list[DocumentRow]:
         """The documents whose identity is `name` (rows from before names: their label)."""
-        rows = self.db.execute("SELECT source, label, content_hash, complete, num_bytes, name FROM documents "
-                               "WHERE COALESCE(name, label) = ? ORDER BY source", (name,))
-        return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4], r[5]) for r in rows]
+        rows = self.db.execute(f"SELECT {_DOCUMENT} FROM documents WHERE COALESCE(name, label) = ? ORDER BY source", (name,))
+        return [_document(r) for r in rows]
 
     @_serialized
     def documents(self) -> list[DocumentRow]:
-        rows = self.db.execute("SELECT source, label, content_hash, complete, num_bytes, name FROM documents ORDER BY source")
-        return [DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4], r[5]) for r in rows]
+        rows = self.db.execute(f"SELECT {_DOCUMENT} FROM documents ORDER BY source")
+        return [_document(r) for r in rows]
 
     @_serialized
     def document_chunks(self) -> list[tuple[DocumentRow, int, dict[str, object]]]:
@@ -182,6 +196,39 @@ class ChunkTable:
             "GROUP BY d.source ORDER BY d.source"
         )
         return [(DocumentRow(r[0], r[1], r[2], bool(r[3]), r[4], r[7]), r[5], json.loads(r[6] or "{}")) for r in rows]
+
+    @_serialized
+    def document_metadata(self) -> list[tuple[DocumentRow, dict[str, object]]]:
+        """Every document with its own metadata (a record's other fields, front matter), by source."""
+        rows = self.db.execute(f"SELECT {', '.join('d.' + c for c in _DOCUMENT.split(', '))}, m.metadata FROM documents d "
+                               "LEFT JOIN document_meta m USING(source) ORDER BY d.source")
+        return [(_document(r), json.loads(r[-1] or "{}")) for r in rows]
+
+    @_serialized
+    def chunk_contexts(self) -> list[tuple[int, str, str]]:
+        """(FAISS id, source, the module's context: title and heading path) of every chunk."""
+        rows = self.db.execute("SELECT m.faiss_id, c.source, COALESCE(m.context, '') FROM chunks c JOIN modules m USING(module_id)")
+        return rows.fetchall()
+
+    @property
+    @_serialized
+    def metadata_version(self) -> tuple[int, int]:
+        """Changes with what filters read: (the generation, metadata updated without a change of contents)."""
+        rows = dict(self.db.execute("SELECT key, value FROM meta WHERE key IN ('generation', 'metadata')").fetchall())
+        return int(rows.get("generation", 0)), int(rows.get("metadata", 0))
+
+    @_serialized
+    def update_metadata(self, docs: Sequence[tuple[DocumentRow, dict[str, object]]]) -> None:
+        """New metadata of documents whose contents are unchanged (a file touched, a table from before
+        metadata was kept); not a change of the contents, so the generation stays."""
+        with self._tx() as db:
+            db.executemany("UPDATE documents SET kind = ?, title = ?, modified = ? WHERE source = ?",
+                           [(d.kind, d.title, d.modified, d.source) for d, _ in docs])
+            db.executemany("DELETE FROM document_meta WHERE source = ?", [(d.source,) for d, _ in docs])
+            db.executemany("INSERT INTO document_meta VALUES(?, ?)",
+                           [(d.source, json.dumps(m, default=str)) for d, m in docs if m])
+            db.execute("INSERT INTO meta VALUES('metadata', '1') "
+                       "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
 
     @_serialized
     def chunk_ids(self, source: str) -> set[str]:
@@ -297,11 +344,12 @@ class ChunkTable:
             old = self.document(doc.source)
             dropped = self._drop_chunks(db, doc.source) if old is not None and old.content_hash != doc.content_hash else Dropped()
             db.execute(
-                "INSERT INTO documents(source, label, content_hash, complete, num_bytes, updated, name) "
-                "VALUES(?, ?, ?, 0, ?, ?, ?) ON CONFLICT(source) DO UPDATE SET "
+                "INSERT INTO documents(source, label, content_hash, complete, num_bytes, updated, name, kind, title, modified) "
+                "VALUES(?, ?, ?, 0, ?, ?, ?, ?, ?, ?) ON CONFLICT(source) DO UPDATE SET "
                 "label = excluded.label, content_hash = excluded.content_hash, complete = 0, "
-                "num_bytes = excluded.num_bytes, updated = excluded.updated, name = excluded.name",
-                (doc.source, doc.label, doc.content_hash, doc.num_bytes, time.time(), doc.name),
+                "num_bytes = excluded.num_bytes, updated = excluded.updated, name = excluded.name, "
+                "kind = excluded.kind, title = excluded.title, modified = excluded.modified",
+                (doc.source, doc.label, doc.content_hash, doc.num_bytes, time.time(), doc.name, doc.kind, doc.title, doc.modified),
             )
             self._bump(db)
         return dropped

@@ -186,7 +186,7 @@ async def create_chat_completion(body: p.ChatRequest, request: Request) -> r.Cha
     max_tokens = body.max_completion_tokens or body.max_tokens
     handle, _, found = await submit(s, lambda n: s.chat.chat_prompt(
         body.turns(), k=body.k or s.k, module_ids=body.module_ids, max_new_tokens=n,
-        min_score=s.min_score if body.min_score is None else body.min_score), body, max_tokens)
+        min_score=s.min_score if body.min_score is None else body.min_score, filter=body.filter), body, max_tokens)
     request.state.handle = handle  # the access log reads its result
     rid = r.new_id("chatcmpl")
     if not body.stream:

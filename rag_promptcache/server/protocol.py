@@ -12,7 +12,8 @@ for, failing far from the cause. `response_format` is implemented: `json_object`
 use when the request is submitted.
 
 Our extra request fields: `k`, `module_ids`, `min_score` (chat: no chunk scoring it, the answer is
-"Not found in the documents." without generating, `usage.path` "none"), `recovery`, `ignore_eos`,
+"Not found in the documents." without generating, `usage.path` "none"), `filter` (chat: a metadata filter
+applied inside retrieval, rag/filters.py), `recovery`, `ignore_eos`,
 `no_repeat_ngram` and `stop_repeats` (the repetition control every answer path shares, on by default:
 rag/repetition.py). Our extra response fields are `responses.py`'s.
 Not here: responses (`responses.py`), routing and generation (`app.py`).
@@ -250,6 +251,12 @@ class ChatRequest(GenerationRequest):
     k: Int(ge=1, le=64) | None = None
     module_ids: list[str] | None = None
     min_score: float | None = Field(None, ge=-1, le=1)
+    filter: dict[str, object] | None = Field(None, description=(
+        "Only chunks whose metadata matches, chosen inside the search: LangChain's vector-store filter, such as "
+        '{"source": "guide/fs.md"}, {"year": {"$gte": 2020}}, {"section": {"$glob": "Config*"}} or {"$or": [...]}. '
+        "Keys: source, path, type, title, modified, section and the documents' own fields; operators: $eq, $ne, "
+        "$gt, $gte, $lt, $lte, $in, $nin, $prefix, $glob, $and, $or. An unknown key or operator is a 400 naming "
+        "the valid ones; no chunk matching answers \"Not found in the documents.\" without generating."))
 
     def turns(self) -> list[tuple[str, str]]:
         return [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]

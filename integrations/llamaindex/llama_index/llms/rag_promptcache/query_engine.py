@@ -73,13 +73,15 @@ def _not_found() -> Response:
 
 
 class PromptCacheQueryEngine(RetrieverQueryEngine):
-    """`PromptCacheQueryEngine(corpus=corpus, similarity_top_k=4, streaming=False, min_score=None)`; `llm=` to
-    reuse one."""
+    """`PromptCacheQueryEngine(corpus=corpus, similarity_top_k=4, streaming=False, min_score=None, filters=None)`;
+    `filters`: LlamaIndex's `MetadataFilters`, applied inside retrieval (the retriever's); `llm=` to reuse one."""
 
     def __init__(self, corpus: Any, similarity_top_k: int = 4, streaming: bool = False,
-                 llm: PromptCacheLLM | None = None, min_score: float | None = None, **llm_kwargs: Any) -> None:
+                 llm: PromptCacheLLM | None = None, min_score: float | None = None, filters: Any = None,
+                 **llm_kwargs: Any) -> None:
         from llama_index.retrievers.rag_promptcache import PromptCacheRetriever
 
         llm = llm or PromptCacheLLM(corpus=corpus, **llm_kwargs)
-        super().__init__(retriever=PromptCacheRetriever(corpus, similarity_top_k=similarity_top_k, min_score=min_score),
+        super().__init__(retriever=PromptCacheRetriever(corpus, similarity_top_k=similarity_top_k, min_score=min_score,
+                                                        filters=filters),
                          response_synthesizer=ModuleSynthesizer(llm=llm, streaming=streaming))
