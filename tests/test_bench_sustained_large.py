@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from benchmarks import eviction_replay, harness, sustained_report
-from benchmarks.sustained_large import LargeConfig, run, stream
+from benchmarks import eviction_replay, harness, sustained_large, sustained_report
+from benchmarks.sustained_large import LargeConfig, stream
 from rag_promptcache.bench.common import Bench, BenchConfig
 from tests.store_helpers import needs_redis
 from tests.tiny_llama import save_tiny_llama
@@ -30,7 +30,7 @@ def test_the_large_scenario_runs_small_with_its_checks(tmp_path, tokenizer):
         large_memory_share=0.05, large_shared_share=0.2)
     bench = Bench(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, model_dir,
                   dataclasses.replace(BenchConfig(), recovery="none"), log=lambda _: None)
-    out = run(bench, cfg)
+    out = sustained_large.run(bench, cfg)
     written = harness.write(bench, True, tmp_path, "sustained_large", out, "\n".join(sustained_report.markdown(out)))
     assert written["sustained_large"] is out and written["model"] == model_dir  # what scripts/bench_tables.py reads
     sustained_report.plots(out, tmp_path)
