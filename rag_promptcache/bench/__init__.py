@@ -30,6 +30,9 @@ SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "
 # the fidelity sweeps' runner, the shape and Ray replica benches) live in the repository's benchmarks/, outside
 # the package: benchmarks/README.md.
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
+# the scenarios that became harnesses in benchmarks/: what `bench` answers a name of them with
+HARNESSES = {"fuzz": "python -m benchmarks.soak --fuzz", "soak": "python -m benchmarks.soak",
+             "retrieval": "python -m benchmarks.retrieval"}
 
 
 def run(

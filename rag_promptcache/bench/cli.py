@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
 
-        from rag_promptcache.bench import DEFAULT_SCENARIOS, run
+        from rag_promptcache.bench import DEFAULT_SCENARIOS, HARNESSES, SCENARIOS, run
         from rag_promptcache.bench.common import BenchConfig
         from rag_promptcache.engine.planning.recovery import Recovery
 
@@ -84,6 +84,11 @@ def register(app: typer.Typer) -> None:
         if fidelity_settings is not None:
             config = dataclasses.replace(config, fidelity_settings=_settings(fidelity_settings))
         chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else DEFAULT_SCENARIOS
+        if unknown := [s for s in chosen if s not in SCENARIOS]:  # before the model loads
+            moved = [s for s in unknown if s in HARNESSES]
+            raise ValueError(f"unknown --scenarios {', '.join(unknown)}; valid: {', '.join(SCENARIOS)}" + (
+                f". {', '.join(moved)}: the project's own harnesses, run from a checkout: "
+                f"{'; '.join(HARNESSES[s] for s in moved)} (benchmarks/README.md)" if moved else ""))
         run(quick=quick, json_path=json_out, plots_dir=plots, model=model, device=device, log=typer.echo,
             config=config, scenarios=chosen)
 
