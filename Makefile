@@ -52,7 +52,7 @@ redis:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; }
 	@command -v redis-server >/dev/null 2>&1 && echo "redis-server: $$(command -v redis-server)"
 
-# bench --scenarios retrieval reads SQLite's and Git's HTML manuals (rag_promptcache/bench/data/retrieval_manuals.json).
+# python -m benchmarks.retrieval reads SQLite's and Git's HTML manuals (benchmarks/data/retrieval_manuals.json).
 manuals:
 	@{ [ -f /usr/share/doc/sqlite3/wal.html ] && [ -f /usr/share/doc/git-doc/git-stash.html ]; } || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

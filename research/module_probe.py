@@ -5,7 +5,7 @@ the one recomputed module cheaper").
 whole against the others' cached KV. This probe answers the fidelity splits' questions with settings that
 give that module some of the same for fewer FLOPs, beside `none`, `last:1` and `last:2` run through the
 engine, judged against the base model's full prefill (`--reference`) and timed against this model's own
-full prefill, per question back to back, as `python -m rag_promptcache.bench.fidelity` does:
+full prefill, per question back to back, as `python -m benchmarks.fidelity` does:
 
 - `upper:L`: the nearest module recomputed from layer L up only. Below L the question reads its stored
   KV; at L its tokens enter the forward with the hidden state they had there when the module was encoded
@@ -22,7 +22,7 @@ full prefill, per question back to back, as `python -m rag_promptcache.bench.fid
         --reference docs/bench/fidelity-quiet-2026-11-25/tokens32/fidelity.json --out out/probe
 
 Writes fidelity.json / fidelity.md / fidelity_front.png in the fidelity scenario's format (so
-`python -m rag_promptcache.bench.fidelity --pool` pools its runs). Out of scope: storing hidden states
+`python -m benchmarks.fidelity --pool` pools its runs). Out of scope: storing hidden states
 (the probe recomputes them once per module and keeps them in memory, untimed, as a store would hold them).
 """
 
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import fidelity as fidelity_runner
 from rag_promptcache.bench import fidelity as bench_fidelity
 from rag_promptcache.bench import fidelity_reference
 from rag_promptcache.engine import PromptCache
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if reference is not None:
         out.update({"reference": {"path": reference.path, "adapter": reference.adapter},
                     "full_prefill_against_reference": fidelity_reference.full_prefill_against(rows)})
-    return bench_fidelity._write(out, cfg.out)
+    return fidelity_runner.write(out, cfg.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ A table is a marker pair in a Markdown file:
 `python scripts/bench_tables.py RUN.json` prints one run's TTFT and decode tables (make gpu-check).
 Kinds: ttft, ttft-systems, decode, decode-answers, chat, serve, fidelity, quality, memory, sustained,
 sustained-large, sustained-large-checks, ingest, headline,
-and shape-ttft, shape-decode (the JSON of rag_promptcache/bench/shape.py, which the one-run form prints too).
+and shape-ttft, shape-decode (the JSON of benchmarks/shape.py, which the one-run form prints too).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def memory(run: dict) -> tuple[str, str | None]:
 
 
 def shape_ttft(run: dict) -> tuple[str, str | None]:
-    """The shape bench (rag_promptcache/bench/shape.py): TTFT per context against transformers' full prefill."""
+    """The shape bench (benchmarks/shape.py): TTFT per context against transformers' full prefill."""
     header = ["context tokens", "modules", "transformers full (s)", "engine full (s)", "`none`, GPU tier (s)",
               "speed-up", "`none`, host (s)", "default, GPU tier (s)", "speed-up", "default, host (s)",
               "auto (s)", "auto path", "auto speed-up"]
@@ -325,7 +325,7 @@ HEADLINE = [
     ("TTFT at ~2k tokens (19 short chunks), the default (tuned, `last:1`), against the engine's own full prefill",
      lambda: _x(_ttft_point(SHIPPED_DRAW0, "last:1")),
      "FIDELITY.md#the-whole-front-measured-quietly-both-draws-manuals-last1-2026-11-27-night", SHIPPED_DRAW0,
-     "python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json --ttft-point ..."),
+     "python -m benchmarks.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json --ttft-point ..."),
     ("TTFT at 2k tokens, the untuned default (`last:3`), against llama.cpp bf16 (same weights)",
      lambda: _x(_ttft_at("docs/bench/ttft-last3-2026-11-25/ttft.json", 2048, "x_llamacpp_bf16")),
      "benchmarks.md#shuffled-documents", "docs/bench/ttft-last3-2026-11-25/ttft.json",
@@ -348,11 +348,11 @@ HEADLINE = [
     ("Right answers retained / kept on look-alike documents, the default (tuned, `last:1`), worst cell",
      lambda: f"{_worst_retained(SHIPPED_POOLED, 'last:1'):.2f} / {_worst_retained(SHIPPED_POOLED, 'last:1', 'kept'):.2f}",
      "fidelity.md", SHIPPED_POOLED,
-     "python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json ... --pool"),
+     "python -m benchmarks.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json ... --pool"),
     ("Right answers retained with `recovery=\"none\"`, worst cell: tuned / untuned",
      lambda: f"{_worst_retained(SHIPPED_POOLED, 'none'):.2f} / {_worst_retained(BASE_POOLED, 'none'):.2f}",
      "fidelity.md", SHIPPED_POOLED,
-     "python -m rag_promptcache.bench.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json ... --pool"),
+     "python -m benchmarks.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json ... --pool"),
 ]
 
 
@@ -396,7 +396,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0].endswith(".json"):
         run = json.loads(Path(argv[0]).read_text())
         if run.get("kind") == "shape":
-            print(caption(run, f"python -m rag_promptcache.bench.shape --shape {run['shape']} ...",
+            print(caption(run, f"python -m benchmarks.shape --shape {run['shape']} ...",
                           _recovery(run["ttft"]), argv[0]) + "\n")
             for kind, table in (("ttft", shape_ttft), ("decode", shape_decode)):
                 if run.get(kind):

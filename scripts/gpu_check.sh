@@ -9,7 +9,7 @@
 #      prefill, the batcher, bf16 generation where the CPU kernels must leave the work to torch, and the
 #      GPU path itself: CUDA graphs of the decode steps (tests/test_graphs.py), module KV streamed layer by
 #      layer (tests/test_stream.py), the GPU store tier (tests/test_device_store.py);
-#   3. the 8B-class shape bench (python -m rag_promptcache.bench.shape: Llama-3.1-8B's config, random bf16
+#   3. the 8B-class shape bench (python -m benchmarks.shape: Llama-3.1-8B's config, random bf16
 #      weights made on the device; TTFT of cached `none` and the default recovery against transformers'
 #      full prefill at 4k-32k tokens, decode tokens/s), within what is left of SHAPE_S seconds;
 #   4. times TTFT at 2k and 7.5k tokens of context (SmolLM2 sees 8,192 positions: the
@@ -94,13 +94,13 @@ if [ "$DEVICE" = cuda ] && [ "$BENCH" = 1 ]; then
   start=$(date +%s)
   tok_arg=()
   [ -d .whl/smollm2 ] && tok_arg=(--tokenizer .whl/smollm2)
-  timeout "$budget" "$PY" -m rag_promptcache.bench.shape --shape llama-3.1-8b --contexts 4096,8192,16384,32768 \
+  timeout "$budget" "$PY" -m benchmarks.shape --shape llama-3.1-8b --contexts 4096,8192,16384,32768 \
     ${tok_arg[@]+"${tok_arg[@]}"} --budget-s $((budget - 90)) --json "$OUT_DIR/gpu-shape.json" >"$OUT_DIR/gpu-shape.log" 2>&1
   shape_rc=$?
   {
     echo "## Shape bench: Llama-3.1-8B's config, random bf16 weights made on the device (timings only)"
     echo
-    echo "\`python -m rag_promptcache.bench.shape --shape llama-3.1-8b --contexts 4096,8192,16384,32768\`:"
+    echo "\`python -m benchmarks.shape --shape llama-3.1-8b --contexts 4096,8192,16384,32768\`:"
     echo "exit status $shape_rc in $(( $(date +%s) - start )) s (124: cut at the budget; what was measured is kept)"
     echo
     if [ -s "$OUT_DIR/gpu-shape.json" ]; then

@@ -1,4 +1,4 @@
-"""bench --scenarios retrieval's parts without the model: the committed question set, which module
+"""benchmarks/retrieval.py's parts without the model: the committed question set, which module
 answers a question, the recall rows, and what counts as a leaked label or navigation line."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from rag_promptcache.bench import retrieval_data
-from rag_promptcache.bench.retrieval import leaks, recall_rows
+from benchmarks import retrieval_data
+from benchmarks.retrieval import leaks, recall_rows
 from rag_promptcache.rag.corpus import Corpus
 from tests.test_rag_corpus import FakeEmbedder, FakeEngine
 
 
 def test_the_committed_set_is_well_formed() -> None:
-    raw = json.loads((Path(retrieval_data.__file__).parent / "data" / retrieval_data.DATA).read_text())
+    raw = json.loads(retrieval_data.DATA.read_text())
     pages = {(m, p) for m, spec in raw["manuals"].items() for p in spec["pages"]}
     assert len(raw["questions"]) >= 60
     for q in raw["questions"]:

@@ -1,4 +1,4 @@
-"""The large sustained scenario (bench/sustained_large.py) kept small: a lazy corpus of a few thousand
+"""The large sustained scenario (benchmarks/sustained_large.py) kept small: a lazy corpus of a few thousand
 tokens of the pydoc topics over a tiny random Llama, its store a fifth of the corpus's fp16 KV, a few
 novel questions on memory+disk and memory+Redis; the lazy ingest, the budgets, the windows, the eviction
 replay, the table and the plot are all there. Speed is recorded, never asserted."""
@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from rag_promptcache.bench import eviction_replay, run_loaded
+from benchmarks import eviction_replay, harness, sustained_large, sustained_report
+from benchmarks.sustained_large import LargeConfig, stream
 from rag_promptcache.bench.common import Bench, BenchConfig
-from rag_promptcache.bench.sustained_large import stream
 from tests.store_helpers import needs_redis
 from tests.tiny_llama import save_tiny_llama
 
@@ -24,13 +24,16 @@ def test_the_large_scenario_runs_small_with_its_checks(tmp_path, tokenizer):
 
     model_dir = save_tiny_llama(tmp_path / "tiny")
     (tmp_path / "no-docs").mkdir()
-    cfg = dataclasses.replace(
-        BenchConfig(), recovery="none", sustained_size="large", large_tokens=6000, large_min_tokens=3000,
-        large_doc_root=str(tmp_path / "no-docs"), large_chunk_tokens=64, large_eager_tokens=1500, large_questions=16,
-        large_warmup=4, large_every=8, large_full_every=2, large_memory_share=0.05, large_shared_share=0.2)
-    bench = Bench(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, model_dir, cfg, log=lambda _: None)
-    out = run_loaded(bench, quick=True, json_path=tmp_path / "bench.json", plots_dir=tmp_path,
-                     scenarios=("sustained",))["sustained_large"]
+    cfg = LargeConfig(
+        large_tokens=6000, large_min_tokens=3000, large_doc_root=str(tmp_path / "no-docs"), large_chunk_tokens=64,
+        large_eager_tokens=1500, large_questions=16, large_warmup=4, large_every=8, large_full_every=2,
+        large_memory_share=0.05, large_shared_share=0.2)
+    bench = Bench(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, model_dir,
+                  dataclasses.replace(BenchConfig(), recovery="none"), log=lambda _: None)
+    out = sustained_large.run(bench, cfg)
+    written = harness.write(bench, True, tmp_path, "sustained_large", out, "\n".join(sustained_report.markdown(out)))
+    assert written["sustained_large"] is out and written["model"] == model_dir  # what scripts/bench_tables.py reads
+    sustained_report.plots(out, tmp_path)
     assert out["corpus_tokens"] >= 3000 and out["checks"]["corpus_tokens"]["passed"]
     ing = out["ingest"]
     # the lazy ingest stores nothing; its speed-up over eager is recorded, not asserted (a loaded machine)
@@ -49,7 +52,7 @@ def test_the_large_scenario_runs_small_with_its_checks(tmp_path, tokenizer):
         assert set(run["budgets"]) == {"memory", shared}
         assert max(r["tiers"][shared]["bytes"] for r in run["rows"]) <= run["budgets"][shared]
         assert 0 < run["encoded_at_end"]["share"] < 1  # lazily filled, within a budget below the corpus
-    md = (tmp_path / "bench.md").read_text()
+    md = (tmp_path / "sustained_large.md").read_text()
     assert "## Sustained, large:" in md and "### memory+redis" in md
     assert (tmp_path / "sustained_large.png").stat().st_size > 0
 

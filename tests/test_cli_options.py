@@ -67,6 +67,12 @@ def test_a_bad_fidelity_split_is_a_user_error_before_the_model_loads(capsys) -> 
                       "unknown --fidelity-split 'nope'; valid: bench, heldout, manuals, both, all")
 
 
+def test_a_scenario_that_became_a_harness_is_refused_by_name_with_its_command(capsys) -> None:
+    assert_user_error(run(capsys, "bench", "--scenarios", "ttft,soak"),
+                      "unknown --scenarios soak; valid: ttft, quality", "python -m benchmarks.soak (benchmarks/README.md)")
+    assert_user_error(run(capsys, "bench", "--scenarios", "nope"), "unknown --scenarios nope; valid: ttft")
+
+
 def test_serve_admission_reaches_the_bench_config_and_a_bad_one_is_a_user_error(capsys, monkeypatch) -> None:
     import rag_promptcache.bench as bench
 

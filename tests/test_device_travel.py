@@ -40,7 +40,7 @@ def test_the_device_tier_and_benches_import_without_faiss():
     code = """
 import sys
 sys.modules["faiss"] = None  # any `import faiss` raises ImportError
-import rag_promptcache.rag, rag_promptcache.bench, rag_promptcache.bench.cli, rag_promptcache.bench.shape
+import rag_promptcache.rag, rag_promptcache.bench, rag_promptcache.bench.cli, benchmarks.shape
 import rag_promptcache.bench.ttft, rag_promptcache.bench.decode, rag_promptcache.cli.app
 for name in ("test_engine", "test_positions", "test_recovery", "test_chunked_prefill", "test_batch",
              "test_attention", "test_graphs", "test_stream", "test_device_store"):

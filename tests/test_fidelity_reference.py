@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rag_promptcache.bench import report
-from rag_promptcache.bench.fidelity import main, pool
+from benchmarks.fidelity import main, pool
 from rag_promptcache.bench.fidelity_reference import ReferenceRun, apply, check, load
 from tests.tiny_adapter import save_random_lora
 from tests.tiny_llama import save_tiny_llama

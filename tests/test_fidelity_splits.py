@@ -8,7 +8,8 @@ import pytest
 
 from rag_promptcache.bench import report
 from rag_promptcache.bench.common import Bench, BenchConfig
-from rag_promptcache.bench.fidelity import SPLITS, choose_across_splits, choose_then_confirm, pool, run
+from benchmarks.fidelity import pool
+from rag_promptcache.bench.fidelity import SPLITS, choose_across_splits, choose_then_confirm, run
 from tests.tiny import build
 
 CONFIG = BenchConfig(fidelity_per_kind=1, fidelity_questions=2, fidelity_ks=(2,), fidelity_new_tokens=2,

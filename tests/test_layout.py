@@ -207,23 +207,78 @@ def test_no_module_uses_another_modules_private_names():
     assert [u for p in files.values() for u in private_uses(p, set(files))] == []
 
 
+def test_the_rag_modules_import_one_way():
+    """rag/'s modules form no circle, counting imports inside functions (what a "lazy" import hides) and
+    edges into rag/__init__ alike; only `TYPE_CHECKING` blocks are left out. The corpus, its answering and
+    its lazy KV once imported each other round: `Corpus` owns its engine (rag/engine_slot.py) and the
+    others receive what they need."""
+    files = {module_name(p): p for p in (PACKAGE / "rag").rglob("*.py")}
+    g = {m: {d for d in imports(p, set(files)) if d != m} for m, p in files.items()}
+    assert cycles(g) == []
+
+
+def corpus_privates() -> set[str]:
+    """The private attributes and methods `Corpus` defines (rag/corpus.py)."""
+    tree = ast.parse((PACKAGE / "rag" / "corpus.py").read_text())
+    corpus = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Corpus")
+    names = {n.name for n in corpus.body if isinstance(n, ast.FunctionDef)}
+    names |= {n.attr for n in ast.walk(corpus) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+              and n.value.id in ("self", "corpus") and isinstance(n.ctx, ast.Store)}
+    return {n for n in names if _private(n)}
+
+
+def _defines(node: ast.AST) -> set[str]:
+    """What a class or module body defines for itself: its methods, and `self._x = ...` in them."""
+    out = {n.name for n in ast.walk(node) if isinstance(n, ast.FunctionDef)}
+    out |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return out
+
+
+def test_no_module_reaches_a_private_attribute_of_the_corpus():
+    """Outside rag/corpus.py nothing reads or calls what `Corpus` keeps private: not a function handed a
+    corpus (`corpus._engine`), and not a class mixed into it (`self._lock` in a mixin that does not set it).
+    A name a class or module defines for itself is its own (RetrievalLog's `_lock`). The harnesses and
+    probes outside the package are held to it too."""
+    private = corpus_privates()
+    assert "_ingest_lock" in private  # what the check looks for is what corpus.py has
+    found = []
+    for p in [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "research").glob("*.py")]:
+        if p == PACKAGE / "rag" / "corpus.py":
+            continue
+        tree = ast.parse(p.read_text())
+        own = _defines(tree)
+        classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+        in_class = {id(n): _defines(c) for c in classes for n in ast.walk(c)}
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr in private):
+                continue
+            is_self = isinstance(n.value, ast.Name) and n.value.id == "self"
+            if n.attr not in (in_class.get(id(n), set()) if is_self else own):
+                found.append(f"{p.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}")
+    assert found == []
+
+
 RESEARCH = ROOT / "research"
+BENCHMARKS = ROOT / "benchmarks"
+OUTSIDE = ("research", "benchmarks")  # run from the repository, never installed
 
 
-def test_no_package_module_imports_the_research_probes():
-    """research/ sits outside the package (the wheel does not carry it): the product may not need it."""
+def test_no_package_module_imports_the_research_probes_or_the_benchmarks():
+    """research/ and benchmarks/ sit outside the package (the wheel does not carry them): the product may not
+    need them."""
     wrong = []
     for p in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(p.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            wrong += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "research"]
+            wrong += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in OUTSIDE]
     assert wrong == []
 
 
-def test_the_package_list_holds_no_research_module():
+def test_the_package_list_holds_no_research_or_benchmark_module():
     """What setuptools packages (pyproject.toml's discovery, namespaces as it finds them) is rag_promptcache
-    only; the probes moved out of bench/ are not left behind there."""
+    only; the probes and harnesses moved out of bench/ are not left behind there."""
     import tomllib
 
     from setuptools import find_namespace_packages
@@ -232,15 +287,28 @@ def test_the_package_list_holds_no_research_module():
     packages = find_namespace_packages(str(ROOT), include=find["include"], exclude=find.get("exclude", ()))
     assert "rag_promptcache.bench" in packages
     assert [p for p in packages if p.split(".")[0] != "rag_promptcache"] == []
+    package_stems = {p.stem for p in PACKAGE.rglob("*.py")}
     probes = {p.stem for p in RESEARCH.glob("*.py")} - {"__init__"}
     assert {"fidelity_probe", "selection_probe", "tune_probe", "tune_run", "link_ttft"} <= probes
-    assert probes & {p.stem for p in PACKAGE.rglob("*.py")} == set()
-    assert "prune research" in (ROOT / "MANIFEST.in").read_text().splitlines()  # nor does the sdist
+    assert probes & package_stems == set()
+    harnesses = {p.stem for p in BENCHMARKS.glob("*.py")} - {"__init__", "fidelity"}  # fidelity: the scenario's runner
+    assert {"soak", "fuzz_hooks", "eviction_replay", "sustained_large", "retrieval", "shape", "replicas"} <= harnesses
+    assert harnesses & {p.stem for p in (PACKAGE / "bench").rglob("*.py")} == set()
+    manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
+    assert "prune research" in manifest and "prune benchmarks" in manifest  # nor does the sdist
 
 
-def test_every_research_probe_imports_and_runs_as_a_module():
-    """Runnable as `python -m research.NAME` from the repository root: each imports (a moved name breaks
-    here) and has its command-line entry point."""
+def test_the_package_bench_holds_scenarios_not_runners():
+    """`rag-promptcache bench` is the package's one way into bench/: a module there with a command line of its
+    own is a harness only the project runs, and belongs in benchmarks/."""
+    runners = [p.name for p in (PACKAGE / "bench").rglob("*.py") if '__name__ == "__main__"' in p.read_text()]
+    assert runners == []
+
+
+def test_every_research_probe_and_benchmark_imports_and_is_documented():
+    """Runnable as `python -m research.NAME` / `python -m benchmarks.NAME` from the repository root: each
+    imports (a moved name breaks here); a probe has its command-line entry point; each harness with one is
+    named in benchmarks/README.md."""
     import importlib
 
     for p in sorted(RESEARCH.glob("*.py")):
@@ -249,3 +317,11 @@ def test_every_research_probe_imports_and_runs_as_a_module():
         importlib.import_module(f"research.{p.stem}")
         assert '__name__ == "__main__"' in p.read_text(), f"{p.name} has no entry point"
         assert len(p.read_text().splitlines()) <= MAX_LINES + 25
+    readme = (BENCHMARKS / "README.md").read_text()
+    for p in sorted(BENCHMARKS.glob("*.py")):
+        if p.stem == "__init__":
+            continue
+        importlib.import_module(f"benchmarks.{p.stem}")
+        assert len(p.read_text().splitlines()) <= MAX_LINES + 25, p.name
+        if '__name__ == "__main__"' in p.read_text():
+            assert f"python -m benchmarks.{p.stem}" in readme, f"benchmarks/README.md does not say how to run {p.name}"

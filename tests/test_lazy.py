@@ -73,7 +73,7 @@ def test_a_lazy_corpus_starts_empty_and_answers_as_an_eager_one(parts, tmp_path:
         eager.close()
         lazy.close()
     reopened = Corpus.open(tmp_path / "l", embedder=parts[2])  # counted from the disk tier, no model loaded
-    assert reopened.coverage() == cov and reopened._engine is None
+    assert reopened.coverage() == cov and reopened.engine_slot.loaded is None
     reopened.close()
 
 

@@ -7,7 +7,7 @@ with the key and without it.
 A run fails on any 5xx, any response (a stream's events included) that its schema does not describe,
 invalid data not refused with a 4xx, a route that ignores the key, a stream that carries an error or
 does not end with [DONE], a request that does not answer within `REQUEST_TIMEOUT_S`, or a server that
-stops answering (bench/fuzz_hooks.py; `bench --scenarios fuzz` is the longer run on the default model).
+stops answering (benchmarks/fuzz_hooks.py; `python -m benchmarks.soak --fuzz` is the longer run on the default model).
 Regressions of what it found are held by name below, and the soak's load and report run for seconds."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rag_promptcache.bench import soak
-from rag_promptcache.bench.soak import fuzz_command, fuzz_env
+from benchmarks import soak
+from benchmarks.soak import fuzz_command, fuzz_env
 from tests.test_server import DOCS, ROOT, start_server
 from tests.tiny_llama import build_tiny_corpus
 
@@ -117,7 +117,7 @@ def test_the_server_applies_its_repetition_control_unless_a_request_turns_it_off
 
 
 def test_a_short_soak_reports_what_the_long_one_does(served):
-    """bench --scenarios soak's load and report (bench/soak.py), for seconds instead of 20 minutes: every
+    """`python -m benchmarks.soak`'s load and report (benchmarks/soak.py), for seconds instead of 20 minutes: every
     kind of request is sent, none fails with a 5xx or hangs, and the server's memory and descriptors are read."""
     proc, url, _ = served
     out = soak.soak(url, proc, SOAK_S, 3, model="c", key=KEY, log=lambda _: None)

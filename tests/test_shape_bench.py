@@ -1,4 +1,4 @@
-"""The shape bench (rag_promptcache/bench/shape.py) set up and run on its tiny config on the CPU: the
+"""The shape bench (benchmarks/shape.py) set up and run on its tiny config on the CPU: the
 8B config's numbers, the module layout per context, a JSON with every field the tables read, and the
 tables scripts/bench_tables.py makes of it. Timings are not checked."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rag_promptcache.bench import shape
+from benchmarks import shape
 
 ROOT = Path(__file__).resolve().parent.parent
 

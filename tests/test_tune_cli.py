@@ -39,9 +39,11 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
         (docs / name).write_text(text)
     built = cli("ingest", docs, "-c", tmp_path / "c", "--model", model, timeout=300)
     assert built.returncode == 0, built.stderr
-    done = cli("tune", "-c", tmp_path / "c", "--steps", "2", "--check", "3", "--corpus-only", "--json", timeout=600)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    # the refusal before training and the resume run in this process (the same command, without two more
+    # start-ups of a process that loads the model); the ingest and the training tune are real processes
+    code, out, err = run(capsys, "tune", "-c", tmp_path / "c", "--steps", "2", "--check", "3", "--corpus-only", "--json")
+    assert code == 0, err
+    report = json.loads(out)
     # a random model answers none of the questions made from the corpus: said before training, nothing trained
     assert report["steps"] == 0 and report["applied"] is False
     assert "nothing was trained" in report["reason"] and "--questions" in report["reason"]
@@ -55,10 +57,10 @@ def test_tune_trains_checks_resumes_and_does_not_apply_what_does_not_help(tmp_pa
     meta = json.loads((tmp_path / "c" / "tuned" / "tune.json").read_text())
     assert meta["mode"] == "shared_prefix" and meta["recovery"] == "none"
     assert (tmp_path / "c" / "tuned" / "adapter_model.safetensors").exists()
-    again = cli("tune", "-c", tmp_path / "c", "--steps", "3", "--check", "0", "--corpus-only", timeout=600)
-    assert again.returncode == 0, again.stderr
-    assert "trained 3 steps" in again.stdout and "applied unchecked" in again.stdout  # resumed from step 2
-    # bad input, in this process (the same command, without five more start-ups)
+    code, out, err = run(capsys, "tune", "-c", tmp_path / "c", "--steps", "3", "--check", "0", "--corpus-only")
+    assert code == 0, err
+    assert "trained 3 steps" in out and "applied unchecked" in out  # resumed from step 2
+    # bad input, in this process too (the same command, without five more start-ups)
     (tmp_path / "bad.jsonl").write_text('{"question": "Who leads Amber?"}\n{"answer": "x"}\n')
     for args, why in [(("--minutes", "0"), "--minutes must be > 0"), (("-k", "0"), "-k must be at least 1"),
                       (("--links", "-1"), "--links must be >= 0, got -1"),

@@ -22,14 +22,17 @@ import torch
 from rag_promptcache.bench.common import Bench, BenchConfig
 
 SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode", "fidelity", "ingest", "serve", "chat",
-             "sustained", "json", "fuzz", "soak", "retrieval")
+             "sustained", "json")
 # fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients), sustained
-# (novel questions against tiers smaller than the corpus), json (json_object answers under a small budget), fuzz
-# (schemathesis against the server), soak (20 minutes of mixed load on the server) and retrieval (recall and answers
-# on real manuals, latency at 10k and 100k modules) build their own corpus and take minutes: only when asked for
-# (--scenarios fidelity,ingest,serve,sustained,json,fuzz,soak,retrieval).
+# (novel questions against tiers smaller than the corpus) and json (json_object answers under a small budget) build
+# their own corpus and take minutes: only when asked for (--scenarios fidelity,ingest,serve,sustained,json).
+# The harnesses only the project runs (the fuzz and soak runs, retrieval on real manuals, the large sustained run,
+# the fidelity sweeps' runner, the shape and Ray replica benches) live in the repository's benchmarks/, outside
+# the package: benchmarks/README.md.
 DEFAULT_SCENARIOS = ("ttft", "quality", "memory", "throughput", "langchain", "decode")
-SUSTAINED_SIZES = ("small", "large", "both")  # the sustained scenario's settings (BenchConfig.sustained_size)
+# the scenarios that became harnesses in benchmarks/: what `bench` answers a name of them with
+HARNESSES = {"fuzz": "python -m benchmarks.soak --fuzz", "soak": "python -m benchmarks.soak",
+             "retrieval": "python -m benchmarks.retrieval"}
 
 
 def run(
@@ -76,29 +79,9 @@ def run_loaded(
 
     if unknown := set(scenarios) - set(SCENARIOS):
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; valid: {', '.join(SCENARIOS)}")
-    from rag_promptcache.bench.fidelity_reference import adapter_label
-    from rag_promptcache.engine.compute import attention
-    from rag_promptcache.model.loading import cpu_flags
-
-    dev = bench.device
     bench.log(f"clock resolution {bench.resolution_s:.3g} s: each timed run spans at least {bench.min_span_s:.3g} s")
-    out: dict[str, object] = {
-        "model": bench.model_name,
-        "device": f"cuda: {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else dev.type,
-        "threads": torch.get_num_threads(),
-        "dtype": str(bench.model.dtype).removeprefix("torch."),
-        "quick": quick,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
-        "torch": torch.__version__,
-        "cpu_flags": list(cpu_flags()),
-        # model/native.py's kernels (prefill attention, key relocation) ran for this run's bf16 CPU model
-        "native_kernels": attention.available(bench.model.dtype, dev),
-        "adapter": adapter_label(bench.model),  # the tuned adapter merged into the model, or "none"
-        # the clock's step when the run started, and the span every timed run covers (bench/common.py)
-        "clock_resolution_s": bench.resolution_s, "clock_min_span_s": bench.min_span_s,
-        "ttft": [], "quality": [], "memory": [], "langchain": {"skipped": "not run"},
-    }
+    out: dict[str, object] = {**describe(bench, quick), "ttft": [], "quality": [], "memory": [],
+                              "langchain": {"skipped": "not run"}}
     seconds: dict[str, float] = {}
     t_all = time.perf_counter()
     for name in SCENARIOS:
@@ -133,31 +116,13 @@ def run_loaded(
 
             out["chat"] = chat.run(bench)
         elif name == "sustained":
-            from rag_promptcache.bench import SUSTAINED_SIZES
+            from rag_promptcache.bench import sustained
 
-            size = bench.config.sustained_size
-            if size not in SUSTAINED_SIZES:
-                raise ValueError(f"unknown sustained size {size!r}; valid: {', '.join(SUSTAINED_SIZES)}")
-            if size in ("small", "both"):
-                from rag_promptcache.bench import sustained
-
-                out["sustained"] = sustained.run(bench)
-            if size in ("large", "both"):
-                from rag_promptcache.bench import sustained_large
-
-                out["sustained_large"] = sustained_large.run(bench)
+            out["sustained"] = sustained.run(bench)
         elif name == "json":
             from rag_promptcache.bench import structured
 
             out["json"] = structured.run(bench)
-        elif name in ("fuzz", "soak"):
-            from rag_promptcache.bench import soak
-
-            out[name] = soak.fuzz(bench) if name == "fuzz" else soak.run(bench)
-        elif name == "retrieval":
-            from rag_promptcache.bench import retrieval
-
-            out["retrieval"] = retrieval.run(bench, quick)
         else:
             out["langchain"] = langchain_e2e.run(bench)
         seconds[name] = time.perf_counter() - t0
@@ -173,3 +138,29 @@ def run_loaded(
         out_plots = report.plots(out, plots_dir)
         bench.log("wrote " + ", ".join(str(p) for p in [Path(plots_dir) / "bench.md", *out_plots]))
     return out
+
+
+def describe(bench: Bench, quick: bool) -> dict[str, object]:
+    """What a report says of the run it comes from: the model, the machine, the clock (and the harnesses in
+    the repository's benchmarks/ write it too)."""
+    from rag_promptcache.bench.fidelity_reference import adapter_label
+    from rag_promptcache.engine.compute import attention
+    from rag_promptcache.model.loading import cpu_flags
+
+    dev = bench.device
+    return {
+        "model": bench.model_name,
+        "device": f"cuda: {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else dev.type,
+        "threads": torch.get_num_threads(),
+        "dtype": str(bench.model.dtype).removeprefix("torch."),
+        "quick": quick,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+        "torch": torch.__version__,
+        "cpu_flags": list(cpu_flags()),
+        # model/native.py's kernels (prefill attention, key relocation) ran for this run's bf16 CPU model
+        "native_kernels": attention.available(bench.model.dtype, dev),
+        "adapter": adapter_label(bench.model),  # the tuned adapter merged into the model, or "none"
+        # the clock's step when the run started, and the span every timed run covers (bench/common.py)
+        "clock_resolution_s": bench.resolution_s, "clock_min_span_s": bench.min_span_s,
+    }

@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 … [default: cuda if present, else cpu]")] = None,
         threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch CPU threads [default: torch's].")] = None,
         recovery: Annotated[str | None, typer.Option("--recovery", help="Recovery for the TTFT and LangChain runs, e.g. none or first_k:2 [default: the engine's].")] = None,
-        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, decode, fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients), chat (6 turns over the same documents, against llama.cpp where llama-cpp-python is installed), sustained (300 novel questions against memory, disk and Redis tiers smaller than the corpus, with its checks), retrieval (recall@1/4/8 and MRR of dense, lexical and hybrid retrieval on SQLite's and Git's manuals, `make manuals`, and on the look-alike splits; answers; latency at 10k and 100k modules), json (json_object answers under a 64-token budget), fuzz (schemathesis against a served corpus), soak (20 minutes of mixed load on the server); the last nine only when named.")] = None,
+        scenarios: Annotated[str | None, typer.Option("--scenarios", help="Comma-separated subset of: ttft, quality, memory, throughput, langchain, decode, fidelity (answers on confusable documents), ingest (local vs Ray), serve (concurrent HTTP clients), chat (6 turns over the same documents, against llama.cpp where llama-cpp-python is installed), sustained (300 novel questions against memory, disk and Redis tiers smaller than the corpus, with its checks), json (json_object answers under a 64-token budget); the last six only when named. The project's own harnesses (fuzz, soak, retrieval on real manuals, the large sustained run) run from a checkout: benchmarks/README.md.")] = None,
         contexts: Annotated[str | None, typer.Option("--contexts", help="Comma-separated retrieved-context sizes for TTFT, e.g. 2048,4096 [default: the run's].")] = None,
         decode_dtypes: Annotated[str | None, typer.Option("--decode-dtypes", help="Comma-separated dtypes the decode scenario runs each system in [default: float32,bfloat16].")] = None,
         decode_tokens: Annotated[int | None, typer.Option("--decode-tokens", min=2, help="New tokens per decode run [default: 128].")] = None,
@@ -36,13 +36,12 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16: the model's dtype in every scenario [default: auto, the device's default].")] = "auto",
         adapter: AdapterOpt = "default",
         llama_server: Annotated[Path | None, typer.Option("--llama-server", help="llama.cpp's llama-server binary: the serve scenario times it beside ours on the same token ids (built from the llama-cpp-python sdist; docs/serving.md) [default: that row is skipped].")] = None,
-        sustained_size: Annotated[str, typer.Option("--sustained-size", help="The sustained scenario's setting: small (128 modules, 300 questions against memory, disk and Redis tiers), large (a lazy corpus of about 2 million tokens of this machine's real text, a store of 1/20 of its fp16 size, 1000 questions against memory+disk and memory+Redis: hours on two CPU cores) or both.")] = "small",
         serve_admission: Annotated[str, typer.Option("--serve-admission", help="How the serve scenario's batcher admits whole prefills: all (every waiting prefill before the next decode step) or one (one prefill between decode steps while rows run; waiting prefills in one batched forward when none runs). Run the scenario once per policy to compare them.")] = "all",
     ) -> None:
         """Measure TTFT, quality, memory and throughput against full prefill; write JSON, Markdown and plots."""
         import torch
 
-        from rag_promptcache.bench import DEFAULT_SCENARIOS, run
+        from rag_promptcache.bench import DEFAULT_SCENARIOS, HARNESSES, SCENARIOS, run
         from rag_promptcache.bench.common import BenchConfig
         from rag_promptcache.engine.planning.recovery import Recovery
 
@@ -56,12 +55,7 @@ def register(app: typer.Typer) -> None:
 
         if serve_admission not in ADMISSIONS:
             raise ValueError(f"unknown --serve-admission {serve_admission!r}; valid: {', '.join(ADMISSIONS)}")
-        from rag_promptcache.bench import SUSTAINED_SIZES
-
-        if sustained_size not in SUSTAINED_SIZES:
-            raise ValueError(f"unknown --sustained-size {sustained_size!r}; valid: {', '.join(SUSTAINED_SIZES)}")
         config = dataclasses.replace(config, dtype=dtype, adapter=adapter, serve_admission=serve_admission,
-                                     sustained_size=sustained_size,
                                      llama_server=str(llama_server) if llama_server is not None else None)
         if decode_dtypes is not None:
             names = tuple(d.strip() for d in decode_dtypes.split(",") if d.strip())
@@ -90,6 +84,11 @@ def register(app: typer.Typer) -> None:
         if fidelity_settings is not None:
             config = dataclasses.replace(config, fidelity_settings=_settings(fidelity_settings))
         chosen = tuple(s.strip() for s in scenarios.split(",")) if scenarios else DEFAULT_SCENARIOS
+        if unknown := [s for s in chosen if s not in SCENARIOS]:  # before the model loads
+            moved = [s for s in unknown if s in HARNESSES]
+            raise ValueError(f"unknown --scenarios {', '.join(unknown)}; valid: {', '.join(SCENARIOS)}" + (
+                f". {', '.join(moved)}: the project's own harnesses, run from a checkout: "
+                f"{'; '.join(HARNESSES[s] for s in moved)} (benchmarks/README.md)" if moved else ""))
         run(quick=quick, json_path=json_out, plots_dir=plots, model=model, device=device, log=typer.echo,
             config=config, scenarios=chosen)
 

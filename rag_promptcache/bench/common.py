@@ -116,30 +116,9 @@ class BenchConfig:
     sustained_zipf: float = 1.0  # popularity exponent of the simulated retrieval
     sustained_every: int = 10  # questions per point of the hit-rate plot
     sustained_judge_s: float = 2.0  # the speed-up check needs windows whose cached TTFT adds up to this
-    sustained_size: str = "small"  # small (sustained.py), large (sustained_large.py) or both
-    # the large one: a lazy corpus of real text, a store of 1/20 of its fp16 size (bench/sustained_large.py)
-    large_tokens: int = 2_200_000  # gathered (about); the check wants `large_min_tokens` after ingest
-    large_min_tokens: int = 2_000_000
-    large_doc_root: str = "/usr/share/doc"
-    large_chunk_tokens: int = 256
-    large_eager_tokens: int = 40_000  # the slice ingested eagerly, for eager's rate
-    large_k: int = 4
-    large_questions: int = 1000
-    large_warmup: int = 100
-    large_every: int = 100
-    large_full_every: int = 5  # full prefill and the eager unlimited store on every n-th question
-    large_zipf: float = 1.0
-    large_memory_share: float = 0.01  # of the corpus's fp16 KV
-    large_shared_share: float = 0.04  # the disk tier's or Redis' (memory + this = 1/20)
-    large_policy: str = "lru"
-    large_tiers: tuple[str, ...] = ("memory+disk", "memory+redis")
     # json (bench/structured.py): json_object answers under a small budget
     json_questions: int = 24
     json_max_tokens: int = 64
-    # fuzz and soak (bench/soak.py): the server as `serve` runs it, in a process of its own
-    fuzz_examples: int = 50  # generated cases per route and mode, besides the coverage phase's
-    soak_minutes: float = 20.0
-    soak_clients: int = 6  # concurrent clients, each a mix of the request kinds
 
     @classmethod
     def quick(cls) -> BenchConfig:

@@ -2,7 +2,7 @@
 model's full-prefill answers to the same questions (issue 34's reference: what a user gets without this
 library), while speed-ups stay against the measured model's own full prefill.
 
-`load` reads a run's fidelity.json (`python -m rag_promptcache.bench.fidelity ... --out DIR`, the base
+`load` reads a run's fidelity.json (`python -m benchmarks.fidelity ... --out DIR`, the base
 model: `--adapter none`); `check` refuses a reference that asked other questions (another split, k,
 seed offset or question count); `apply` rewrites one row's `retained` and `kept` against it, keeping
 the row's own in `own_retained` and `own_kept`. Not here: running the model (bench/fidelity.py).
@@ -51,7 +51,7 @@ def load(path: str | Path) -> ReferenceRun:
     rows = report.get("rows") if isinstance(report, dict) else None
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"reference {str(path)!r} holds no fidelity rows; pass the fidelity.json of a run of "
-                         "python -m rag_promptcache.bench.fidelity")
+                         "python -m benchmarks.fidelity")
     if "runs" in report or any("answers" not in r for r in rows):
         raise ValueError(f"reference {str(path)!r} has no per-question answers (a pooled report has none); "
                          "pass one run's own fidelity.json")

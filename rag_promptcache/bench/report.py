@@ -50,8 +50,6 @@ def markdown(report: dict[str, object]) -> str:
                 f"{worst.get('cached_path', 'cached')} path.", ""]
     if isinstance(report.get("chat"), dict):
         out += _chat_markdown(report["chat"])
-    if isinstance(report.get("retrieval"), dict):
-        out += _retrieval_markdown(report["retrieval"])
     if report.get("decode"):
         out += [f"## Decode ({report['decode'][0]['new_tokens']} new tokens, greedy, EOS ignored, "
                 f"{report['decode'][0]['context_tokens']}-token context)", "",
@@ -124,10 +122,6 @@ def markdown(report: dict[str, object]) -> str:
         from rag_promptcache.bench import sustained
 
         out += sustained.markdown(report["sustained"])
-    if isinstance(report.get("sustained_large"), dict):
-        from rag_promptcache.bench import sustained_report
-
-        out += sustained_report.markdown(report["sustained_large"])
     return "\n".join(out)
 
 
@@ -327,10 +321,6 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         from rag_promptcache.bench import sustained
 
         written += sustained.plots(report["sustained"], folder)
-    if isinstance(report.get("sustained_large"), dict):
-        from rag_promptcache.bench import sustained_report
-
-        written += sustained_report.plots(report["sustained_large"], folder)
     fid = report.get("fidelity")
     if isinstance(fid, dict) and fid.get("rows") and len(fid.get("splits", ())) > 1:
         written.append(fidelity_front(fid, folder / "fidelity_front.png"))
@@ -357,21 +347,3 @@ def plots(report: dict[str, object], folder: str | Path) -> list[Path]:
         plt.close(fig)
     return written
 
-
-def _retrieval_markdown(out: dict[str, object]) -> list[str]:
-    """bench/retrieval.py's tables."""
-    ks = (1, 4, 8)
-    rows = [*out["real"], *out.get("filtered", []), *out["lookalike"]]
-    lines = ["## Retrieval (recall of the answer-bearing module, real manuals and look-alike splits)", "",
-             table(["set", "mode", "questions", *(f"recall@{k}" for k in ks), "MRR"],
-                   [[r["set"], r["mode"], r["questions"], *(r[f"recall@{k}"] for k in ks), r["mrr"]] for r in rows]), ""]
-    a = out["answers"]
-    lines += [f"Answers at k = {a['k']} (hybrid) on {a['questions']} questions, the answer-bearing module retrieved for "
-              f"{a['retrieved']}: full prefill {a['full_right']} right, the default cached path ({a['recovery']}) "
-              f"{a['cached_right']}; answers copying a source label {a['full_label']} / {a['cached_label']}, the context "
-              f"line {a['full_context']} / {a['cached_context']}, navigation {a['full_navigation']} / {a['cached_navigation']}.", ""]
-    lines += ["Retrieval latency (one question, its embedding included; synthetic filler beyond the real modules)", "",
-              table(["modules", "mode", "p50 ms", "max ms", "embedding p50 ms", "BM25 build s"],
-                    [[r["modules"], r["mode"], r["p50_ms"], r["max_ms"], r["embed_p50_ms"], r["lexical_build_s"]]
-                     for r in out["latency"]]), ""]
-    return lines

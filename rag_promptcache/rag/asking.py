@@ -24,13 +24,14 @@ from rag_promptcache.rag.retrieval import Conversations, Hit, Retrieved
 
 if TYPE_CHECKING:
     from rag_promptcache.rag.embed import EmbedderLike
+    from rag_promptcache.rag.engine_slot import EngineSlot
     from rag_promptcache.rag.index import VectorIndex
     from rag_promptcache.rag.lexical import LexicalIndex
     from rag_promptcache.rag.table import ChunkTable
 
 
 class Answering:
-    """Mixed into `Corpus`, which sets these and defines `prepare`, `label` and `_loaded_engine`."""
+    """Mixed into `Corpus`, which sets these and defines `prepare` and `label`."""
 
     path: Path
     manifest: Manifest
@@ -38,9 +39,10 @@ class Answering:
     lexical: LexicalIndex
     table: ChunkTable
     embedder: EmbedderLike
-    _lock: threading.RLock
-    _conversations: Conversations
-    _retrievals: RetrievalLog
+    lock: threading.RLock
+    conversations: Conversations
+    retrievals: RetrievalLog
+    engine_slot: EngineSlot  # the corpus's engine, loaded on first use
 
     @functools.cached_property
     def catalog(self) -> Catalog:
@@ -61,7 +63,7 @@ class Answering:
         if not question.strip():
             raise ValueError("the question is empty")
         allowed = self.catalog.matching(filter)
-        return retrieval.search(self.index, self.lexical, self._lock, self.embedder, self.table, question, k, mode, allowed)
+        return retrieval.search(self.index, self.lexical, self.lock, self.embedder, self.table, question, k, mode, allowed)
 
     def retrieve(self, question: str, k: int = 4, *, history: Sequence[tuple[str, str]] = (),
                  max_new_tokens: int = ANSWER_DEFAULTS.max_new_tokens, min_score: float | None = None,
@@ -73,12 +75,12 @@ class Answering:
         found = retrieval.above(self.search(question, k, filter=filter), min_score)
         if not found:
             return []
-        engine = self._loaded_engine()
+        engine = self.engine_slot.get()
         hits = retrieval.fit(
             found, [self.table.module(m)[1] for m, _ in found], lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False)),
             instructions=self.manifest.instructions, question=question, history=history, max_new=max_new_tokens,
             window=getattr(engine, "context_window", 0) or 1 << 30)
-        self._retrievals.note(m for m, _ in hits)  # what `warm` encodes first (rag/lazy.py)
+        self.retrievals.note(m for m, _ in hits)  # what `warm` encodes first (rag/lazy.py)
         return [self.hit(m, s) for m, s in hits]
 
     def retrieve_turns(self, turns: Sequence[tuple[str, str]], k: int = 4, *,
@@ -90,8 +92,8 @@ class Answering:
         Earlier turns' retrievals are remembered, so each turn searches once; what `ask` with history and
         `CorpusChat` both use. `filter`: every turn's search is within it (`search`)."""
         flt = self.catalog.check(filter)  # a bad filter is refused before anything is searched
-        with self._lock:
-            return self._conversations.retrieve(
+        with self.lock:
+            return self.conversations.retrieve(
                 turns, k, max_new_tokens,
                 lambda q, history: self.retrieve(q, k, history=history, max_new_tokens=max_new_tokens, filter=flt),
                 min_score, "" if flt is None else str(flt))

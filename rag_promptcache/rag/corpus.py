@@ -32,6 +32,7 @@ from rag_promptcache.rag import corpus_store, documents, layout, lazy, neighbour
 from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import Chunker, ChunkParams
 from rag_promptcache.rag.embed import EmbedderLike
+from rag_promptcache.rag.engine_slot import EngineSlot
 from rag_promptcache.rag.encoding import Neighbours, corpus_schema
 from rag_promptcache.rag.index import VectorIndex
 from rag_promptcache.rag.ingest import check_budget, collect, count_tokens
@@ -77,17 +78,16 @@ class Corpus(Answering, StoreAccess):
         self.memory_bytes = memory_bytes
         self.redis_url = redis_url
         self.disk_tier = disk_tier
-        self._engine = engine
-        self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
+        self.lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
+        self.engine_slot = EngineSlot(self._open_engine, engine, lock=self.lock)  # the one owner of the engine
         self._embedder = embedder
         self._adapter_asked = adapter
         self._adapter_path: tuple[str | None] | None = None  # resolved on first use (`adapter_path`)
         self._registered = -1  # table generation of the schema the engine holds
         self._compiled = False  # whether the engine has compiled that schema
-        self._lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
         self._ingest_lock = threading.RLock()  # one add or remove at a time
-        self._conversations = Conversations()  # each user turn's retrieval, for the turns after it (under _lock)
-        self._retrievals = lazy.RetrievalLog(self.table)
+        self.conversations = Conversations()  # each user turn's retrieval, for the turns after it (under `lock`)
+        self.retrievals = lazy.RetrievalLog(self.table)  # what questions retrieved, for `warm`
         self.last_report: IngestReport | None = None
         self._index_generation = self.table.generation
         self.index, problem = layout.load_index(path, manifest, self.table)
@@ -218,7 +218,8 @@ class Corpus(Answering, StoreAccess):
         layout.write_manifest(path, manifest)
         corpus = cls(path, manifest, engine=engine, embedder=emb, redis_url=redis_url,
                      adapter=manifest.adapter_path or "none")
-        corpus._owns_engine = owns
+        if owns:
+            corpus.engine_slot.adopt()
         corpus._ingest(docs, report, inputs, token_budget=token_budget, on_batch=on_batch, progress=progress, ray=ray,
                        on_estimate=on_estimate)
         return corpus
@@ -236,31 +237,28 @@ class Corpus(Answering, StoreAccess):
         so that the first question's TTFT does not pay for tokenizing every module."""
         return self._register(compile_schema=True)
 
-    def _loaded_engine(self) -> PromptCache:
-        """The engine without registering the schema: what ingest uses, whose batches change the table."""
-        with self._lock:
-            if self._engine is None:
-                engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype,
-                                      self.adapter_path or "none")
-                check_engine(engine, self.manifest, self.path)
-                if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
-                    engine.recovery = self.manifest.recovery
-                self._engine, self._owns_engine = engine, True
-            return self._engine
+    def _open_engine(self) -> PromptCache:
+        """The engine this corpus was built with, loaded over its store (`engine_slot` calls it once)."""
+        engine = _load_engine(self.manifest.model, self.open_store(), self.manifest.mode, self.manifest.dtype,
+                              self.adapter_path or "none")
+        check_engine(engine, self.manifest, self.path)
+        if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
+            engine.recovery = self.manifest.recovery
+        return engine
 
     @property
     def adapter_path(self) -> str | None:
         """The adapter directory the engine loads: the one the modules were encoded with (None: the
         base model). `AdapterError` where that adapter is not available here (`models.adapter_to_load`)."""
-        with self._lock:
+        with self.lock:
             if self._adapter_path is None:
                 load = adapter_to_load(self.manifest, self.path, self._adapter_asked)
                 self._adapter_path = (None if load == "none" else load,)
             return self._adapter_path[0]
 
     def _register(self, compile_schema: bool) -> PromptCache:
-        engine = self._loaded_engine()
-        with self._lock:
+        engine = self.engine_slot.get()  # without the schema: what ingest uses, whose batches change the table
+        with self.lock:
             generation = self.table.generation  # read first: a concurrent add only makes it re-register
             if self._registered != generation:
                 engine.add_schema(self.schema, replace=True)
@@ -274,7 +272,7 @@ class Corpus(Answering, StoreAccess):
         """Catch up with an ingest another process made since this corpus was opened: the manifest and
         the vector index reloaded when the table's generation (the corpus's version) moved. True when
         it did. Call it between requests: a search meanwhile waits for the lock, never sees half."""
-        with self._lock:
+        with self.lock:
             generation = self.table.generation
             if generation == self._index_generation:
                 return False
@@ -286,7 +284,7 @@ class Corpus(Answering, StoreAccess):
 
     @property
     def embedder(self) -> EmbedderLike:
-        with self._lock:
+        with self.lock:
             if self._embedder is None:
                 self._embedder = _load_embedder(self.manifest.embedder)
                 assert self._embedder.dim == self.manifest.dim, f"{self._embedder.dim=} {self.manifest.dim=}"
@@ -339,18 +337,18 @@ class Corpus(Answering, StoreAccess):
         from rag_promptcache.engine.planning.recovery import Recovery
 
         chosen = None if spec is None else Recovery.parse(spec)
-        with self._lock:
+        with self.lock:
             self.manifest = dataclasses.replace(self.manifest, recovery=None if chosen is None else str(chosen),
                                                 updated=time.time())
             layout.write_manifest(self.path, self.manifest)
-            if self._owns_engine and self._engine is not None:
-                self._engine.recovery = chosen  # None: the engine's own default (its adapter's, else DEFAULT_RECOVERY)
+            if (owned := self.engine_slot.owned) is not None:
+                owned.recovery = chosen  # None: the engine's own default (its adapter's, else DEFAULT_RECOVERY)
         return self.manifest.recovery
 
     def _ingest(self, docs: list[Document], report: LoadReport, inputs: list[object], *, token_budget: int,
                 on_batch: OnBatch | None, progress: bool | None, ray: RayOptions | None = None,
                 on_estimate: OnEstimate | None = None) -> IngestReport:
-        parts = CorpusParts(self.table, self.manifest, self._loaded_engine, lambda: self.embedder, self._add_vectors, self._forget,
+        parts = CorpusParts(self.table, self.manifest, self.engine_slot.get, lambda: self.embedder, self._add_vectors, self._forget,
                             lambda v, k: self.index.search(v, k))  # no lock: ingest is the index's one writer
         ingestor = Ingestor(parts, batch_chunks=BATCH_CHUNKS, on_batch=on_batch, progress=progress, on_estimate=on_estimate)
         try:
@@ -367,23 +365,24 @@ class Corpus(Answering, StoreAccess):
         return RayTarget(self.manifest, store_dir, self.redis_url, lambda: self.engine.store)
 
     def _add_vectors(self, faiss_ids: np.ndarray, vectors: np.ndarray) -> None:
-        with self._lock:
+        with self.lock:
             self.index.add(faiss_ids, vectors)
             self._index_generation = self.table.generation
 
     def _forget(self, dropped: Dropped) -> None:
         """Drop modules no document references any more (vectors, KV in every tier); encode again those that named one."""
-        with self._lock:
+        with self.lock:
             self.index.remove(np.array(dropped.faiss_ids, dtype=np.int64))
             self._index_generation = self.table.generation
-        for k in dropped.store_keys if self._engine is not None else ():
-            self._engine.store.delete(k)
-        if dropped.store_keys and (self._engine is None or not self._owns_engine):
+        engine = self.engine_slot.loaded
+        for k in dropped.store_keys if engine is not None else ():
+            engine.store.delete(k)
+        if dropped.store_keys and self.engine_slot.owned is None:
             # KV this corpus wrote with its own store (an earlier ingest), not the caller's engine's
             disk = self.path / layout.STORE if self.disk_tier and (self.path / layout.STORE).is_dir() else None
             corpus_store.delete(list(dropped.store_keys), disk, self.redis_url, self.manifest.name)
         if dropped.changed:
-            nbr.rekey(self._loaded_engine(), self.manifest, self.table, dropped.changed)
+            nbr.rekey(self.engine_slot.get(), self.manifest, self.table, dropped.changed)
 
     def _save_index(self) -> None:
         """Save the vector index, and the lexical one rebuilt from the table when the table has moved
@@ -391,7 +390,7 @@ class Corpus(Answering, StoreAccess):
         lexical = None
         if self.table.generation != self._lexical_generation:
             lexical = layout.build_lexical(self.table)  # outside the lock: searches go on meanwhile
-        with self._lock:
+        with self.lock:
             layout.save_index(self.path, self.index, self._index_generation)
             if lexical is not None:
                 self.lexical, self._lexical_generation = lexical
@@ -419,7 +418,6 @@ class Corpus(Answering, StoreAccess):
         return documents.listing(self.table)
 
     def close(self) -> None:
-        self._retrievals.flush()
+        self.retrievals.flush()
         self.table.close()
-        if self._owns_engine and self._engine is not None:
-            self.close_store()
+        self.engine_slot.close()

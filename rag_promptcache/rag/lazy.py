@@ -29,8 +29,8 @@ from rag_promptcache.rag import corpus_store, layout
 from rag_promptcache.rag.budget import KV_MODES, StoreBudget, check_kv, module_bytes  # noqa: F401 - KV_MODES, check_kv: re-exported
 
 if TYPE_CHECKING:
-    from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag.corpus import Corpus
+    from rag_promptcache.rag.engine_slot import EngineSlot
     from rag_promptcache.rag.records import Manifest
     from rag_promptcache.rag.table import ChunkTable
     from rag_promptcache.store.base import Store
@@ -56,7 +56,7 @@ class Coverage:
 def held_keys(corpus: Corpus) -> set[str]:
     """Store keys the corpus's tiers hold: its engine's store where it loaded one, else the disk tier's
     files and the Redis tier's index (no model is loaded for this)."""
-    engine = corpus._engine
+    engine = corpus.engine_slot.loaded
     if engine is not None:
         tiers = getattr(engine.store, "tiers", None) or [engine.store]
         return {k for t in tiers if hasattr(t, "keys") for k in t.keys()}
@@ -169,7 +169,7 @@ def warm(corpus: Corpus, top: int, questions: Sequence[str] | None = None, k: in
     room = _room(corpus)
     wanted, used, capped = [], 0, ""
     for m in order[:top]:
-        size = module_bytes(corpus._loaded_engine(), tokens.get(m, 0), corpus.manifest.codec)
+        size = module_bytes(corpus.engine_slot.get(), tokens.get(m, 0), corpus.manifest.codec)
         if room is not None and used + size > room:
             capped = (f"the store budget holds about {len(wanted)} of the {min(top, len(order))} modules asked "
                       f"for ({corpus.budget.describe()})")
@@ -225,10 +225,9 @@ class StoreAccess:
     memory_bytes: int | None
     disk_tier: bool
     redis_url: str | None
-    _lock: threading.RLock
-    _retrievals: RetrievalLog
-    _engine: PromptCache | None  # and `_loaded_engine()`, the engine loaded on first use
-    _owns_engine: bool
+    lock: threading.RLock
+    retrievals: RetrievalLog
+    engine_slot: EngineSlot  # the corpus's engine, loaded on first use
 
     def open_store(self) -> Store:
         """A new handle on this corpus's KV store (memory → disk → Redis, as configured), within its budget."""
@@ -246,12 +245,12 @@ class StoreAccess:
         returns what changed ("disk 4.0 GiB -> 2.0 GiB"). A tier budget smaller than one module is a
         ValueError. Tiers already open keep the old budget until reopened (a lowered disk budget is held
         when the store opens: store/disk.py)."""
-        with self._lock:
-            self.manifest, changed = budgeting.record(self.manifest, budget, kv, self._loaded_engine)
+        with self.lock:
+            self.manifest, changed = budgeting.record(self.manifest, budget, kv, self.engine_slot.get)
             if changed:
                 layout.write_manifest(self.path, self.manifest)
-                if budget is not None and self._engine is not None and self._owns_engine:
-                    corpus_store.resize(self._engine.store, self.budget)
+                if budget is not None and (owned := self.engine_slot.owned) is not None:
+                    corpus_store.resize(owned.store, self.budget)
             return changed
 
     def coverage(self) -> Coverage:
@@ -263,25 +262,19 @@ class StoreAccess:
         their encoding (the engine's background queue) → how many were written. The CLI's `ask` calls it
         once the answer is out, so the next process reads them as stored; a server leaves it to the
         background encoder, which works while no request is in flight."""
-        return 0 if self._engine is None else self._engine.background.drain(stopped)
-
-    def close_store(self) -> None:
-        """Stop the background encoder (the module in hand is written whole; what is queued is a miss next
-        time), then close the store of the engine this corpus loaded."""
-        assert self._engine is not None and self._owns_engine, f"{self._owns_engine=}"
-        self._engine.background.close()
-        self._engine.store.close()
+        engine = self.engine_slot.loaded
+        return 0 if engine is None else engine.background.drain(stopped)
 
     def warm_when_idle(self) -> None:
         """Spend the engine's idle time (no request in flight, no missed module queued) encoding the modules
         the retrieval log says are hot (retrieved at least twice) and the store does not hold, most retrieved
         first, within what the budget holds, each at most once per process: a restarted server refills what
         its questions come back to before they do. What `serve` and the Ray replicas call at start-up."""
-        engine = self._loaded_engine()
+        engine = self.engine_slot.get()
         warmed: set[str] = set()
 
         def step() -> bool:
-            self._retrievals.flush()  # this process's latest retrievals count too
+            self.retrievals.flush()  # this process's latest retrievals count too
             return warm_one(self, engine, warmed)  # type: ignore[arg-type]
 
         engine.background.start_idle(step)
@@ -289,5 +282,5 @@ class StoreAccess:
     def warm(self, top: int, questions: Sequence[str] | None = None, k: int = 4) -> WarmReport:
         """Encode the `top` modules questions retrieve most (from `questions`, else from what questions
         retrieved so far), those not held yet, within the store's budget."""
-        self._retrievals.flush()
+        self.retrievals.flush()
         return warm(self, top, questions, k)  # type: ignore[arg-type]

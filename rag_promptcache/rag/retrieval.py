@@ -7,7 +7,7 @@ LangChain and LlamaIndex retrievers). Hybrid by default: the dense ranking (FAIS
 modules) and the lexical one (BM25, `lexical.py`), each `FUSION_DEPTH` deep, fused by reciprocal rank
 (Cormack et al. 2009: each module scores the sum of weight / (RRF_K + its rank) over the rankings that
 hold it), the lexical ranking weighted `LEXICAL_WEIGHT` (on manuals, where questions name options and
-settings, it ranks the answer first more often: `bench --scenarios retrieval`, docs/retrieval.md). A
+settings, it ranks the answer first more often: `python -m benchmarks.retrieval`, docs/retrieval.md). A
 question with no lexical match is ranked by the dense half alone. Whatever ranked it, each hit's
 score is its cosine similarity to the question, so `min_score` means one thing in every mode.
 

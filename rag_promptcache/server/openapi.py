@@ -1,5 +1,5 @@
 """The server's OpenAPI schema (`GET /openapi.json`), made to say exactly what the server does, so that a
-client generator or a fuzzer (schemathesis: tests/test_server_fuzz.py, `bench --scenarios fuzz`) can hold
+client generator or a fuzzer (schemathesis: tests/test_server_fuzz.py, `python -m benchmarks.soak --fuzz` in a checkout) can hold
 it to that.
 
 FastAPI writes the schema from the routes' request and response models; this adds what it cannot know:

@@ -5,7 +5,7 @@ thread. `python header.py [label,context,none]` writes header.json beside itself
 import json, sys, tempfile, time
 from pathlib import Path
 import torch
-from rag_promptcache.bench import retrieval, retrieval_data
+from benchmarks import retrieval, retrieval_data
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.rag import chunker
 from rag_promptcache.rag.corpus import Corpus

@@ -3,7 +3,7 @@
 import dataclasses, json, sys, tempfile
 from pathlib import Path
 import torch
-from rag_promptcache.bench import retrieval, retrieval_data
+from benchmarks import retrieval, retrieval_data
 from rag_promptcache.bench.common import Bench, BenchConfig
 from rag_promptcache.model.loading import load_model
 from rag_promptcache.rag.corpus import Corpus

@@ -2,7 +2,7 @@
 import json, random, sys, tempfile
 import torch
 torch.set_num_threads(1)
-from rag_promptcache.bench import retrieval_data
+from benchmarks import retrieval_data
 from rag_promptcache.model.loading import load_model
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.tune import check

@@ -1,5 +1,5 @@
 """The large sustained scenario's numbers, checks, table and plot, from the rows its run recorded
-(bench/sustained_large.py): per window of questions, the share of module tokens served from the store,
+(benchmarks/sustained_large.py): per window of questions, the share of module tokens served from the store,
 TTFT p50/p95 of the corpus's questions, of full prefill and of a fully eager fp16 unlimited store, the
 speed-ups, bytes per tier against the budget. Formatting and arithmetic only.
 """

@@ -1,4 +1,4 @@
-"""The real-document set of `bench --scenarios retrieval`: pages of two Debian documentation packages
+"""The real-document set of `python -m benchmarks.retrieval`: pages of two Debian documentation packages
 (SQLite's `sqlite3-doc`, Git's `git-doc`; `make manuals` installs them) and questions about them checked
 against each page's text, committed in `data/retrieval_manuals.json`; and which retrieved module
 counts as the one that answers a question (`gold`).
@@ -9,7 +9,7 @@ evidence and the answer in different modules, a module of the page holding the e
 The look-alike splits' questions (bench/fidelity_*.py) name their document; there a module of that
 document holding the answer counts.
 
-Not here: running retrieval or the model (bench/retrieval.py).
+Not here: running retrieval or the model (benchmarks/retrieval.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,7 @@ from rag_promptcache.rag.fidelity import answer_contains
 if TYPE_CHECKING:
     from rag_promptcache.rag.corpus import Corpus
 
-DATA = "retrieval_manuals.json"
+DATA = Path(__file__).resolve().parent / "data" / "retrieval_manuals.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +45,7 @@ def words(text: str) -> str:
 def load(path: Path | None = None) -> tuple[dict[str, list[Path]], list[RealQuestion]]:
     """(the pages of each manual, the questions), from the committed set (or `path`). `ValueError` naming
     the package and `make manuals` when a manual's pages are not installed."""
-    raw = json.loads(path.read_text() if path is not None else files("rag_promptcache.bench.data").joinpath(DATA).read_text())
+    raw = json.loads(path.read_text() if path is not None else DATA.read_text())
     pages: dict[str, list[Path]] = {}
     for name, m in raw["manuals"].items():
         found = [Path(m["dir"]) / p for p in m["pages"]]

@@ -1,5 +1,5 @@
 """Checks schemathesis runs against our server besides its own, loaded by its CLI through
-`SCHEMATHESIS_HOOKS=rag_promptcache.bench.fuzz_hooks` (bench/soak.py `fuzz_server`).
+`SCHEMATHESIS_HOOKS=benchmarks.fuzz_hooks` (benchmarks/soak.py `fuzz_server`).
 
 - `stream_ends_well`: a stream read to its end ends with "[DONE]", and none of its events is an error
   (an answer that failed after its 200 was sent says so in the stream: the status cannot). A stream the

@@ -1,12 +1,15 @@
 """The server as `rag-promptcache serve` runs it, in a process of its own over the demo corpus, on the bench's
 model: a long fuzz run (`fuzz`) and a soak (`run`).
 
+    python -m benchmarks.soak --out out/soak              # 20 minutes of mixed load
+    python -m benchmarks.soak --fuzz --out out/fuzz       # schemathesis against the served corpus
+
 fuzz: schemathesis' CLI over the server's own OpenAPI schema (`fuzz_command`; the checks are its own and
-bench/fuzz_hooks.py's), `fuzz_examples` generated cases per route and mode, with the API key and without.
+benchmarks/fuzz_hooks.py's), `FUZZ_EXAMPLES` generated cases per route and mode, with the API key and without.
 The summary is what schemathesis' JSON report and the server's access log say: requests sent, statuses,
 failures.
 
-soak: `soak_minutes` (20) of mixed load from `soak_clients` (6) client threads, each drawing the next
+soak: `SOAK_MINUTES` (20) of mixed load from `SOAK_CLIENTS` (6) client threads, each drawing the next
 request from `MIX`: chat streamed, chat whole, chat streamed and dropped after a few chunks (a client gone
 mid-answer), a text completion, embeddings, the cheap GETs, and bad requests (malformed JSON, an unknown
 field, an unknown model, a wrong key, `max_tokens` past the window). Every status is counted; each finished
@@ -44,6 +47,10 @@ from rag_promptcache.bench.serve import demo_corpus, free_port
 from rag_promptcache.bench.serve_questions import TIMED, WARM
 
 KEY = "sk-bench-soak"
+FUZZ_EXAMPLES = 50  # generated cases per route and mode, besides the coverage phase's
+SOAK_MINUTES = 20.0
+SOAK_CLIENTS = 6  # concurrent clients, each a mix of the request kinds
+ROOT = Path(__file__).resolve().parent.parent  # the repository: schemathesis imports benchmarks.fuzz_hooks from it
 REQUEST_TIMEOUT_S = 120  # a request unanswered this long is a hung one
 WINDOW_S = 300
 SAMPLE_S = 60
@@ -64,7 +71,7 @@ def fuzz_command(url: str, report: Path, *, key: str | None, examples: int, seed
     """schemathesis' CLI against the server at `url`, its requests carrying the API key `key` (None: no key),
     its JSON report to `report`. The schema is the server's /openapi.json, or the file `schema` (a server
     that wants a key serves its schema only with it). Run it with `fuzz_env()`, which loads
-    bench/fuzz_hooks.py's checks."""
+    benchmarks/fuzz_hooks.py's checks."""
     auth = ["-H", f"Authorization: Bearer {key}"] if key else []
     where = [str(schema), "--url", url] if schema is not None else [f"{url}/openapi.json"]
     return [sys.executable, "-m", "schemathesis.cli", "run", *where, *auth,
@@ -75,18 +82,19 @@ def fuzz_command(url: str, report: Path, *, key: str | None, examples: int, seed
 
 
 def fuzz_env(max_tokens: int | None = None) -> dict[str, str]:
-    """The environment for `fuzz_command`: bench/fuzz_hooks.py loaded, and valid cases' `max_tokens`
+    """The environment for `fuzz_command`: benchmarks/fuzz_hooks.py loaded, and valid cases' `max_tokens`
     capped at `max_tokens` (None: as generated)."""
     cap = {"RAG_PROMPTCACHE_FUZZ_MAX_TOKENS": str(max_tokens)} if max_tokens else {}
-    return {**os.environ, "SCHEMATHESIS_HOOKS": "rag_promptcache.bench.fuzz_hooks", "NO_COLOR": "1", **cap}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "SCHEMATHESIS_HOOKS": "benchmarks.fuzz_hooks", "PYTHONPATH": path, "NO_COLOR": "1", **cap}
 
 
-def fuzz(bench: Bench) -> dict[str, object]:
+def fuzz(bench: Bench, examples: int = FUZZ_EXAMPLES) -> dict[str, object]:
     if importlib.util.find_spec("schemathesis") is None:
-        raise ModuleNotFoundError("the fuzz scenario needs schemathesis: pip install 'rag-promptcache[test]'")
+        raise ModuleNotFoundError("the fuzz run needs schemathesis: pip install 'rag-promptcache[test]'")
     import httpx
 
-    out: dict[str, object] = {"examples_per_route": bench.config.fuzz_examples, "runs": {}}
+    out: dict[str, object] = {"examples_per_route": examples, "runs": {}}
     with _server(bench) as (proc, url, log, _):
         with tempfile.TemporaryDirectory() as tmp:
             schema = Path(tmp) / "openapi.json"
@@ -94,7 +102,7 @@ def fuzz(bench: Bench) -> dict[str, object]:
             for name, key in (("with_key", KEY), ("without_key", None)):
                 report = Path(tmp) / f"{name}.json"
                 t0 = time.perf_counter()
-                done = subprocess.run(fuzz_command(url, report, key=key, examples=bench.config.fuzz_examples, seed=51,
+                done = subprocess.run(fuzz_command(url, report, key=key, examples=examples, seed=51,
                                                    schema=schema, request_timeout=FUZZ_REQUEST_TIMEOUT_S),
                                       capture_output=True, text=True, env=fuzz_env(FUZZ_MAX_TOKENS))
                 seconds = time.perf_counter() - t0
@@ -109,11 +117,9 @@ def fuzz(bench: Bench) -> dict[str, object]:
     return out
 
 
-def run(bench: Bench, minutes: float | None = None) -> dict[str, object]:
-    cfg = bench.config
+def run(bench: Bench, minutes: float = SOAK_MINUTES, clients: int = SOAK_CLIENTS) -> dict[str, object]:
     with _server(bench) as (proc, url, _, model):
-        return soak(url, proc, 60 * (cfg.soak_minutes if minutes is None else minutes), cfg.soak_clients,
-                    model=model, key=KEY, log=bench.log)
+        return soak(url, proc, 60 * minutes, clients, model=model, key=KEY, log=bench.log)
 
 
 def soak(url: str, proc: subprocess.Popen, duration_s: float, clients: int, *, model: str, key: str | None,
@@ -315,3 +321,23 @@ def _server(bench: Bench) -> Iterator[tuple[subprocess.Popen, str, Path, str]]:
         finally:
             proc.terminate()
             proc.wait(60)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    from benchmarks import harness
+
+    ap = harness.parser("The server in its own process over the demo corpus: a soak of mixed load (soak.json), or with "
+                        "--fuzz schemathesis against it (fuzz.json), in --out.")
+    ap.add_argument("--fuzz", action="store_true", help="fuzz with schemathesis instead of the soak")
+    ap.add_argument("--minutes", type=float, default=SOAK_MINUTES, help="the soak's length")
+    ap.add_argument("--clients", type=int, default=SOAK_CLIENTS, help="the soak's concurrent clients")
+    ap.add_argument("--examples", type=int, default=FUZZ_EXAMPLES, help="the fuzz's generated cases per route and mode")
+    args = ap.parse_args(argv)
+    bench = harness.load(args)
+    if args.fuzz:
+        return harness.write(bench, args.quick, args.out, "fuzz", fuzz(bench, args.examples))
+    return harness.write(bench, args.quick, args.out, "soak", run(bench, args.minutes, args.clients))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,11 @@
 """The sustained scenario at real size: a lazy corpus of millions of tokens of real text, a store of a
-twentieth of its fp16 size, a thousand novel questions (`--sustained-size large`; bench/sustained.py is the
-small one).
+twentieth of its fp16 size, a thousand novel questions (`bench --scenarios sustained`, rag_promptcache/bench/sustained.py,
+is the small one):
 
-- The corpus: `large_tokens` tokens of what this machine has (bench/real_text.py: Python's reference,
+    python -m benchmarks.sustained_large --dtype bfloat16 --threads 2 --out docs/bench/sustained-large-DATE
+
+
+- The corpus: `large_tokens` tokens of what this machine has (benchmarks/real_text.py: Python's reference,
   /usr/share/doc, `apt-cache dumpavail`'s package records), ingested with `--kv lazy` and timed; a slice of
   `large_eager_tokens` tokens is ingested eagerly too, and the eager ingest of the whole is its tokens per
   second applied to the whole corpus (hours here: measured on the slice, not run).
@@ -16,7 +19,7 @@ small one).
   same engine over a memory store holding the question's modules in fp16 (encoded untimed just before).
 - Per `large_every` questions: the share of module tokens served from the store, TTFT p50/p95 of the
   corpus's questions and of full prefill, the speed-ups, bytes per tier against the budget; a plot.
-- The run's module accesses replayed under each eviction policy (bench/eviction_replay.py), at the run's
+- The run's module accesses replayed under each eviction policy (benchmarks/eviction_replay.py), at the run's
   budget and at `REPLAY_SCALES` times it: the served share a larger or smaller store would give.
 
 Checks (`checks`, each passed True/False): `corpus_tokens` (at least `large_min_tokens`), `lazy_ingest`
@@ -36,11 +39,13 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from rag_promptcache.bench import eviction_replay, real_text, redis_server
+from benchmarks import eviction_replay, real_text
+from rag_promptcache.bench import redis_server
 from rag_promptcache.bench.common import Bench
 from rag_promptcache.engine.planning.costmodel import Fallback
 from rag_promptcache.rag.budget import StoreBudget
@@ -55,8 +60,28 @@ LEADS = ("What does it say about", "Where is this described:", "Which document m
          "What is known of", "Explain")
 
 
-def run(bench: Bench) -> dict[str, object]:
-    cfg = bench.config
+@dataclass(frozen=True, slots=True)
+class LargeConfig:
+    """The run's sizes: a lazy corpus of real text, a store of 1/20 of its fp16 size."""
+
+    large_tokens: int = 2_200_000  # gathered (about); the check wants `large_min_tokens` after ingest
+    large_min_tokens: int = 2_000_000
+    large_doc_root: str = "/usr/share/doc"
+    large_chunk_tokens: int = 256
+    large_eager_tokens: int = 40_000  # the slice ingested eagerly, for eager's rate
+    large_k: int = 4
+    large_questions: int = 1000
+    large_warmup: int = 100
+    large_every: int = 100
+    large_full_every: int = 5  # full prefill and the eager unlimited store on every n-th question
+    large_zipf: float = 1.0
+    large_memory_share: float = 0.01  # of the corpus's fp16 KV
+    large_shared_share: float = 0.04  # the disk tier's or Redis' (memory + this = 1/20)
+    large_policy: str = "lru"
+    large_tiers: tuple[str, ...] = ("memory+disk", "memory+redis")
+
+
+def run(bench: Bench, cfg: LargeConfig = LargeConfig()) -> dict[str, object]:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rpc-bench-large-")))
         text = real_text.gather(tmp / "text", cfg.large_tokens, Path(cfg.large_doc_root))
@@ -64,7 +89,7 @@ def run(bench: Bench) -> dict[str, object]:
                   f"({text.num_documents})")
         # every process of the run: the store alone serves reused tokens
         stack.enter_context(_env("RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES", "0"))
-        corpus, ingest = _ingest(bench, text.folder, tmp)
+        corpus, ingest = _ingest(bench, cfg, text.folder, tmp)
         docs = _documents(corpus)
         questions = stream(docs, cfg.large_warmup + cfg.large_questions, cfg.large_zipf)
         fp16 = corpus.table.counts()["num_tokens"] * _bytes_per_token(corpus, "fp16")
@@ -86,7 +111,7 @@ def run(bench: Bench) -> dict[str, object]:
             if tiers.endswith("redis") and not redis_server.installed():
                 out["runs"].append({"tiers": tiers, "skipped": redis_server.INSTALL_HINT})
                 continue
-            out["runs"].append(_run_tiers(bench, Path(corpus.path), tiers, budget, questions))
+            out["runs"].append(_run_tiers(bench, cfg, Path(corpus.path), tiers, budget, questions))
     out["checks"] = {
         "corpus_tokens": _check(out["corpus_tokens"] >= cfg.large_min_tokens,
                                 f"{out['corpus_tokens']:,} tokens (>= {cfg.large_min_tokens:,})"),
@@ -110,13 +135,12 @@ def _env(name: str, value: str):
         os.environ.pop(name, None) if saved is None else os.environ.__setitem__(name, saved)
 
 
-def _ingest(bench: Bench, folder: Path, tmp: Path) -> tuple[Corpus, dict[str, object]]:
+def _ingest(bench: Bench, cfg: LargeConfig, folder: Path, tmp: Path) -> tuple[Corpus, dict[str, object]]:
     """The lazy ingest of everything, timed; an eager ingest of a slice, timed, for the rate of eager."""
     from rag_promptcache.rag.loaders import load
     from rag_promptcache.store import DiskStore
 
-    cfg = bench.config
-    common = dict(model=bench.model_name, dtype=cfg.dtype, adapter=cfg.adapter, chunk_tokens=cfg.large_chunk_tokens,
+    common = dict(model=bench.model_name, dtype=bench.config.dtype, adapter=bench.config.adapter, chunk_tokens=cfg.large_chunk_tokens,
                   progress=False, redis_url="")
     corpus = Corpus.build([folder], tmp / "corpus", kv="lazy", **common)
     lazy = corpus.last_report
@@ -183,19 +207,18 @@ def stream(docs: list[str], count: int, zipf: float, seed: int = 42) -> list[tup
 def _bytes_per_token(corpus: Corpus, codec: str) -> float:
     from rag_promptcache.store.codecs import bytes_per_token
 
-    engine = corpus._loaded_engine()
+    engine = corpus.engine_slot.get()
     g = engine.geometry
     return bytes_per_token(codec, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
                            corpus.manifest.chunk_tokens)
 
 
-def _run_tiers(bench: Bench, path: Path, tiers: str, budget: StoreBudget,
+def _run_tiers(bench: Bench, cfg: LargeConfig, path: Path, tiers: str, budget: StoreBudget,
                questions: list[tuple[int, str]]) -> dict[str, object]:
     import shutil
 
-    from rag_promptcache.bench.sustained_report import summarize
+    from benchmarks.sustained_report import summarize
 
-    cfg = bench.config
     shutil.rmtree(path / "store", ignore_errors=True)
     with contextlib.ExitStack() as stack:
         url = ""
@@ -281,3 +304,25 @@ def _check(passed: bool, detail: str) -> dict[str, object]:
 
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    from benchmarks import harness, sustained_report
+
+    ap = harness.parser("The sustained run at real size: a lazy corpus of about 2M tokens of this machine's text, a store "
+                        "of 1/20 of its fp16 size, 1000 novel questions (hours on two CPU cores). sustained_large.json, "
+                        ".md and the plot in --out.")
+    ap.add_argument("--tokens", type=int, default=LargeConfig.large_tokens, help="the corpus's tokens, gathered (about)")
+    ap.add_argument("--questions", type=int, default=LargeConfig.large_questions, help="measured, after the warm-up")
+    args = ap.parse_args(argv)
+    cfg = LargeConfig(large_tokens=args.tokens, large_min_tokens=min(args.tokens, LargeConfig.large_min_tokens),
+                      large_questions=args.questions)
+    bench = harness.load(args)
+    out = run(bench, cfg)
+    written = harness.write(bench, args.quick, args.out, "sustained_large", out, "\n".join(sustained_report.markdown(out)))
+    sustained_report.plots(out, args.out)
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """TTFT and decode at a model shape, with random weights made on the device: timings only, no answer judged.
 
-    python -m rag_promptcache.bench.shape --shape llama-3.1-8b --contexts 4096,8192,16384,32768 --json out/shape.json
+    python -m benchmarks.shape --shape llama-3.1-8b --contexts 4096,8192,16384,32768 --json out/shape.json
 
 `SHAPES` holds Llama-3.1-8B's config (32 layers, hidden 4096, 8 KV heads, llama3 RoPE scaling; about
 16 GB of bf16 weights, created under the device so nothing large crosses a call) and a tiny one that

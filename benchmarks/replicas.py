@@ -1,6 +1,6 @@
 """Serving throughput on Ray Serve: 1 and 2 replicas of `serve --ray`, 8 concurrent openai clients.
 
-    python -m rag_promptcache.bench.replicas --out docs/bench/replicas-DATE
+    python -m benchmarks.replicas --out docs/bench/replicas-DATE
 
 Builds a corpus of the default model (SmolLM2) over the short documents of the Python reference slice
 (`rag.sample`, those of at most `--doc-tokens` tokens) in a temporary folder (deleted at the end), or

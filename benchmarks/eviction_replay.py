@@ -8,7 +8,7 @@ promoted into the first); a miss is encoded and written to both. It counts modul
 a tier, per window of questions, exactly as the store's bookkeeping would decide; it does not time
 anything (a hit's cost is the run's to measure).
 
-Not here: the run that records the trace (bench/sustained_large.py), the tiers themselves.
+Not here: the run that records the trace (benchmarks/sustained_large.py), the tiers themselves.
 """
 
 from __future__ import annotations
