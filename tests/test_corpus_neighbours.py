@@ -74,7 +74,8 @@ def test_neighbours_are_the_nearest_earlier_modules_least_similar_first(parts, t
         again.close()
 
 
-def test_lazy_and_eager_store_the_same_keys_and_answer_alike(parts, tmp_path):
+def test_lazy_and_eager_store_the_same_keys_and_answer_alike(parts, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_PROMPTCACHE_FALLBACK", "never")  # both read the store (tests/conftest.py)
     plain = build(parts, tmp_path / "p")
     eager, lazy = build(parts, tmp_path / "e", neighbours=2), build(parts, tmp_path / "l", neighbours=2, kv="lazy")
     try:

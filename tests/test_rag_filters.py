@@ -212,7 +212,7 @@ def test_ask_where(docs: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     assert set(json.loads(out)["sources"]) == {"faq.jsonl#q2", "faq.jsonl#q4"}
     code, out, err = run(capsys, "ask", "--corpus", tmp_path / "c", QUESTION, "--where", "source~guide/*", "--where",
                          "source=guide/fs.md", "--where", "source=notes/cache.txt")
-    assert code == 0 and "sources: guide/fs.md" in out, err
+    assert code == 0 and "sources:\n  guide/fs.md ›" in out, err
     assert_user_error(run(capsys, "ask", "--corpus", tmp_path / "c", QUESTION, "--where", "lnag=de"),
                       "unknown filter key(s) 'lnag'; valid: lang, modified")
     assert_user_error(run(capsys, "ask", "--corpus", tmp_path / "c", QUESTION, "--where", "lang"), "expected KEY=VALUE")

@@ -31,7 +31,7 @@ def test_documents_and_sources_name_the_section(engine, tmp_path):
                                                "It was completed in 1889.")
     md = Corpus.build([tmp_path / "docs"], tmp_path / "c", engine=engine, progress=False)
     doc = PromptCacheRetriever(corpus=md, k=1).invoke("When was the Eiffel Tower completed?")[0]
-    assert (doc.metadata["source"], doc.metadata["title"], doc.metadata["where"]) == ("tower.md", "Eiffel Tower", "tower.md › Eiffel Tower")
+    assert (doc.metadata["source"], doc.metadata["where"]) == ("tower.md", "tower.md › Eiffel Tower")
     assert doc.metadata["where"] == "tower.md › Eiffel Tower"
     out = ChatPromptCache(corpus=md, k=1, max_tokens=2).invoke("When was the Eiffel Tower completed?")
     source = out.response_metadata["sources"][0]

@@ -31,7 +31,7 @@ def test_nodes_name_the_section(engine, tmp_path):
                                                "It was completed in 1889.")
     md = Corpus.build([tmp_path / "docs"], tmp_path / "c", engine=engine, progress=False)
     node = PromptCacheRetriever(md, similarity_top_k=1).retrieve("When was the Eiffel Tower completed?")[0].node
-    assert (node.metadata["source"], node.metadata["title"], node.metadata["where"]) == ("tower.md", "Eiffel Tower", "tower.md › Eiffel Tower")
+    assert (node.metadata["source"], node.metadata["where"]) == ("tower.md", "tower.md › Eiffel Tower")
     assert node.metadata["where"] == "tower.md › Eiffel Tower"
     stock = corpus_nodes(md)[0]
     assert stock.metadata["where"] == "tower.md › Eiffel Tower"
