@@ -70,7 +70,7 @@ BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 class Corpus(Answering, StoreAccess):
     def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
                  embedder: EmbedderLike | None = None, memory_bytes: int | None = None, redis_url: str | None = None,
-                 disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default") -> None:
+                 disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default", own_store: bool = False) -> None:
         self.path = path
         self.manifest = manifest
         self.table = layout.open_table(path)
@@ -79,6 +79,7 @@ class Corpus(Answering, StoreAccess):
         self.disk_tier = disk_tier
         self._engine = engine
         self._owns_engine = False  # a caller's engine (and its store) is the caller's to close
+        self._own_store, self._wants_own_store = None, own_store and engine is not None  # `open`'s own_store
         self._embedder = embedder
         self._adapter_asked = adapter
         self._adapter_path: tuple[str | None] | None = None  # resolved on first use (`adapter_path`)
@@ -95,8 +96,7 @@ class Corpus(Answering, StoreAccess):
             self._repaired(problem, "the vector index", lambda: layout.save_index(path, self.index, self._index_generation))
         self.lexical, self._lexical_generation, problem = layout.load_lexical(path, self.table)
         if problem:
-            self._repaired(problem, "the lexical (BM25) index",
-                           lambda: layout.save_lexical(path, self.lexical, self._lexical_generation))
+            self._repaired(problem, "the lexical (BM25) index", lambda: layout.save_lexical(path, self.lexical, self._lexical_generation))
 
     def _repaired(self, problem: str, what: str, save: Callable[[], None]) -> None:
         """Save a derived index rebuilt from the table on open, and say so once."""
@@ -113,7 +113,7 @@ class Corpus(Answering, StoreAccess):
     @classmethod
     def open(cls, path: str | os.PathLike[str], engine: PromptCache | None = None, *, model: str | None = None,
              embedder: str | EmbedderLike | None = None, memory_bytes: int | None = None, redis_url: str | None = None,
-             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default") -> Corpus:
+             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default", own_store: bool = False) -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
         with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
         loads in the corpus's recorded dtype), and an adapter other than the recorded one ("default": the
@@ -121,14 +121,15 @@ class Corpus(Answering, StoreAccess):
         a `CorpusWarning` says how to re-encode it). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
         the engine the corpus loads, not to a caller's `engine`. The tiers hold the corpus's recorded budget
-        (`set_budget`); `memory_bytes` (this process's memory tier) overrides its memory budget."""
+        (`set_budget`); `memory_bytes` (this process's memory tier) overrides its memory budget. `own_store` with
+        `engine` (another corpus's): the model is shared, this corpus's KV kept in its own tiers (`rag.corpora`)."""
         path = layout.check_corpus(path)
         redis_url = corpus_store.redis_url(redis_url)
         manifest = layout.read_manifest(path)
         layout.check_files(path)
         emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder, adapter=adapter)
         corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
-                     disk_tier=disk_tier, adapter=adapter)
+                     disk_tier=disk_tier, adapter=adapter, own_store=own_store)
         if engine is None and str(adapter).lower() != "default":
             try:
                 corpus.adapter_path  # noqa: B018 - an adapter named by the caller is checked now, not at the first question
@@ -246,6 +247,7 @@ class Corpus(Answering, StoreAccess):
                 if self.manifest.recovery is not None:  # the server and the adapters call the engine: it is its default
                     engine.recovery = self.manifest.recovery
                 self._engine, self._owns_engine = engine, True
+            self.attach_own_store(self._engine)  # once, where opened with own_store
             return self._engine
 
     @property
@@ -364,7 +366,7 @@ class Corpus(Answering, StoreAccess):
         from rag_promptcache.rag.distributed import RayTarget
 
         store_dir = self.path.resolve() / layout.STORE if self.disk_tier else None
-        return RayTarget(self.manifest, store_dir, self.redis_url, lambda: self.engine.store)
+        return RayTarget(self.manifest, store_dir, self.redis_url, lambda: self.store)
 
     def _add_vectors(self, faiss_ids: np.ndarray, vectors: np.ndarray) -> None:
         with self._lock:
@@ -377,8 +379,8 @@ class Corpus(Answering, StoreAccess):
             self.index.remove(np.array(dropped.faiss_ids, dtype=np.int64))
             self._index_generation = self.table.generation
         for k in dropped.store_keys if self._engine is not None else ():
-            self._engine.store.delete(k)
-        if dropped.store_keys and (self._engine is None or not self._owns_engine):
+            self.store.delete(k)
+        if dropped.store_keys and not self.owns_store:
             # KV this corpus wrote with its own store (an earlier ingest), not the caller's engine's
             disk = self.path / layout.STORE if self.disk_tier and (self.path / layout.STORE).is_dir() else None
             corpus_store.delete(list(dropped.store_keys), disk, self.redis_url, self.manifest.name)
@@ -404,22 +406,20 @@ class Corpus(Answering, StoreAccess):
     def info(self) -> dict[str, object]:
         m = self.manifest
         return {
-            "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
-            "store_bytes": layout.store_bytes(self.path),
+            "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index), "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
             "codec": m.codec, "kv": m.kv, "neighbours": m.neighbours, "budget": dataclasses.asdict(StoreBudget.of(m)),
             "encoded": dataclasses.asdict(self.coverage()), "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
-            "package_version": m.package_version, "created": m.created, "updated": m.updated,
-            "redis_url": self.redis_url,
+            "package_version": m.package_version, "created": m.created, "updated": m.updated, "redis_url": self.redis_url,
         }
 
-    def documents(self) -> list[dict[str, object]]:
-        """Each document: `name`, `source`, `num_chunks`, `num_bytes`, `complete`, `metadata` (`documents.listing`)."""
+    def documents(self) -> list[dict[str, object]]:  # name, source, num_chunks, num_bytes, complete, metadata
         return documents.listing(self.table)
 
     def close(self) -> None:
         self._retrievals.flush()
         self.table.close()
+        self.close_own_store()  # before the engine's store: a shared engine outlives this corpus
         if self._owns_engine and self._engine is not None:
             self._engine.store.close()

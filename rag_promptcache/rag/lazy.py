@@ -56,9 +56,9 @@ class Coverage:
 def held_keys(corpus: Corpus) -> set[str]:
     """Store keys the corpus's tiers hold: its engine's store where it loaded one, else the disk tier's
     files and the Redis tier's index (no model is loaded for this)."""
-    engine = corpus._engine
-    if engine is not None:
-        tiers = getattr(engine.store, "tiers", None) or [engine.store]
+    if corpus.loaded:
+        store = corpus.store
+        tiers = getattr(store, "tiers", None) or [store]
         return {k for t in tiers if hasattr(t, "keys") for k in t.keys()}
     held = layout.store_keys(corpus.path) if corpus.disk_tier else set()
     if corpus.redis_url is not None:
@@ -208,6 +208,38 @@ class StoreAccess:
     _retrievals: RetrievalLog
     _engine: PromptCache | None  # and `_loaded_engine()`, the engine loaded on first use
     _owns_engine: bool
+    _own_store: Store | None  # this corpus's tiers, attached to a shared engine for its schema (`attach_own_store`)
+    _wants_own_store: bool
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the corpus has its engine (loaded, or a caller's)."""
+        return self._engine is not None
+
+    @property
+    def store(self) -> Store:
+        """Where this corpus's module KV is read and written: the engine's store for its schema (its own
+        tiers where it loaded the engine or shares one, else the caller's engine's store)."""
+        return self._loaded_engine().store_of(self.manifest.name)  # type: ignore[attr-defined]
+
+    @property
+    def owns_store(self) -> bool:
+        """Whether the store holding this corpus's KV is its own (its tiers, its budget, closed with it)."""
+        return self._own_store is not None or (self._owns_engine and self._engine is not None)
+
+    def attach_own_store(self, engine: PromptCache) -> None:
+        """Where the corpus was opened with `own_store`: open its own tiers and have `engine` (another
+        corpus's) keep this corpus's modules in them: corpora on one model, each within its own budget."""
+        if self._wants_own_store and self._own_store is None:
+            self._own_store = self.open_store()
+            engine.attach_store(self.manifest.name, self._own_store)
+
+    def close_own_store(self) -> None:
+        if self._own_store is not None:
+            if self._engine is not None:
+                self._engine.detach_store(self.manifest.name)
+            self._own_store.close()
+            self._own_store = None
 
     def open_store(self) -> Store:
         """A new handle on this corpus's KV store (memory → disk → Redis, as configured), within its budget."""
@@ -229,8 +261,8 @@ class StoreAccess:
             self.manifest, changed = budgeting.record(self.manifest, budget, kv, self._loaded_engine)
             if changed:
                 layout.write_manifest(self.path, self.manifest)
-                if budget is not None and self._engine is not None and self._owns_engine:
-                    corpus_store.resize(self._engine.store, self.budget)
+                if budget is not None and self.owns_store:
+                    corpus_store.resize(self.store, self.budget)
             return changed
 
     def coverage(self) -> Coverage:
