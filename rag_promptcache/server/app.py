@@ -146,7 +146,7 @@ async def index(request: Request) -> HTMLResponse:
 async def health(request: Request) -> r.Health:
     s = served(request)
     first, batchers = s.corpora[0], s.batchers
-    return r.Health(status="ok", model=first.model_id, models=[x.model_id for x in s.corpora],
+    return r.Health(status="ok", model=first.model_id, models=[x.model_id for x in s.corpora], num_batchers=len(batchers),
                     running=sum(b.num_running for b in batchers), waiting=sum(b.num_waiting for b in batchers),
                     max_batch=first.batcher.rows.max_batch, max_queue=first.batcher.rows.max_queue)
 

@@ -187,6 +187,7 @@ class Health(_Out):
     status: Literal["ok"]
     model: str  # the first corpus served
     models: list[str]  # every corpus served, by the name a request's `model` gives it
+    num_batchers: int  # schedulers: one per loaded model, shared by the corpora built with it
     running: int
     waiting: int
     max_batch: int
