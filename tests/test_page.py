@@ -15,7 +15,6 @@ from collections.abc import Callable
 import pytest
 
 from tests.test_server import MODEL, QUESTIONS, ROOT, build_corpus, start_server
-from tests.test_server_corpora import build_named
 
 pytestmark = pytest.mark.smollm
 KEY = "page-key-9d1e"
@@ -27,7 +26,7 @@ ARTIFACTS = ROOT / "out" / "test-artifacts"
 @pytest.fixture(scope="module")
 def url(smollm, tmp_path_factory):
     path = build_corpus(smollm, tmp_path_factory.mktemp("docs"), tmp_path_factory.mktemp("srv") / MODEL)
-    other = build_named(smollm, tmp_path_factory.mktemp("ferry-docs"), tmp_path_factory.mktemp("srv2") / "ferries", FERRIES)
+    other = build_corpus(smollm, tmp_path_factory.mktemp("ferry-docs"), tmp_path_factory.mktemp("srv2") / "ferries", FERRIES)
     proc, url = start_server(path, tmp_path_factory.mktemp("log") / "server.log", "--corpus", str(other), "--k", "2",
                              "--api-key", KEY)
     yield url

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server import start_server
+from tests.test_server import build_corpus, client, start_server  # noqa: F401 - client: the fixture, over base_url here
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 FRUIT = {
@@ -33,26 +33,11 @@ ZORBLAT = "What colour is the zorblat?"
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
-def build_named(smollm, root: Path, path: Path, docs: dict[str, str]) -> Path:
-    """A small corpus of `docs` named by its directory, built with an in-memory store (no KV on disk yet:
-    the server encodes each module when a question first retrieves it, into the corpus's own store)."""
-    from rag_promptcache.engine import PromptCache
-    from rag_promptcache.rag import Corpus, Embedder
-    from rag_promptcache.store import MemoryStore
-
-    model, tokenizer = smollm
-    for name, text in docs.items():
-        (root / name).write_text(text)
-    engine = PromptCache(model, tokenizer, store=MemoryStore(), name="smollm2-135m-instruct")
-    Corpus.build([root], path, engine=engine, embedder=Embedder(), chunk_tokens=64, overlap=8, progress=False).close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def corpora(smollm, tmp_path_factory) -> tuple[Path, Path]:
     home = tmp_path_factory.mktemp("kb")
-    return (build_named(smollm, tmp_path_factory.mktemp("fruit-docs"), home / "fruit", FRUIT),
-            build_named(smollm, tmp_path_factory.mktemp("rails-docs"), home / "rails", RAILS))
+    return (build_corpus(smollm, tmp_path_factory.mktemp("fruit-docs"), home / "fruit", FRUIT),
+            build_corpus(smollm, tmp_path_factory.mktemp("rails-docs"), home / "rails", RAILS))
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +48,6 @@ def base_url(corpora, tmp_path_factory):
     yield url
     proc.terminate()
     proc.wait(30)
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _labels(response) -> set[str]:
