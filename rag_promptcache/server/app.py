@@ -159,7 +159,8 @@ async def prometheus(request: Request) -> Response:
 
 @router.get("/v1/models", response_model=r.ModelList, **openapi.READ)
 async def list_models(request: Request) -> r.ModelList:
-    return r.ModelList(object="list", data=[x.model_card() for x in served(request).corpora])
+    corpora = served(request).corpora  # each card counts its corpus's table: in a thread, as retrieval reads it
+    return r.ModelList(object="list", data=await run_in_threadpool(lambda: [x.model_card() for x in corpora]))
 
 
 @router.post("/v1/chat/completions", response_model=r.ChatCompletion, **openapi.generation(r.ChatCompletionChunk))
