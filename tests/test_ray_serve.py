@@ -76,7 +76,7 @@ def test_refresh_picks_up_an_ingest_made_by_another_handle(corpus: Path, tmp_pat
 
 @pytest.fixture(scope="module")
 def second(tmp_path_factory) -> Path:
-    return build_tiny_corpus(tmp_path_factory, OTHER, name="d")
+    return build_tiny_corpus(tmp_path_factory, OTHER, corpus="d")
 
 
 @pytest.fixture(scope="module")
