@@ -87,3 +87,29 @@ def test_a_later_process_answers_from_disk_without_recomputing(smollm, tmp_path)
     assert got["tokens"] == list(expected.token_ids)
     # only what this process computes anyway was computed: the question (and the default recovery's module)
     assert got["computed"] == expected.computed_tokens < got["prompt"] - 25
+
+
+@pytest.mark.smollm
+def test_a_store_attached_for_a_schema_holds_its_modules_and_only_its(smollm):
+    """What lets corpora share one model (rag/corpora.py): schema `other` (and its `.ingest` twin) reads and
+    writes the store attached for it; every other schema, the engine's own."""
+    model, tokenizer = smollm
+    own, attached = MemoryStore(), MemoryStore()
+    engine = PromptCache(model, tokenizer, store=own)
+    engine.add_schema(SCHEMA)
+    engine.add_schema(SCHEMA.replace('name="facts"', 'name="other"'))
+    engine.add_schema(SCHEMA.replace('name="facts"', 'name="other.ingest"'))
+    engine.attach_store("other", attached)
+    assert engine.store_of("other") is engine.store_of("other.ingest") is attached and engine.store_of("facts") is own
+    engine.generate(PROMPT.replace('schema="facts"', 'schema="other"'), max_new_tokens=2)
+    assert attached.stats().num_entries > 0 and own.stats().num_entries == 0
+    engine.encode("facts")
+    held = own.stats().num_entries
+    assert held > 0 and engine.is_cached("facts", "nile") and engine.is_cached("other", "nile")
+    engine.encode("other.ingest")  # an ingest batch's twin: into the store attached for `other`
+    assert own.stats().num_entries == held and attached.stats().num_entries >= 2
+    with pytest.raises(ValueError, match="already has a store attached"):
+        engine.attach_store("other", MemoryStore())
+    with pytest.raises(ValueError, match="without a dot"):
+        engine.attach_store("a.b", MemoryStore())
+    assert engine.detach_store("other") is attached and engine.store_of("other") is own

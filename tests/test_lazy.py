@@ -83,11 +83,11 @@ def test_metrics_say_how_much_of_a_lazy_corpus_is_encoded(parts, tmp_path: Path)
     pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from rag_promptcache.server.metrics import Metrics
+    from rag_promptcache.server.metrics import Metrics, Watched
 
     c = build(parts, tmp_path / "c", kv="lazy")
     batcher = c.engine.scheduler(max_batch=1)
-    metrics = Metrics(batcher, c.engine, c.coverage)
+    metrics = Metrics([Watched("c", batcher, c.engine, lambda: c.store, c.coverage)])
 
     def gauges() -> dict[str, float]:
         text = metrics.render()[0].decode()

@@ -1,7 +1,8 @@
 """The chat page at `/` in a real headless browser: Debian's chromium driven by Selenium, against a
 real `serve --api-key` process. The page asks for the key once, streams an answer, shows its sources
 (document names with their sections, and snippets) and its TTFT and cached/prompt tokens, keeps the conversation for a
-second turn, and "New chat" clears it. A screenshot is saved under out/test-artifacts/ (path printed).
+second turn, and "New chat" clears it. The server serves a second corpus (`ferries`): the page's corpus
+picker lists both and answers from the one chosen. A screenshot is saved under out/test-artifacts/ (path printed).
 
 Skipped only when chromium or chromedriver is absent (`make browser` installs both)."""
 
@@ -17,13 +18,17 @@ from tests.test_server import MODEL, QUESTIONS, ROOT, build_corpus, start_server
 
 pytestmark = pytest.mark.smollm
 KEY = "page-key-9d1e"
+FERRIES = {"ferries.txt": "The night ferry to Osk departs from pier 4 at 23:10 and takes nine hours.",
+           "harbour.txt": "The harbour office opens at 7 and sells ferry tickets and maps of Osk."}
 ARTIFACTS = ROOT / "out" / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
 def url(smollm, tmp_path_factory):
     path = build_corpus(smollm, tmp_path_factory.mktemp("docs"), tmp_path_factory.mktemp("srv") / MODEL)
-    proc, url = start_server(path, tmp_path_factory.mktemp("log") / "server.log", "--k", "2", "--api-key", KEY)
+    other = build_corpus(smollm, tmp_path_factory.mktemp("ferry-docs"), tmp_path_factory.mktemp("srv2") / "ferries", FERRIES)
+    proc, url = start_server(path, tmp_path_factory.mktemp("log") / "server.log", "--corpus", str(other), "--k", "2",
+                             "--api-key", KEY)
     yield url
     proc.terminate()
     proc.wait(30)
@@ -135,3 +140,30 @@ def test_a_cut_off_answer_is_marked_on_the_page(url, browser):
     answer, _ = _ask(b, QUESTIONS[0])
     assert "finish: length" in answer.find_element(By.CSS_SELECTOR, ".stats").text
     assert answer.find_element(By.CSS_SELECTOR, ".cutoff").text.startswith("[cut off: the answer reached max_tokens (3)")
+
+
+def test_the_corpus_picker_lists_each_corpus_and_answers_from_the_one_chosen(url, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    b = browser
+    b.get(f"{url}/")
+    b.execute_script(f"localStorage.setItem('rag-promptcache-api-key', {KEY!r})")
+    b.get(f"{url}/")
+    _wait("the model's name", lambda: MODEL in b.find_element(By.ID, "model").text, 30)
+    picker = Select(b.find_element(By.ID, "corpus"))
+    assert [o.get_attribute("value") for o in picker.options] == [MODEL, "ferries"]
+    assert picker.first_selected_option.get_attribute("value") == MODEL  # the first served, as /v1/models lists it
+    first, _ = _ask(b, QUESTIONS[0])
+    assert first.find_element(By.CSS_SELECTOR, ".sources li .doc").text.endswith("zorblat.txt")
+
+    picker.select_by_value("ferries")
+    _wait("the chosen corpus's name", lambda: "ferries" in b.find_element(By.ID, "model").text, 30)
+    assert b.find_elements(By.CSS_SELECTOR, ".msg") == []  # another corpus starts a new chat
+    answer, _ = _ask(b, QUESTIONS[0])  # the zorblat: only the first corpus knows it
+    docs = {li.text for li in answer.find_elements(By.CSS_SELECTOR, ".sources li .doc")}
+    assert docs and all(d.endswith(tuple(FERRIES)) for d in docs), docs
+    assert "purple" not in answer.find_element(By.CSS_SELECTOR, ".text").text.lower()
+    ferry, _ = _ask(b, "When does the night ferry to Osk depart?")
+    assert "23" in ferry.find_element(By.CSS_SELECTOR, ".text").text
+    assert b.execute_script("return model.id") == "ferries"

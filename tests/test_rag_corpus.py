@@ -43,6 +43,9 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
+    def store_of(self, schema_name: str) -> FakeEngine:  # one store for every schema, as an engine with none attached
+        return self.store
+
     def add_schema(self, schema: ast.Schema, replace: bool = False) -> ast.Schema:
         self.schemas[schema.name] = schema
         return schema

@@ -2,8 +2,9 @@
 two replicas (an autoscaling range of 2 to 3, read back from Ray Serve) over the shared Redis tier; a
 module one replica encodes is a store hit in the other; an ingest made while serving is seen by the next
 request; streaming passes through Ray Serve's proxy to the openai client; a replica killed mid-stream
-ends its stream with an error event, is replaced, and the store keeps everything. And the start-up
-failures, each an exit 1 within seconds."""
+ends its stream with an error event, is replaced, and the store keeps everything. Every replica serves
+both corpora given (`c`, and `d` over another tiny model), each answering from its own documents. And
+the start-up failures, each an exit 1 within seconds."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ DOCS = {
     "bread.txt": "Sourdough bread rises with wild yeast fed with flour and water.",
 }
 QUESTION = "How long do cats sleep?"
+OTHER = {"tides.md": "Spring tides come at new and full moon.", "kites.txt": "Box kites fly in steady wind."}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,12 @@ def test_refresh_picks_up_an_ingest_made_by_another_handle(corpus: Path, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def cluster(corpus: Path, redis_server):
+def second(tmp_path_factory) -> Path:
+    return build_tiny_corpus(tmp_path_factory, OTHER, corpus="d")
+
+
+@pytest.fixture(scope="module")
+def cluster(corpus: Path, second: Path, redis_server):
     pytest.importorskip("ray.serve")
     from rag_promptcache.server.ray_serve import ReplicaOptions, serve_ray
 
@@ -82,8 +89,8 @@ def cluster(corpus: Path, redis_server):
 
     def run() -> None:
         try:
-            serve_ray(corpus, autoscale=(2, 3), port=port, cpus_per_replica=0.5, ready=ready, stop=stop,
-                      opts=ReplicaOptions(str(corpus), redis_url=redis_server.url), log=lambda _: None)
+            serve_ray([corpus, second], autoscale=(2, 3), port=port, cpus_per_replica=0.5, ready=ready, stop=stop,
+                      opts=ReplicaOptions((str(corpus), str(second)), redis_url=redis_server.url), log=lambda _: None)
         except BaseException as e:  # reported by the fixture below
             failed.append(e)
             ready.set()
@@ -96,8 +103,8 @@ def cluster(corpus: Path, redis_server):
     thread.join(60)
 
 
-def _ask(base: str, question: str) -> tuple[str, dict]:
-    body = {"model": "c", "messages": [{"role": "user", "content": question}], "max_tokens": 2}
+def _ask(base: str, question: str, model: str = "c") -> tuple[str, dict]:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 2}
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.headers["x-replica"], r.json()
@@ -118,6 +125,23 @@ def test_a_module_one_replica_encodes_is_a_store_hit_in_the_other(cluster: str) 
     # the other replica's first request: its memory tier was empty, so the hit came from Redis
     assert reader["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert reader["choices"][0]["message"]["content"] == encoder["choices"][0]["message"]["content"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_every_replica_serves_both_corpora_each_from_its_own_documents(cluster: str) -> None:
+    cards = httpx.get(f"{cluster}/v1/models", timeout=60).json()["data"]
+    assert [m["id"] for m in cards] == ["c", "d"]
+    answered: dict[str, set[str]] = {}
+    for _ in range(30):  # the proxy picks the replica: ask until both answered the second corpus
+        replica, body = _ask(cluster, "When do spring tides come?", model="d")
+        assert body["model"] == "d" and {s["label"] for s in body["sources"]} <= set(OTHER), body["sources"]
+        answered.setdefault(replica, set()).update(s["label"] for s in body["sources"])
+        if len(answered) == 2:
+            break
+    assert len(answered) == 2 and all("tides.md" in labels for labels in answered.values()), answered
+    _, body = _ask(cluster, "When do spring tides come?", model="c")  # c may hold a tides.txt of its own (above)
+    assert body["sources"] and not {s["label"] for s in body["sources"]} & set(OTHER)
 
 
 @pytest.mark.ray

@@ -38,14 +38,15 @@ MODEL = "corpus"  # the corpus directory's name is the model id
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
-def build_corpus(smollm, root: Path, path: Path) -> Path:
-    """The small corpus every server test answers from (DOCS), built with an in-memory store."""
+def build_corpus(smollm, root: Path, path: Path, docs: dict[str, str] = DOCS) -> Path:
+    """The small corpus every server test answers from (`docs`, DOCS unless given), built with an in-memory
+    store (no KV on disk yet: the server encodes each module when a question first retrieves it)."""
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag import Corpus, Embedder
     from rag_promptcache.store import MemoryStore
 
     model, tokenizer = smollm
-    for name, text in DOCS.items():
+    for name, text in docs.items():
         (root / name).write_text(text)
     engine = PromptCache(model, tokenizer, store=MemoryStore(), name="smollm2-135m-instruct")
     Corpus.build([root], path, engine=engine, embedder=Embedder(), chunk_tokens=64, overlap=8, progress=False).close()

@@ -119,20 +119,23 @@ def test_metrics_need_the_key_and_count_requests_tokens_caches_and_repeats(serve
     p = "rag_promptcache:"
     assert grew(f"{p}requests_total", endpoint="/v1/chat/completions", status="200") == 3
     assert grew(f"{p}requests_total", endpoint="/v1/chat/completions", status="400") == 1
-    assert grew(f"{p}time_to_first_token_seconds_count") == 3 and grew(f"{p}e2e_request_latency_seconds_count") == 3
-    assert grew(f"{p}inter_token_latency_seconds_count") > 0
-    assert grew(f"{p}prompt_tokens_total") == 3 * first.usage.prompt_tokens
-    assert grew(f"{p}generation_tokens_total") == 3 * first.usage.completion_tokens
-    assert grew(f"{p}prompt_tokens_cached_total") + grew(f"{p}prompt_tokens_computed_total") == 3 * first.usage.prompt_tokens
+    c = {"corpus": MODEL}  # each corpus's series carry its name
+    assert grew(f"{p}time_to_first_token_seconds_count", **c) == 3 and grew(f"{p}e2e_request_latency_seconds_count", **c) == 3
+    assert grew(f"{p}inter_token_latency_seconds_count", **c) > 0
+    assert grew(f"{p}prompt_tokens_total", **c) == 3 * first.usage.prompt_tokens
+    assert grew(f"{p}generation_tokens_total", **c) == 3 * first.usage.completion_tokens
+    assert grew(f"{p}prompt_tokens_cached_total", **c) + grew(f"{p}prompt_tokens_computed_total", **c) == 3 * first.usage.prompt_tokens
     assert grew(f"{p}prefix_cache_repeats_total") == 2 and grew(f"{p}prefix_cache_hits_total") >= 2
     assert grew(f"{p}prefix_cache_queries_total") >= 3
-    assert grew(f"{p}store_hits_total", tier="all") + grew(f"{p}store_misses_total", tier="all") > 0
-    assert {("memory",), ("disk",)} <= {tuple(v for _, v in labels) for name, labels in after if name == f"{p}store_hits_total"}
+    assert grew(f"{p}store_hits_total", tier="all", **c) + grew(f"{p}store_misses_total", tier="all", **c) > 0
+    assert {(MODEL, "memory"), (MODEL, "disk")} <= {tuple(v for _, v in labels) for name, labels in after
+                                                    if name == f"{p}store_hits_total"}
     assert after[(f"{p}num_requests_running", ())] == 0 and after[(f"{p}num_requests_waiting", ())] == 0
     # this corpus was built over an in-memory store (build_corpus), so the server encodes a module when a
     # question first retrieves it: the gauge counts those (k = 2), up to the corpus's modules
-    assert 2 <= after[(f"{p}corpus_modules_encoded", ())] <= after[(f"{p}corpus_modules", ())]
-    assert 0 < after[(f"{p}corpus_tokens_encoded", ())] <= after[(f"{p}corpus_tokens", ())]
+    one = (("corpus", MODEL),)
+    assert 2 <= after[(f"{p}corpus_modules_encoded", one)] <= after[(f"{p}corpus_modules", one)]
+    assert 0 < after[(f"{p}corpus_tokens_encoded", one)] <= after[(f"{p}corpus_tokens", one)]
 
 
 def test_sigterm_finishes_open_requests_then_cancels_the_rest_and_exits_0(served):

@@ -23,8 +23,8 @@ def save_tiny_llama(out: Path, max_positions: int = 2048) -> str:
     return str(out)
 
 
-def build_tiny_corpus(tmp_path_factory, docs: dict[str, str], max_positions: int = 2048) -> Path:
-    """A corpus of `docs` (file name -> text) over a fresh tiny Llama (its context window
+def build_tiny_corpus(tmp_path_factory, docs: dict[str, str], max_positions: int = 2048, corpus: str = "c") -> Path:
+    """A corpus (directory `corpus`) of `docs` (file name -> text) over a fresh tiny Llama (its context window
     `max_positions`), built without Redis, so nothing is in Redis until something encodes it."""
     from rag_promptcache.rag.corpus import Corpus
 
@@ -32,7 +32,7 @@ def build_tiny_corpus(tmp_path_factory, docs: dict[str, str], max_positions: int
     for name, text in docs.items():
         (folder / name).write_text(text)
     model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_positions)
-    path = tmp_path_factory.mktemp("corpus") / "c"
+    path = tmp_path_factory.mktemp("corpus") / corpus
     Corpus.build([folder], path, model=model, progress=False, redis_url="").close()
     return path
 

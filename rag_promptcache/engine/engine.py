@@ -113,6 +113,9 @@ class PromptCache:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
+        # stores attached for the schemas of one name (`attach_store`): corpora sharing this model keep
+        # their modules apart, each in its own tiers within its own budget
+        self._stores: dict[str, Store] = {}
         self.mode = check_mode(mode)
         self.layout = layout
         self.batch_size = batch_size
@@ -142,7 +145,7 @@ class PromptCache:
         self.schemas = Schemas(self.compiler, self.fingerprint, self.mode)
         self.fallback = fallback
         self.planner = Planner(
-            self.schemas, self.compiler, store, model, self.relocator, self.geometry,
+            self.schemas, self.compiler, self.store_of, model, self.relocator, self.geometry,
             PlanConfig(self.mode, layout, batch_size, self._default_recovery(recovery), self.context_window, self.fingerprint,
                        self.fallback),
             self.model_lock,
@@ -207,6 +210,27 @@ class PromptCache:
         hf_model, tokenizer = load_model(model, device=device, dtype=dtype, adapter=adapter)
         return cls(hf_model, tokenizer, name=kwargs.pop("name", model), **kwargs)
 
+    # -- stores ----------------------------------------------------------------------------------
+
+    def attach_store(self, name: str, store: Store) -> None:
+        """Keep the modules of schema `name`, and of its twins named `name.<anything>`, in `store` instead
+        of the engine's own: how several corpora share one loaded model and keep each its own tiers and
+        budget. Closing `store` stays the caller's job (`detach_store` first)."""
+        if "." in name:
+            raise ValueError(f"a store is attached under a schema name without a dot, got {name!r}")
+        if name in self._stores and self._stores[name] is not store:
+            raise ValueError(f"schema {name!r} already has a store attached; detach it first")
+        self._stores[name] = store
+
+    def detach_store(self, name: str) -> Store | None:
+        """Stop routing schema `name` to the store attached for it; returns that store (None: none was)."""
+        return self._stores.pop(name, None)
+
+    def store_of(self, schema_name: str) -> Store:
+        """The store a schema's modules are read from and written to: the one attached under its name (or
+        under the part before its first dot), else the engine's `store`."""
+        return self._stores.get(schema_name.partition(".")[0], self.store)
+
     # -- schemas ---------------------------------------------------------------------------------
 
     def add_schema(self, schema: str | ast.Schema, *, replace: bool = False) -> ast.Schema:
@@ -238,12 +262,13 @@ class PromptCache:
                 raise ValueError(f"schema {schema_name!r} has no module {n!r}")
         wanted = [compiled.units[n] for n in names if compiled.units[n].token_ids]
         keys = {u.name: self.schemas.key(compiled, u, chat, default) for u in wanted}
-        todo = [u for u in wanted if not self.store.contains(keys[u.name])]
+        store = self.store_of(schema_name)
+        todo = [u for u in wanted if not store.contains(keys[u.name])]
         num_tokens = 0
         for b in range(0, len(todo), self.batch_size):
             batch = todo[b : b + self.batch_size]
             for u, kv in zip(batch, self.planner.encode(batch)):
-                self.store.put(keys[u.name], kv)
+                store.put(keys[u.name], kv)
                 num_tokens += kv.num_tokens
             if progress is not None:
                 progress(len(batch))
@@ -255,7 +280,7 @@ class PromptCache:
         return self.schemas.module_keys(schema_name, module_names)
 
     def is_cached(self, schema_name: str, module_name: str) -> bool:
-        return self.store.contains(self.store_keys(schema_name, [module_name])[module_name])
+        return self.store_of(schema_name).contains(self.store_keys(schema_name, [module_name])[module_name])
 
     # -- the request path: plan → prefill → decode -----------------------------------------------
 

@@ -56,6 +56,7 @@ from rag_promptcache.store.codecs import CODEC_WARNINGS, check_codec
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag.distributed import RayOptions, RayTarget
+    from rag_promptcache.store.base import Store
 
 __all__ = ["BATCH_CHUNKS", "DEFAULT_INSTRUCTIONS", "DEFAULT_MODEL", "DEFAULT_NO_REPEAT_NGRAM", "Corpus", "CorpusWarning", "Hit",
            "Manifest", "ModelMismatchError", "is_corpus"]
@@ -80,6 +81,7 @@ class Corpus(Answering, StoreAccess):
         self.disk_tier = disk_tier
         self.lock = threading.RLock()  # the engine slot, the schema registration, the FAISS index
         self.engine_slot = EngineSlot(self._open_engine, engine, lock=self.lock)  # the one owner of the engine
+        self._own_store: Store | None = None  # this corpus's tiers on another corpus's engine (`attach_own_store`)
         self._embedder = embedder
         self._adapter_asked = adapter
         self._adapter_path: tuple[str | None] | None = None  # resolved on first use (`adapter_path`)
@@ -95,8 +97,7 @@ class Corpus(Answering, StoreAccess):
             self._repaired(problem, "the vector index", lambda: layout.save_index(path, self.index, self._index_generation))
         self.lexical, self._lexical_generation, problem = layout.load_lexical(path, self.table)
         if problem:
-            self._repaired(problem, "the lexical (BM25) index",
-                           lambda: layout.save_lexical(path, self.lexical, self._lexical_generation))
+            self._repaired(problem, "the lexical (BM25) index", lambda: layout.save_lexical(path, self.lexical, self._lexical_generation))
 
     def _repaired(self, problem: str, what: str, save: Callable[[], None]) -> None:
         """Save a derived index rebuilt from the table on open, and say so once."""
@@ -113,7 +114,7 @@ class Corpus(Answering, StoreAccess):
     @classmethod
     def open(cls, path: str | os.PathLike[str], engine: PromptCache | None = None, *, model: str | None = None,
              embedder: str | EmbedderLike | None = None, memory_bytes: int | None = None, redis_url: str | None = None,
-             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default") -> Corpus:
+             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default", own_store: bool = False) -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
         with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
         loads in the corpus's recorded dtype), and an adapter other than the recorded one ("default": the
@@ -121,7 +122,8 @@ class Corpus(Answering, StoreAccess):
         a `CorpusWarning` says how to re-encode it). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
         the engine the corpus loads, not to a caller's `engine`. The tiers hold the corpus's recorded budget
-        (`set_budget`); `memory_bytes` (this process's memory tier) overrides its memory budget."""
+        (`set_budget`); `memory_bytes` (this process's memory tier) overrides its memory budget. `own_store` with
+        `engine` (another corpus's): the model is shared, this corpus's KV kept in its own tiers (`rag.corpora`)."""
         path = layout.check_corpus(path)
         redis_url = corpus_store.redis_url(redis_url)
         manifest = layout.read_manifest(path)
@@ -129,6 +131,8 @@ class Corpus(Answering, StoreAccess):
         emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder, adapter=adapter)
         corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
                      disk_tier=disk_tier, adapter=adapter)
+        if own_store and engine is not None:
+            corpus.attach_own_store(engine)
         if engine is None and str(adapter).lower() != "default":
             try:
                 corpus.adapter_path  # noqa: B018 - an adapter named by the caller is checked now, not at the first question
@@ -362,7 +366,7 @@ class Corpus(Answering, StoreAccess):
         from rag_promptcache.rag.distributed import RayTarget
 
         store_dir = self.path.resolve() / layout.STORE if self.disk_tier else None
-        return RayTarget(self.manifest, store_dir, self.redis_url, lambda: self.engine.store)
+        return RayTarget(self.manifest, store_dir, self.redis_url, lambda: self.store)
 
     def _add_vectors(self, faiss_ids: np.ndarray, vectors: np.ndarray) -> None:
         with self.lock:
@@ -374,10 +378,9 @@ class Corpus(Answering, StoreAccess):
         with self.lock:
             self.index.remove(np.array(dropped.faiss_ids, dtype=np.int64))
             self._index_generation = self.table.generation
-        engine = self.engine_slot.loaded
-        for k in dropped.store_keys if engine is not None else ():
-            engine.store.delete(k)
-        if dropped.store_keys and self.engine_slot.owned is None:
+        for k in dropped.store_keys if self.loaded else ():
+            self.store.delete(k)
+        if dropped.store_keys and not self.owns_store:
             # KV this corpus wrote with its own store (an earlier ingest), not the caller's engine's
             disk = self.path / layout.STORE if self.disk_tier and (self.path / layout.STORE).is_dir() else None
             corpus_store.delete(list(dropped.store_keys), disk, self.redis_url, self.manifest.name)
@@ -403,21 +406,19 @@ class Corpus(Answering, StoreAccess):
     def info(self) -> dict[str, object]:
         m = self.manifest
         return {
-            "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index),
-            "store_bytes": layout.store_bytes(self.path),
+            "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index), "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
             "codec": m.codec, "kv": m.kv, "neighbours": m.neighbours, "budget": dataclasses.asdict(StoreBudget.of(m)),
             "encoded": dataclasses.asdict(self.coverage()), "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
-            "package_version": m.package_version, "created": m.created, "updated": m.updated,
-            "redis_url": self.redis_url,
+            "package_version": m.package_version, "created": m.created, "updated": m.updated, "redis_url": self.redis_url,
         }
 
-    def documents(self) -> list[dict[str, object]]:
-        """Each document: `name`, `source`, `num_chunks`, `num_bytes`, `complete`, `metadata` (`documents.listing`)."""
+    def documents(self) -> list[dict[str, object]]:  # name, source, num_chunks, num_bytes, complete, metadata
         return documents.listing(self.table)
 
     def close(self) -> None:
         self.retrievals.flush()
         self.table.close()
+        self.close_own_store()  # before the engine's store: a shared engine outlives this corpus
         self.engine_slot.close()

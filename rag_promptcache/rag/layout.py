@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -53,6 +54,24 @@ def check_corpus(path: str | os.PathLike[str]) -> Path:
         what = "does not exist" if not path.exists() else "is not a corpus (no manifest.json)"
         raise ValueError(f"{path} {what}; create one with: rag-promptcache ingest PATH --corpus {path}")
     return path
+
+
+def find_corpora(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The corpora `paths` name, in order: each a corpus, or a folder whose subdirectories that are corpora
+    count (in name order). A corpus's directory name is what a server serves it as, so two with one name
+    are refused, as is a path given twice; a path that is neither is `check_corpus`'s error. Cheap (no model)."""
+    found: list[Path] = []
+    for given in map(Path, paths):
+        inside = sorted(p for p in given.iterdir() if is_corpus(p)) if given.is_dir() and not is_corpus(given) else []
+        found.extend(inside or [check_corpus(given)])
+    names: dict[str, Path] = {}
+    for path in found:
+        other = names.setdefault(path.resolve().name, path)
+        if other is not path:
+            same = "is given twice" if other.resolve() == path.resolve() else f"and {other} have one name"
+            raise ValueError(f"corpus {path} {same}: each corpus is served as its directory's name, so names must "
+                             "differ (rename a directory, or serve the folder that holds them)")
+    return found
 
 
 def package_version() -> str:

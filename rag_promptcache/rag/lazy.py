@@ -29,6 +29,7 @@ from rag_promptcache.rag import corpus_store, layout
 from rag_promptcache.rag.budget import KV_MODES, StoreBudget, check_kv, module_bytes  # noqa: F401 - KV_MODES, check_kv: re-exported
 
 if TYPE_CHECKING:
+    from rag_promptcache.engine import PromptCache
     from rag_promptcache.rag.corpus import Corpus
     from rag_promptcache.rag.engine_slot import EngineSlot
     from rag_promptcache.rag.records import Manifest
@@ -56,9 +57,9 @@ class Coverage:
 def held_keys(corpus: Corpus) -> set[str]:
     """Store keys the corpus's tiers hold: its engine's store where it loaded one, else the disk tier's
     files and the Redis tier's index (no model is loaded for this)."""
-    engine = corpus.engine_slot.loaded
-    if engine is not None:
-        tiers = getattr(engine.store, "tiers", None) or [engine.store]
+    if corpus.loaded:
+        store = corpus.store
+        tiers = getattr(store, "tiers", None) or [store]
         return {k for t in tiers if hasattr(t, "keys") for k in t.keys()}
     held = layout.store_keys(corpus.path) if corpus.disk_tier else set()
     if corpus.redis_url is not None:
@@ -228,6 +229,37 @@ class StoreAccess:
     lock: threading.RLock
     retrievals: RetrievalLog
     engine_slot: EngineSlot  # the corpus's engine, loaded on first use
+    _own_store: Store | None  # this corpus's tiers, attached to a shared engine for its schema (`attach_own_store`)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the corpus has its engine (loaded, or a caller's)."""
+        return self.engine_slot.loaded is not None
+
+    @property
+    def store(self) -> Store:
+        """Where this corpus's module KV is read and written: the engine's store for its schema (its own
+        tiers where it loaded the engine or shares one, else the caller's engine's store)."""
+        return self.engine_slot.get().store_of(self.manifest.name)
+
+    @property
+    def owns_store(self) -> bool:
+        """Whether the store holding this corpus's KV is its own (its tiers, its budget, closed with it)."""
+        return self._own_store is not None or self.engine_slot.owned is not None
+
+    def attach_own_store(self, engine: PromptCache) -> None:
+        """Open this corpus's own tiers and have `engine` (another corpus's) keep this corpus's modules in
+        them: corpora on one model, each within its own budget (`Corpus.open(..., own_store=True)`)."""
+        if self._own_store is None:
+            self._own_store = self.open_store()
+            engine.attach_store(self.manifest.name, self._own_store)
+
+    def close_own_store(self) -> None:
+        if self._own_store is not None:
+            if (engine := self.engine_slot.loaded) is not None:
+                engine.detach_store(self.manifest.name)
+            self._own_store.close()
+            self._own_store = None
 
     def open_store(self) -> Store:
         """A new handle on this corpus's KV store (memory → disk → Redis, as configured), within its budget."""
@@ -249,8 +281,8 @@ class StoreAccess:
             self.manifest, changed = budgeting.record(self.manifest, budget, kv, self.engine_slot.get)
             if changed:
                 layout.write_manifest(self.path, self.manifest)
-                if budget is not None and (owned := self.engine_slot.owned) is not None:
-                    corpus_store.resize(owned.store, self.budget)
+                if budget is not None and self.owns_store:
+                    corpus_store.resize(self.store, self.budget)
             return changed
 
     def coverage(self) -> Coverage:

@@ -1,9 +1,11 @@
-"""The HTTP app: OpenAI-compatible routes over one corpus and one continuous-batching scheduler.
+"""The HTTP app: OpenAI-compatible routes over one or more corpora, a continuous-batching scheduler each
+(corpora on one engine share it); a request's `model` picks the corpus (served.py).
 
     GET  /                      the chat page (static/index.html: one file, no build step)
-    GET  /v1/models             the one model; its id is the corpus directory's name, its `schema` the
+    GET  /v1/models             each corpus: its id is the corpus directory's name, its `schema` the
                                 PML schema name that /v1/completions prompts import modules from, its
-                                `adapter` the tuned adapter merged into the model (null: the base model)
+                                `adapter` the tuned adapter merged into the model (null: the base model),
+                                its size (`num_documents`, `num_modules`, `num_tokens`)
     POST /v1/chat/completions   retrieve k modules, answer from their cached KV (SSE when stream)
     POST /v1/completions        a raw prompt: PML or plain text
     POST /v1/embeddings         the corpus's embedder (server/embeddings.py)
@@ -12,7 +14,7 @@
     GET  /openapi.json          the schema of all of the above (server/openapi.py)
 
 Each route is a small handler, as FastAPI's examples and vLLM's api_server write them: what it serves
-(`Served`, made once by `create_app`) is on `request.app.state`. This layer only translates types:
+(`Serving`, made once by `create_app`) is on `request.app.state`. This layer only translates types:
 retrieval and prompts are `rag.chat.CorpusChat`, generation is the engine's `Batcher`, bodies are
 `protocol.py`'s (in) and `responses.py`'s (out). Errors are OpenAI-shaped: bad input 400 (404 for an
 unknown model), a request field we do not implement 400 naming it, a missing or wrong API key 401, a
@@ -51,7 +53,8 @@ from rag_promptcache.server import responses as r
 from rag_promptcache.server.access_log import AccessLog, new_request_id
 from rag_promptcache.server.auth import RequireKey
 from rag_promptcache.server.embeddings import Embeddings
-from rag_promptcache.server.metrics import CountStatuses, Metrics
+from rag_promptcache.server.metrics import CountStatuses, Metrics, Watched
+from rag_promptcache.server.served import ModelNotFound, Served, Serving
 
 RETRY_AFTER_S = 1
 TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
@@ -67,40 +70,18 @@ class ApiError(Exception):
         self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
 
 
-@dataclass(frozen=True, slots=True)
-class Served:
-    """What the routes serve, made once per app."""
-
-    chat: CorpusChat
-    batcher: Batcher
-    metrics: Metrics
-    embeddings: Embeddings
-    model_id: str
-    aliases: frozenset[str]  # the model names a request may use: the id, the schema, the model's name
-    k: int
-    min_score: float | None
-    html: str  # the chat page, read once: a missing file fails at start-up, not on the first visit
-
-    def model_card(self) -> r.ModelCard:
-        engine = self.chat.corpus.engine
-        return r.ModelCard(id=self.model_id, object="model", created=0, owned_by="rag-promptcache",
-                           root=engine.model_name, max_model_len=engine.context_window,
-                           schema_name=self.chat.corpus.manifest.name, embedder=self.embeddings.name,
-                           adapter=engine.adapter_name)
-
-
-def served(request: Request) -> Served:
+def served(request: Request) -> Serving:
     return request.app.state.served
 
 
-def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4, api_key: str | None = None,
+def create_app(corpora: list[tuple[CorpusChat, Batcher, str]], *, k: int = 4, api_key: str | None = None,
                min_score: float | None = None) -> FastAPI:
+    """The app over `corpora`: (chat, batcher, model id) each, in the order /v1/models lists them."""
     app = FastAPI(title="rag-promptcache", docs_url=None, redoc_url=None)
-    engine = chat.corpus.engine
-    metrics = Metrics(batcher, engine, chat.corpus.coverage)
-    app.state.served = s = Served(chat, batcher, metrics, Embeddings(chat.corpus.embedder), model_id,
-                                  frozenset({model_id, chat.corpus.manifest.name, engine.model_name}), k, min_score,
-                                  page())
+    each = tuple(Served(chat, batcher, Embeddings(chat.corpus.embedder), model_id) for chat, batcher, model_id in corpora)
+    metrics = Metrics([Watched(x.model_id, x.batcher, x.chat.corpus.engine, lambda c=x.chat.corpus: c.store,
+                               x.chat.corpus.coverage) for x in each])
+    app.state.served = s = Serving(each, metrics, k, min_score, page())
     if api_key is not None:
         app.add_middleware(RequireKey, key=api_key)
     app.add_middleware(CountStatuses, metrics=metrics)  # outside the key check: 401s are counted too
@@ -110,8 +91,9 @@ def create_app(chat: CorpusChat, batcher: Batcher, *, model_id: str, k: int = 4,
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal)
     app.include_router(router)
-    app.openapi = lambda: openapi.schema(app, served=sorted(s.aliases), embedder=s.embeddings,
-                                         window=engine.context_window, secured=api_key is not None)
+    app.openapi = lambda: openapi.schema(app, served=s.names, embedders=[x.embeddings for x in each],
+                                         window=max(x.chat.corpus.engine.context_window for x in each),
+                                         secured=api_key is not None)
     return app
 
 
@@ -162,10 +144,12 @@ async def index(request: Request) -> HTMLResponse:
 
 @router.get("/health", response_model=r.Health, **openapi.READ)
 async def health(request: Request) -> r.Health:
-    b = served(request).batcher
-    return r.Health(status="ok", model=served(request).model_id, running=b.num_running, waiting=b.num_waiting,
-                    max_batch=b.rows.max_batch, max_queue=b.rows.max_queue,
-                    background_queue=b.engine.background.stats().num_queued)
+    s = served(request)
+    first, batchers = s.corpora[0], s.batchers
+    return r.Health(status="ok", model=first.model_id, models=[x.model_id for x in s.corpora], num_batchers=len(batchers),
+                    running=sum(b.num_running for b in batchers), waiting=sum(b.num_waiting for b in batchers),
+                    max_batch=first.batcher.rows.max_batch, max_queue=first.batcher.rows.max_queue,
+                    background_queue=sum(b.engine.background.stats().num_queued for b in batchers))
 
 
 @router.get("/metrics", response_class=Response, **openapi.METRICS)
@@ -176,25 +160,27 @@ async def prometheus(request: Request) -> Response:
 
 @router.get("/v1/models", response_model=r.ModelList, **openapi.READ)
 async def list_models(request: Request) -> r.ModelList:
-    return r.ModelList(object="list", data=[served(request).model_card()])
+    corpora = served(request).corpora  # each card counts its corpus's table: in a thread, as retrieval reads it
+    return r.ModelList(object="list", data=await run_in_threadpool(lambda: [x.model_card() for x in corpora]))
 
 
 @router.post("/v1/chat/completions", response_model=r.ChatCompletion, **openapi.generation(r.ChatCompletionChunk))
 async def create_chat_completion(body: p.ChatRequest, request: Request) -> r.ChatCompletion | EventSourceResponse:
-    s = served(request)
-    check(s, body)
+    all_ = served(request)
+    s = check(all_, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     handle, _, found = await submit(s, lambda n: s.chat.chat_prompt(
-        body.turns(), k=body.k or s.k, module_ids=body.module_ids, max_new_tokens=n,
-        min_score=s.min_score if body.min_score is None else body.min_score, filter=body.filter), body, max_tokens)
+        body.turns(), k=body.k or all_.k, module_ids=body.module_ids, max_new_tokens=n,
+        min_score=all_.min_score if body.min_score is None else body.min_score, filter=body.filter), body, max_tokens)
     request.state.handle = handle  # the access log reads its result
     rid = r.new_id("chatcmpl")
+    pieces = all_.metrics.pieces(handle, s.model_id)
     if not body.stream:
-        return r.chat_response(rid, s.model_id, await _drain(s.metrics.pieces(handle), handle, request), found)
+        return r.chat_response(rid, s.model_id, await _drain(pieces, handle, request), found)
 
     async def events() -> AsyncIterator[str]:
         yield r.chat_chunk(rid, s.model_id, r.Delta(role="assistant", content=""), sources=found)
-        async for piece in s.metrics.pieces(handle):
+        async for piece in pieces:
             yield r.chat_chunk(rid, s.model_id, r.Delta(content=piece))
         assert handle.result is not None
         yield r.chat_chunk(rid, s.model_id, r.Delta(), r.FINISH[handle.result.finish_reason])
@@ -206,8 +192,8 @@ async def create_chat_completion(body: p.ChatRequest, request: Request) -> r.Cha
 
 @router.post("/v1/completions", response_model=r.Completion, **openapi.generation(r.CompletionChunk))
 async def create_completion(body: p.CompletionRequest, request: Request) -> r.Completion | EventSourceResponse:
-    s = served(request)
-    check(s, body)
+    all_ = served(request)
+    s = check(all_, body)
     try:
         text = body.text()
     except ValueError as e:
@@ -215,11 +201,12 @@ async def create_completion(body: p.CompletionRequest, request: Request) -> r.Co
     handle, _, _ = await submit(s, lambda _: s.chat.completion_prompt(text), body, body.max_tokens)
     request.state.handle = handle
     rid = r.new_id("cmpl")
+    pieces = all_.metrics.pieces(handle, s.model_id)
     if not body.stream:
-        return r.completion_response(rid, s.model_id, await _drain(s.metrics.pieces(handle), handle, request))
+        return r.completion_response(rid, s.model_id, await _drain(pieces, handle, request))
 
     async def events() -> AsyncIterator[str]:
-        async for piece in s.metrics.pieces(handle):
+        async for piece in pieces:
             yield r.completion_chunk(rid, s.model_id, piece)
         assert handle.result is not None
         yield r.completion_chunk(rid, s.model_id, "", r.FINISH[handle.result.finish_reason])
@@ -231,8 +218,7 @@ async def create_completion(body: p.CompletionRequest, request: Request) -> r.Co
 
 @router.post("/v1/embeddings", response_model=r.EmbeddingList, **openapi.ERRORS)
 async def create_embedding(body: p.EmbeddingRequest, request: Request) -> r.EmbeddingList:
-    s = served(request)
-    check(s, body, s.embeddings.name)
+    s = check(served(request), body, embedding=True)
     if body.dimensions is not None and body.dimensions != s.embeddings.embedder.dim:
         raise ApiError(400, f"dimensions={body.dimensions}: the embedder {s.embeddings.name} returns "
                             f"{s.embeddings.embedder.dim}-dimensional vectors and cannot shorten them; omit dimensions",
@@ -247,13 +233,15 @@ async def create_embedding(body: p.EmbeddingRequest, request: Request) -> r.Embe
 
 # -- what the routes share ------------------------------------------------------------------------------
 
-def check(s: Served, body: p.GenerationRequest | p.EmbeddingRequest, *extra: str) -> None:
-    """The model named must be served (404), and no field may be one we do not implement (400)."""
-    if body.model not in s.aliases | set(extra):
-        raise ApiError(404, f"unknown model {body.model!r}; this server serves {s.model_id!r}",
-                       param="model", code="model_not_found")
+def check(all_: Serving, body: p.GenerationRequest | p.EmbeddingRequest, *, embedding: bool = False) -> Served:
+    """The corpus the model named is (404 where none is), once no field is one we do not implement (400)."""
+    try:
+        s = all_.find(body.model, embedding=embedding)
+    except ModelNotFound as e:
+        raise ApiError(404, str(e), param="model", code="model_not_found") from e
     if refused := body.refused():
         raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
+    return s
 
 
 async def submit(s: Served, build: Callable[[int], ChatPrompt], body: p.GenerationRequest,

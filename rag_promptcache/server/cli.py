@@ -16,7 +16,10 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
     def serve(
-        corpus: Annotated[Path, typer.Option("--corpus", "-c", help="The corpus directory to answer from.", file_okay=False)],
+        corpus: Annotated[list[Path], typer.Option(
+            "--corpus", "-c", file_okay=False,
+            help="A corpus directory to answer from, or a folder of them; repeat it to serve several: a request's "
+                 "`model` names the corpus (its directory's name), and corpora built with one model share it.")],
         host: Annotated[str, typer.Option("--host", help="Interface to listen on (no TLS: keep it on loopback or behind a proxy).")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 8000,
         k: Annotated[int, typer.Option("-k", "--k", help="How many chunks to retrieve per question (a request's `k` overrides it).")] = 4,
@@ -54,7 +57,7 @@ def register(app: typer.Typer) -> None:
         ray_address: Annotated[str | None, typer.Option(
             "--ray-address", help="With --ray: join this cluster (HOST:PORT, ray://HOST:PORT or auto) [default: start a local one].")] = None,
     ) -> None:
-        """Serve a corpus over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
+        """Serve corpora over the OpenAI API (chat, completions, embeddings, streaming) and a chat page at /, batching concurrent requests."""
         for name, value, low, high in [("--port", port, 0, 65535), ("-k", k, 1, None), ("--max-batch", max_batch, 1, None),
                                        ("--max-queue", max_queue, 0, None), ("--prefill-chunk", prefill_chunk, 1, None),
                                        ("--shutdown-timeout", shutdown_timeout, 0, None), ("--min-score", min_score, -1, 1),
@@ -63,10 +66,10 @@ def register(app: typer.Typer) -> None:
                 raise ValueError(f"{name} must be at least {low}" + (f" and at most {high}" if high is not None else "")
                                  + f", got {value:g}")
         from rag_promptcache.cli.app import SHOWN_DTYPES, check_name
-        from rag_promptcache.rag.layout import check_corpus
+        from rag_promptcache.rag.layout import find_corpora
 
         check_name("dtype", dtype, SHOWN_DTYPES)
-        check_corpus(corpus)  # a wrong path or name fails before torch and the server stack are imported
+        corpora = find_corpora(corpus)  # a wrong path or name fails before torch and the server stack are imported
         from rag_promptcache.engine.batching.batcher import ADMISSIONS
         from rag_promptcache.server import serve as run
         from rag_promptcache.server.access_log import FORMATS, LEVELS
@@ -89,12 +92,12 @@ def register(app: typer.Typer) -> None:
             if replicas is not None and autoscale is not None:
                 raise ValueError("--replicas and --autoscale exclude each other: a fixed count, or a range")
             bounds = parse_autoscale(autoscale) if autoscale is not None else None
-            opts = ReplicaOptions(str(corpus.resolve()), k=k, max_batch=max_batch, max_queue=max_queue,
+            opts = ReplicaOptions(tuple(str(c.resolve()) for c in corpora), k=k, max_batch=max_batch, max_queue=max_queue,
                                   redis_url=redis_url, dtype=dtype, api_key=api_key, prefill_chunk=prefill_chunk,
                                   admission=admission, min_score=min_score, adapter=adapter)
-            serve_ray(corpus, replicas=2 if replicas is None else replicas, autoscale=bounds, ray_address=ray_address,
+            serve_ray(corpora, replicas=2 if replicas is None else replicas, autoscale=bounds, ray_address=ray_address,
                       host=host, port=port, opts=opts, log=typer.echo)
             return
-        run(corpus, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
+        run(corpora, host=host, port=port, k=k, max_batch=max_batch, max_queue=max_queue, redis_url=redis_url, dtype=dtype,
             api_key=api_key, prefill_chunk=prefill_chunk, admission=admission, shutdown_timeout=shutdown_timeout, min_score=min_score,
             log_level=log_level, log_format=log_format, adapter=adapter, log=typer.echo)

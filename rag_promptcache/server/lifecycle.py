@@ -40,9 +40,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, *, batcher: Batcher, say: Callable[[str], None]) -> None:
+    def __init__(self, config: uvicorn.Config, *, batchers: list[Batcher], say: Callable[[str], None]) -> None:
         super().__init__(config)
-        self.batcher, self.say = batcher, say
+        self.batchers, self.say = batchers, say
         self.signals: list[int] = []  # received, in order
         self.cancelled = False  # whether the timeout passed with requests still open
 
@@ -54,9 +54,9 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.signals:
-            b = self.batcher
-            self.say(f"received {signal.Signals(sig).name}: refusing new connections; {b.num_running} running and "
-                     f"{b.num_waiting} waiting request(s) get {self.config.timeout_graceful_shutdown:g} s to finish, "
+            running, waiting = sum(b.num_running for b in self.batchers), sum(b.num_waiting for b in self.batchers)
+            self.say(f"received {signal.Signals(sig).name}: refusing new connections; {running} running and "
+                     f"{waiting} waiting request(s) get {self.config.timeout_graceful_shutdown:g} s to finish, "
                      "then are cancelled")
         self.signals.append(sig)
         super().handle_exit(sig, frame)

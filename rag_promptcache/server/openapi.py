@@ -25,6 +25,8 @@ from pydantic.json_schema import models_json_schema
 from rag_promptcache.server import responses as r
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from fastapi import FastAPI
 
     from rag_promptcache.server.embeddings import Embeddings
@@ -67,8 +69,10 @@ def generation(chunk: type[BaseModel]) -> dict[str, object]:
     return {"responses": out}
 
 
-def schema(app: FastAPI, *, served: list[str], embedder: Embeddings, window: int, secured: bool) -> dict[str, object]:
-    """The app's schema (made once, then kept on the app, as FastAPI's own `openapi()` does)."""
+def schema(app: FastAPI, *, served: list[str], embedders: Sequence[Embeddings], window: int,
+           secured: bool) -> dict[str, object]:
+    """The app's schema (made once, then kept on the app, as FastAPI's own `openapi()` does); `served`: the
+    names a request's `model` may use, `embedders`: the served corpora's."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -80,14 +84,15 @@ def schema(app: FastAPI, *, served: list[str], embedder: Embeddings, window: int
         components.pop(name, None)
     for body in ("ChatRequest", "CompletionRequest", "EmbeddingRequest"):
         props = components[body]["properties"]
-        names = [*served, embedder.name] if body == "EmbeddingRequest" else served
+        names = [*served, *sorted({e.name for e in embedders} - set(served))] if body == "EmbeddingRequest" else served
         props["model"] = {"type": "string", "enum": names, "title": "Model"}
         for field in ("max_tokens", "max_completion_tokens"):
             if field in props:
                 props[field] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": window}, {"type": "null"}],
                                 "title": field.replace("_", " ").title()}
     components["EmbeddingRequest"]["properties"]["dimensions"] = {
-        "anyOf": [{"const": embedder.embedder.dim}, {"type": "null"}], "title": "Dimensions"}
+        "anyOf": [*({"const": dim} for dim in sorted({e.embedder.dim for e in embedders})), {"type": "null"}],
+        "title": "Dimensions"}
     if secured:
         components_root = spec["components"]
         components_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -1,16 +1,17 @@
 """`serve --ray`: the same OpenAI app as `serve`, as a Ray Serve deployment of N replicas, or of a range
 that Ray Serve's own autoscaler moves within.
 
-Each replica is one Ray actor that opens the corpus, loads its own engine (memory tier, then the
-shared Redis tier when one is configured: no disk tier, so replicas on one machine do not contend
-for one directory) and builds the app with `server.build`; `serve.ingress` takes that builder, so the
-routes, streaming, the page and the API key are the app's own. Before each request a replica calls
-`Corpus.refresh()`: an `ingest` made meanwhile (by anyone) is seen by the next request, never
-half-way through one. Each response names its replica in `x-replica`.
+Each replica is one Ray actor that opens the same corpora (`serve --ray --corpus A --corpus B`: every
+replica serves all of them, corpora on one model sharing it as `serve` does), loads its own engine per
+model (memory tier, then the shared Redis tier when one is configured: no disk tier, so replicas on one
+machine do not contend for one directory) and builds the app with `server.build`; `serve.ingress` takes
+that builder, so the routes, streaming, the page and the API key are the app's own. Before each request
+a replica calls `Corpus.refresh()` on each corpus: an `ingest` made meanwhile (by anyone) is seen by the
+next request, never half-way through one. Each response names its replica in `x-replica`.
 
 Without `--ray-address` a local cluster is started here and stopped on exit; with one, the address
 is probed first, so an unreachable cluster fails in seconds instead of Ray's own minute of retries.
-The corpus path must be readable at the same path on every node, with the package installed there.
+The corpus paths must be readable at the same paths on every node, with the package installed there.
 
 A replica takes up to two batches of requests at once (`max_ongoing_requests`; Ray Serve's router
 queues the rest and hands each to the first replica with room), and with `autoscale` Ray Serve aims at
@@ -52,7 +53,7 @@ CUT_MESSAGE = ("the replica answering this request stopped before finishing it (
 class ReplicaOptions:
     """What every replica is built with (sent to the replicas by value)."""
 
-    corpus: str
+    corpus: str | tuple[str, ...]  # one corpus, or several (each a corpus directory)
     k: int = 4
     max_batch: int = 8
     max_queue: int = 64
@@ -64,24 +65,29 @@ class ReplicaOptions:
     min_score: float | None = None
     adapter: str | None = "default"
 
+    @property
+    def corpora(self) -> tuple[str, ...]:
+        return (self.corpus,) if isinstance(self.corpus, str) else self.corpus
+
 
 def build_replica_app(opts: ReplicaOptions) -> FastAPI:
-    """One replica's app: `server.build` over a corpus opened memory → Redis, refreshed between requests."""
+    """One replica's app: `server.build` over the corpora opened memory → Redis, refreshed between requests."""
     from fastapi import Request
     from starlette.concurrency import run_in_threadpool
 
-    from rag_promptcache.rag import Corpus
+    from rag_promptcache.rag.corpora import open_corpora
     from rag_promptcache.server import build
 
-    corpus = Corpus.open(opts.corpus, redis_url=opts.redis_url, dtype=opts.dtype, disk_tier=not opts.redis_url,
-                         adapter=opts.adapter)
-    app, _, _ = build(corpus, k=opts.k, max_batch=opts.max_batch, max_queue=opts.max_queue, api_key=opts.api_key,
+    corpora = open_corpora(opts.corpora, redis_url=opts.redis_url, dtype=opts.dtype, disk_tier=not opts.redis_url,
+                           adapter=opts.adapter)
+    app, _, _ = build(corpora, k=opts.k, max_batch=opts.max_batch, max_queue=opts.max_queue, api_key=opts.api_key,
                       prefill_chunk=opts.prefill_chunk, admission=opts.admission, min_score=opts.min_score)
     name = _replica_name()
 
     @app.middleware("http")
     async def refresh_between_requests(request: Request, call_next):
-        await run_in_threadpool(corpus.refresh)
+        for corpus in corpora:
+            await run_in_threadpool(corpus.refresh)
         response = await call_next(request)
         response.headers["x-replica"] = name
         return response
@@ -154,20 +160,23 @@ def deployment_options(opts: ReplicaOptions, replicas: int, autoscale: tuple[int
                     "ray_actor_options": {"num_cpus": cpus_per_replica}}
 
 
-def serve_ray(corpus: str | Path, *, replicas: int = 2, autoscale: tuple[int, int] | None = None,
+def serve_ray(corpus: str | Path | list[Path], *, replicas: int = 2, autoscale: tuple[int, int] | None = None,
               ray_address: str | None = None, host: str = "127.0.0.1", port: int = 8000,
               cpus_per_replica: float = 1.0, opts: ReplicaOptions | None = None,
               log: Callable[[str], None] = print, ready: threading.Event | None = None,
               stop: threading.Event | None = None) -> None:
     """Deploy `replicas` replicas, or `autoscale` = (min, max) under Ray Serve's autoscaler, and block
     until SIGTERM, Ctrl-C or `stop`; then delete the deployment (and stop the cluster if it was started here)."""
-    opts = opts or ReplicaOptions(str(Path(corpus).resolve()))
+    paths = [Path(corpus)] if isinstance(corpus, (str, Path)) else [Path(c) for c in corpus]
+    opts = opts or ReplicaOptions(tuple(str(p.resolve()) for p in paths))
     options = deployment_options(opts, replicas, autoscale, cpus_per_replica)
     ray, serve = _require()
     from rag_promptcache.rag import Corpus, corpus_store
     from rag_promptcache.rag.distributed import RayOptions, connect
+    from rag_promptcache.rag.layout import find_corpora
 
-    Corpus.open(corpus).close()  # a wrong path or a foreign corpus fails here, in a line, before Ray starts
+    for path in find_corpora(paths):  # a wrong path or a foreign corpus fails here, in a line, before Ray starts
+        Corpus.open(path).close()
     if ray_address is not None:
         probe(ray_address)
     # the driver's environment decides the Redis tier, not each node's: replicas get the URL itself
@@ -183,7 +192,7 @@ def serve_ray(corpus: str | Path, *, replicas: int = 2, autoscale: tuple[int, in
                                       **options)
         serve.run(deployment.bind(), name=APP_NAME, route_prefix="/")
         count = f"{autoscale[0]} to {autoscale[1]} autoscaled" if autoscale else str(replicas)
-        log(f"serving corpus {opts.corpus} on {count} Ray Serve replica(s) at http://{host}:{port}/ "
+        log(f"serving {', '.join(opts.corpora)} on {count} Ray Serve replica(s) at http://{host}:{port}/ "
             f"and http://{host}:{port}/v1 (cluster {ray_address or 'started here'})")
         _wait(stop or threading.Event(), ready)
     finally:

@@ -175,6 +175,9 @@ class ModelCard(_Out):
     schema_name: str = Field(alias="schema")  # the PML schema /v1/completions prompts import modules from
     embedder: str
     adapter: str | None
+    num_documents: int  # the corpus's size
+    num_modules: int
+    num_tokens: int
 
 
 class ModelList(_Out):
@@ -184,7 +187,9 @@ class ModelList(_Out):
 
 class Health(_Out):
     status: Literal["ok"]
-    model: str
+    model: str  # the first corpus served
+    models: list[str]  # every corpus served, by the name a request's `model` gives it
+    num_batchers: int  # schedulers: one per loaded model, shared by the corpora built with it
     running: int
     waiting: int
     max_batch: int

@@ -14,8 +14,8 @@ writes it to the store, so the next question that retrieves it reads it as store
 - A job that fails (a store that cannot write, a model error) is counted and dropped: the question
   was answered already, and a store entry is written whole or not at all (each tier's `put`).
 - `drain` encodes what is queued in the caller's thread (the CLI's `ask`, after the answer is out).
-- `idle`: a server's idle time: when the queue is empty and no request is in flight, the thread asks
-  this callable for one step of other work (a corpus warms what its retrieval log says is hot,
+- `start_idle`: a server's idle time: when the queue is empty and no request is in flight, the thread asks
+  each step it was given for one piece of other work (a corpus warms what its retrieval log says is hot,
   rag/lazy.py) until it says there is none, and again after later questions.
 
 Out of scope: what a module's KV is (engine/planning/encoder.py), where it is stored (store/), which
@@ -134,6 +134,7 @@ class Job:
     key: str  # the module's store key: what coalesces
     unit: Unit
     num_tokens: int
+    store: Store | None = None  # where it goes (its schema's, `PromptCache.store_of`); None: the encoder's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +207,9 @@ class BackgroundEncoder:
         self._working = False
         self.num_encoded = self.num_tokens = self.num_failed = 0
         self.last_error = ""
-        # one step of work for idle time → whether it did any (`start_idle`); None: none
-        self.idle: Callable[[], bool] | None = None
-        self._idle_due = False  # questions came since `idle` last said it had nothing to do
+        # steps of work for idle time, each → whether it did any (`start_idle`: a corpus's warming each)
+        self.idle_steps: list[Callable[[], bool]] = []
+        self._idle_due = False  # questions came since the idle steps last said it had nothing to do
 
     def submit(self, jobs: Sequence[Job]) -> int:
         """Queue one request's misses → how many were queued (the rest coalesced, deferred or dropped)."""
@@ -216,15 +217,17 @@ class BackgroundEncoder:
             if self._closed:
                 return 0
             queued = self.queue.offer(jobs)
-            self._idle_due = self.idle is not None and not self._closed
+            self._idle_due = bool(self.idle_steps) and not self._closed
             if queued or self._idle_due:
                 self._start()
         return len(queued)
 
-    def start_idle(self, idle: Callable[[], bool]) -> None:
-        """Spend idle time on `idle()` steps from now on (a server at start-up, before any question)."""
+    def start_idle(self, step: Callable[[], bool]) -> None:
+        """Spend idle time on `step()` from now on, beside the steps given before (a server at start-up, before
+        any question; one step per corpus on this engine)."""
         with self._cv:
-            self.idle, self._idle_due = idle, True
+            self.idle_steps.append(step)
+            self._idle_due = not self._closed
             if not self._closed:
                 self._start()
 
@@ -279,7 +282,7 @@ class BackgroundEncoder:
                 return
             with self._cv:
                 job = self.queue.take()
-                idle = self.idle if job is None and self._idle_due else None
+                idle = self._idle_once if job is None and self._idle_due else None
                 self._working = job is not None or idle is not None
             if job is not None:
                 self._run(job)
@@ -289,6 +292,10 @@ class BackgroundEncoder:
             with self._cv:
                 self._working = False
                 self._cv.notify_all()
+
+    def _idle_once(self) -> bool:
+        """The first idle step with work to do does one piece of it → whether any did."""
+        return any(step() for step in list(self.idle_steps))
 
     def _idle_step(self, idle: Callable[[], bool]) -> bool:
         try:
@@ -301,13 +308,14 @@ class BackgroundEncoder:
 
     def _run(self, job: Job) -> int:
         """Encode and write one job → 1 if written, 0 if it was stored meanwhile or failed."""
+        store = job.store or self.store
         try:
-            if self.store.contains(job.key):  # another process or an ingest wrote it meanwhile
+            if store.contains(job.key):  # another process or an ingest wrote it meanwhile
                 with self._cv:
                     self.queue.num_coalesced += 1
                 return 0
             (kv,) = self.encode([job.unit])
-            self.store.put(job.key, kv)
+            store.put(job.key, kv)
         except Exception as e:  # noqa: BLE001 - the question was answered; a failed write leaves the store as it was
             with self._cv:
                 self.num_failed += 1

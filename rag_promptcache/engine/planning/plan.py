@@ -3,7 +3,7 @@
 `Planner.plan` compiles the prompt against its schema, checks it fits the context window, fetches each
 module's KV from the store, and handles the ones missing (a miss: never encoded, evicted, corrupt, or
 made by another model; the key is content-addressed, so that is a miss too) one of two ways:
-- deferred (the engine's default, `misses="defer"`): the module's tokens are computed in this request's
+- deferred (`misses="defer"`, what a corpus's engine does): the module's tokens are computed in this request's
   prefill, against the modules before it as a full prefill computes them, and the module is handed to
   the background encoder (engine/planning/background.py), which stores it while no request runs. No
   question waits for an encoding, and the cost model still picks the sooner of this plan and full prefill;
@@ -160,12 +160,13 @@ class PlanConfig:
 
 
 class Planner:
-    def __init__(self, schemas: Schemas, compiler: Compiler, store: Store, model: PreTrainedModel,
+    def __init__(self, schemas: Schemas, compiler: Compiler, store_of: Callable[[str], Store], model: PreTrainedModel,
                  relocator: Relocator, geometry: KVGeometry, config: PlanConfig, model_lock: threading.RLock,
                  reusable: Callable[[Sequence[Label]], int] | None = None) -> None:
-        """`reusable`: how many tokens of a prompt with these labels the prefix cache would give its
+        """`store_of`: the store a schema's modules live in, by schema name (`PromptCache.store_of`).
+        `reusable`: how many tokens of a prompt with these labels the prefix cache would give its
         prefill now (None: none), for the cost model."""
-        self.schemas, self.compiler, self.store, self.model = schemas, compiler, store, model
+        self.schemas, self.compiler, self.store_of, self.model = schemas, compiler, store_of, model
         self.relocator, self.geometry, self.config = relocator, geometry, config
         self.model_lock = model_lock  # held around every forward: encoding misses, recovery passes
         self.reusable = reusable
@@ -214,13 +215,14 @@ class Planner:
         kvs: dict[str, ModuleKV] = {}
         missing: list[Unit] = []
         stored_anyway: set[str] = set()
+        store = self.store_of(compiled.name)
         for name in needed:
             unit = compiled.units[name]
-            if self.recompute_sooner(keys[name], len(unit.token_ids)):
+            if self.recompute_sooner(store, keys[name], len(unit.token_ids)):
                 missing.append(unit)
                 stored_anyway.add(name)
                 continue
-            kv = self.store.get(keys[name])
+            kv = store.get(keys[name])
             # keys are content addresses; this re-checks what the entry says of itself, so a foreign
             # entry planted under our key is recomputed, never used
             if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, cfg.fingerprint, cfg.mode):
@@ -238,7 +240,7 @@ class Planner:
             pieces = [Piece(p.token_ids, p.position) if p.unit in computed else p for p in pieces]
             deferred, to_encode = [u for u in missing if u.name not in stored_anyway], []
         encoded = 0
-        for u, kv in zip(to_encode, self.encode_once(to_encode, keys, stored_anyway)):
+        for u, kv in zip(to_encode, self.encode_once(store, to_encode, keys, stored_anyway)):
             kvs[u.name] = kv
             encoded += kv.num_tokens
         # the full prefill of this prompt: its own tokens, without any link tokens recovery adds
@@ -251,7 +253,7 @@ class Planner:
                     tuple(u.name for u in missing), tuple(dict.fromkeys(recomputed)), encoded, keys,
                     deferred=tuple(u.name for u in deferred))
         if deferred and self.defer is not None:
-            self.defer([Job(keys[u.name], u, len(u.token_ids)) for u in deferred])
+            self.defer([Job(keys[u.name], u, len(u.token_ids), store) for u in deferred])
         if fallback and cfg.fallback is not None and self._full_pays(plan, full, cfg.fallback):
             # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
             # an earlier full-path request computed of the same tokens (the prefix cache's labels)
@@ -274,20 +276,21 @@ class Planner:
         return fallback.use_full(plan.num_tokens, plan.num_cached, num_new=num_new, num_full=full.num_tokens,
                                  num_reused_full=self.reusable(token_labels(full.pieces, {})))
 
-    def recompute_sooner(self, key: str, num_tokens: int) -> bool:
+    def recompute_sooner(self, store: Store, key: str, num_tokens: int) -> bool:
         """Whether computing a module from its text is expected to finish before loading it: the store's
         measured link (a slow Redis) against this machine's forward cost at its present pace. Only under
         the `auto` fallback policy, whose costs it reuses; a store without estimates always loads."""
         fallback = self.config.fallback
-        load_s = getattr(self.store, "load_s", None)
+        load_s = getattr(store, "load_s", None)
         if fallback is None or load_s is None:
             return False
         costs = fallback.costs
         estimate = load_s(key, num_tokens) if costs is not None else None
         return estimate is not None and estimate > costs.full(num_tokens)
 
-    def encode_once(self, units: Sequence[Unit], keys: Mapping[str, str], unstored: set[str]) -> list[ModuleKV]:
-        """The KV of missed `units`, each encoded once however many requests miss it at the same time:
+    def encode_once(self, store: Store, units: Sequence[Unit], keys: Mapping[str, str],
+                    unstored: set[str]) -> list[ModuleKV]:
+        """The KV of missed `units` (stored into `store`), each encoded once however many requests miss it at the same time:
         the first encodes (all of its own in one batch) and stores it (unless in `unstored`: recomputing
         was chosen over loading it), the others wait for its result. A unit stored meanwhile is read back."""
         mine: list[Unit] = []
@@ -304,14 +307,14 @@ class Planner:
         try:
             todo = []
             for u in mine:  # another request may have stored it between our miss and our claim
-                kv = None if u.name in unstored else self.store.get(keys[u.name])
+                kv = None if u.name in unstored else store.get(keys[u.name])
                 if kv is not None and (kv.token_ids, kv.fingerprint) == (u.token_ids, self.config.fingerprint):
                     out[u.name] = kv
                 else:
                     todo.append(u)
             for u, kv in zip(todo, self.encode(todo)):
                 if u.name not in unstored:
-                    self.store.put(keys[u.name], kv)
+                    store.put(keys[u.name], kv)
                 out[u.name] = kv
         except BaseException as e:
             with self._encoding_lock:
