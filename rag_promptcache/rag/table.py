@@ -188,6 +188,13 @@ class ChunkTable:
         return {r[0] for r in self.db.execute("SELECT module_id FROM chunks WHERE source = ?", (source,))}
 
     @_serialized
+    def num_chunk_tokens(self, source: str) -> int:
+        """Tokens of the modules `source`'s chunks hold so far: what an interrupted ingest committed of it."""
+        row = self.db.execute("SELECT COALESCE(SUM(m.num_tokens), 0) FROM chunks c JOIN modules m USING(module_id) "
+                              "WHERE c.source = ?", (source,)).fetchone()
+        return int(row[0])
+
+    @_serialized
     def has_module(self, module_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM modules WHERE module_id = ?", (module_id,)).fetchone() is not None
 
