@@ -112,9 +112,25 @@ class DocumentRow:
         return label if label.startswith(name[: -len(label) - 1]) else name
 
 
+_COLUMNS = {"name", "context", "neighbours"}  # the newest columns: a table without them is opened writable once
+
+
 class ChunkTable:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+        """`read_only`: a connection that cannot write, so that closing it does not checkpoint the write-ahead
+        log an interrupted ingest left into the file (`info` writes nothing); a table from before the newest
+        columns is opened writable once to add them. A read-only view is for a moment's reading (`info`):
+        an ingest that starts meanwhile may not be seen by it."""
         self._lock = threading.RLock()
+        if read_only:
+            # No log beside the file: nothing is uncheckpointed, and `immutable` keeps SQLite from creating
+            # one (a read-only connection cannot delete the files it creates).
+            logged = any(path.with_name(path.name + end).exists() for end in ("-wal", "-shm"))
+            self.db = sqlite3.connect(f"{path.resolve().as_uri()}?{'mode=ro' if logged else 'immutable=1'}", uri=True,
+                                      isolation_level=None, check_same_thread=False)
+            if _COLUMNS <= {r[1] for t in ("documents", "modules") for r in self.db.execute(f"PRAGMA table_info({t})")}:
+                return
+            self.db.close()
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
