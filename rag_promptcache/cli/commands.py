@@ -94,7 +94,9 @@ def ask(
     adapter: AdapterOpt = "default",
     min_score: MinScoreOpt = None,
 ) -> None:
-    """Answer a question from the corpus."""
+    """Answer a question from the corpus. Each call loads the model, the embedder and the indexes before
+    its first token (seconds); for many questions prefer `chat` (one load, then a conversation) or `serve`
+    (one load, then an OpenAI-compatible server), where each answer costs only its own time."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
