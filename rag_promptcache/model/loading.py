@@ -107,6 +107,11 @@ def load_model(
     cached = _merged_dir(directory, found, dev, dt)
     if cached is not None and diskcache.matches(*cached):
         model, tokenizer = _from_pretrained(str(cached[0]), dev, dt)
+        with torch.no_grad():
+            # Copied out of the mapped file into memory of their own, as a merge leaves them: tensors of a
+            # mapped file start at unaligned offsets, and the CPU's matmuls ran the first forwards slower there.
+            for p in model.parameters():
+                p.data = p.data.clone()
     else:
         model, tokenizer = _from_pretrained(directory, dev, torch.float32)
         model = adapters.merge_weights(model, found, model_fingerprint(model), name_or_path).to(dt)
@@ -121,8 +126,8 @@ def load_model(
 def _merged_dir(directory: str, adapter: adapters.Adapter, device: torch.device,
                 dtype: torch.dtype) -> tuple[Path, str] | None:
     """Where the weights of `directory` with `adapter` merged in, cast to `dtype`, are kept, and the key
-    they are kept under, so that a later load reads them (a mapped safetensors file at the dtype it runs
-    in) instead of loading fp32 weights, merging and casting them: most of a load's time. Kept for a
+    they are kept under, so that a later load reads them (one safetensors file at the dtype it runs in)
+    instead of loading fp32 weights, merging and casting them: most of a load's time. Kept for a
     converted GGUF only (the default model): its directory is ours and its source key says what it
     holds; a model directory of the user's or a hub id is merged at each load. The device is part of
     the key because a merge there may round a weight differently in the last bit."""
