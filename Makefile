@@ -10,7 +10,7 @@ TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo 
 KERNELS  := rag_promptcache/model/kernels
 LIBRARY  := $(KERNELS)/librag-promptcache-kernels.so
 
-.PHONY: venv kernels test test-fast test-coarse docs demo bench bench-quick redis browser manuals clean gpu-check gpu-wheels
+.PHONY: venv kernels test test-fast test-coarse docs cli-docs demo bench bench-quick redis browser manuals clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,6 +68,10 @@ browser: venv
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; }
 	@$(BIN)/python -c "import selenium" 2>/dev/null || $(BIN)/pip install -q "selenium>=4.20,<5"
 	@command -v chromedriver >/dev/null 2>&1 && echo "chromedriver: $$(command -v chromedriver)"
+
+# docs/cli.md's reference, generated from the CLI (tests/test_cli_docs.py fails while it is stale).
+cli-docs: venv
+	PYTHONPATH=. $(BIN)/python docs/hooks.py
 
 # The documentation site (mkdocs.yml, docs/) into out/site; --strict: a broken link or reference fails.
 docs: venv

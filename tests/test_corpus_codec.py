@@ -18,6 +18,7 @@ from test_cli import assert_user_error, run, use_fake_models
 from test_rag_corpus import FakeEmbedder, FakeEngine, write_docs
 
 from rag_promptcache.cli import commands
+from rag_promptcache.engine.planning.costmodel import Costs, Fallback
 from rag_promptcache.model.positions import KVGeometry
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag import ingest
@@ -36,6 +37,8 @@ class SizedEngine(FakeEngine):
         super().__init__()
         self.geometry = KVGeometry(30, 3, 64, ("full_attention",) * 30, None)
         self.model = SimpleNamespace(dtype=torch.bfloat16)
+        # a cost model whose forward costs a millisecond a token: an ingest's expected encoding time
+        self.fallback = Fallback("auto", lambda: Costs(fixed_s=0.0, token_s=1e-3, pair_s=0.0, cached_token_s=0.0))
 
 
 @pytest.fixture
@@ -79,6 +82,7 @@ def test_ingest_tells_the_size_per_codec_before_and_the_store_after(tmp_path: Pa
     assert code == 0, err
     assert "expected store growth per codec" in err and "int4" in err and "(this corpus)" in err
     assert all(c in err for c in CODECS)
+    assert re.search(r"all of it now, about \d+s of encoding on this machine", err), err
     assert "store " in out and "(int4)" in out
     code, out, _ = run(capsys, "info", "--corpus", tmp_path / "c", "--json")
     assert json.loads(out)["codec"] == "int4"

@@ -260,6 +260,31 @@ def test_concurrent_winner_is_kept_and_stale_cache_replaced(tmp_path, home, monk
     assert sorted(p.name for p in (home / "models").iterdir()) == ["fake"]
 
 
+def test_an_adapter_merged_into_a_converted_model_is_kept_and_read_back(tmp_path, home, monkeypatch):
+    from rag_promptcache.model import adapter as adapters
+    from tests.tiny_adapter import save_random_lora
+
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF fake")
+    monkeypatch.setattr(loading, "_convert_gguf", fake_converter([]))
+    lora = save_random_lora(str(loading._resolve_directory(str(gguf))), tmp_path / "tuned")
+    first, _ = load_model(str(gguf), device="cpu", dtype="bfloat16", adapter=str(lora))
+    kept = sorted(p.name for p in (home / "models").iterdir())
+    assert len(kept) == 2 and kept[1].startswith(kept[0] + "+tuned-") and kept[1].endswith("-bfloat16-cpu"), kept
+
+    def refuse_merge(*args, **kwargs):
+        raise AssertionError("merged again instead of read from the cache")
+
+    monkeypatch.setattr(adapters, "merge_weights", refuse_merge)
+    second, _ = load_model(str(gguf), device="cpu", dtype="bfloat16", adapter=str(lora))
+    assert second.dtype == torch.bfloat16 and adapters.applied(second) == adapters.applied(first)
+    assert model_fingerprint(second) == model_fingerprint(first)
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(AssertionError, match="merged again"):  # another dtype is another merge
+        load_model(str(gguf), device="cpu", dtype="float32", adapter=str(lora))
+
+
 # --- fingerprints -----------------------------------------------------------------------------
 
 

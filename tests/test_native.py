@@ -200,3 +200,16 @@ def test_bf16_assembly_is_the_same_with_and_without_native_kernels(tokenizer, mo
     fast = assembled()
     monkeypatch.setenv(native.KERNELS_ENV, "0")
     assert _within_one_ulp(fast, assembled())
+
+
+def test_check_says_which_copy_is_used_and_that_the_other_is_optional(nowhere, monkeypatch):
+    package, home = nowhere / "package" / native.LIBRARY_NAME, nowhere / "home" / "kernels" / native.LIBRARY_NAME
+    monkeypatch.setattr(native, "check", lambda p: None if p == package else f"{p} is not built")
+    assert native.check_lines((package, home)) == [
+        f"{package}: ok, this copy is used",
+        f"{home} is not built (optional, not needed: the copy above is used)"]
+    monkeypatch.setattr(native, "check", lambda p: None if p == home else f"{p} is not built")
+    assert native.check_lines((package, home)) == [f"{package} is not built", f"{home}: ok, this copy is used"]
+    monkeypatch.setattr(native, "check", lambda p: f"{p} is not built")
+    lines = native.check_lines((package, home))
+    assert lines[-1].startswith("no copy can be used: the torch code runs instead") and native.BUILD_HINT in lines[-1]

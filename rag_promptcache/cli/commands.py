@@ -24,14 +24,15 @@ SHOWN_DOCUMENTS = 20
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 
 
-def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None, adapter: str = "default"):
+def _open(corpus: Path, redis_url: str | None = None, dtype: str | None = None, adapter: str = "default",
+          read_only: bool = False):
     from rag_promptcache.rag.layout import check_corpus
 
     check_name("dtype", dtype, SHOWN_DTYPES)
     check_corpus(corpus)  # a wrong path or name fails before torch is imported (seconds)
     from rag_promptcache.rag import Corpus
 
-    return Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
+    return Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter, read_only=read_only)
 
 
 def _check_k(k: int) -> None:
@@ -97,7 +98,10 @@ def ask(
     where: WhereOpt = None,
 ) -> None:
     """Answer a question from the corpus; each source is shown as file › section with a snippet. A
-    question too long for the model's context window is refused with exit code 2."""
+    question too long for the model's context window is refused with exit code 2. Each call loads the
+    model, the embedder and the indexes before its first token (seconds); for many questions prefer `chat`
+    (one load, then a conversation) or `serve` (one load, then an OpenAI-compatible server), where each
+    answer costs only its own time."""
     _check_k(k)
     if not question.strip():
         raise fail("the question is empty")
@@ -267,7 +271,7 @@ def info(
     """Documents, modules, tokens, store size and model of a corpus, and its documents."""
     from rag_promptcache.cli.output import echo_facts, echo_table, mib
 
-    c = _open(corpus)
+    c = _open(corpus, read_only=True)  # what it shows, it reads: a repair is ingest's to write
     from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY
     from rag_promptcache.rag.models import tuned_recovery
 
@@ -279,7 +283,8 @@ def info(
     except ValueError as e:  # the adapter it was encoded with is not here: info still shows the rest
         tuned, facts["adapter_missing"] = None, str(e)
     c.close()
-    incomplete = f" ({facts['num_incomplete']} incomplete: run ingest again)" if facts["num_incomplete"] else ""
+    incomplete = (f" ({facts['num_incomplete']} incomplete: the last ingest was interrupted; run ingest again to resume)"
+                  if facts["num_incomplete"] else "")
     echo_facts(facts, [
         ("corpus", str(facts["path"])),
         ("documents", f"{facts['num_documents']}{incomplete}"),

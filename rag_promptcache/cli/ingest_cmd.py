@@ -105,11 +105,14 @@ def _print_estimate(estimate) -> None:
 
     sizes = ", ".join(f"{c} {mib(b)}{' (this corpus)' if c == estimate.codec else ''}"
                       for c, b in estimate.bytes_per_codec)
+    from rag_promptcache.rag.progress import duration
+
     typer.echo(f"about {estimate.num_tokens:,} new tokens; expected store growth per codec: {sizes}", err=True)
     now = "this ingest" if estimate.kv == "eager" else "--kv eager"
     later = "this ingest" if estimate.kv == "lazy" else "--kv lazy"
-    typer.echo(f"  eager ({now}): all of it now; lazy ({later}): 0 B now, then the chunks questions retrieve, "
-               f"up to the store budget ({estimate.budget})", err=True)
+    took = "" if estimate.seconds is None else f", about {duration(estimate.seconds)} of encoding on this machine"
+    typer.echo(f"  eager ({now}): all of it now{took}; lazy ({later}): 0 B now (chunking and embedding only), "
+               f"then the chunks questions retrieve, up to the store budget ({estimate.budget})", err=True)
     if estimate.kv == "eager" and estimate.room is not None and estimate.bytes() > estimate.room:
         typer.echo(f"warning: the store budget holds {mib(estimate.room)}, less than this ingest's "
                    f"{mib(estimate.bytes())}: eager encoding would evict most of it as it is written; "

@@ -160,17 +160,31 @@ def merge(model: torch.nn.Module, adapter: Adapter, fingerprint: str, model_name
     """The model with the adapter's LoRA merged into its weights (peft's `merge_and_unload`), carrying
     the `Adapter` record that `applied` returns. `fingerprint`: the model's, in fp32, before the merge;
     it must be the one the adapter was tuned on (`check_base`)."""
+    return attach(merge_weights(model, adapter, fingerprint, model_name), adapter)
+
+
+def merge_weights(model: torch.nn.Module, adapter: Adapter, fingerprint: str, model_name: str) -> torch.nn.Module:
+    """`merge`'s first half: the LoRA merged into the weights, no link table and no record yet; what
+    the merged-weights cache saves (model/loading.py)."""
     from peft import PeftModel
 
     check_base(adapter, model_name, fingerprint)
     try:
         with peft_quiet():
-            merged = PeftModel.from_pretrained(model, adapter.path).merge_and_unload()
-        table = links.load(adapter.path)
-        if table is not None:
-            links.install(merged, table, adapter.num_wrap)
+            return PeftModel.from_pretrained(model, adapter.path).merge_and_unload()
     except (ValueError, KeyError, RuntimeError) as e:
         raise AdapterError(f"adapter {adapter.path!r} does not fit this model: {e}") from e
+
+
+def attach(merged: torch.nn.Module, adapter: Adapter) -> torch.nn.Module:
+    """`merge`'s second half, on weights `merge_weights` made (now or in a cached copy): the adapter's
+    link table installed, and its record set."""
+    table = links.load(adapter.path)
+    if table is not None:
+        try:
+            links.install(merged, table, adapter.num_wrap)
+        except ValueError as e:
+            raise AdapterError(f"adapter {adapter.path!r} does not fit this model: {e}") from e
     setattr(merged, _ATTR, adapter)
     return merged
 

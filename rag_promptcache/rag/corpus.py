@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,10 +72,10 @@ BATCH_CHUNKS = 16  # chunks embedded, encoded and committed at a time
 class Corpus(Answering, StoreAccess):
     def __init__(self, path: Path, manifest: Manifest, *, engine: PromptCache | None = None,
                  embedder: EmbedderLike | None = None, memory_bytes: int | None = None, redis_url: str | None = None,
-                 disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default") -> None:
+                 disk_tier: bool = True, adapter: str | os.PathLike[str] | None = "default", read_only: bool = False) -> None:
         self.path = path
         self.manifest = manifest
-        self.table = layout.open_table(path)
+        self.table = layout.open_table(path, read_only=read_only)
         self.memory_bytes = memory_bytes
         self.redis_url = redis_url
         self.disk_tier = disk_tier
@@ -92,29 +92,16 @@ class Corpus(Answering, StoreAccess):
         self.retrievals = lazy.RetrievalLog(self.table)  # what questions retrieved, for `warm`
         self.last_report: IngestReport | None = None
         self._index_generation = self.table.generation
-        self.index, problem = layout.load_index(path, manifest, self.table)
-        if problem:
-            self._repaired(problem, "the vector index", lambda: layout.save_index(path, self.index, self._index_generation))
-        self.lexical, self._lexical_generation, problem = layout.load_lexical(path, self.table)
-        if problem:
-            self._repaired(problem, "the lexical (BM25) index", lambda: layout.save_lexical(path, self.lexical, self._lexical_generation))
-
-    def _repaired(self, problem: str, what: str, save: Callable[[], None]) -> None:
-        """Save a derived index rebuilt from the table on open, and say so once."""
-        try:
-            save()
-            done = "saved"
-        except OSError as e:
-            done = f"not saved ({e.strerror or e}): it is rebuilt on each open until the corpus is writable"
-        warnings.warn(f"{problem}; rebuilt {what} from {layout.TABLE} ({len(self.index)} modules) and {done}",
-                      CorpusWarning, stacklevel=4)
+        self.index, self.lexical, self._lexical_generation = layout.load_indexes(path, manifest, self.table,
+                                                                                 writable=not read_only)
 
     # -- opening and creating ----------------------------------------------------------------------
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], engine: PromptCache | None = None, *, model: str | None = None,
              embedder: str | EmbedderLike | None = None, memory_bytes: int | None = None, redis_url: str | None = None,
-             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default", own_store: bool = False) -> Corpus:
+             disk_tier: bool = True, dtype: str | None = None, adapter: str | os.PathLike[str] | None = "default",
+             read_only: bool = False, own_store: bool = False) -> Corpus:
         """Open an existing corpus. A model, engine or embedder other than the one it was built
         with raises `ValueError` naming both, and so does a dtype other than the recorded one (the model
         loads in the corpus's recorded dtype), and an adapter other than the recorded one ("default": the
@@ -122,15 +109,17 @@ class Corpus(Answering, StoreAccess):
         a `CorpusWarning` says how to re-encode it). `redis_url` (else `$RAG_PROMPTCACHE_REDIS_URL`) adds a
         shared Redis tier below memory and disk (`disk_tier=False`: memory → Redis); it applies to
         the engine the corpus loads, not to a caller's `engine`. The tiers hold the corpus's recorded budget
-        (`set_budget`); `memory_bytes` (this process's memory tier) overrides its memory budget. `own_store` with
-        `engine` (another corpus's): the model is shared, this corpus's KV kept in its own tiers (`rag.corpora`)."""
+        (`set_budget`); `memory_bytes` (this process's memory tier) overrides its memory budget. `read_only`
+        (`info`): a missing or damaged derived index is rebuilt in memory, not saved, and said (`layout.py`).
+        `own_store` with `engine` (another corpus's): the model is shared, this corpus's KV kept in its own
+        tiers (`rag.corpora`)."""
         path = layout.check_corpus(path)
         redis_url = corpus_store.redis_url(redis_url)
         manifest = layout.read_manifest(path)
         layout.check_files(path)
         emb_obj = check_open(manifest, path, model=model, dtype=dtype, engine=engine, embedder=embedder, adapter=adapter)
         corpus = cls(path, manifest, engine=engine, embedder=emb_obj, memory_bytes=memory_bytes, redis_url=redis_url,
-                     disk_tier=disk_tier, adapter=adapter)
+                     disk_tier=disk_tier, adapter=adapter, read_only=read_only)
         if own_store and engine is not None:
             corpus.attach_own_store(engine)
         if engine is None and str(adapter).lower() != "default":

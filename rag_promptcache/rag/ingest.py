@@ -7,7 +7,6 @@ chunker over a sample).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from rag_promptcache.rag.chunker import Chunker
@@ -99,21 +98,3 @@ def stale(rows: list[DocumentRow], inputs: list[object], seen: set[str], skipped
     split = {s.split(RECORD_SEPARATOR, 1)[0] for s in seen if RECORD_SEPARATOR in s}  # files now read as records
     return [r.source for r in rows if r.source not in seen and r.source not in skipped
             and (r.source in split or (any(r.source.startswith(p) for p in roots) and not Path(r.source).exists()))]
-
-
-class _NoBar:
-    format_dict = {"elapsed": 0.0}
-
-    def update(self, n: int) -> None: ...
-    def set_postfix(self, **kw: object) -> None: ...
-    def close(self) -> None: ...
-
-
-def progress_bar(progress: bool | None):
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(unit=" modules", desc="ingest", dynamic_ncols=True)

@@ -29,11 +29,13 @@ from rag_promptcache.rag.encoding import NONE, Batch, Neighbours, encode_kv, enc
 from rag_promptcache.rag.index import faiss_id
 from rag_promptcache.rag import ingest, neighbours as nbr
 from rag_promptcache.rag.loaders import Document, LoaderWarning, LoadReport
+from rag_promptcache.rag.progress import progress
 from rag_promptcache.rag.records import IngestReport, Manifest, StoreEstimate
 from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
+    from rag_promptcache.engine.planning.costmodel import Costs
     from rag_promptcache.rag.distributed import RayOptions, RayTarget
 
 OnBatch = Callable[[int, int], None]  # (modules committed so far, tokens so far)
@@ -102,18 +104,19 @@ class Ingestor:
         todo = [d for d in docs if not self.unchanged(d)]
         self.update_metadata([d for d in docs if d.source not in {t.source for t in todo}])
         lazy = self.parts.manifest.kv == "lazy"
-        guess = sum(ingest.estimate_tokens(todo).values())
+        left = guess = sum(ingest.estimate_tokens(todo).values())
         if todo and (not lazy or (self.on_estimate is not None and guess >= ingest.LARGE_INGEST_TOKENS)):
             tokens = ingest.count_tokens(todo, self.chunker())
             ingest.check_budget(todo, None if lazy else token_budget, tokens)
+            left = max(0, tokens - self.committed(todo))  # a resumed ingest: what is left of it
             if self.on_estimate is not None and tokens >= ingest.LARGE_INGEST_TOKENS:
-                self.on_estimate(self.estimate(tokens))
+                self.on_estimate(self.estimate(left))
         # One document per name: the same one read from another place (a copied folder) replaces it.
         replaced = [(d.identity, r.source) for d in docs for r in table.named(d.identity) if r.source != d.source]
         gone = ingest.stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
         gone = [s for s in gone if s not in {old for _, old in replaced}]
         extra: dict[str, object] = {}
-        self._bar = ingest.progress_bar(self.progress)
+        self._bar = progress(self.progress, left if todo else 0)
         try:
             for source in [*(old for _, old in replaced), *gone]:
                 self.parts.forget(table.remove_document(source))
@@ -152,7 +155,17 @@ class Ingestor:
         sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
                                                    m.chunk_tokens)) for c in CODECS}
         return StoreEstimate(tokens, m.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])), m.kv,
-                             StoreBudget.of(m).describe(), m.disk_budget if m.disk_budget is not None else m.redis_budget)
+                             StoreBudget.of(m).describe(), m.disk_budget if m.disk_budget is not None else m.redis_budget,
+                             encode_seconds(engine.fallback.costs, tokens, m.chunk_tokens, m.neighbours))
+
+    def committed(self, todo: list[Document]) -> int:
+        """Tokens an interrupted ingest of the same documents committed already (resumed, not redone)."""
+        table, total = self.parts.table, 0
+        for d in todo:
+            row = table.document(d.source)
+            if row is not None and not row.complete and row.content_hash == d.content_hash:
+                total += table.num_chunk_tokens(d.source)
+        return total
 
     def chunker(self) -> Chunker:
         m = self.parts.manifest
@@ -255,7 +268,16 @@ class Ingestor:
         s.num_tokens += sum(m.num_tokens for m in modules)
         s.num_reused += len(batch) - len(modules)
         if self._bar is not None:
-            self._bar.update(len(modules))
-            self._bar.set_postfix(tok_s=f"{s.num_tokens / max(self._bar.format_dict['elapsed'], 1e-9):.0f}")
+            self._bar.update(sum(m.num_tokens for m in modules), len(modules))
         if self.on_batch is not None:
             self.on_batch(s.num_modules, s.num_tokens)
+
+
+def encode_seconds(costs: Costs | None, tokens: int, chunk_tokens: int, neighbours: int = 0) -> float | None:
+    """About how long encoding `tokens` in modules of `chunk_tokens` takes on this machine, by the engine's
+    cost model at its present pace (None: not modelled, e.g. with the fallback policy off). A module
+    encoded after M neighbours runs M+1 modules' tokens through the model."""
+    if costs is None or tokens <= 0:
+        return None if costs is None else 0.0
+    num_modules = -(-tokens // max(chunk_tokens, 1))
+    return num_modules * costs.full(round(tokens / num_modules) * (1 + (neighbours or 0)))

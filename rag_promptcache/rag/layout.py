@@ -10,6 +10,8 @@ saved FAISS index.
   again at once, with a `CorpusWarning`.
 - `lexical/`: the BM25 index (`lexical.py`), derived the same way: a corpus made before it, or one
   whose copy is missing or damaged, gets it built from the table and saved, with a `CorpusWarning`.
+  A read-only command (`info`) rebuilds either in memory and writes nothing: where an ingest was
+  interrupted before saving them, its warning says so and that `ingest` resumes (and saves them).
 - `store/`: module KV (`corpus_store.py`).
 
 Not here: what ingest writes (`ingestor.py`) or how the index is searched (`retrieval.py`).
@@ -20,7 +22,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -97,10 +100,10 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
     write_atomic(path / MANIFEST, manifest.to_json())
 
 
-def open_table(path: Path) -> ChunkTable:
+def open_table(path: Path, *, read_only: bool = False) -> ChunkTable:
     file = path / TABLE
     try:
-        return ChunkTable(file)
+        return ChunkTable(file, read_only=read_only)
     except sqlite3.DatabaseError as e:
         raise ValueError(f"{file} is damaged ({e}); it holds the corpus's chunks and vectors: re-ingest the "
                          "documents into a new corpus (a damaged module store is checked with "
@@ -118,6 +121,42 @@ def check_files(path: Path) -> None:
     if not (path / TABLE).is_file():
         raise ValueError(f"{path / TABLE} is missing; it holds the corpus's chunks and vectors and cannot be rebuilt: "
                          "restore it from a backup, or re-ingest the documents into a new corpus")
+
+
+def load_indexes(path: Path, manifest: Manifest, table: ChunkTable, *,
+                 writable: bool = True) -> tuple[VectorIndex, LexicalIndex, int]:
+    """The vector index, the BM25 index and the table generation that one reflects, each loaded, else
+    rebuilt from the table; a missing or damaged one is saved where `writable`, and said once."""
+    generation = table.generation
+    index, problem = load_index(path, manifest, table)
+    if problem:
+        _repaired(path, table, problem, "the vector index", len(index), writable,
+                  lambda: save_index(path, index, generation))
+    lexical, lexical_generation, problem = load_lexical(path, table)
+    if problem:
+        _repaired(path, table, problem, "the lexical (BM25) index", len(index), writable,
+                  lambda: save_lexical(path, lexical, lexical_generation))
+    return index, lexical, lexical_generation
+
+
+def _repaired(path: Path, table: ChunkTable, problem: str, what: str, num_modules: int, writable: bool,
+              save: Callable[[], None]) -> None:
+    """Save a derived index rebuilt from the table on open (where `writable`), and say so once."""
+    if not writable:
+        if any(not d.complete for d in table.documents()):
+            said = (f"the last ingest into {path} was interrupted before it saved {what} ({Path(problem.split(' is ')[0]).name}): "
+                    "run ingest again to resume; this command rebuilt it in memory and wrote nothing")
+        else:
+            said = f"{problem}; this command rebuilt {what} in memory and wrote nothing (the next ingest saves it)"
+        warnings.warn(said, CorpusWarning, stacklevel=5)
+        return
+    try:
+        save()
+        done = "saved"
+    except OSError as e:
+        done = f"not saved ({e.strerror or e}): it is rebuilt on each open until the corpus is writable"
+    warnings.warn(f"{problem}; rebuilt {what} from {TABLE} ({num_modules} modules) and {done}", CorpusWarning,
+                  stacklevel=5)
 
 
 def load_index(path: Path, manifest: Manifest, table: ChunkTable) -> tuple[VectorIndex, str | None]:

@@ -82,7 +82,8 @@ class StoreEstimate:
     `num_tokens` new tokens (counted by the real chunker on a sample of the documents, `ingest.count_tokens`)
     and their bytes at rest in each codec (`store.codecs.bytes_per_token`); `codec` is the corpus's own.
     `kv` is how this ingest encodes: "eager" stores all of it now; "lazy" stores nothing now, and later
-    what questions retrieve, within `budget` (the corpus's store budget per tier, described)."""
+    what questions retrieve, within `budget` (the corpus's store budget per tier, described). A resumed
+    ingest's `num_tokens` is what is left of it."""
 
     num_tokens: int
     codec: str
@@ -90,6 +91,7 @@ class StoreEstimate:
     kv: str = "eager"
     budget: str = ""
     room: int | None = None  # the bytes the corpus's disk (else Redis) budget holds; None: unbounded
+    seconds: float | None = None  # encoding all of it on this machine (the engine's cost model); None: not modelled
 
     def bytes(self, codec: str | None = None) -> int:
         return dict(self.bytes_per_codec)[codec or self.codec]

@@ -121,11 +121,25 @@ _DOCUMENT = "source, label, content_hash, complete, num_bytes, name, kind, title
 
 def _document(row: Sequence[object]) -> DocumentRow:
     return DocumentRow(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7], row[8])  # type: ignore[arg-type]
+_COLUMNS = {"name", "context", "neighbours", "kind", "title", "modified"}  # the newest columns: a table without them is opened writable once
 
 
 class ChunkTable:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+        """`read_only`: a connection that cannot write, so that closing it does not checkpoint the write-ahead
+        log an interrupted ingest left into the file (`info` writes nothing); a table from before the newest
+        columns is opened writable once to add them. A read-only view is for a moment's reading (`info`):
+        an ingest that starts meanwhile may not be seen by it."""
         self._lock = threading.RLock()
+        if read_only:
+            # No log beside the file: nothing is uncheckpointed, and `immutable` keeps SQLite from creating
+            # one (a read-only connection cannot delete the files it creates).
+            logged = any(path.with_name(path.name + end).exists() for end in ("-wal", "-shm"))
+            self.db = sqlite3.connect(f"{path.resolve().as_uri()}?{'mode=ro' if logged else 'immutable=1'}", uri=True,
+                                      isolation_level=None, check_same_thread=False)
+            if _COLUMNS <= {r[1] for t in ("documents", "modules") for r in self.db.execute(f"PRAGMA table_info({t})")}:
+                return
+            self.db.close()
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
@@ -233,6 +247,13 @@ class ChunkTable:
     @_serialized
     def chunk_ids(self, source: str) -> set[str]:
         return {r[0] for r in self.db.execute("SELECT module_id FROM chunks WHERE source = ?", (source,))}
+
+    @_serialized
+    def num_chunk_tokens(self, source: str) -> int:
+        """Tokens of the modules `source`'s chunks hold so far: what an interrupted ingest committed of it."""
+        row = self.db.execute("SELECT COALESCE(SUM(m.num_tokens), 0) FROM chunks c JOIN modules m USING(module_id) "
+                              "WHERE c.source = ?", (source,)).fetchone()
+        return int(row[0])
 
     @_serialized
     def has_module(self, module_id: str) -> bool:
