@@ -126,10 +126,9 @@ _COLUMNS = {"name", "context", "neighbours", "kind", "title", "modified"}  # the
 
 class ChunkTable:
     def __init__(self, path: Path, *, read_only: bool = False) -> None:
-        """`read_only`: a connection that cannot write, so that closing it does not checkpoint the write-ahead
-        log an interrupted ingest left into the file (`info` writes nothing); a table from before the newest
-        columns is opened writable once to add them. A read-only view is for a moment's reading (`info`):
-        an ingest that starts meanwhile may not be seen by it."""
+        """`read_only`: a connection that cannot write, so closing it does not checkpoint an interrupted ingest's
+        write-ahead log into the file (`info` writes nothing); a table from before the newest columns is opened
+        writable once to add them. A read-only view is for a moment's reading: a later ingest may not show."""
         self._lock = threading.RLock()
         if read_only:
             # No log beside the file: nothing is uncheckpointed, and `immutable` keeps SQLite from creating
@@ -144,16 +143,12 @@ class ChunkTable:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
-        if "name" not in {r[1] for r in self.db.execute("PRAGMA table_info(documents)")}:
-            self.db.execute("ALTER TABLE documents ADD COLUMN name TEXT")  # a table from before names: NULL
-        if "context" not in {r[1] for r in self.db.execute("PRAGMA table_info(modules)")}:
-            self.db.execute("ALTER TABLE modules ADD COLUMN context TEXT")  # a table from before contexts: NULL
-        if "neighbours" not in {r[1] for r in self.db.execute("PRAGMA table_info(modules)")}:
-            self.db.execute("ALTER TABLE modules ADD COLUMN neighbours TEXT")  # from before neighbours: NULL, none
-        have = {r[1] for r in self.db.execute("PRAGMA table_info(documents)")}
-        for column, kind in (("kind", "TEXT"), ("title", "TEXT"), ("modified", "REAL")):
-            if column not in have:  # from before metadata filters: NULL, derived or refused (rag/metadata.py)
-                self.db.execute(f"ALTER TABLE documents ADD COLUMN {column} {kind}")
+        have = {t: {r[1] for r in self.db.execute(f"PRAGMA table_info({t})")} for t in ("documents", "modules")}
+        for table, column, kind in (("documents", "name", "TEXT"), ("modules", "context", "TEXT"),
+                                    ("modules", "neighbours", "TEXT"), ("documents", "kind", "TEXT"),
+                                    ("documents", "title", "TEXT"), ("documents", "modified", "REAL")):
+            if column not in have[table]:  # a table from before it: NULL (metadata: derived or refused, metadata.py)
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     @_serialized
     def close(self) -> None:
