@@ -57,24 +57,11 @@ from rag_promptcache.store.config import load_config
 
 
 class PromptCache:
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        store: Store | None = None,
-        mode: str = DEFAULT_MODE,
-        layout: Layout = "contiguous",
-        name: str | None = None,
-        batch_size: int = 8,
-        recovery: str | Recovery | None = None,
-        codec: str | None = None,
-        prompt_lookup: int | None = None,
-        prefix_cache_bytes: int | None = None,
-        fallback: str | Fallback | None = None,
-        misses: str | None = None,
-        admission: str | None = None,
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, store: Store | None = None,
+                 mode: str = DEFAULT_MODE, layout: Layout = "contiguous", name: str | None = None, batch_size: int = 8,
+                 recovery: str | Recovery | None = None, codec: str | None = None, prompt_lookup: int | None = None,
+                 prefix_cache_bytes: int | None = None, fallback: str | Fallback | None = None,
+                 misses: str | None = None, admission: str | None = None) -> None:
         """`recovery`: the default where a request names none; None: the recovery the model's merged
         adapter was tuned for (`model/adapter.py`), else `DEFAULT_RECOVERY`. `engine.recovery = None`
         later goes back to that.
@@ -153,8 +140,7 @@ class PromptCache:
         )
         self.activity = Activity()  # requests in flight: the background encoder works only when there are none
         self.background = BackgroundEncoder(self.planner.encode, store, self.activity, admission=admission)
-        if misses == "defer":
-            self.planner.defer = self.background.submit
+        self.planner.defer, self.planner.default_misses = self.background.submit, misses
 
     def _default_recovery(self, spec: str | Recovery | None) -> Recovery:
         if spec is not None:
@@ -195,15 +181,9 @@ class PromptCache:
             return recalibrated_costs(self.model, self.relocator, self.geometry, self.fingerprint)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        model: str = "smollm2-135m-instruct",
-        *,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        adapter: str | os.PathLike[str] | None = "default",
-        **kwargs,
-    ) -> PromptCache:
+    def from_pretrained(cls, model: str = "smollm2-135m-instruct", *, device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None, adapter: str | os.PathLike[str] | None = "default",
+                        **kwargs) -> PromptCache:
         """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16". `adapter`:
         "default" (the tuned adapter shipped for the model, if one ships), "none"/None (the base
         model) or an adapter directory (`load_model`)."""
@@ -241,13 +221,8 @@ class PromptCache:
     def schema(self, name: str) -> ast.Schema:
         return self.schemas.get(name)
 
-    def encode(
-        self,
-        schema_name: str,
-        module_names: Sequence[str] | None = None,
-        *,
-        progress: Callable[[int], None] | None = None,
-    ) -> EncodeReport:
+    def encode(self, schema_name: str, module_names: Sequence[str] | None = None, *,
+               progress: Callable[[int], None] | None = None) -> EncodeReport:
         """Compute and store the KV of the schema's modules (all, or the named ones) not stored yet.
 
         The schema's anonymous text (its root) is included when encoding all. `progress(n)` is called

@@ -139,13 +139,6 @@ def uncached(plan: Plan) -> Plan:
 DEFERRABLE = ("none", "last", "tail", "first_k")
 
 
-def misses_or(misses: str | None, defer: object | None) -> str:
-    """A request's misses policy: its own, else "defer" where there is somewhere to defer to."""
-    if misses is None:
-        return "defer" if defer is not None else "encode"
-    return misses
-
-
 @dataclass(frozen=True, slots=True)
 class PlanConfig:
     """What a planner needs of its engine, fixed at the engine's construction."""
@@ -175,16 +168,18 @@ class Planner:
         self._encoding: dict[str, Future[ModuleKV]] = {}
         self._encoding_lock = threading.Lock()
         self.num_shared_encodes = 0  # misses answered by another request's encoding
-        # where deferred misses go (the engine's `BackgroundEncoder.submit`); None: misses are encoded in the request
+        # where deferred misses go (the engine's `BackgroundEncoder.submit`; None: nowhere, they are computed in the
+        # request only), and the policy of a request that names none (the engine's `misses`)
         self.defer: Callable[[Sequence[Job]], int] | None = None
+        self.default_misses = "encode"
 
     def plan(self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
              max_new_tokens: int = 0, fallback: bool = True, misses: str | None = None) -> Plan:
         """Compile the prompt and fetch the KV of every module it uses. Raises `ContextWindowExceeded` if
         the prompt plus `max_new_tokens` does not fit the model's context window.
         `fallback`: let the engine's policy (engine/planning/costmodel.py) swap the plan for a full prefill of the
-        same tokens where that is faster. `misses`: "defer" or "encode" (the module docstring); None: "defer"
-        where the engine has a background encoder."""
+        same tokens where that is faster. `misses`: "defer" or "encode" (the module docstring); None: the
+        planner's `default_misses`."""
         cfg = self.config
         if misses not in (None, *MISSES):
             raise ValueError(f"unknown misses policy {misses!r}; valid: {', '.join(MISSES)}")
@@ -234,7 +229,7 @@ class Planner:
         order = list(dict.fromkeys(p.unit for p in pieces if p.cached and p.unit != ROOT))
         deferred: list[Unit] = []
         to_encode = missing
-        if missing and chosen.kind in DEFERRABLE and misses_or(misses, self.defer) == "defer":
+        if missing and chosen.kind in DEFERRABLE and (misses or self.default_misses) == "defer":
             # computed in this prefill against what precedes them; stored later, off the request's path
             computed = {u.name for u in missing}
             pieces = [Piece(p.token_ids, p.position) if p.unit in computed else p for p in pieces]
