@@ -167,3 +167,22 @@ def test_the_corpus_picker_lists_each_corpus_and_answers_from_the_one_chosen(url
     ferry, _ = _ask(b, "When does the night ferry to Osk depart?")
     assert "23" in ferry.find_element(By.CSS_SELECTOR, ".text").text
     assert b.execute_script("return model.id") == "ferries"
+
+
+def test_the_filter_box_narrows_the_search_and_a_bad_key_is_named(url, browser):
+    from selenium.webdriver.common.by import By
+
+    b = browser
+    b.get(f"{url}/")
+    b.execute_script(f"localStorage.setItem('rag-promptcache-api-key', {KEY!r})")
+    b.get(f"{url}/")
+    _wait("the model's name", lambda: MODEL in b.find_element(By.ID, "model").text, 30)
+    box = b.find_element(By.ID, "filter")
+    box.send_keys("source=castle.txt")
+    answer, _ = _ask(b, QUESTIONS[0])  # the zorblat's question, searched only in castle.txt
+    docs = {li.text for li in answer.find_elements(By.CSS_SELECTOR, ".sources li .doc")}
+    assert docs and all(d.endswith("castle.txt") for d in docs), docs
+    box.clear()
+    box.send_keys("colour=purple")
+    refused, _ = _ask(b, QUESTIONS[0])
+    assert "unknown filter key" in refused.text and "colour" in refused.text, refused.text
