@@ -112,19 +112,34 @@ def _ask(base: str, question: str, model: str = "c") -> tuple[str, dict]:
 
 @pytest.mark.ray
 @pytest.mark.slow
+def _stored(base: str, replica: str) -> None:
+    """Wait until `replica`'s background encoder has written what its questions deferred (the proxy picks
+    the replica each /health goes to: ask until that one says its queue is empty)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{base}/health", timeout=30)
+        if r.headers.get("x-replica") == replica and r.json()["background_queue"] == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"replica {replica} did not store its deferred modules in 120 s")
+
+
 def test_a_module_one_replica_encodes_is_a_store_hit_in_the_other(cluster: str) -> None:
-    first: dict[str, dict] = {}
-    for _ in range(30):  # the proxy picks the replica: ask until both answered once
+    encoder, first = _ask(cluster, QUESTION)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing in Redis, no disk tier
+    assert first["usage"]["served"] == "deferred"  # computed in the request, written to Redis after it
+    _stored(cluster, encoder)
+    answers: dict[str, dict] = {}
+    for _ in range(30):  # the proxy picks the replica: ask until both answered once more
         replica, body = _ask(cluster, QUESTION)
-        first.setdefault(replica, body)
-        if len(first) == 2:
+        answers.setdefault(replica, body)
+        if len(answers) == 2:
             break
-    assert len(first) == 2, f"one replica answered every request: {list(first)}"
-    encoder, reader = list(first.values())
-    assert encoder["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing in Redis, no disk tier
+    assert len(answers) == 2, f"one replica answered every request: {list(answers)}"
+    reader = next(body for replica, body in answers.items() if replica != encoder)
     # the other replica's first request: its memory tier was empty, so the hit came from Redis
-    assert reader["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert reader["choices"][0]["message"]["content"] == encoder["choices"][0]["message"]["content"]
+    assert reader["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 and reader["usage"]["served"] == "store"
+    assert reader["choices"][0]["message"]["content"] == answers[encoder]["choices"][0]["message"]["content"]
 
 
 @pytest.mark.ray
@@ -142,6 +157,11 @@ def test_every_replica_serves_both_corpora_each_from_its_own_documents(cluster: 
     assert len(answered) == 2 and all("tides.md" in labels for labels in answered.values()), answered
     _, body = _ask(cluster, "When do spring tides come?", model="c")  # c may hold a tides.txt of its own (above)
     assert body["sources"] and not {s["label"] for s in body["sources"]} & set(OTHER)
+    filtered = {"model": "d", "messages": [{"role": "user", "content": "When do spring tides come?"}], "max_tokens": 2,
+                "filter": {"source": "kites.txt"}}  # every replica searches within the filter
+    for _ in range(4):
+        r = httpx.post(f"{cluster}/v1/chat/completions", json=filtered, timeout=120)
+        assert r.status_code == 200 and {s["label"] for s in r.json()["sources"]} == {"kites.txt"}, r.text
 
 
 @pytest.mark.ray
