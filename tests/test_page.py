@@ -59,6 +59,17 @@ def _wait(what: str, check: Callable[[], object], timeout: float = 180) -> objec
         time.sleep(0.05)
 
 
+def _opened(b, url: str):
+    """The page with the key already kept (as the key dialog keeps it), once it shows the first corpus."""
+    from selenium.webdriver.common.by import By
+
+    b.get(f"{url}/")
+    b.execute_script(f"localStorage.setItem('rag-promptcache-api-key', {KEY!r})")
+    b.get(f"{url}/")
+    _wait("the model's name", lambda: MODEL in b.find_element(By.ID, "model").text, 30)
+    return b
+
+
 def _ask(b, question: str) -> tuple[object, set[int]]:
     """Type a question, press Enter; return the answer's element once done, and the lengths its text
     had while it streamed."""
@@ -146,11 +157,7 @@ def test_the_corpus_picker_lists_each_corpus_and_answers_from_the_one_chosen(url
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    b = browser
-    b.get(f"{url}/")
-    b.execute_script(f"localStorage.setItem('rag-promptcache-api-key', {KEY!r})")
-    b.get(f"{url}/")
-    _wait("the model's name", lambda: MODEL in b.find_element(By.ID, "model").text, 30)
+    b = _opened(browser, url)
     picker = Select(b.find_element(By.ID, "corpus"))
     assert [o.get_attribute("value") for o in picker.options] == [MODEL, "ferries"]
     assert picker.first_selected_option.get_attribute("value") == MODEL  # the first served, as /v1/models lists it
@@ -172,11 +179,7 @@ def test_the_corpus_picker_lists_each_corpus_and_answers_from_the_one_chosen(url
 def test_the_filter_box_narrows_the_search_and_a_bad_key_is_named(url, browser):
     from selenium.webdriver.common.by import By
 
-    b = browser
-    b.get(f"{url}/")
-    b.execute_script(f"localStorage.setItem('rag-promptcache-api-key', {KEY!r})")
-    b.get(f"{url}/")
-    _wait("the model's name", lambda: MODEL in b.find_element(By.ID, "model").text, 30)
+    b = _opened(browser, url)
     box = b.find_element(By.ID, "filter")
     box.send_keys("source=castle.txt")
     answer, _ = _ask(b, QUESTIONS[0])  # the zorblat's question, searched only in castle.txt
