@@ -22,6 +22,8 @@ def cli_reference() -> str:
 
     command = typer.main.get_command(registered())
     docs = get_docs_for_click(obj=command, ctx=typer.Context(command), name="rag-promptcache")
+    # each usage line is a synopsis, not a command to run (tests/test_docs.py reads the tag)
+    docs = docs.replace("```console\n", "<!-- not run: a usage synopsis -->\n```console\n")
     return docs.replace("# `rag-promptcache`", "## `rag-promptcache`", 1)
 
 

@@ -214,7 +214,7 @@ def test_cli_adapter_flag_and_info(tiny, lora, tmp_path, capsys, fake_embedder):
     code, _, err = run(capsys, "ask", "Why do cats purr?", "--corpus", path, "--adapter", tmp_path / "nope")
     assert code == 1 and "does not exist" in err
     code, out, err = run(capsys, "ask", "Why do cats purr?", "--corpus", path, "--max-new-tokens", 2)
-    assert code == 0 and "sources: " in out, err
+    assert code == 0 and "sources:\n" in out, err
     base = tmp_path / "base"
     assert run(capsys, "ingest", docs, "--corpus", base, "--model", tiny, "--adapter", "none", "--chunk-tokens", 64)[0] == 0
     assert "none (the base model)" in run(capsys, "info", "--corpus", base)[1]

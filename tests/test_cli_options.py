@@ -34,10 +34,12 @@ def test_stream_json_is_json_lines(built: Path, capsys) -> None:
 
 def test_the_window_error_counts_what_it_names(built: Path, capsys) -> None:
     err = run(capsys, "ask", "--corpus", built, "cats?", "-k", "2", "--max-new-tokens", "4090")[2]
-    assert_user_error((1, "", err), "plus max_new_tokens 4090", "for the best retrieved chunk", "question", "4096-token window")
+    # the CLI names its own flag where the library's message names the keyword
+    assert_user_error((1, "", err), "plus --max-new-tokens 4090", "for the best retrieved chunk", "question",
+                      "4096-token window")
     assert "history" not in err
     needed = int(err.split("the prompt needs ")[1].split(" tokens")[0])
-    assert f"lower max_new_tokens to at most {4096 - needed}" in err
+    assert f"lower --max-new-tokens to at most {4096 - needed}" in err
 
 
 def test_help_shows_defaults_and_version(capsys) -> None:

@@ -27,7 +27,7 @@ def http(tmp_path_factory):
 
     from rag_promptcache.server import build
 
-    app, batcher, chat = build(build_tiny_corpus(tmp_path_factory, DOCS, WINDOW), k=2)
+    app, (batcher,), (chat,) = build(build_tiny_corpus(tmp_path_factory, DOCS, WINDOW), k=2)
     try:
         with TestClient(app) as client:
             yield client, chat.corpus

@@ -139,7 +139,7 @@ def _serve(stack: ExitStack, bench: Bench, chunk: int | None, where: list[str], 
     batcher = Batcher(engine, max_batch=MAX_BATCH, max_queue=64, prefill_chunk=chunk, admission=admission)
     stack.callback(batcher.close)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(chat, batcher, model_id="demo", k=K), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(create_app([(chat, batcher, "demo")], k=K), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
