@@ -251,7 +251,8 @@ class BackgroundEncoder:
 
     def drain(self, stopped: Callable[[], bool] = lambda: False) -> int:
         """Encode every queued job now, in this thread, until the queue is empty or `stopped()` → how many
-        were written. The thread keeps its own job; this takes the rest."""
+        were written (by this thread). The encoder's thread finishes the job it holds before this returns,
+        so what was queued is stored when it does."""
         done = 0
         while not stopped():
             with self._cv:
@@ -261,6 +262,7 @@ class BackgroundEncoder:
             done += self._run(job)
         with self._cv:
             self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._working or self._closed)
         return done
 
     def close(self) -> None:

@@ -61,7 +61,7 @@ class Plan:
     # prefix cache's labels (engine/prefix/prefix_cache.py); None: a full-prefill reference, which reuses nothing
     sources: Mapping[str, str] | None = None
     path: str = "cached"  # "full": every token computed (use_cache=False, or the fallback chose it)
-    # missed modules computed in this request's prefill and queued for the background encoder
+    # missed modules computed in this request's prefill, queued for the background encoder (unless held but slower to load)
     deferred: tuple[str, ...] = ()
 
     @property
@@ -233,7 +233,7 @@ class Planner:
             # computed in this prefill against what precedes them; stored later, off the request's path
             computed = {u.name for u in missing}
             pieces = [Piece(p.token_ids, p.position) if p.unit in computed else p for p in pieces]
-            deferred, to_encode = [u for u in missing if u.name not in stored_anyway], []
+            deferred, to_encode = missing, []  # what the store holds but loads slower than this is not queued
         encoded = 0
         for u, kv in zip(to_encode, self.encode_once(store, to_encode, keys, stored_anyway)):
             kvs[u.name] = kv
@@ -248,7 +248,7 @@ class Planner:
                     tuple(u.name for u in missing), tuple(dict.fromkeys(recomputed)), encoded, keys,
                     deferred=tuple(u.name for u in deferred))
         if deferred and self.defer is not None:
-            self.defer([Job(keys[u.name], u, len(u.token_ids), store) for u in deferred])
+            self.defer([Job(keys[u.name], u, len(u.token_ids), store) for u in deferred if u.name not in stored_anyway])
         if fallback and cfg.fallback is not None and self._full_pays(plan, full, cfg.fallback):
             # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
             # an earlier full-path request computed of the same tokens (the prefix cache's labels)
