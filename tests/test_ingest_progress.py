@@ -3,7 +3,9 @@ interval elsewhere; and its estimate before it starts, of what is left when it r
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import re
 from pathlib import Path
 
@@ -54,6 +56,7 @@ def test_the_interval_comes_from_the_environment_and_a_bad_one_is_named(monkeypa
 def test_the_bar_shows_an_eta_and_ends_full_when_the_estimate_ran_low():
     out = io.StringIO()
     bar = progress.Bar(100, file=out)
+    bar.bar.start_t -= 10.0  # ten seconds in, whatever the clock's resolution (the coarse-clock tier)
     bar.update(40, 2)
     bar.bar.refresh()
     shown = out.getvalue().split("\r")[-1]
@@ -66,7 +69,9 @@ def test_the_bar_shows_an_eta_and_ends_full_when_the_estimate_ran_low():
 def test_an_ingest_not_on_a_terminal_prints_lines_with_an_eta(tmp_path: Path, monkeypatch, capsys):
     use_fake_models(monkeypatch, SizedEngine())
     monkeypatch.setattr(corpus_mod, "BATCH_CHUNKS", 2)  # a few batches of the small test documents
-    monkeypatch.setenv(progress.INTERVAL_ENV, "0.000001")  # a line for every batch
+    monkeypatch.setenv(progress.INTERVAL_ENV, "0.5")  # a line for every batch: a second passes between them
+    seconds = itertools.count(0.0, 1.0)
+    monkeypatch.setattr(progress, "Lines", functools.partial(progress.Lines, clock=lambda: next(seconds)))
     code, _, err = run(capsys, "ingest", write_docs(tmp_path / "docs"), "--corpus", tmp_path / "c", "--chunk-tokens", "32")
     assert code == 0, err
     lines = [line for line in err.splitlines() if line.startswith("ingest: ")]
