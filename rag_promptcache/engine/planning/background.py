@@ -50,7 +50,7 @@ def misses_policy(spec: str | None, default: str = "encode") -> str:
 class Ticket:
     """One request's place in `Activity`; `end` is idempotent (the request's end, or its stream collected)."""
 
-    __slots__ = ("_activity", "_open", "__weakref__")
+    __slots__ = ("_activity", "_open")
 
     def __init__(self, activity: Activity) -> None:
         self._activity, self._open = activity, True
