@@ -125,6 +125,26 @@ def test_the_background_encoder_waits_for_the_request_in_flight(model, tokenizer
     assert pc.background.stats().num_encoded == 2
 
 
+def test_a_job_due_as_a_request_arrives_goes_back_unencoded(model, tokenizer):
+    class Arriving(MemoryStore):
+        arrived = False
+
+        def contains(self, key):
+            if not self.arrived and threading.current_thread().name == "rag-promptcache-encoder":
+                self.arrived = True
+                pc.activity.enter()  # a request arrives while the encoder asks the store about its job
+            return super().contains(key)
+
+    pc = engine(model, tokenizer, store=Arriving())
+    pc.generate(BOTH, max_new_tokens=1)
+    assert not pc.background.wait_done(timeout=0.5)
+    stats = pc.background.stats()
+    assert (stats.num_yielded, stats.num_encoded, stats.num_queued) == (1, 0, 2)
+    pc.activity.exit()
+    settle(pc)
+    assert pc.background.stats().num_encoded == 2
+
+
 def test_a_stream_dropped_unread_frees_the_encoder(model, tokenizer):
     pc = engine(model, tokenizer)
     stream = pc.stream(BOTH, max_new_tokens=4)

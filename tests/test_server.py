@@ -112,6 +112,30 @@ def _idle(base_url: str, timeout: float = 30) -> dict:
         time.sleep(0.1)
 
 
+def test_first_questions_at_once_never_wait_for_the_background_encoder(client, base_url):
+    # the store is empty: each question computes its modules in its own prefill and queues them; the
+    # background encoder works only between requests, so none of the four waits for an encoding
+    answers: list = [None] * len(QUESTIONS)
+
+    def ask(i: int) -> None:
+        answers[i] = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTIONS[i]}], **GREEDY)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a is not None and a.choices[0].message.content.strip() for a in answers), answers
+    assert {a.usage.model_extra["served"] for a in answers} <= {"deferred", "store"}
+    assert any(a.usage.model_extra["served"] == "deferred" for a in answers)
+    assert "purple" in answers[0].choices[0].message.content.lower()
+    assert _idle(base_url, timeout=120)["background_queue"] == 0
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert "rag_promptcache:background_failed_total 0.0" in metrics
+    assert "rag_promptcache:background_encoded_total 0.0" not in metrics
+
+
 def test_models_and_health(client, base_url, corpus_path):
     assert [m.id for m in client.models.list().data] == [MODEL]
     model = client.models.list().data[0]

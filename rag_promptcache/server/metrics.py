@@ -166,7 +166,9 @@ class _Live:
                                 value=sum(b.num_queued for b in stats))
         for name, what, field in (("encoded", "Modules the background encoder stored.", "num_encoded"),
                                   ("dropped", "Missed modules not queued: the queue was full.", "num_dropped"),
-                                  ("failed", "Background encodes or writes that failed.", "num_failed")):
+                                  ("failed", "Background encodes or writes that failed.", "num_failed"),
+                                  ("yielded", "Background jobs put back unencoded: a request arrived first.",
+                                   "num_yielded")):
             yield CounterMetricFamily(f"{PREFIX}background_{name}", what, value=sum(getattr(b, field) for b in stats))
         covered = [(w.corpus, w.coverage()) for w in self.watched if w.coverage is not None]
         for name, what, field in (("corpus_modules", "Modules in the corpus.", "num_modules"),

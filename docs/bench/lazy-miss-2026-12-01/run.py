@@ -2,7 +2,7 @@
 prefill of the same prompt, with misses deferred (computed in the request, stored by the background
 encoder while no request runs; the default) or encoded before the answer (the behaviour before), at the
 default fallback ("auto"). The shape of `bench --scenarios sustained --sustained-size large`, smaller:
-`tokens` of this machine's real text, novel Zipf questions (bench/sustained_large.py `stream`), k = 4,
+`tokens` of this machine's real text, novel Zipf questions (benchmarks/sustained_large.py `stream`), k = 4,
 prefix cache off, memory + disk tiers at `share` of the corpus's fp16 KV. Between questions the
 background encoder gets up to `think` seconds (a user's pause); the question itself never waits for it
 except for a forward already running when it arrives.
@@ -22,8 +22,8 @@ from pathlib import Path
 
 os.environ["RAG_PROMPTCACHE_STORE_PREFIX_CACHE_BYTES"] = "0"  # the store alone serves reused tokens
 
-from rag_promptcache.bench import real_text  # noqa: E402
-from rag_promptcache.bench.sustained_large import stream  # noqa: E402
+from benchmarks import real_text  # noqa: E402
+from benchmarks.sustained_large import stream  # noqa: E402
 from rag_promptcache.rag.budget import StoreBudget  # noqa: E402
 from rag_promptcache.rag.corpus import Corpus  # noqa: E402
 
@@ -118,7 +118,7 @@ def main() -> None:
         corpus.close()
         print(info, flush=True)
         runs = []
-        for misses, share in (("defer", 1 / 20), ("encode", 1 / 20), ("defer", 1 / 5)):
+        for misses, share in (("defer", 1 / 20), ("encode", 1 / 20), ("defer", 1 / 5), ("defer", 1 / 2)):
             runs.append(run_one(Path(tmp) / "corpus", misses, share, questions, think))
             result = {"corpus": info, "k": K, "warmup": WARMUP, "summaries": [summary(r) for r in runs], "runs": runs}
             out.write_text(json.dumps(result, indent=1))

@@ -6,8 +6,9 @@ prefill would) and hands the module here. `BackgroundEncoder` encodes it later, 
 would (alone after the schema's context, or after its neighbours where the corpus says so), and
 writes it to the store, so the next question that retrieves it reads it as stored.
 
-- One forward at a time, and only while no request is in flight (`Activity`): a request that
-  arrives meanwhile waits for at most the forward already running, never for the queue.
+- One forward at a time, and only while no request is in flight (`Activity`): a job whose turn
+  comes as a request arrives goes back to the head of the queue unencoded (`num_yielded`), so a
+  request waits for at most the forward already running, never for the queue.
 - `EncodeQueue` (no torch): duplicates coalesce by store key; a full queue drops the newest job
   rather than grow; `Admission` says which misses are worth a forward at all (a module retrieved
   once is not worth evicting one retrieved often).
@@ -147,6 +148,7 @@ class BackgroundStats:
     num_deferred: int  # misses the admission rule did not queue yet
     num_failed: int  # encodes or writes that failed (the question was answered; the store is unchanged)
     last_error: str = ""  # the latest failure, `Type: message`
+    num_yielded: int = 0  # jobs put back unencoded because a request arrived as their forward was due
 
 
 class EncodeQueue:
@@ -192,6 +194,12 @@ class EncodeQueue:
         """The oldest job, removed; None when empty."""
         return self._jobs.popitem(last=False)[1] if self._jobs else None
 
+    def put_back(self, job: Job) -> None:
+        """A job taken and not run, at the head again (unless its key was queued since)."""
+        if job.key not in self._jobs:
+            self._jobs[job.key] = job
+            self._jobs.move_to_end(job.key, last=False)
+
 
 class BackgroundEncoder:
     """A daemon thread that encodes queued misses one at a time while no request is in flight and writes
@@ -205,7 +213,7 @@ class BackgroundEncoder:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._working = False
-        self.num_encoded = self.num_tokens = self.num_failed = 0
+        self.num_encoded = self.num_tokens = self.num_failed = self.num_yielded = 0
         self.last_error = ""
         # steps of work for idle time, each → whether it did any (`start_idle`: a corpus's warming each)
         self.idle_steps: list[Callable[[], bool]] = []
@@ -241,7 +249,8 @@ class BackgroundEncoder:
         with self._cv:
             q = self.queue
             return BackgroundStats(len(q) + self._working, self.num_encoded, self.num_tokens,
-                                   q.num_coalesced, q.num_dropped, q.num_deferred, self.num_failed, self.last_error)
+                                   q.num_coalesced, q.num_dropped, q.num_deferred, self.num_failed, self.last_error,
+                                   self.num_yielded)
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or being encoded and idle work has no more to do (True), or `timeout`
@@ -287,7 +296,7 @@ class BackgroundEncoder:
                 idle = self._idle_once if job is None and self._idle_due else None
                 self._working = job is not None or idle is not None
             if job is not None:
-                self._run(job)
+                self._run(job, yielding=True)
             elif idle is not None and not self._idle_step(idle):
                 with self._cv:
                     self._idle_due = False
@@ -308,13 +317,19 @@ class BackgroundEncoder:
                 self.last_error = f"{type(e).__name__}: {e}"
             return False
 
-    def _run(self, job: Job) -> int:
-        """Encode and write one job → 1 if written, 0 if it was stored meanwhile or failed."""
+    def _run(self, job: Job, yielding: bool = False) -> int:
+        """Encode and write one job → 1 if written, 0 if it was stored meanwhile, failed, or (`yielding`, the
+        encoder's thread) put back because a request arrived before its forward."""
         store = job.store or self.store
         try:
             if store.contains(job.key):  # another process or an ingest wrote it meanwhile
                 with self._cv:
                     self.queue.num_coalesced += 1
+                return 0
+            if yielding and self.activity.busy:  # it came while the store was asked (a Redis round trip)
+                with self._cv:
+                    self.queue.put_back(job)
+                    self.num_yielded += 1
                 return 0
             (kv,) = self.encode([job.unit])
             store.put(job.key, kv)
