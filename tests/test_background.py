@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.compute.runner import decoder_layers
 from rag_promptcache.engine.planning.background import Activity, Admission, EncodeQueue, Job, misses_policy
 from rag_promptcache.engine.prompt.compiler import Unit
 from rag_promptcache.store import MemoryStore
@@ -143,6 +144,29 @@ def test_a_job_due_as_a_request_arrives_goes_back_unencoded(model, tokenizer):
     pc.activity.exit()
     settle(pc)
     assert pc.background.stats().num_encoded == 2
+
+
+def test_a_request_stops_a_background_forward_between_layers(model, tokenizer):
+    pc = engine(model, tokenizer)
+    arrived = []
+
+    def arrive(*_):
+        if not arrived and threading.current_thread().name == "rag-promptcache-encoder":
+            arrived.append(True)
+            pc.activity.enter()  # a request arrives while a background forward is in its first layer
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(arrive)
+    try:
+        pc.generate(BOTH, max_new_tokens=1)
+        assert not pc.background.wait_done(timeout=0.5)
+        stats = pc.background.stats()
+        assert (stats.num_yielded, stats.num_encoded, stats.num_queued) == (1, 0, 2)
+    finally:
+        handle.remove()
+    pc.activity.exit()
+    settle(pc)
+    assert pc.background.stats().num_encoded == 2
+    assert pc.background.stats().num_failed == 0
 
 
 def test_a_stream_dropped_unread_frees_the_encoder(model, tokenizer):

@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.compute.runner import decoder_layers
 from rag_promptcache.engine.kv.assemble import release
 from rag_promptcache.engine.batching.batcher import DEFAULT_ADMISSION, DEFAULT_PREFILL_CHUNK, Batcher
 from rag_promptcache.engine.prompt.compiler import LAYOUTS, Compiler, Layout
@@ -36,7 +37,7 @@ from rag_promptcache.engine.decoding.decode import can_crop, decode
 from rag_promptcache.engine.planning.encoder import DEFAULT_MODE, check_mode
 from rag_promptcache.engine.decoding.grammar import Grammar
 from rag_promptcache.engine.decoding.lookup import lookup_tokens
-from rag_promptcache.engine.planning.background import Activity, BackgroundEncoder, misses_policy
+from rag_promptcache.engine.planning.background import Activity, BackgroundEncoder, misses_policy, yield_between
 from rag_promptcache.engine.planning.plan import Plan, PlanConfig, Planner, uncached
 from rag_promptcache.engine.planning.prefill import Prefilled, Prefilling, start
 from rag_promptcache.engine.prefix.prefix_cache import PrefixUse, cache_layers, make_prefix_cache, token_labels
@@ -140,6 +141,7 @@ class PromptCache:
         )
         self.activity = Activity()  # requests in flight: the background encoder works only when there are none
         self.background = BackgroundEncoder(self.planner.encode, store, self.activity, admission=admission)
+        yield_between(decoder_layers(model) or ())  # a background forward gives way between layers
         self.planner.defer, self.planner.default_misses = self.background.submit, misses
 
     def _default_recovery(self, spec: str | Recovery | None) -> Recovery:

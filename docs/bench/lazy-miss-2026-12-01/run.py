@@ -7,7 +7,10 @@ prefix cache off, memory + disk tiers at `share` of the corpus's fp16 KV. Betwee
 background encoder gets up to `think` seconds (a user's pause); the question itself never waits for it
 except for a forward already running when it arrives.
 
-Run from the repository root: python docs/bench/lazy-miss-2026-12-01/run.py OUT.json [tokens] [questions] [think]
+Run from the repository root:
+python docs/bench/lazy-miss-2026-12-01/run.py OUT.json [tokens] [questions] [think] [variants]
+`variants`: comma-separated MISSES:SHARE[:ADMISSION], default defer:0.05,encode:0.05,defer:0.2,defer:0.5
+(ADMISSION: first, or second:W; engine/planning/background.py).
 """
 
 from __future__ import annotations
@@ -49,13 +52,15 @@ def eager_ttft(engine, ref, corpus: Corpus, ans) -> float:
     return ref.generate(ans.prompt, max_new_tokens=1).ttft_s
 
 
-def run_one(path: Path, misses: str, share: float, questions: list[tuple[int, str]], think: float) -> dict:
+def run_one(path: Path, misses: str, share: float, questions: list[tuple[int, str]], think: float,
+            admission: str = "first") -> dict:
     from rag_promptcache.engine import PromptCache
     from rag_promptcache.store import MemoryStore
     import shutil
 
     shutil.rmtree(path / "store", ignore_errors=True)
     os.environ["RAG_PROMPTCACHE_MISSES"] = misses
+    os.environ["RAG_PROMPTCACHE_ADMISSION"] = admission
     corpus = Corpus.open(path, redis_url="")
     fp16 = corpus.table.counts()["num_tokens"] * 30 * 3 * 64 * 2 * 2  # SmolLM2-135M: 30 layers, 3 KV heads, d 64
     corpus.set_budget(StoreBudget(memory=int(fp16 * share / 5), disk=int(fp16 * share * 4 / 5)))
@@ -80,7 +85,7 @@ def run_one(path: Path, misses: str, share: float, questions: list[tuple[int, st
                   f"{sum(r['hits'] for r in last) / (K * len(last)):.2f}", flush=True)
     bg = engine.background.stats()
     corpus.close()
-    return {"misses": misses, "share": share, "think": think, "rows": rows,
+    return {"misses": misses, "share": share, "admission": admission, "think": think, "rows": rows,
             "background": {"encoded": bg.num_encoded, "dropped": bg.num_dropped, "failed": bg.num_failed,
                            "coalesced": bg.num_coalesced}}
 
@@ -92,7 +97,10 @@ def summary(run: dict) -> dict:
     windows = [statistics.median(r["full"] / r["ttft"] for r in run["rows"][s:s + 50])
                for s in range(0, len(run["rows"]), 50)]
     slow = sorted(r["ttft"] / r["full"] for r in run["rows"])
-    return {"misses": run["misses"], "share": run["share"], "p50_speedup": statistics.median(ratios),
+    windows100 = [statistics.median(r["full"] / r["ttft"] for r in run["rows"][s:s + 100])
+                  for s in range(0, len(run["rows"]), 100)]
+    return {"misses": run["misses"], "share": run["share"], "admission": run.get("admission", "first"),
+            "p50_speedup": statistics.median(ratios), "windows100_p50": windows100,
             "eager_p50_speedup": statistics.median(eager) if eager else None,
             "of_eager": statistics.median(ratios) / statistics.median(eager) if eager else None,
             "p95_time_over_full": slow[int(0.95 * (len(slow) - 1))], "windows_p50": windows,
@@ -118,8 +126,10 @@ def main() -> None:
         corpus.close()
         print(info, flush=True)
         runs = []
-        for misses, share in (("defer", 1 / 20), ("encode", 1 / 20), ("defer", 1 / 5), ("defer", 1 / 2)):
-            runs.append(run_one(Path(tmp) / "corpus", misses, share, questions, think))
+        spec = sys.argv[5] if len(sys.argv) > 5 else "defer:0.05,encode:0.05,defer:0.2,defer:0.5"
+        for variant in spec.split(","):
+            misses, share, *admission = variant.split(":", 2)
+            runs.append(run_one(Path(tmp) / "corpus", misses, float(share), questions, think, *admission))
             result = {"corpus": info, "k": K, "warmup": WARMUP, "summaries": [summary(r) for r in runs], "runs": runs}
             out.write_text(json.dumps(result, indent=1))
             print(json.dumps(result["summaries"][-1]), flush=True)

@@ -154,3 +154,13 @@ def forward_base(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Ten
     with native_gqa(ids.device):  # a masked prefill against a cache (a shared prefix, an assembly)
         model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                          **cache_arg(model.base_model, cache))
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList | None:
+    """The model's decoder layers as transformers runs them (`forward_base`); None where not found."""
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    return None

@@ -6,9 +6,11 @@ prefill would) and hands the module here. `BackgroundEncoder` encodes it later, 
 would (alone after the schema's context, or after its neighbours where the corpus says so), and
 writes it to the store, so the next question that retrieves it reads it as stored.
 
-- One forward at a time, and only while no request is in flight (`Activity`): a job whose turn
-  comes as a request arrives goes back to the head of the queue unencoded (`num_yielded`), so a
-  request waits for at most the forward already running, never for the queue.
+- One forward at a time, and only while no request is in flight (`Activity`). A request that
+  arrives during a background forward stops it before the next decoder layer (`yield_between`: a
+  pre-hook on each layer, live only in the encoder's thread) and the job goes back to the head
+  of the queue (`num_yielded`), as does a job whose turn comes as a request arrives: a request
+  waits for at most one layer of a background forward, never for the queue.
 - `EncodeQueue` (no torch): duplicates coalesce by store key; a full queue drops the newest job
   rather than grow; `Admission` says which misses are worth a forward at all (a module retrieved
   once is not worth evicting one retrieved often).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +37,32 @@ from dataclasses import dataclass
 
 from rag_promptcache.engine.prompt.compiler import Unit
 from rag_promptcache.store.base import ModuleKV, Store
+
+class Yielded(Exception):
+    """A background forward stopped between two layers: a request arrived."""
+
+
+_running = threading.local()  # `activity`: set in the encoder's thread for the forward of a job
+_hooked: weakref.WeakSet[object] = weakref.WeakSet()
+_hooking = threading.Lock()
+
+
+def _give_way(*_: object) -> None:
+    activity = getattr(_running, "activity", None)
+    if activity is not None and activity.busy:
+        raise Yielded
+
+
+def yield_between(layers: Sequence[object]) -> None:
+    """Let background forwards stop between `layers` (a model's decoder layers, as transformers runs them)
+    once a request is in flight: one pre-hook per layer, once per process (every engine on the model
+    shares it), live only in a thread running a background job (a request's forward passes through)."""
+    with _hooking:
+        for layer in layers:
+            if layer not in _hooked:
+                layer.register_forward_pre_hook(_give_way)  # type: ignore[attr-defined]
+                _hooked.add(layer)
+
 
 DEFAULT_MAX_QUEUE = 256  # modules waiting; past it a new miss is dropped (it is computed again when next retrieved)
 MISSES = ("defer", "encode")
@@ -327,12 +356,18 @@ class BackgroundEncoder:
                     self.queue.num_coalesced += 1
                 return 0
             if yielding and self.activity.busy:  # it came while the store was asked (a Redis round trip)
-                with self._cv:
-                    self.queue.put_back(job)
-                    self.num_yielded += 1
-                return 0
-            (kv,) = self.encode([job.unit])
+                raise Yielded
+            _running.activity = self.activity if yielding else None
+            try:
+                (kv,) = self.encode([job.unit])
+            finally:
+                _running.activity = None
             store.put(job.key, kv)
+        except Yielded:
+            with self._cv:
+                self.queue.put_back(job)
+                self.num_yielded += 1
+            return 0
         except Exception as e:  # noqa: BLE001 - the question was answered; a failed write leaves the store as it was
             with self._cv:
                 self.num_failed += 1

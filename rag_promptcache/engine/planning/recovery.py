@@ -43,7 +43,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rag_promptcache.engine.kv.assemble import assemble, full_cache
 from rag_promptcache.engine.prompt.compiler import ROOT, Piece
-from rag_promptcache.engine.compute.runner import forward_base
+from rag_promptcache.engine.compute.runner import decoder_layers, forward_base
 from rag_promptcache.engine.planning.select import Selection, choose, exact_module, question_mass, stale_tokens
 from rag_promptcache.model import links
 from rag_promptcache.model.positions import KVGeometry, Relocator
@@ -361,9 +361,7 @@ def _early_cache(model: PreTrainedModel, pieces: Sequence[Piece], layer: int, ge
 
 
 def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
-    base = model.base_model
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(base, name, None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
-    raise ValueError(f"selective recovery cannot find the decoder layers of {type(model).__name__}")
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"selective recovery cannot find the decoder layers of {type(model).__name__}")
+    return layers
