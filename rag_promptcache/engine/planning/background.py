@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from rag_promptcache.engine.prompt.compiler import Unit
 from rag_promptcache.store.base import ModuleKV, Store
 
+
 class Yielded(Exception):
     """A background forward stopped between two layers: a request arrived."""
 
@@ -348,7 +349,7 @@ class BackgroundEncoder:
 
     def _run(self, job: Job, yielding: bool = False) -> int:
         """Encode and write one job → 1 if written, 0 if it was stored meanwhile, failed, or (`yielding`, the
-        encoder's thread) put back because a request arrived before its forward."""
+        encoder's thread) put back because a request arrived before or during its forward."""
         store = job.store or self.store
         try:
             if store.contains(job.key):  # another process or an ingest wrote it meanwhile
