@@ -137,8 +137,9 @@ def _merged_dir(directory: str, adapter: adapters.Adapter, device: torch.device,
     base_key = diskcache.source_key(base)
     if base_key is None or base.parent.resolve() != (cache_home() / "models").resolve():
         return None
-    name = f"{base.name}+{adapter.name}-{adapter.digest}-{dtype_name(dtype)}-{device.type}"
-    # "aligned": a cache written before `save_weights` aligned its tensors is merged and written again
+    # "a64": tensors at `diskcache.ALIGN` offsets. A directory of its own, beside one an older version wrote
+    # unaligned: both versions may run on one machine, and one key would have each rewrite the other's.
+    name = f"{base.name}+{adapter.name}-{adapter.digest}-a{diskcache.ALIGN}-{dtype_name(dtype)}-{device.type}"
     return base.parent / name, f"{base_key}|adapter {adapter.digest}|{dtype_name(dtype)}|{device.type}|aligned {diskcache.ALIGN}"
 
 
