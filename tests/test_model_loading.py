@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import rag_promptcache.model.loading as loading
+from rag_promptcache.model import diskcache
 from rag_promptcache.model.loading import (
     DEFAULT_MODEL,
     cache_home,
@@ -281,8 +282,24 @@ def test_an_adapter_merged_into_a_converted_model_is_kept_and_read_back(tmp_path
     assert model_fingerprint(second) == model_fingerprint(first)
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # read back in place: the file's tensors start aligned, and the weights are its mapped pages, not a copy
+    weights = home / "models" / kept[1] / "model.safetensors"
+    with open(weights, "rb") as f:
+        assert (8 + int.from_bytes(f.read(8), "little")) % diskcache.ALIGN == 0
+    assert all(diskcache.aligned(p) and mapped_from(p, weights) for p in second.parameters())
     with pytest.raises(AssertionError, match="merged again"):  # another dtype is another merge
         load_model(str(gguf), device="cpu", dtype="float32", adapter=str(lora))
+
+
+def mapped_from(tensor: torch.Tensor, path: Path) -> bool:
+    """Whether `tensor`'s memory is a mapping of the file at `path` (/proc/self/maps)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return len(rest) >= 5 and Path(rest[-1]) == path
+    return False
 
 
 # --- fingerprints -----------------------------------------------------------------------------

