@@ -101,6 +101,12 @@ def byproduct_entries(engine: PromptCache, prompt: str) -> tuple[dict[str, Modul
         release(full.cache)
 
 
+def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|, per layer, the largest: rounding shows as a few units of the dtype's last place."""
+    a, b = a.float(), b.float()
+    return float(((a - b).abs().amax(dim=(1, 2, 3)) / b.abs().amax(dim=(1, 2, 3)).clamp_min(1e-12)).max())
+
+
 def with_entries(plan: Plan, entries: dict[str, ModuleKV]) -> Plan:
     """`plan` reading `entries` in place of its modules' stored KV (the others as stored)."""
     return dataclasses.replace(plan, kvs={n: entries.get(n, kv) for n, kv in plan.kvs.items()}, sources=None)
@@ -146,7 +152,7 @@ def _plain_kvs(engine: PromptCache, corpus: Corpus, module_ids: Sequence[str]) -
 
 def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: argparse.Namespace,
               settings: list[str], reference: fidelity_reference.ReferenceRun | None, log) -> list[dict[str, object]]:
-    data, chunk = bench_fidelity.split_data(split, 6, cfg.seed_offset)
+    data, chunk = bench_fidelity.split_data(split, cfg.per_kind, cfg.seed_offset)
     questions = [EvalQuestion(q.question, (q.answer,)) for q in data.questions[: cfg.questions]]
     adapter = fidelity_reference.adapter_label(engine.model)
     parsed = {s: parse_setting(s) for s in settings}
@@ -170,11 +176,16 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
             refs = references(corpus, questions, k, cfg.new_tokens, bench_fidelity.STOP, "dense")
             donors = Donors([r.module_ids for r in refs], cfg.donor_seed)
             lent: dict[tuple[str, int], ModuleKV] = {}
+            first_diff = 0.0  # a prompt's first module against its plain entry: the same but for rounding
             for q in donors.order:  # each prompt's full prefill, kept only where it lends an entry
                 wanted = donors.lends(q)
                 if wanted:
                     made, _ = byproduct_entries(engine, refs[q].prompt)
                     lent.update({(m, q): made[m] for m in wanted})
+                    first = corpus.order(refs[q].module_ids)[0]
+                    plain = _plain_kvs(engine, corpus, [first])[first]
+                    first_diff = max(first_diff, *(relative_diff(a, b) for a, b in (
+                        (made[first].keys, plain.keys), (made[first].values, plain.values))))
             outcomes: dict[str, list[Outcome]] = {s: [] for s in settings}
             lent_reads = reads = 0
             for i, r in enumerate(refs):
@@ -191,8 +202,9 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
             for s in settings:
                 report = summarize(s, k, refs, outcomes[s])
                 row = {"split": split, "adapter": adapter, "mode": "shared_prefix", "codec": "native",
-                       **report.as_dict(), "recomputed_share": 0.0,
+                       **report.as_dict(), "recomputed_share": bench_fidelity.recomputed_share(engine, refs, parsed[s][1]),
                        "byproduct_share": lent_reads / max(1, reads) if parsed[s][0] == "byp" else 0.0,
+                       "first_module_max_diff": first_diff,
                        "answers": [a.as_dict() for a in report.results]}
                 if reference is not None:
                     row = fidelity_reference.apply(row, reference)
@@ -202,7 +214,8 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
                     + f", cached {row['cached_correct']}, retained {row['retained']:.2f}, kept {row['kept']:.2f}"
                     + (f", own kept {row['own_kept']:.2f}" if reference else "")
                     + f", by-product reads {row['byproduct_share']:.2f}")
-            log(f"{split} k={k}: {time.perf_counter() - t0:.0f} s")
+            log(f"{split} k={k}: {time.perf_counter() - t0:.0f} s; a prompt's first module against its plain entry: "
+                f"max |diff| / max |entry| {first_diff:.4f}")
         corpus.close()
         if nbr is not None:
             nbr.close()
@@ -226,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8, 12])
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--questions", type=int, default=42)
+    ap.add_argument("--per-kind", type=int, default=6, help="documents per kind (6: all; fewer: a smoke run, no --reference)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed-offset", type=int, default=0)
     ap.add_argument("--donor-seed", type=int, default=0, help="the shuffled order donors are chosen in")
@@ -243,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     reference = merged([fidelity_reference.load(p) for p in cfg.reference]) if cfg.reference else None
     if reference is not None:
         for s in splits:  # before the model loads: the same questions, or refused by name
-            qs = [(q.question, (q.answer,)) for q in bench_fidelity.split_data(s, 6, cfg.seed_offset)[0].questions[: cfg.questions]]
+            qs = [(q.question, (q.answer,)) for q in bench_fidelity.split_data(s, cfg.per_kind, cfg.seed_offset)[0].questions[: cfg.questions]]
             fidelity_reference.check(reference, {s: qs}, tuple(cfg.k))
     torch.set_num_threads(cfg.threads)
     from rag_promptcache.model.loading import load_model
