@@ -151,7 +151,9 @@ def _plain_kvs(engine: PromptCache, corpus: Corpus, module_ids: Sequence[str]) -
 
 
 def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: argparse.Namespace,
-              settings: list[str], reference: fidelity_reference.ReferenceRun | None, log) -> list[dict[str, object]]:
+              settings: list[str], reference: fidelity_reference.ReferenceRun | None, log,
+              save=lambda rows: None) -> list[dict[str, object]]:
+    """The split's rows, every k's handed to `save` (with all rows so far) as soon as it is done."""
     data, chunk = bench_fidelity.split_data(split, cfg.per_kind, cfg.seed_offset)
     questions = [EvalQuestion(q.question, (q.answer,)) for q in data.questions[: cfg.questions]]
     adapter = fidelity_reference.adapter_label(engine.model)
@@ -216,6 +218,7 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
                     + f", by-product reads {row['byproduct_share']:.2f}")
             log(f"{split} k={k}: {time.perf_counter() - t0:.0f} s; a prompt's first module against its plain entry: "
                 f"max |diff| / max |entry| {first_diff:.4f}")
+            save(rows)
         corpus.close()
         if nbr is not None:
             nbr.close()
@@ -266,9 +269,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     engines = [PromptCache(model, tok, store=MemoryStore(), name="smollm2-135m-instruct", **bench_fidelity.NO_FALLBACK)
                for _ in range(2)]
     t0 = time.perf_counter()
-    rows = []
-    for s in splits:
-        rows += run_split(*engines, s, cfg, settings, reference, lambda m: print(m, flush=True))
+    done: list[dict[str, object]] = []
+
+    def save(split_rows: list[dict[str, object]]) -> dict[str, object]:
+        """Every finished k written out: a run stopped later keeps what finished."""
+        rows = done + split_rows
         out = {"rows": rows, "codec_rows": [], "ttft_at_context": [], "splits": list(dict.fromkeys(r["split"] for r in rows)),
                "across_splits": bench_fidelity.choose_across_splits(rows),
                "chosen_then_confirmed": bench_fidelity.choose_then_confirm(rows),
@@ -278,7 +283,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         if reference is not None:
             out.update({"reference": {"path": reference.path, "adapter": reference.adapter},
                         "full_prefill_against_reference": fidelity_reference.full_prefill_against(rows)})
-        fidelity_runner.write(out, cfg.out)  # after every split: a run stopped later keeps what finished
+        return fidelity_runner.write(out, cfg.out)
+
+    out: dict[str, object] = {}
+    for s in splits:
+        done += run_split(*engines, s, cfg, settings, reference, lambda m: print(m, flush=True), save)
+        out = save([])
     return out
 
 
