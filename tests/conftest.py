@@ -15,9 +15,10 @@ import tempfile
 import pytest
 import torch
 
+from tests.shared_model import set_torch_threads
 from tests.store_helpers import LocalRedis, installed
 
-torch.set_num_threads(2)
+set_torch_threads()
 # The cost model's calibrations (engine/planning/costmodel.py) made by this session, and by the commands its
 # tests start, stay in a folder of its own: a calibration measured beside a busy test suite must not steer a
 # user's plans, nor theirs the tests'. The code path is the default one, only the folder differs.
