@@ -77,20 +77,27 @@ cli-docs: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(BIN)/mkdocs build --strict --quiet
 
+# Two pytest-xdist workers, each file's tests in one of them (tests/conftest.py): much of the suite waits on
+# processes it started (the CLI, servers, Ray, the browser), and the other worker runs meanwhile. Each
+# worker gives torch its share of the cores. TEST_WORKERS=0 runs the tests in this one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
 test: venv kernels redis browser docs
-	$(BIN)/python -m pytest -q --durations=20 tests integrations/langchain/tests integrations/llamaindex/tests
+	$(BIN)/python -m pytest -q $(XDIST) --durations=20 tests integrations/langchain/tests integrations/llamaindex/tests
 
 # Minutes, not tens of them: no SmolLM2 weights, no server, bench, examples, Ray or wheel builds (tests/conftest.py).
 test-fast: venv kernels
-	$(BIN)/python -m pytest -q -m "not smollm and not slow" tests integrations/langchain/tests integrations/llamaindex/tests
+	$(BIN)/python -m pytest -q $(XDIST) -m "not smollm and not slow" tests integrations/langchain/tests integrations/llamaindex/tests
 
 # The fast tier again with Python's clocks rounded to 50 ms for the whole process and its children
 # (tests/coarse_clock/sitecustomize.py), as some virtual machines run for minutes: nothing may order
 # events by a clock, divide by a short duration or assert that a short span was measurable.
-# COARSE_TESTS=tests/test_bench.py (or any pytest arguments) reruns other tests that way.
+# COARSE_TESTS=tests/test_bench.py (or any pytest arguments) reruns other tests that way. The path is
+# absolute so that the xdist workers, and whatever they start elsewhere, import it too.
 COARSE_TESTS ?= -m "not smollm and not slow" tests integrations/langchain/tests integrations/llamaindex/tests
 test-coarse: venv kernels
-	PYTHONPATH=tests/coarse_clock $(BIN)/python -m pytest -q $(COARSE_TESTS)
+	PYTHONPATH=$(CURDIR)/tests/coarse_clock $(BIN)/python -m pytest -q $(XDIST) $(COARSE_TESTS)
 
 # Only what the demo needs (DEMO_STAMP): not the test, docs and bench toolchains `make venv` adds.
 demo: $(DEMO_STAMP)

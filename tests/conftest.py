@@ -15,9 +15,10 @@ import tempfile
 import pytest
 import torch
 
+from tests.shared_model import set_torch_threads
 from tests.store_helpers import LocalRedis, installed
 
-torch.set_num_threads(2)
+set_torch_threads()
 # The cost model's calibrations (engine/planning/costmodel.py) made by this session, and by the commands its
 # tests start, stay in a folder of its own: a calibration measured beside a busy test suite must not steer a
 # user's plans, nor theirs the tests'. The code path is the default one, only the folder differs.
@@ -59,6 +60,7 @@ def smollm():
     return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups in each worker
 def pytest_collection_modifyitems(config, items):
     # a test that takes the real model, directly or through another fixture, is in the smollm tier
     for item in items:
@@ -66,6 +68,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.smollm)
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.device)
+    # Under pytest-xdist's `--dist loadgroup` (the Makefile's test targets) a file's tests run in one worker,
+    # so its module fixtures (a server, a corpus, a Ray cluster) are made once; the files that start Ray run
+    # in one worker, one after the other, as two clusters on one machine would compete for its cores; the
+    # adapters' tests share one worker and so their engine (tests/adapter_shared.py).
+    ray_files = {item.path for item in items if item.get_closest_marker("ray")}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = ("ray" if item.path in ray_files else "adapters" if "integrations" in item.path.parts
+                     else item.nodeid.split("::")[0])
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from rag_promptcache.model.chat import PLAIN_MARKUP, RoleMarkup, render, role_markup
-from rag_promptcache.model.loading import load_model
 
 CONVERSATIONS = [
     [("system", "You answer from the documents."), ("user", "Doc: Paris is in France.\n\nWhere is Paris?")],
@@ -47,14 +46,8 @@ def apply(tokenizer, messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-@pytest.fixture(scope="module")
-def smollm_tokenizer():
-    return load_model()[1]
-
-
-@pytest.mark.smollm
-def test_smollm2_markup_re_renders_exactly(smollm_tokenizer):
-    markup = role_markup(smollm_tokenizer)
+def test_smollm2_markup_re_renders_exactly(tokenizer):  # SmolLM2's tokenizer alone, no weights
+    markup = role_markup(tokenizer)
     assert markup.from_template and not markup.trims_content
     assert markup.prefix == ""  # not the default system prompt the template injects
     assert markup.open == {r: f"<|im_start|>{r}\n" for r in ("system", "user", "assistant")}
@@ -62,15 +55,14 @@ def test_smollm2_markup_re_renders_exactly(smollm_tokenizer):
     assert markup.generation_prompt == "<|im_start|>assistant\n"
     for messages in CONVERSATIONS:
         for gen in (False, True):
-            assert render(markup, messages, gen) == apply(smollm_tokenizer, messages, gen)
+            assert render(markup, messages, gen) == apply(tokenizer, messages, gen)
 
 
-@pytest.mark.smollm
-def test_smollm2_without_system_gets_the_injected_default(smollm_tokenizer):
-    markup = role_markup(smollm_tokenizer)
+def test_smollm2_without_system_gets_the_injected_default(tokenizer):
+    markup = role_markup(tokenizer)
     assert markup.default_system.startswith("<|im_start|>system\n") and "SmolLM" in markup.default_system
     messages = [("user", "hi"), ("assistant", "hello"), ("user", "bye")]
-    assert render(markup, messages, True) == apply(smollm_tokenizer, messages, True)
+    assert render(markup, messages, True) == apply(tokenizer, messages, True)
 
 
 def test_llama3_style_template_bos_prefix_and_trimming():

