@@ -77,11 +77,12 @@ cli-docs: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(BIN)/mkdocs build --strict --quiet
 
-# Two pytest-xdist workers, each file's tests in one of them (tests/conftest.py): much of the suite waits on
-# processes it started (the CLI, servers, Ray, the browser), and the other worker runs meanwhile. Each
-# worker gives torch its share of the cores. TEST_WORKERS=0 runs the tests in this one process.
-TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+# TEST_WORKERS=2: two pytest-xdist workers, each file's tests in one of them (tests/conftest.py), as much of
+# the suite waits on processes it started (the CLI, servers, Ray, the browser); each worker gives torch its
+# share of the cores. One process (0) stays the default until the workers are measured on a quiet 2-core
+# machine: beside other work they cost ~28% more CPU and were not faster.
+TEST_WORKERS ?= 0
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: venv kernels redis browser docs
 	$(BIN)/python -m pytest -q $(XDIST) --durations=20 tests integrations/langchain/tests integrations/llamaindex/tests

@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLCHAINS = ("[all]", "selenium", "langchain-tests", "mkdocs", "ray", "openai", "pytest", "integrations/")
 
 
-def dry_run(target: str, tmp_path: Path) -> str:
+def dry_run(target: str, tmp_path: Path, *variables: str) -> str:
     if shutil.which("make") is None:
         pytest.skip("no make here")
     # --no-print-directory: under `make test` this make is nested and would print its directory lines
-    done = subprocess.run(["make", "-n", "--no-print-directory", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+    done = subprocess.run(["make", "-n", "--no-print-directory", target, f"VENV={tmp_path / 'venv'}", *variables], cwd=ROOT,
                           capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -40,8 +40,9 @@ def test_make_test_installs_the_rest_on_top_of_the_demos(tmp_path: Path) -> None
     assert '-e ".[all]"' in out and "langchain-tests" in out and "openai" in out
 
 
-def test_the_test_targets_run_two_workers_and_the_coarse_clock_reaches_them(tmp_path: Path) -> None:
+def test_the_test_targets_run_workers_when_asked_and_the_coarse_clock_reaches_them(tmp_path: Path) -> None:
     for target in ("test", "test-fast", "test-coarse"):
-        assert "-n 2 --dist loadgroup" in dry_run(target, tmp_path), target
+        assert "-n 2 --dist loadgroup" in dry_run(target, tmp_path, "TEST_WORKERS=2"), target
+        assert " -n " not in dry_run(target, tmp_path), target  # one process by default
     coarse = [ln for ln in dry_run("test-coarse", tmp_path).splitlines() if "pytest" in ln]
     assert coarse and coarse[-1].startswith(f"PYTHONPATH={ROOT}/tests/coarse_clock "), coarse  # absolute: any cwd
