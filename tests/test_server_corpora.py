@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server import build_corpus, client, start_server  # noqa: F401 - client: the fixture, over base_url here
+from tests.test_server import _idle, build_corpus, client, start_server  # noqa: F401 - client: the fixture, over base_url here
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 FRUIT = {
@@ -145,6 +145,8 @@ def test_metrics_label_each_corpus_series(client, base_url):
 
     client.chat.completions.create(model="rails", messages=[{"role": "user", "content": ZORBLAT}], **GREEDY)
     client.chat.completions.create(model="fruit", messages=[{"role": "user", "content": ZORBLAT}], **GREEDY)
+    # the modules the questions computed are stored by the background encoder once no request runs
+    assert _idle(base_url, timeout=120)["background_queue"] == 0
     samples = [s for f in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text) for s in f.samples]
 
     def of(name: str, **labels: str) -> list[float]:
