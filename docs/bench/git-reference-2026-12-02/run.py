@@ -3,9 +3,9 @@
 corpus's defaults (k = 4, its default budget, misses computed in the request and stored by the background
 encoder while no request runs, the default fallback). Measured: the ingest's time, the store's size after
 it and after the questions, and each question's TTFT against the engine's own full prefill of the same
-prompt (run right after it). The questions are a user's: "What does git NAME do?" for the manual's pages
-in a shuffled order, then some asked again; between questions the background encoder gets up to `think`
-seconds (a user reading the answer).
+prompt (run right after it). The questions are a user's: "What does git NAME do?" for the manual's
+pages in a shuffled order, then a fifth of them asked again; between questions the background encoder
+gets up to `think` seconds (a user reading the answer).
 
 The first question is also timed as a user meets it, each in a fresh process on the freshly ingested
 corpus (store empty): `ask` against the engine's full prefill of the same prompt, alternated `FIRST_TRIALS`
@@ -59,9 +59,7 @@ def questions(pages: list[Path], count: int) -> list[str]:
     rng.shuffle(names)
     fresh = [f"What does git {n} do?" for n in names[:int(count * (1 - REPEAT))]]
     again = rng.sample(fresh, count - len(fresh))
-    out = fresh + again
-    rng.shuffle(out[len(fresh) // 2:])  # the repeats among the second half
-    return out[:count]
+    return (fresh + again)[:count]  # the repeats last
 
 
 def cold_first(path: Path, question: str) -> dict[str, list[float]]:
