@@ -4,8 +4,11 @@ encoder while no request runs; the default) or encoded before the answer (the be
 default fallback ("auto"). The shape of `bench --scenarios sustained --sustained-size large`, smaller:
 `tokens` of this machine's real text, novel Zipf questions (benchmarks/sustained_large.py `stream`), k = 4,
 prefix cache off, memory + disk tiers at `share` of the corpus's fp16 KV. Between questions the
-background encoder gets up to `think` seconds (a user's pause); the question itself never waits for it
-except for a forward already running when it arrives.
+background encoder gets up to `think` seconds (a user's pause); a question stops a background forward
+between layers (before that was built, the full prefill timed right after each answer waited for the
+forward the encoder had just begun, which inflated the deferred runs' speed-ups). The eager column runs
+on a second engine, whose requests this engine's encoder does not yield to: it is not a measure until
+it runs on the same engine with the encoder paused (docs/benchmarks.md).
 
 Run from the repository root:
 python docs/bench/lazy-miss-2026-12-01/run.py OUT.json [tokens] [questions] [think] [variants]
