@@ -48,6 +48,7 @@ def test_sustained_runs_on_memory_disk_and_redis_with_its_checks(tokenizer, tmp_
         for name in ("budgets", "entries", "prefix", "reuse_steady"):
             assert checks[name]["passed"] is True, (run["tiers"], name, checks[name])
         assert checks["speedup_steady"]["passed"] is None
+        assert {r["path"] for r in run["rows"]} == {"cached"}  # never the clock's choice of path: reuse is judged
         assert len(run["rows"]) == 66 and sum(r["full_s"] is not None for r in run["rows"]) == 33
         tiers = set(run["budgets"])
         assert tiers == {"memory", *({"disk"} if "disk" in run["tiers"] else ()),
