@@ -212,3 +212,93 @@ def test_a_failed_background_encode_loses_no_answer_and_no_entry(model, tokenize
     stats = pc.background.stats()
     assert stats.num_failed >= 2 and stats.num_encoded == 0 and "No space left" in stats.last_error
     assert pc.store.stats().num_entries == 0
+
+
+def test_close_stops_a_background_forward_at_its_next_layer(model, tokenizer):
+    pc = engine(model, tokenizer)
+    in_forward = threading.Event()
+
+    def hold(*_):  # the encoder's first forward waits in its first layer until close() has been asked
+        if threading.current_thread().name == "rag-promptcache-encoder" and not in_forward.is_set():
+            in_forward.set()
+            for _ in range(500):
+                if pc.background.closed:
+                    return
+                threading.Event().wait(0.01)
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(hold)
+    try:
+        pc.generate(BOTH, max_new_tokens=1)
+        assert in_forward.wait(60)
+        pc.background.close()  # joins the thread: returns once the forward stopped
+    finally:
+        handle.remove()
+    stats = pc.background.stats()
+    assert (stats.num_yielded, stats.num_encoded, stats.num_failed) == (1, 0, 0)
+    assert pc.store.stats().num_entries == 0
+
+
+def test_an_idle_steps_forward_gives_way_to_a_request_and_runs_again(model, tokenizer):
+    pc = engine(model, tokenizer)
+    arrived, done = [], threading.Event()
+
+    def arrive(*_):
+        if not arrived and threading.current_thread().name == "rag-promptcache-encoder":
+            arrived.append(True)
+            pc.activity.enter()  # a request arrives while the idle step's forward is in its first layer
+
+    def warm() -> bool:
+        if pc.is_cached("s", "c"):
+            done.set()
+            return False
+        pc.encode("s", ["c"])
+        return True
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(arrive)
+    try:
+        pc.background.start_idle(warm)
+        assert not done.wait(0.5)
+        assert pc.background.stats().num_yielded == 1 and not pc.is_cached("s", "c")
+    finally:
+        handle.remove()
+    pc.activity.exit()
+    assert done.wait(120)
+    assert pc.background.stats().num_failed == 0
+
+
+EXITING = """
+import sys, threading
+import torch
+sys.path.insert(0, {root!r})
+from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.compute.runner import decoder_layers
+from rag_promptcache.store import MemoryStore
+from tests.tiny import build
+from tests.test_background import SCHEMA, BOTH
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({tokenizer!r})
+model = build("llama", vocab_size=len(tokenizer))
+in_forward = threading.Event()
+def slow(*_):  # a layer as long as a real model's: torch work in flight, off the interpreter's lock
+    if threading.current_thread().name == "rag-promptcache-encoder":
+        in_forward.set()
+        for _ in range(100):
+            torch.randn(600, 600) @ torch.randn(600, 600)
+decoder_layers(model)[0].register_forward_pre_hook(slow)
+pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none", fallback="never", misses="defer")
+pc.add_schema(SCHEMA)
+print(pc.generate(BOTH, max_new_tokens=1).served)
+assert in_forward.wait(60)
+"""  # the script ends while the background encoder is in a forward
+
+
+def test_a_script_that_ends_during_a_background_forward_exits_cleanly(tokenizer, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING.format(root=str(Path(__file__).parent.parent), tokenizer=tokenizer.name_or_path))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]  # it aborted (134, "terminate called ...") before
+    assert done.stdout.strip() == "deferred" and "terminate called" not in done.stderr

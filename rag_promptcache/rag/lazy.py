@@ -201,7 +201,11 @@ def warm_one(corpus: Corpus, engine: PromptCache, warmed: set[str]) -> bool:
         if m in warmed or engine.is_cached(name, m):
             continue
         warmed.add(m)
-        engine.encode(name, [m])
+        try:
+            engine.encode(name, [m])
+        except BaseException:  # a request stopped its forward (the encoder's `Yielded`), or it failed: not warmed
+            warmed.discard(m)
+            raise
         return True
     return False
 

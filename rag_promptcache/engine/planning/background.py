@@ -10,7 +10,8 @@ writes it to the store, so the next question that retrieves it reads it as store
   arrives during a background forward stops it before the next decoder layer (`yield_between`: a
   pre-hook on each layer, live only in the encoder's thread) and the job goes back to the head
   of the queue (`num_yielded`), as does a job whose turn comes as a request arrives: a request
-  waits for at most one layer of a background forward, never for the queue.
+  waits for at most one layer of a background forward, never for the queue. Idle steps' forwards give
+  way the same, and `close` (also at the interpreter's exit) stops a forward at its next layer.
 - `EncodeQueue` (no torch): duplicates coalesce by store key; a full queue drops the newest job
   rather than grow; `Admission` says which misses are worth a forward at all (a module retrieved
   once is not worth evicting one retrieved often).
@@ -27,6 +28,7 @@ modules are hot across restarts (rag/lazy.py's retrieval log, which `warm` reads
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import weakref
@@ -40,18 +42,27 @@ from rag_promptcache.store.base import ModuleKV, Store
 
 
 class Yielded(Exception):
-    """A background forward stopped between two layers: a request arrived."""
+    """A background forward stopped between two layers: a request arrived, or the encoder is closing."""
 
 
-_running = threading.local()  # `activity`: set in the encoder's thread for the forward of a job
+_running = threading.local()  # `encoder`: set in the encoder's thread for the forward of a job or idle step
 _hooked: weakref.WeakSet[object] = weakref.WeakSet()
 _hooking = threading.Lock()
+_live: weakref.WeakSet[BackgroundEncoder] = weakref.WeakSet()
 
 
 def _give_way(*_: object) -> None:
-    activity = getattr(_running, "activity", None)
-    if activity is not None and activity.busy:
+    encoder = getattr(_running, "encoder", None)
+    if encoder is not None and (encoder.activity.busy or encoder.closed):
         raise Yielded
+
+
+@atexit.register
+def _close_all() -> None:
+    """A forward still running in a daemon thread as the interpreter ends aborts the process (torch's
+    threads are torn down under it): stop every encoder's at its next layer first."""
+    for encoder in list(_live):
+        encoder.close()
 
 
 def yield_between(layers: Sequence[object]) -> None:
@@ -248,6 +259,7 @@ class BackgroundEncoder:
         # steps of work for idle time, each → whether it did any (`start_idle`: a corpus's warming each)
         self.idle_steps: list[Callable[[], bool]] = []
         self._idle_due = False  # questions came since the idle steps last said it had nothing to do
+        _live.add(self)
 
     def submit(self, jobs: Sequence[Job]) -> int:
         """Queue one request's misses → how many were queued (the rest coalesced, deferred or dropped)."""
@@ -268,6 +280,10 @@ class BackgroundEncoder:
             self._idle_due = not self._closed
             if not self._closed:
                 self._start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _start(self) -> None:
         if self._thread is None:
@@ -305,7 +321,8 @@ class BackgroundEncoder:
         return done
 
     def close(self) -> None:
-        """Stop after the job in hand; what is queued is dropped (it is a miss again next time)."""
+        """Stop the forward in hand at its next layer and end the thread; what is queued is dropped (it is a
+        miss again next time). Every live encoder is closed so at the interpreter's exit."""
         with self._cv:
             self._closed, self._idle_due = True, False
             self._cv.notify_all()
@@ -339,13 +356,20 @@ class BackgroundEncoder:
         return any(step() for step in list(self.idle_steps))
 
     def _idle_step(self, idle: Callable[[], bool]) -> bool:
+        _running.encoder = self  # its forwards give way as a job's do
         try:
             return idle()
+        except Yielded:  # what the step was encoding is encoded again on its next turn
+            with self._cv:
+                self.num_yielded += 1
+            return True
         except Exception as e:  # noqa: BLE001 - idle work is a bonus: a failure ends it until the next questions
             with self._cv:
                 self.num_failed += 1
                 self.last_error = f"{type(e).__name__}: {e}"
             return False
+        finally:
+            _running.encoder = None
 
     def _run(self, job: Job, yielding: bool = False) -> int:
         """Encode and write one job → 1 if written, 0 if it was stored meanwhile, failed, or (`yielding`, the
@@ -358,11 +382,11 @@ class BackgroundEncoder:
                 return 0
             if yielding and self.activity.busy:  # it came while the store was asked (a Redis round trip)
                 raise Yielded
-            _running.activity = self.activity if yielding else None
+            _running.encoder = self if yielding else None
             try:
                 (kv,) = self.encode([job.unit])
             finally:
-                _running.activity = None
+                _running.encoder = None
             store.put(job.key, kv)
         except Yielded:
             with self._cv:
