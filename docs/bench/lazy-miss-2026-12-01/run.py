@@ -6,9 +6,12 @@ default fallback ("auto"). The shape of `bench --scenarios sustained --sustained
 prefix cache off, memory + disk tiers at `share` of the corpus's fp16 KV. Between questions the
 background encoder gets up to `think` seconds (a user's pause); a question stops a background forward
 between layers (before that was built, the full prefill timed right after each answer waited for the
-forward the encoder had just begun, which inflated the deferred runs' speed-ups). The eager column runs
-on a second engine, whose requests this engine's encoder does not yield to: it is not a measure until
-it runs on the same engine with the encoder paused (docs/benchmarks.md).
+forward the encoder had just begun, which inflated the deferred runs' speed-ups). The eager column
+(every `EAGER_EVERY`-th question: the same prompt with every module a memory hit) runs on a second engine
+over the same model while this engine's encoder is held off (a request in flight on its `activity`);
+before 2026-12-02 it was not held off, so the eager column of sweep-, rerun- and yield-2026-12-02.json
+is no measure (docs/benchmarks.md). `full2`: a second full prefill right after the first, so the
+machine's own noise (p95 of full2 / full) stands beside the p95 of ttft / full.
 
 Run from the repository root:
 python docs/bench/lazy-miss-2026-12-01/run.py OUT.json [tokens] [questions] [think] [variants]
@@ -48,7 +51,7 @@ def eager_ttft(engine, ref, corpus: Corpus, ans) -> float:
     """The same prompt with every module a memory hit (an eager unlimited store), encoded untimed first."""
     from rag_promptcache.rag.encoding import corpus_schema
 
-    ref.store.close()
+    ref.store.close()  # an eager store holding exactly this prompt's modules, nothing else
     modules = [(m, corpus.table.module(m)[0]) for m in ans.module_ids]
     ref.add_schema(corpus_schema(corpus.manifest, modules), replace=True)
     ref.encode(corpus.manifest.name)
@@ -75,10 +78,12 @@ def run_one(path: Path, misses: str, share: float, questions: list[tuple[int, st
     for i, (_, q) in enumerate(questions):
         ans = corpus.ask(q, k=K, max_new_tokens=1)
         full = engine.generate(ans.prompt, use_cache=False, max_new_tokens=1).ttft_s
-        row = {"i": i, "ttft": ans.ttft_s, "full": full, "path": ans.path, "served": ans.served,
+        full2 = engine.generate(ans.prompt, use_cache=False, max_new_tokens=1).ttft_s
+        row = {"i": i, "ttft": ans.ttft_s, "full": full, "full2": full2, "path": ans.path, "served": ans.served,
                "hits": len(ans.hit_modules), "misses": len(ans.missed_modules), "eager": None}
         if i % EAGER_EVERY == 0:
-            row["eager"] = eager_ttft(engine, ref, corpus, ans)
+            with engine.activity.request():  # this engine's background encoder gives way, as to its own requests
+                row["eager"] = eager_ttft(engine, ref, corpus, ans)
         rows.append(row)
         engine.background.wait_done(timeout=think)
         if (i + 1) % 50 == 0:
@@ -100,6 +105,7 @@ def summary(run: dict) -> dict:
     windows = [statistics.median(r["full"] / r["ttft"] for r in run["rows"][s:s + 50])
                for s in range(0, len(run["rows"]), 50)]
     slow = sorted(r["ttft"] / r["full"] for r in run["rows"])
+    noise = sorted(r["full2"] / r["full"] for r in run["rows"] if r.get("full2"))
     windows100 = [statistics.median(r["full"] / r["ttft"] for r in run["rows"][s:s + 100])
                   for s in range(0, len(run["rows"]), 100)]
     return {"misses": run["misses"], "share": run["share"], "admission": run.get("admission", "first"),
@@ -107,6 +113,7 @@ def summary(run: dict) -> dict:
             "eager_p50_speedup": statistics.median(eager) if eager else None,
             "of_eager": statistics.median(ratios) / statistics.median(eager) if eager else None,
             "p95_time_over_full": slow[int(0.95 * (len(slow) - 1))], "windows_p50": windows,
+            "p95_full_over_full": noise[int(0.95 * (len(noise) - 1))] if noise else None,
             "first_over_full": run["rows"][0]["ttft"] / run["rows"][0]["full"],
             "hit_share": sum(r["hits"] for r in rows) / (K * len(rows)),
             "paths": {p: sum(r["path"] == p for r in rows) for p in ("cached", "full")},
