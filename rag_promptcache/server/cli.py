@@ -69,7 +69,17 @@ def register(app: typer.Typer) -> None:
         from rag_promptcache.rag.layout import find_corpora
 
         check_name("dtype", dtype, SHOWN_DTYPES)
-        corpora = find_corpora(corpus)  # a wrong path or name fails before torch and the server stack are imported
+        # a wrong path, name or combination fails before torch and the server stack are imported (seconds)
+        corpora = find_corpora(corpus)
+        if api_key is not None and not api_key.strip():
+            raise ValueError("--api-key is empty; pass a key or leave it unset")
+        if not ray and (replicas is not None or autoscale is not None or ray_address is not None):
+            raise ValueError("--replicas, --autoscale and --ray-address need --ray")
+        if replicas is not None and autoscale is not None:
+            raise ValueError("--replicas and --autoscale exclude each other: a fixed count, or a range")
+        from rag_promptcache.server.ray_serve import ReplicaOptions, parse_autoscale, serve_ray  # no Ray until it serves
+
+        bounds = parse_autoscale(autoscale) if autoscale is not None else None
         from rag_promptcache.engine.batching.batcher import ADMISSIONS
         from rag_promptcache.server import serve as run
         from rag_promptcache.server.access_log import FORMATS, LEVELS
@@ -82,16 +92,7 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--log-level {log_level!r}: valid: {', '.join(LEVELS)}")
         if log_format not in FORMATS:
             raise ValueError(f"--log-format {log_format!r}: valid: {', '.join(FORMATS)}")
-        if api_key is not None and not api_key.strip():
-            raise ValueError("--api-key is empty; pass a key or leave it unset")
-        if not ray and (replicas is not None or autoscale is not None or ray_address is not None):
-            raise ValueError("--replicas, --autoscale and --ray-address need --ray")
         if ray:
-            from rag_promptcache.server.ray_serve import ReplicaOptions, parse_autoscale, serve_ray
-
-            if replicas is not None and autoscale is not None:
-                raise ValueError("--replicas and --autoscale exclude each other: a fixed count, or a range")
-            bounds = parse_autoscale(autoscale) if autoscale is not None else None
             opts = ReplicaOptions(tuple(str(c.resolve()) for c in corpora), k=k, max_batch=max_batch, max_queue=max_queue,
                                   redis_url=redis_url, dtype=dtype, api_key=api_key, prefill_chunk=prefill_chunk,
                                   admission=admission, min_score=min_score, adapter=adapter)
