@@ -347,3 +347,14 @@ def test_the_ingest_estimate_is_the_real_chunkers_count_on_a_sample(tokenizer, t
     counted = ingest.count_tokens(docs, chunker)
     assert abs(counted - real) / real < 0.05, (counted, real, guess)
     assert abs(counted - real) < abs(guess - real)
+
+
+def test_prepare_packs_the_answering_forward_before_the_first_question(parts, tmp_path: Path) -> None:
+    from rag_promptcache.engine.compute import runner
+
+    c = build(parts, tmp_path / "c", kv="lazy")
+    try:
+        engine = c.prepare()  # what ask, chat and serve call before a question
+        assert runner._LEAN.get(engine.model) is not None  # packed now, not in the first answer's TTFT (0.2 s)
+    finally:
+        c.close()
