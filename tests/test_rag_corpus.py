@@ -43,6 +43,9 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
+    def ready_to_answer(self) -> None:
+        pass
+
     def store_of(self, schema_name: str) -> FakeEngine:  # one store for every schema, as an engine with none attached
         return self.store
 

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine.compute import attention
-from rag_promptcache.engine.compute.runner import decoder_layers
+from rag_promptcache.engine.compute.runner import decoder_layers, lean_forward
 from rag_promptcache.engine.kv.assemble import release
 from rag_promptcache.engine.batching.batcher import DEFAULT_ADMISSION, DEFAULT_PREFILL_CHUNK, Batcher
 from rag_promptcache.engine.prompt.compiler import LAYOUTS, Compiler, Layout
@@ -92,8 +92,7 @@ class PromptCache:
             # a store holds entries in its own codec; silently ignoring the argument stored native KV
             raise ValueError(
                 f"codec={codec!r} applies only to the engine's default MemoryStore, not to a store you pass; "
-                f"set it on the store instead, e.g. MemoryStore(codec={codec!r}) or DiskStore(path, codec={codec!r})"
-            )
+                f"set it on the store instead, e.g. MemoryStore(codec={codec!r}) or DiskStore(path, codec={codec!r})")
         if store is None:
             from rag_promptcache.store import MemoryStore
 
@@ -101,8 +100,7 @@ class PromptCache:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
-        # stores attached for the schemas of one name (`attach_store`): corpora sharing this model keep
-        # their modules apart, each in its own tiers within its own budget
+        # stores per schema name (`attach_store`): corpora sharing this model keep their modules apart, each in its own tiers
         self._stores: dict[str, Store] = {}
         self.mode = check_mode(mode)
         self.layout = layout
@@ -126,9 +124,8 @@ class PromptCache:
         self.prefix_cache = make_prefix_cache(prefix_cache_bytes, self.geometry)
         # what produced a prefix's KV beyond its labels: the weights and dtype (the fingerprint), the device
         self.prefix_namespace = (self.fingerprint, str(model.device))
-        # Every forward pass of this model runs under it: prefill, each decode step, encoding, recovery
-        # passes (whose layer hooks would otherwise fire in another thread's forward). Reentrant, so a
-        # caller (the batch scheduler) may hold it around engine calls.
+        # Every forward pass of this model runs under it: prefill, each decode step, encoding, recovery passes (whose
+        # layer hooks would otherwise fire in another thread's forward). Reentrant: the batch scheduler holds it around calls.
         self.model_lock = threading.RLock()
         self.schemas = Schemas(self.compiler, self.fingerprint, self.mode)
         self.fallback = fallback
@@ -252,9 +249,12 @@ class PromptCache:
         return EncodeReport(len(todo), num_tokens, len(wanted) - len(todo), time.perf_counter() - t0)
 
     def store_keys(self, schema_name: str, module_names: Sequence[str]) -> dict[str, str]:
-        """The store key of each named module's KV, as `plan` and `encode` compute it: callers that drop
-        KV (a corpus removing a document) ask here rather than copy the formula."""
+        """Each named module's store key, as `plan` and `encode` compute it (for callers that drop KV)."""
         return self.schemas.module_keys(schema_name, module_names)
+
+    def ready_to_answer(self) -> None:
+        """Build the answering forward's packed weights now (0.2 s for SmolLM2 on 2 cores), not in the first answer."""
+        lean_forward(self.model)
 
     def is_cached(self, schema_name: str, module_name: str) -> bool:
         return self.store_of(schema_name).contains(self.store_keys(schema_name, [module_name])[module_name])

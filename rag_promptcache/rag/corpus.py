@@ -258,10 +258,8 @@ class Corpus(Answering, StoreAccess):
                 engine.add_schema(self.schema, replace=True)
                 self._registered, self._compiled = generation, False
             if compile_schema and not self._compiled:
-                from rag_promptcache.engine.compute.runner import lean_forward
-
                 engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
-                lean_forward(engine.model)
+                engine.ready_to_answer()
                 self._compiled = True
         return engine
 
