@@ -302,3 +302,10 @@ def test_a_script_that_ends_during_a_background_forward_exits_cleanly(tokenizer,
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]  # it aborted (134, "terminate called ...") before
     assert done.stdout.strip() == "deferred" and "terminate called" not in done.stderr
+
+
+def test_serves_prefill_admission_variable_is_not_the_encoders(model, tokenizer, monkeypatch):
+    monkeypatch.setenv("RAG_PROMPTCACHE_ADMISSION", "one")  # `serve --admission one`: it failed every engine before
+    assert str(engine(model, tokenizer).background.queue.admission) == "first"
+    monkeypatch.setenv("RAG_PROMPTCACHE_ENCODER_ADMISSION", "second:5")
+    assert str(engine(model, tokenizer).background.queue.admission) == "second:5"

@@ -66,7 +66,7 @@ def run_one(path: Path, misses: str, share: float, questions: list[tuple[int, st
 
     shutil.rmtree(path / "store", ignore_errors=True)
     os.environ["RAG_PROMPTCACHE_MISSES"] = misses
-    os.environ["RAG_PROMPTCACHE_ADMISSION"] = admission
+    os.environ["RAG_PROMPTCACHE_ENCODER_ADMISSION"] = admission  # RAG_PROMPTCACHE_ADMISSION before 2026-12-02
     corpus = Corpus.open(path, redis_url="")
     fp16 = corpus.table.counts()["num_tokens"] * 30 * 3 * 64 * 2 * 2  # SmolLM2-135M: 30 layers, 3 KV heads, d 64
     corpus.set_budget(StoreBudget(memory=int(fp16 * share / 5), disk=int(fp16 * share * 4 / 5)))

@@ -76,6 +76,7 @@ def yield_between(layers: Sequence[object]) -> None:
                 _hooked.add(layer)
 
 
+ADMISSION_ENV = "RAG_PROMPTCACHE_ENCODER_ADMISSION"
 DEFAULT_MAX_QUEUE = 256  # modules waiting; past it a new miss is dropped (it is computed again when next retrieved)
 MISSES = ("defer", "encode")
 
@@ -155,10 +156,11 @@ class Admission:
 
     @classmethod
     def parse(cls, spec: str | Admission | None) -> Admission:
-        """`spec`, else $RAG_PROMPTCACHE_ADMISSION, else "first"."""
+        """`spec`, else $RAG_PROMPTCACHE_ENCODER_ADMISSION, else "first". (Not $RAG_PROMPTCACHE_ADMISSION:
+        that is how `serve` admits prefills into its batch.)"""
         if isinstance(spec, Admission):
             return spec
-        spec = spec or os.environ.get("RAG_PROMPTCACHE_ADMISSION")
+        spec = spec or os.environ.get(ADMISSION_ENV)
         if spec in (None, "first"):
             return cls()
         head, _, window = str(spec).partition(":")
