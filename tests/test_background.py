@@ -15,7 +15,8 @@ from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.compute.runner import decoder_layers
 from rag_promptcache.engine.planning.background import Activity, Admission, EncodeQueue, Job, misses_policy
 from rag_promptcache.engine.prompt.compiler import Unit
-from rag_promptcache.store import MemoryStore
+from rag_promptcache.store import MemoryStore, TieredStore
+from rag_promptcache.store.base import is_full
 from tests.tiny import build
 
 SCHEMA = """<schema name="s">
@@ -50,7 +51,51 @@ def test_second_admission_queues_a_module_missed_twice_within_its_window():
     assert str(q.admission) == "second:2" and str(Admission.parse(None)) == "first"
 
 
-@pytest.mark.parametrize("spec", ["second", "second:0", "third:2", "often"])
+def test_auto_admission_queues_every_miss_until_the_store_is_full_then_the_second():
+    q = EncodeQueue(admission=Admission.parse("auto:2"))
+    assert [j.key for j in q.offer([job("a"), job("b")], full=lambda j: False)] == ["a", "b"]  # room: first
+    q.take(), q.take()
+    assert q.offer([job("c")], full=lambda j: True) == [] and q.num_deferred == 1  # full: c missed once
+    assert [j.key for j in q.offer([job("c")], full=lambda j: True)] == ["c"]  # twice within 2 requests
+    assert [j.key for j in q.offer([job("d")], full=lambda j: j.key != "d")] == ["d"]  # d's store has room
+    assert str(q.admission) == "auto:2" and str(Admission.parse("auto")) == "auto"
+
+
+def held_bytes(pc: PromptCache, name: str) -> int:
+    """What a MemoryStore holds for module `name` of schema s, alone."""
+    probe = engine(pc.model, pc.tokenizer)
+    probe.encode("s", [name])
+    return probe.store.stats().num_bytes
+
+
+def test_a_store_is_full_when_its_last_tier_holds_its_budget(model, tokenizer):
+    pc = engine(model, tokenizer)
+    pc.encode("s", ["a"])
+    kv = pc.store.get(pc.store_keys("s", ["a"])["a"])
+    size = held_bytes(pc, "a")
+    small, roomy = MemoryStore(max_bytes=size), MemoryStore(max_bytes=100 * size)
+    assert not is_full(small) and not is_full(MemoryStore())
+    small.put("k", kv), roomy.put("k", kv)
+    assert is_full(small) and not is_full(roomy) and not is_full(TieredStore([small, roomy]))
+    assert is_full(TieredStore([roomy, small]))  # the last tier is where an entry lives longest
+
+
+def test_auto_admission_stops_queueing_single_misses_once_the_store_is_full(model, tokenizer):
+    size = held_bytes(engine(model, tokenizer), "a")
+    pc = engine(model, tokenizer, store=MemoryStore(max_bytes=int(size / 0.96)), admission="auto")
+    pc.generate('<prompt schema="s"><a/> Where?</prompt>', max_new_tokens=1)
+    settle(pc)
+    assert pc.background.stats().num_encoded == 1  # room: stored on its first miss, and now the store is full
+    pc.generate('<prompt schema="s"><c/> Food?</prompt>', max_new_tokens=1)
+    settle(pc)
+    stats = pc.background.stats()
+    assert (stats.num_encoded, stats.num_deferred) == (1, 1)  # full: c missed once is not worth evicting a
+    pc.generate('<prompt schema="s"><c/> Trains?</prompt>', max_new_tokens=1)
+    settle(pc)
+    assert pc.background.stats().num_encoded == 2  # missed twice within 20 requests: stored
+
+
+@pytest.mark.parametrize("spec", ["second", "second:0", "third:2", "often", "auto:0"])
 def test_bad_admission_and_misses_policies_are_refused_by_name(spec):
     with pytest.raises(ValueError, match="first .* second:W"):
         Admission.parse(spec)
@@ -272,7 +317,8 @@ import torch
 sys.path.insert(0, {root!r})
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.compute.runner import decoder_layers
-from rag_promptcache.store import MemoryStore
+from rag_promptcache.store import MemoryStore, TieredStore
+from rag_promptcache.store.base import is_full
 from tests.tiny import build
 from tests.test_background import SCHEMA, BOTH
 from transformers import AutoTokenizer

@@ -120,3 +120,14 @@ def module_key(
         h.update(f"|nbr{len(neighbour_ids)}|".encode())
         h.update(struct.pack(f"<{len(neighbour_ids)}q", *neighbour_ids))
     return h.hexdigest()
+
+
+FULL_SHARE = 0.95  # a store holding this share of its budget is full: its next writes evict
+
+
+def is_full(store: Store) -> bool:
+    """Whether `store` is full: its last tier (a `TieredStore`'s largest, where an entry lives longest) holds
+    `FULL_SHARE` of its budget. An unbounded tier never is."""
+    last = (getattr(store, "tiers", None) or [store])[-1]
+    cap = getattr(last, "max_bytes", None)
+    return cap is not None and last.stats().num_bytes >= FULL_SHARE * cap

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from rag_promptcache.engine.prompt.compiler import Unit
-from rag_promptcache.store.base import ModuleKV, Store
+from rag_promptcache.store.base import ModuleKV, Store, is_full
 
 
 class Yielded(Exception):
@@ -77,6 +77,7 @@ def yield_between(layers: Sequence[object]) -> None:
 
 
 ADMISSION_ENV = "RAG_PROMPTCACHE_ENCODER_ADMISSION"
+AUTO_WINDOW = 20
 DEFAULT_MAX_QUEUE = 256  # modules waiting; past it a new miss is dropped (it is computed again when next retrieved)
 MISSES = ("defer", "encode")
 
@@ -149,10 +150,13 @@ class Activity:
 @dataclass(frozen=True, slots=True)
 class Admission:
     """Which missed modules are queued: `first` every miss; `second:W` a module missed (retrieved and not
-    held) at least twice within the last W requests that missed anything."""
+    held) at least twice within the last W requests that missed anything; `auto` (`auto:W`) every miss
+    while the store has room, `second:W` once it is full (`store.base.is_full`: where a write evicts, a module
+    retrieved once is not worth one retrieved often; W = 20 by default)."""
 
     min_misses: int = 1
     window: int = 0
+    until_full: bool = False  # `auto`: `first` until the store is full
 
     @classmethod
     def parse(cls, spec: str | Admission | None) -> Admission:
@@ -164,13 +168,15 @@ class Admission:
         if spec in (None, "first"):
             return cls()
         head, _, window = str(spec).partition(":")
-        if head == "second" and window.isdigit() and int(window) >= 1:
-            return cls(2, int(window))
-        raise ValueError(f"bad admission {spec!r}: write first (every miss) or second:W (a module missed twice "
-                         "within the last W requests)")
+        window = window or (str(AUTO_WINDOW) if head == "auto" else "")
+        if head in ("second", "auto") and window.isdigit() and int(window) >= 1:
+            return cls(2, int(window), until_full=head == "auto")
+        raise ValueError(f"bad admission {spec!r}: write first (every miss), second:W (a module missed twice "
+                         "within the last W requests) or auto (first until the store is full, then second:20)")
 
     def __str__(self) -> str:
-        return "first" if self.min_misses <= 1 else f"second:{self.window}"
+        tail = "" if self.until_full and self.window == AUTO_WINDOW else f":{self.window}"
+        return "first" if self.min_misses <= 1 else ("auto" if self.until_full else "second") + tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +217,9 @@ class EncodeQueue:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def offer(self, jobs: Sequence[Job]) -> list[Job]:
-        """One request's misses → the jobs newly queued."""
+    def offer(self, jobs: Sequence[Job], full: Callable[[Job], bool] = lambda job: True) -> list[Job]:
+        """One request's misses → the jobs newly queued. `full(job)`: whether the job's store is full (what
+        `auto` asks; it counts the misses either way, so it has a window's history when the store fills)."""
         rule = self.admission
         if rule.min_misses > 1:
             keys = tuple(dict.fromkeys(j.key for j in jobs))
@@ -224,7 +231,7 @@ class EncodeQueue:
         for job in jobs:
             if job.key in self._jobs:
                 self.num_coalesced += 1
-            elif self._counts[job.key] < rule.min_misses and rule.min_misses > 1:
+            elif rule.min_misses > 1 and self._counts[job.key] < rule.min_misses and (not rule.until_full or full(job)):
                 self.num_deferred += 1
             elif len(self._jobs) >= self.max_jobs:
                 self.num_dropped += 1
@@ -261,6 +268,7 @@ class BackgroundEncoder:
         # steps of work for idle time, each → whether it did any (`start_idle`: a corpus's warming each)
         self.idle_steps: list[Callable[[], bool]] = []
         self._idle_due = False  # questions came since the idle steps last said it had nothing to do
+        self._full: dict[int, bool] = {}  # id(store) → whether it was full after this encoder's last write to it
         _live.add(self)
 
     def submit(self, jobs: Sequence[Job]) -> int:
@@ -268,7 +276,7 @@ class BackgroundEncoder:
         with self._cv:
             if self._closed:
                 return 0
-            queued = self.queue.offer(jobs)
+            queued = self.queue.offer(jobs, lambda job: self._full.get(id(job.store or self.store), False))
             self._idle_due = bool(self.idle_steps) and not self._closed
             if queued or self._idle_due:
                 self._start()
@@ -390,6 +398,10 @@ class BackgroundEncoder:
             finally:
                 _running.encoder = None
             store.put(job.key, kv)
+            if self.queue.admission.until_full:
+                full = is_full(store)
+                with self._cv:
+                    self._full[id(store)] = full
         except Yielded:
             with self._cv:
                 self.queue.put_back(job)
