@@ -48,7 +48,7 @@ def test_second_admission_queues_a_module_missed_twice_within_its_window():
     assert [j.key for j in q.offer([job("a")])] == ["a"]  # the second miss within 2 requests
     q.offer([job("c")])
     assert q.offer([job("b")]) == []  # b's first miss left the window of the last 2 requests
-    assert str(q.admission) == "second:2" and str(Admission.parse(None)) == "first"
+    assert str(q.admission) == "second:2" and str(Admission.parse(None)) == "auto"
 
 
 def test_auto_admission_queues_every_miss_until_the_store_is_full_then_the_second():
@@ -352,6 +352,6 @@ def test_a_script_that_ends_during_a_background_forward_exits_cleanly(tokenizer,
 
 def test_serves_prefill_admission_variable_is_not_the_encoders(model, tokenizer, monkeypatch):
     monkeypatch.setenv("RAG_PROMPTCACHE_ADMISSION", "one")  # `serve --admission one`: it failed every engine before
-    assert str(engine(model, tokenizer).background.queue.admission) == "first"
+    assert str(engine(model, tokenizer).background.queue.admission) == "auto"
     monkeypatch.setenv("RAG_PROMPTCACHE_ENCODER_ADMISSION", "second:5")
     assert str(engine(model, tokenizer).background.queue.admission) == "second:5"

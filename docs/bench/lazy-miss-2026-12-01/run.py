@@ -16,7 +16,8 @@ machine's own noise (p95 of full2 / full) stands beside the p95 of ttft / full.
 Run from the repository root:
 python docs/bench/lazy-miss-2026-12-01/run.py OUT.json [tokens] [questions] [think] [variants]
 `variants`: comma-separated MISSES:SHARE[:ADMISSION], default defer:0.05,encode:0.05,defer:0.2,defer:0.5
-(ADMISSION: first, or second:W; engine/planning/background.py).
+(ADMISSION: first, second:W, auto or auto:W; engine/planning/background.py; unset: first, as in the runs
+made before auto became the engine's default).
 """
 
 from __future__ import annotations

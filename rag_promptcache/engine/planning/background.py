@@ -150,8 +150,8 @@ class Activity:
 @dataclass(frozen=True, slots=True)
 class Admission:
     """Which missed modules are queued: `first` every miss; `second:W` a module missed (retrieved and not
-    held) at least twice within the last W requests that missed anything; `auto` (`auto:W`) every miss
-    while the store has room, `second:W` once it is full (`store.base.is_full`: where a write evicts, a module
+    held) at least twice within the last W requests that missed anything; `auto` (`auto:W`, the default) every
+    miss while the store has room, `second:W` once it is full (`store.base.is_full`: where a write evicts, a module
     retrieved once is not worth one retrieved often; W = 20 by default)."""
 
     min_misses: int = 1
@@ -160,12 +160,12 @@ class Admission:
 
     @classmethod
     def parse(cls, spec: str | Admission | None) -> Admission:
-        """`spec`, else $RAG_PROMPTCACHE_ENCODER_ADMISSION, else "first". (Not $RAG_PROMPTCACHE_ADMISSION:
+        """`spec`, else $RAG_PROMPTCACHE_ENCODER_ADMISSION, else "auto". (Not $RAG_PROMPTCACHE_ADMISSION:
         that is how `serve` admits prefills into its batch.)"""
         if isinstance(spec, Admission):
             return spec
-        spec = spec or os.environ.get(ADMISSION_ENV)
-        if spec in (None, "first"):
+        spec = spec or os.environ.get(ADMISSION_ENV) or "auto"
+        if spec == "first":
             return cls()
         head, _, window = str(spec).partition(":")
         window = window or (str(AUTO_WINDOW) if head == "auto" else "")
