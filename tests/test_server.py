@@ -222,6 +222,7 @@ def test_concurrent_clients_get_their_one_at_a_time_answers(client, base_url):
     assert _idle(base_url, timeout=120)["background_queue"] == 0
     metrics = httpx.get(f"{base_url}/metrics").text
     assert "rag_promptcache:background_failed_total 0.0" in metrics and "background_encoded_total" in metrics
+    assert "rag_promptcache:background_not_admitted_total 0.0" in metrics  # the store has room: every miss is queued
     alone = [ask(q) for q in QUESTIONS]
     together: list[str | None] = [None] * len(QUESTIONS)
     threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(QUESTIONS[i]))) for i in range(4)]

@@ -166,6 +166,8 @@ class _Live:
                                 value=sum(b.num_queued for b in stats))
         for name, what, field in (("encoded", "Modules the background encoder stored.", "num_encoded"),
                                   ("dropped", "Missed modules not queued: the queue was full.", "num_dropped"),
+                                  ("not_admitted", "Missed modules the admission rule did not queue (a full store's "
+                                   "module missed once).", "num_deferred"),
                                   ("failed", "Background encodes or writes that failed.", "num_failed"),
                                   ("yielded", "Background jobs put back unencoded: a request arrived first.",
                                    "num_yielded")):
