@@ -317,8 +317,7 @@ import torch
 sys.path.insert(0, {root!r})
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.compute.runner import decoder_layers
-from rag_promptcache.store import MemoryStore, TieredStore
-from rag_promptcache.store.base import is_full
+from rag_promptcache.store import MemoryStore
 from tests.tiny import build
 from tests.test_background import SCHEMA, BOTH
 from transformers import AutoTokenizer
