@@ -203,13 +203,11 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
                     outcomes[s].append(_answer(engine, r.prompt, rec, entries[encoding], cfg.new_tokens, r, s))
             for s in settings:
                 report = summarize(s, k, refs, outcomes[s])
-                row = {"split": split, "adapter": adapter, "mode": "shared_prefix", "codec": "native",
-                       **report.as_dict(), "recomputed_share": bench_fidelity.recomputed_share(engine, refs, parsed[s][1]),
-                       "byproduct_share": lent_reads / max(1, reads) if parsed[s][0] == "byp" else 0.0,
-                       "first_module_max_diff": first_diff,
-                       "answers": [a.as_dict() for a in report.results]}
-                if reference is not None:
-                    row = fidelity_reference.apply(row, reference)
+                row = fidelity_reference.row(
+                    split, adapter, "shared_prefix", "native", report, reference,
+                    recomputed_share=bench_fidelity.recomputed_share(engine, refs, parsed[s][1]),
+                    byproduct_share=lent_reads / max(1, reads) if parsed[s][0] == "byp" else 0.0,
+                    first_module_max_diff=first_diff)
                 rows.append(row)
                 log(f"{split} k={k} {s}: full {row['full_correct']}/{row['with_answer']}"
                     + (f" (reference {row['reference_full_correct']})" if reference else "")

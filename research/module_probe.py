@@ -279,10 +279,8 @@ def run_split(engine: PromptCache, split: str, cfg: argparse.Namespace, settings
                 report = summarize(s.name, k, timed, outcomes[s.name])
                 share = sum(flops_share(s, r, modules, engine, num_layers) * r.context_tokens for r in refs) / max(
                     1, sum(r.context_tokens for r in refs))
-                row = {"split": split, "adapter": adapter, "mode": "shared_prefix", "codec": "native",
-                       **report.as_dict(), "recomputed_share": share, "answers": [a.as_dict() for a in report.results]}
-                if reference is not None:
-                    row = fidelity_reference.apply(row, reference)
+                row = fidelity_reference.row(split, adapter, "shared_prefix", "native", report, reference,
+                                             recomputed_share=share)
                 rows.append(row)
                 log(f"{split} k={k} {s.name}: full {row['full_correct']}/{row['with_answer']}"
                     + (f" (reference {row['reference_full_correct']})" if reference else "")

@@ -139,10 +139,9 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
             for mode, rec in cfg.fidelity_settings:
                 report = summarize(str(Recovery.parse(rec)), k, refs, outcomes[(mode, rec)])
                 share = recomputed_share(engines[mode], refs, rec)
-                rows.append({"split": split, "adapter": adapter, "mode": mode, "codec": cfg.fidelity_codec,
-                             **report.as_dict(), "recomputed_share": share,
-                             "answers": [r.as_dict() for r in report.results]})
-                r = rows[-1] if reference is None else fidelity_reference.apply(rows[-1], reference)
+                r = fidelity_reference.row(split, adapter, mode, cfg.fidelity_codec, report, reference,
+                                           recomputed_share=share)
+                rows.append(r)
                 against = "" if reference is None else f" (reference full {r['reference_full_correct']})"
                 bench.log(f"fidelity {split} k={k} {mode}/{r['recovery']}: full {r['full_correct']}/{r['with_answer']}{against}, "
                           f"cached {r['cached_correct']}, agreement {r['agreement']:.2f}, recomputed {share:.3f}, "

@@ -5,7 +5,9 @@ library), while speed-ups stay against the measured model's own full prefill.
 `load` reads a run's fidelity.json (`python -m benchmarks.fidelity ... --out DIR`, the base
 model: `--adapter none`); `check` refuses a reference that asked other questions (another split, k,
 seed offset or question count); `apply` rewrites one row's `retained` and `kept` against it, keeping
-the row's own in `own_retained` and `own_kept`. Not here: running the model (bench/fidelity.py).
+the row's own in `own_retained` and `own_kept`; `row` makes one setting's row (the bench's and the
+research probes') and applies the reference where there is one. Not here: running the model
+(bench/fidelity.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from rag_promptcache.rag.fidelity import SettingReport
 
 BASE = "none"  # the adapter label of the base model
 
@@ -94,6 +98,15 @@ def check(ref: ReferenceRun, questions: dict[str, list[tuple[str, tuple[str, ...
                     what = f"question {at + 1} is {theirs_q[at][0]!r} there, {mine[at][0]!r} here"
                 raise ValueError(f"reference {ref.path!r} asked other questions for split {split!r} at k={k} "
                                  f"({what}); {hint}")
+
+
+def row(split: str, adapter: str, mode: str, codec: str, report: SettingReport, reference: ReferenceRun | None,
+        **extra: object) -> dict[str, object]:
+    """One setting's fidelity row at one split and k: `report`'s counts, `extra` (its recomputed share, a
+    probe's own columns), its per-question answers; judged against `reference` where one is given."""
+    out = {"split": split, "adapter": adapter, "mode": mode, "codec": codec, **report.as_dict(), **extra,
+           "answers": [a.as_dict() for a in report.results]}
+    return out if reference is None else apply(out, reference)
 
 
 def apply(row: dict[str, object], ref: ReferenceRun) -> dict[str, object]:
