@@ -12,6 +12,7 @@ from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.kv.assemble import _POOL, assemble, reserved_cache
 from rag_promptcache.engine.compute.runner import forward_last, lean_forward
 from rag_promptcache.engine.compute.forward import PACK_ENV, LeanLlama, can_pack
+from rag_promptcache.model import native
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import ARCHS, build
 
@@ -70,7 +71,9 @@ def test_packed_projections_with_biases_equal_the_modules(dtype, monkeypatch):
     monkeypatch.setenv(PACK_ENV, "0")
     assert not LeanLlama(model).packed
     monkeypatch.delenv(PACK_ENV)
-    assert lean_forward(model).packed
+    lean = lean_forward(model)
+    lean.pack()  # where the native step runs the one-token steps, only when asked (test_packing_waits_...)
+    assert lean.packed
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     packed, ref = _next_logits(model, ids, lean=True), _next_logits(model, ids, lean=False)
     assert torch.allclose(packed, ref, atol=tol, rtol=0), f"{(packed - ref).abs().max()=}"
@@ -88,9 +91,24 @@ def test_packed_weights_follow_a_changed_weight():
     assert torch.allclose(after, ref, atol=1e-5, rtol=0), f"{(after - ref).abs().max()=}"
     model.to(torch.bfloat16)  # new tensors in another dtype: packed again, in bf16
     if can_pack(model.lm_head.weight):
+        lean_forward(model).pack()
         logits = _next_logits(model, ids, lean=True)
         assert lean_forward(model).head.weight.dtype == torch.bfloat16
         assert torch.allclose(logits, _next_logits(model, ids, lean=False), atol=2e-2, rtol=0)
+
+
+def test_packing_waits_to_be_asked_where_the_native_step_runs_the_one_token_steps():
+    model = _tiny("llama").to(torch.bfloat16)
+    if not can_pack(model.lm_head.weight):
+        pytest.skip("oneDNN's packed linear does not run bf16 here")
+    lean = LeanLlama(model)
+    native_steps = lean.step.usable and native.library() is not None
+    assert lean.packed is not native_steps  # packed on first use only where no native step runs them
+    ids = torch.randint(0, 128, (1, 40))
+    before = _next_logits(model, ids, lean=True)
+    lean_forward(model).pack()
+    assert lean_forward(model).packed
+    assert torch.allclose(_next_logits(model, ids, lean=True), before, atol=2e-2, rtol=0)
 
 
 def test_other_architectures_keep_transformers_forward():

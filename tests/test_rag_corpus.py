@@ -43,7 +43,7 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
-    def ready_to_answer(self) -> None:
+    def ready_to_answer(self, pack: bool = True) -> None:
         pass
 
     def store_of(self, schema_name: str) -> FakeEngine:  # one store for every schema, as an engine with none attached

@@ -108,6 +108,7 @@ def ask(
     sampling = {**_sampling(temperature, repetition_penalty, no_repeat_ngram, recovery, stop), "filter": _where(where)}
     c = _open(corpus, redis_url, dtype, adapter)
     _check_nonempty(c)
+    c.prepare(pack=False)  # one answer: packing the weights would cost more than it saves (engine/compute/forward.py)
     sampling["min_score"] = min_score
     from rag_promptcache.engine.errors import ContextWindowExceeded
 

@@ -4,9 +4,8 @@ Each step is owned once, elsewhere; this class wires them over one model and one
 - the schema registry (engine/prompt/schemas.py) and the planner (engine/planning/plan.py): a module whose KV is
   missing from the store is computed in the request's prefill and queued for the background encoder
   (engine/planning/background.py), which writes it to the store while no request runs (`misses="encode"`:
-  encoded in the request, used and written back first). On a model with learned absolute positions a
-  module is reused only where it was encoded; elsewhere its tokens are recomputed in the prefill, and
-  the result lists it in `recomputed_modules`;
+  encoded in the request, used and written back first). On a model with learned absolute positions a module
+  is reused only where it was encoded; elsewhere it is recomputed (`recomputed_modules` lists it);
 - the prefill (engine/planning/prefill.py), then the request's `DecodeState` (engine/decoding/state.py) driven by the
   single-request loop (engine/decoding/decode.py) or, through `scheduler()`, by the batcher (engine/batching/batcher.py).
 
@@ -252,9 +251,10 @@ class PromptCache:
         """Each named module's store key, as `plan` and `encode` compute it (for callers that drop KV)."""
         return self.schemas.module_keys(schema_name, module_names)
 
-    def ready_to_answer(self) -> None:
-        """Build the answering forward's packed weights now (0.2 s for SmolLM2 on 2 cores), not in the first answer."""
-        lean_forward(self.model)
+    def ready_to_answer(self, pack: bool = True) -> None:
+        """Build the answering forward now, not in the first answer; `pack`: its packed weights too (forward.py)."""
+        if (lean := lean_forward(self.model)) is not None and pack:
+            lean.pack()
 
     def is_cached(self, schema_name: str, module_name: str) -> bool:
         return self.store_of(schema_name).contains(self.store_keys(schema_name, [module_name])[module_name])

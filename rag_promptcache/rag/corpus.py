@@ -225,11 +225,12 @@ class Corpus(Answering, StoreAccess):
         `c.engine.generate(c.prompt(q, ids))` works without `prepare()`."""
         return self._register(compile_schema=False)
 
-    def prepare(self) -> PromptCache:
+    def prepare(self, pack: bool = True) -> PromptCache:
         """Load the engine and register and compile the corpus schema (once per process and change),
         so that the first question's TTFT does not pay for tokenizing every module, nor for packing the
-        answering forward's weights (0.2 s for SmolLM2 on 2 cores: engine/compute/forward.py)."""
-        return self._register(compile_schema=True)
+        answering forward's weights (0.2-0.45 s for SmolLM2 on 2 cores: engine/compute/forward.py), which
+        a process that answers one question (`pack=False`: the `ask` command) skips."""
+        return self._register(compile_schema=True, pack=pack)
 
     def _open_engine(self) -> PromptCache:
         """The engine this corpus was built with, loaded over its store (`engine_slot` calls it once)."""
@@ -250,7 +251,7 @@ class Corpus(Answering, StoreAccess):
                 self._adapter_path = (None if load == "none" else load,)
             return self._adapter_path[0]
 
-    def _register(self, compile_schema: bool) -> PromptCache:
+    def _register(self, compile_schema: bool, pack: bool = True) -> PromptCache:
         engine = self.engine_slot.get()  # without the schema: what ingest uses, whose batches change the table
         with self.lock:
             generation = self.table.generation  # read first: a concurrent add only makes it re-register
@@ -259,7 +260,7 @@ class Corpus(Answering, StoreAccess):
                 self._registered, self._compiled = generation, False
             if compile_schema and not self._compiled:
                 engine.encode(self.manifest.name, [])  # compiles the schema; encodes nothing
-                engine.ready_to_answer()
+                engine.ready_to_answer(pack)
                 self._compiled = True
         return engine
 

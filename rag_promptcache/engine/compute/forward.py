@@ -16,8 +16,11 @@ projections that read the same input fused into one: q, k and v; gate and up. A 
 matrix-vector product per weight, bound by how fast the weights stream from memory, and there the
 packed kernel reads them about twice as fast as `F.linear` (21 against 10 GB/s in bf16, 23 against
 12 GB/s in fp32, on this project's 2-core machine). The cost is that copy: the model's linear weights
-once more in memory (270 MB for SmolLM2-135M in bf16). It is made on first use and again whenever a
-weight changes (`refresh`); `RAG_PROMPTCACHE_PACK=0` turns it off.
+once more in memory (270 MB for SmolLM2-135M in bf16), made on first use and again whenever a weight
+changes (`refresh`). Where the native step runs the one-token steps (below), the copy only speeds up a
+prefill of tens to hundreds of tokens, by about 5%, for 0.2-0.45 s of packing: it is made when asked
+(`pack`: a process that answers many questions, `PromptCache.ready_to_answer`), not on first use, so
+that a one-answer process (`ask`) does not pay for it. `RAG_PROMPTCACHE_PACK=0` turns it off.
 
 Exactness: the same modules' weights, the same RMSNorm, rotary embedding and SDPA math as
 transformers' Llama; outputs match it to float rounding (tests/test_forward.py compares logits).
@@ -48,6 +51,7 @@ from rag_promptcache.engine.compute import attention
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.engine.compute.attention import prefill_attention
 from rag_promptcache.engine.compute.native_step import NativeStep
+from rag_promptcache.model import native
 from rag_promptcache.model.loading import onednn_bf16
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
@@ -117,7 +121,16 @@ class LeanLlama:
             linears += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
         self._weights = [lin.weight for lin in linears]  # module attribute lookups cost 4 us each
         self._signature: list[tuple[int, int]] = []
+        self._asked_to_pack = False
         self.refresh()
+
+    def pack(self) -> None:
+        """Pack the linear weights now where oneDNN runs them (`can_pack`), also where the native step runs
+        the one-token steps and they would not be packed on first use."""
+        if not self._asked_to_pack:
+            self._asked_to_pack = True
+            self._signature = []
+            self.refresh()
 
     def refresh(self) -> None:
         """Build the projections again if a weight changed since, in place or by `.to()`: ~60 us otherwise.
@@ -125,7 +138,9 @@ class LeanLlama:
         signature = [(w.data_ptr(), w._version) for w in self._weights]
         if signature == self._signature:
             return
-        pack = can_pack(self.lm_head.weight)
+        self.step = NativeStep(self.layers, self.norm, self.lm_head, self.config)
+        native_steps = self.step.usable and native.library() is not None
+        pack = can_pack(self.lm_head.weight) and (self._asked_to_pack or not native_steps)
         self.qkv, self.o, self.gate_up, self.down = [], [], [], []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
@@ -135,7 +150,6 @@ class LeanLlama:
             self.down.append(Projection((m.down_proj,), pack))
         self.head = Projection((self.lm_head,), pack)
         self.packed = pack
-        self.step = NativeStep(self.layers, self.norm, self.lm_head, self.config)
         self._signature = signature
 
     @classmethod
