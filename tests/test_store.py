@@ -27,6 +27,7 @@ from rag_promptcache.store import (
     evict_to,
 )
 
+from rag_promptcache.store import memory as memory_module
 from tests.store_helpers import key_of, make_kv
 
 
@@ -139,6 +140,29 @@ def test_tiered_promotes_and_writes_back(tmp_path: Path) -> None:
     assert all(disk.contains(key_of(kv)) for kv in kvs) and store.num_dirty == 0
     assert [s.num_entries for s in store.tier_stats()] == [1, 3]
     store.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "k8v4", "native"])
+def test_a_disk_hit_is_promoted_as_stored(codec: str, tmp_path: Path, monkeypatch) -> None:
+    kv = make_kv(3, num_tokens=32)
+    disk = DiskStore(tmp_path / "d", codec=codec)
+    disk.put(key_of(kv), kv)
+    from_disk = disk.get(key_of(kv))
+    store = TieredStore([MemoryStore(codec=codec), disk])
+    encodes = []
+    monkeypatch.setattr(memory_module, "encode", lambda *a, **k: encodes.append(a) or encode(*a, **k))
+    promoted = store.get(key_of(kv))
+    assert encodes == []  # kept as the disk stored it, not decoded and encoded again
+    again = store.get(key_of(kv))  # now from memory: what the disk's get returned, bit for bit
+    assert [s.num_entries for s in store.tier_stats()] == [1, 1] and disk.stats().num_hits == 2
+    for got in (promoted, again):
+        assert torch.equal(got.keys, from_disk.keys) and torch.equal(got.values, from_disk.values)
+        assert (got.start, got.token_ids, got.fingerprint) == (kv.start, kv.token_ids, kv.fingerprint)
+    other = TieredStore([MemoryStore(codec="fp16"), DiskStore(tmp_path / "d", codec=codec)])
+    assert torch.equal(other.get(key_of(kv)).keys, from_disk.keys)  # another codec above: encoded for it
+    assert len(encodes) == 1
+    store.close()
+    other.close()
 
 
 def test_tiered_validates_write_policy(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from . import disk_counts, disk_index
 from .base import ModuleKV, StoreStats, VerifyReport
-from .codecs import CodecError, check_codec, decode, encode
+from .codecs import CodecError, EncodedKV, check_codec, decode, encode
 from .eviction import BudgetIndex, Entry, Policy
 from .serialize import CorruptEntry, WarnOnce, dumps, load_file, read_header
 
@@ -103,6 +103,12 @@ class DiskStore:
     # -- protocol ------------------------------------------------------------------------------
 
     def get(self, key: str) -> ModuleKV | None:
+        found = self.get_encoded(key)
+        return None if found is None else found[0]
+
+    def get_encoded(self, key: str) -> tuple[ModuleKV, EncodedKV] | None:
+        """`get`, and the entry as stored: a memory tier above keeps that (`MemoryStore.put_encoded`)
+        without encoding the decoded KV again."""
         path = self.path_for(key)
         try:
             inode = path.stat().st_ino
@@ -131,7 +137,7 @@ class DiskStore:
         self._maybe_flush_counts()
         if enc.codec == "native":  # detach from the file mapping (see serialize.load_file)
             kv = ModuleKV(kv.keys.clone(), kv.values.clone(), kv.start, kv.token_ids, kv.fingerprint, kv.mode)
-        return kv
+        return kv, enc
 
     def put(self, key: str, kv: ModuleKV) -> None:
         path = self.path_for(key)

@@ -16,6 +16,7 @@ Out of scope: persistence (disk.py) and sharing between processes (redis.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,19 @@ class MemoryStore(BudgetedTier[EncodedKV]):
     def put(self, key: str, kv: ModuleKV) -> None:
         enc = encode(kv, self.codec, device=self.device, pin=self._pin)
         self._hold(key, enc, enc.num_bytes, enc.num_tokens)
+
+    def put_encoded(self, key: str, enc: EncodedKV) -> bool:
+        """Hold a copy of an entry another tier encoded in this tier's codec (a promotion from disk): no
+        encoding again, and a later get returns what that tier's get did, not a re-quantized copy of it.
+        False, holding nothing, for another codec (`put` then)."""
+        if enc.codec != self.codec:
+            return False
+        tensors = {n: t.to(self.device, copy=True) for n, t in enc.tensors.items()}
+        if self._pin:
+            tensors = {n: t.pin_memory() for n, t in tensors.items()}
+        held = dataclasses.replace(enc, tensors=tensors)
+        self._hold(key, held, held.num_bytes, held.num_tokens)
+        return True
 
     def _evicted(self, evicted: list[tuple[str, EncodedKV]]) -> None:
         if self.on_evict is not None:

@@ -1,6 +1,7 @@
 """Tiers composed: reads go fastest-first with promotion, writes go through or back.
 
-- Read: ask each tier in order; on a hit in tier i, put the entry into tiers 0..i-1 (promotion).
+- Read: ask each tier in order; on a hit in tier i, put the entry into tiers 0..i-1 (promotion), as tier i
+  stored it where both hold one codec (disk to memory: no encoding again).
 - write="through": a put goes to every tier, so any tier can serve the entry after a crash.
 - write="back": a put goes to the first tier only and is marked dirty; a dirty entry is written
   down to the lower tiers when the first tier evicts it (through the first tier's `on_evict` hook,
@@ -90,10 +91,16 @@ class TieredStore:
 
     def _load(self, key: str) -> ModuleKV | None:
         for i, tier in enumerate(self.tiers):
-            kv = tier.get(key)
+            read_encoded = getattr(tier, "get_encoded", None) if i else None
+            if read_encoded is not None:
+                kv, enc = read_encoded(key) or (None, None)
+            else:
+                kv, enc = tier.get(key), None
             if kv is not None:
-                for upper in self.tiers[:i]:
-                    upper.put(key, kv)
+                for upper in self.tiers[:i]:  # as stored where the upper tier holds that codec: no encoding again
+                    keep_encoded = getattr(upper, "put_encoded", None) if enc is not None else None
+                    if keep_encoded is None or not keep_encoded(key, enc):
+                        upper.put(key, kv)
                 with self._lock:
                     self._num_hits += 1
                 return kv
