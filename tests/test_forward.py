@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +16,12 @@ from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.kv.assemble import _POOL, assemble, reserved_cache
 from rag_promptcache.engine.compute.runner import forward_last, lean_forward
 from rag_promptcache.engine.compute.forward import PACK_ENV, LeanLlama, can_pack
+from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
 from rag_promptcache.model import native
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import ARCHS, build
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny(arch: str, dtype: torch.dtype = torch.float32):
@@ -109,6 +116,31 @@ def test_packing_waits_to_be_asked_where_the_native_step_runs_the_one_token_step
     lean_forward(model).pack()
     assert lean_forward(model).packed
     assert torch.allclose(_next_logits(model, ids, lean=True), before, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_embedding_is_transformers_llamas_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as theirs
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, 9, 16, generator=g).to(dtype), torch.randn(2, 2, 9, 16, generator=g).to(dtype)
+    cos, sin = torch.randn(2, 9, 16, generator=g).to(dtype), torch.randn(2, 9, 16, generator=g).to(dtype)
+    for mine, ref in zip(apply_rotary_pos_emb(q, k, cos, sin), theirs(q, k, cos, sin)):
+        assert torch.equal(mine, ref)
+
+
+def test_the_engine_imports_without_transformers_model_classes():
+    """The engine's modules name transformers' model classes only for type checkers: a command that reads
+    the engine's names without running a model (`info`) does not wait seconds for transformers' model code."""
+    code = ("import sys\nimport rag_promptcache.engine.engine, rag_promptcache.engine.planning.recovery, "
+            "rag_promptcache.engine.batching.batch, rag_promptcache.engine.compute.graphs\n"
+            "from rag_promptcache.engine import PromptCache, Sampling\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('transformers.modeling_utils', 'transformers.models.'))"
+            " and 'modeling' in m))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_other_architectures_keep_transformers_forward():

@@ -22,9 +22,9 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rag_promptcache.engine.compute import attention
 from rag_promptcache.engine.compute.runner import decoder_layers, lean_forward
@@ -55,6 +55,9 @@ from rag_promptcache.pml import ast
 from rag_promptcache.store.base import Store
 from rag_promptcache.store.config import load_config
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 class PromptCache:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, store: Store | None = None,
@@ -62,13 +65,11 @@ class PromptCache:
                  recovery: str | Recovery | None = None, codec: str | None = None, prompt_lookup: int | None = None,
                  prefix_cache_bytes: int | None = None, fallback: str | Fallback | None = None,
                  misses: str | None = None, admission: str | None = None) -> None:
-        """`recovery`: the default where a request names none; None: the recovery the model's merged
-        adapter was tuned for (`model/adapter.py`), else `DEFAULT_RECOVERY`. `engine.recovery = None`
-        later goes back to that.
+        """`recovery`: the default where a request names none; None: the recovery the model's merged adapter
+        was tuned for (`model/adapter.py`), else `DEFAULT_RECOVERY`. `engine.recovery = None` goes back to that.
 
-        `prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the
-        prompt and the answer so far (engine/decoding/lookup.py); 0 turns it off; None reads
-        RAG_PROMPTCACHE_PROMPT_LOOKUP (unset: 8).
+        `prompt_lookup`: greedy answers check up to this many tokens per forward, drafted from the prompt and
+        the answer so far (engine/decoding/lookup.py); 0 turns it off; None reads RAG_PROMPTCACHE_PROMPT_LOOKUP (8).
 
         `prefix_cache_bytes`: the KV of recent requests kept for later ones that start the same way
         (a chat's follow-up turns; engine/prefix/prefix_cache.py), in bytes; 0 turns it off; None reads the
@@ -87,8 +88,7 @@ class PromptCache:
             fallback = Fallback(fallback, self._measure_costs, remeasure=self._remeasure_costs)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-        if store is not None and codec is not None:
-            # a store holds entries in its own codec; silently ignoring the argument stored native KV
+        if store is not None and codec is not None:  # a store holds entries in its own codec
             raise ValueError(
                 f"codec={codec!r} applies only to the engine's default MemoryStore, not to a store you pass; "
                 f"set it on the store instead, e.g. MemoryStore(codec={codec!r}) or DiskStore(path, codec={codec!r})")

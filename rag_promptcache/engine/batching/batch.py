@@ -27,20 +27,24 @@ Not here: who runs when (`scheduler.py`, `batcher.py`), sampling (`sampling.py`)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.engine.planning.prefill import Chunk
 from rag_promptcache.engine.compute.graphs import batch_graphs
 from rag_promptcache.engine.compute.runner import forward_batch, forward_logits, lean_forward
 from rag_promptcache.model.positions import KVGeometry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class BatchLayer(DynamicLayer):

@@ -40,19 +40,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rag_promptcache.engine.compute import attention
+from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.engine.compute.attention import prefill_attention
 from rag_promptcache.engine.compute.native_step import NativeStep
 from rag_promptcache.model import native
 from rag_promptcache.model.loading import onednn_bf16
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _SUPPORTED = frozenset({"LlamaForCausalLM"})  # SmolLM2, Llama 2/3, TinyLlama, ...
 # where the fused attention kernel runs: (cached keys each new token sees or None for all, the caller's mask)

@@ -37,15 +37,19 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers import DynamicCache
 
 from rag_promptcache.engine.compute.forward import LeanLlama
+from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
 from rag_promptcache.engine.compute.runner import forward_logits, lean_forward
 from rag_promptcache.engine.kv.assemble import ReservedLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GRAPHS_ENV = "RAG_PROMPTCACHE_CUDA_GRAPHS"  # "0": every decode step eager, as on CPU
 BUCKET = 1024  # static buffers come in capacities of whole buckets, so requests of similar length share graphs

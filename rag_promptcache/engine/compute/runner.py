@@ -19,12 +19,16 @@ import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from rag_promptcache.engine.kv.assemble import Mask, ReservedLayer
 from rag_promptcache.engine.compute.forward import LeanLlama
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 

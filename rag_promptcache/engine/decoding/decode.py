@@ -17,14 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.engine.compute.graphs import step_for
 from rag_promptcache.engine.decoding.state import DecodeState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def decode(model: PreTrainedModel, cache: DynamicCache, state: DecodeState, *,

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from rag_promptcache.engine.decoding.grammar import ResponseFormat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 StopWhen = Callable[[str, bool], tuple[int | None, int]]

@@ -55,9 +55,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from rag_promptcache.engine.kv.assemble import assemble, release
 from rag_promptcache.engine.kv.stream import assemble_for, load_all
@@ -67,6 +67,9 @@ from rag_promptcache.model.loading import cache_home
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
 from rag_promptcache.timing import MIN_STEPS, process_resolution, repeat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FALLBACKS = ("auto", "never", "always")
 ENV = "RAG_PROMPTCACHE_FALLBACK"

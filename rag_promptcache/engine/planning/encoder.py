@@ -25,15 +25,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from rag_promptcache.engine.kv.assemble import full_cache
 from rag_promptcache.engine.prompt.compiler import Unit
 from rag_promptcache.engine.compute.runner import forward_base
 from rag_promptcache.model.positions import Relocator, kv_geometry, relocator_for
 from rag_promptcache.store.base import ModuleKV
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MODES: tuple[str, ...] = ("isolated", "shared_prefix")
 # Why shared_prefix is the default: docs/fidelity.md (its logits table, `rag-promptcache bench` quality scenario).

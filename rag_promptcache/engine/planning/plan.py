@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.planning.background import MISSES, Job
@@ -46,6 +45,7 @@ from rag_promptcache.pml import ast
 from rag_promptcache.store.base import ModuleKV, Store
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
     from rag_promptcache.engine.decoding.state import DecodeState
 
 

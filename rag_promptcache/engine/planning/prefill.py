@@ -23,9 +23,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from rag_promptcache.engine.kv.assemble import Assembled, Mask, mask_rows
 from rag_promptcache.engine.kv.stream import assemble_for
@@ -33,6 +34,9 @@ from rag_promptcache.engine.planning.plan import Plan
 from rag_promptcache.engine.prefix.prefix_cache import PrefixUse
 from rag_promptcache.engine.compute.runner import forward_last
 from rag_promptcache.model.positions import KVGeometry, Relocator
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,10 +36,10 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from rag_promptcache.engine.kv.assemble import assemble, full_cache
 from rag_promptcache.engine.prompt.compiler import ROOT, Piece
@@ -48,6 +48,9 @@ from rag_promptcache.engine.planning.select import Selection, choose, exact_modu
 from rag_promptcache.model import links
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question", "links", "tail")
 DEFAULT_LAYER = {"selective": 1, "attend": 8, "question": 8}

@@ -26,15 +26,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from rag_promptcache.engine.kv.assemble import assemble, release
 from rag_promptcache.engine.prompt.compiler import ROOT, Piece
 from rag_promptcache.engine.compute.runner import forward_base
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SHAPES = ("tokens", "sentences")
 
