@@ -77,11 +77,11 @@ cli-docs: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(BIN)/mkdocs build --strict --quiet
 
-# TEST_WORKERS=2: two pytest-xdist workers, each file's tests in one of them (tests/conftest.py), as much of
-# the suite waits on processes it started (the CLI, servers, Ray, the browser); each worker gives torch its
-# share of the cores. One process (0) stays the default until the workers are measured on a quiet 2-core
-# machine: beside other work they cost ~28% more CPU and were not faster.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, each file's tests in one of them (tests/conftest.py), as much of the suite waits
+# on processes it started (the CLI, servers, Ray, the browser); each worker gives torch its share of the
+# cores. On a quiet 2-core machine `make test` took 12 min 3 s so, against 16-20 min in one process
+# (docs/getting-started.md). TEST_WORKERS=0 runs one process; more workers where there are more cores.
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: venv kernels redis browser docs
