@@ -79,7 +79,7 @@ docs: venv
 
 # Two pytest-xdist workers, each file's tests in one of them (tests/conftest.py), as much of the suite waits
 # on processes it started (the CLI, servers, Ray, the browser); each worker gives torch its share of the
-# cores. On a quiet 2-core machine `make test` took 12 min 3 s so, against 16-20 min in one process
+# cores. On a quiet 2-core machine `make test` took 9 min 52 s so, against 16-20 min in one process
 # (docs/getting-started.md). TEST_WORKERS=0 runs one process; more workers where there are more cores.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
