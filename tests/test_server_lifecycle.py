@@ -132,8 +132,8 @@ def test_metrics_need_the_key_and_count_requests_tokens_caches_and_repeats(serve
                                                     if name == f"{p}store_hits_total"}
     assert after[(f"{p}num_requests_running", ())] == 0 and after[(f"{p}num_requests_waiting", ())] == 0
     # this corpus was built over an in-memory store (build_corpus), so the server encodes a module when a
-    # question first retrieves it, in its background encoder once no request runs (a drifted cost model may
-    # be measured there first): the gauge counts those (k = 2) as they are written, up to the corpus's modules
+    # question first retrieves it, in its background encoder once no request runs: the gauge counts those
+    # (k = 2) as they are written, up to the corpus's modules
     one = (("corpus", MODEL),)
     deadline = time.monotonic() + 120
     while after.get((f"{p}corpus_modules_encoded", one), 0.0) < 2 and time.monotonic() < deadline:
