@@ -97,6 +97,16 @@ def _smollm_weights_only_where_marked(request, monkeypatch):
             return real(cls, path, *args, **kwargs)
 
         monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(guarded))
+        from rag_promptcache.model import llama
+
+        ours = llama.load
+
+        def guarded_ours(directory, *args, **kwargs):  # the default's merged weights load without transformers
+            if DEFAULT_MODEL in str(directory):
+                pytest.fail(f"{request.node.nodeid} loads SmolLM2 ({directory}): mark it smollm")
+            return ours(directory, *args, **kwargs)
+
+        monkeypatch.setattr(llama, "load", guarded_ours)
     yield
 
 

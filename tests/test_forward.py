@@ -16,7 +16,7 @@ from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.kv.assemble import _POOL, assemble, reserved_cache
 from rag_promptcache.engine.compute.runner import forward_last, lean_forward
 from rag_promptcache.engine.compute.forward import PACK_ENV, LeanLlama, can_pack
-from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
+from rag_promptcache.model.rotary import apply_rotary_pos_emb
 from rag_promptcache.model import native
 from rag_promptcache.model.positions import kv_geometry
 from tests.tiny import ARCHS, build

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rag_promptcache.model import adapter as adapters, diskcache
+from rag_promptcache.model import adapter as adapters, diskcache, llama
 from rag_promptcache.model.device import (CPU_BF16_DEFAULT, DTYPES, cpu_flags, cpu_has_bf16, cpuinfo_flags,  # noqa: F401 - re-exported
                                           dtype_name, onednn_bf16, parse_dtype, resolve_device_dtype)
 
@@ -106,7 +106,7 @@ def load_model(
         return _from_pretrained(directory, dev, dt)
     cached = _merged_dir(directory, found, dev, dt)
     if cached is not None and diskcache.matches(*cached):
-        model, tokenizer = _from_pretrained(str(cached[0]), dev, dt)
+        model, tokenizer = _load_merged(str(cached[0]), dev, dt)
         with torch.no_grad():
             # Used where the file is mapped (no copy; the page cache's pages are shared) where they start
             # aligned, as `save_weights` writes them; one that does not (a file written before it aligned
@@ -242,6 +242,16 @@ def quiet_progress() -> Iterator[None]:
     finally:
         if was:
             hf_logging.enable_progress_bar()
+
+
+def _load_merged(directory: str, device: torch.device, dtype: torch.dtype):
+    """Merged weights we wrote: by our own Llama where it loads them (model/llama.py: without importing
+    transformers' model code), by transformers otherwise."""
+    if not llama.supports(directory):
+        return _from_pretrained(directory, device, dtype)
+    from transformers import AutoTokenizer
+
+    return llama.load(directory, device, dtype), AutoTokenizer.from_pretrained(directory)
 
 
 def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):

@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicLayer
 import torch.nn.functional as F
 
 from rag_promptcache.engine.compute import attention
-from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
+from rag_promptcache.model.rotary import apply_rotary_pos_emb
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.engine.planning.prefill import Chunk
 from rag_promptcache.engine.compute.graphs import batch_graphs

@@ -48,7 +48,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rag_promptcache.engine.compute import attention
-from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
+from rag_promptcache.model.rotary import apply_rotary_pos_emb
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 from rag_promptcache.engine.compute.attention import prefill_attention
 from rag_promptcache.engine.compute.native_step import NativeStep

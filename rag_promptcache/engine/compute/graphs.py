@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from rag_promptcache.engine.compute.forward import LeanLlama
-from rag_promptcache.engine.compute.rotary import apply_rotary_pos_emb
+from rag_promptcache.model.rotary import apply_rotary_pos_emb
 from rag_promptcache.engine.compute.runner import forward_logits, lean_forward
 from rag_promptcache.engine.kv.assemble import ReservedLayer
 

@@ -1,7 +1,7 @@
 """The rotary position embedding applied to queries and keys, as transformers' Llama applies it (rotate_half
-layout), here so that the lean forward and the batch step do not import transformers' model code for it
-(its import pulls transformers' model loading: seconds of a command's start-up). tests/test_forward.py
-holds it equal to transformers' own."""
+layout), here so that our Llama (model/llama.py), the lean forward and the batch step do not import transformers'
+model code for it (its import pulls transformers' model loading: seconds of a command's start-up).
+tests/test_forward.py holds it equal to transformers' own."""
 
 from __future__ import annotations
 
