@@ -6,6 +6,11 @@ Why: importing sentence-transformers imports scikit-learn and SciPy's statistics
 takes about as long as loading the model it runs; every `ask` paid it. Run this way, the encoder,
 tokenizer, truncation and pooling are the ones sentence-transformers uses for such a directory, and the
 vectors are its vectors to float rounding (tests/test_embed_pooling.py compares them).
+The encoder of a plain BERT directory (the default's) is our own (`model/bert.py`, transformers' math
+under its parameter names): `AutoModel.from_pretrained` imports `transformers.modeling_utils`, which
+imports torch's distributed tensors, dynamo and sympy, again about as long as loading the model (a process
+that loads the generation model through transformers still pays it there). Any other encoder loads
+through `AutoModel`; the tokenizer is transformers' in both cases.
 
 Not here: any other pipeline (CLS or max pooling, prompts, dense layers, tokenizer or model arguments,
 hub names): `rag/embed.py` runs those through sentence-transformers itself.
@@ -55,15 +60,25 @@ def max_seq_length(directory: str | Path) -> int | None:
     return int(length) if isinstance(length, int) and length > 0 else None
 
 
+def _auto_model(directory: str | Path, device: str):
+    """transformers' encoder for a directory `model/bert.py` does not run."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(directory)).to(device).eval()
+
+
 class MeanPooled:
     """The encoder and tokenizer of such a directory; `encode` returns float32 rows of unit length [n, dim].
     `tokenizer` and `max_seq_length` are named as sentence-transformers names them (the server counts
     /v1/embeddings tokens with them)."""
 
     def __init__(self, directory: str | Path, max_seq_length: int, device: str | None = "cpu") -> None:
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        self.model = AutoModel.from_pretrained(str(directory)).to(device or "cpu").eval()
+        from rag_promptcache.model.bert import BertEncoder
+
+        ours = BertEncoder.for_directory(directory, device or "cpu")
+        self.model = ours if ours is not None else _auto_model(directory, device or "cpu")
         # as sentence-transformers sets it: the directory's limit, within the model's positions
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_seq_length = min(max_seq_length, positions) if isinstance(positions, int) and positions > 0 else max_seq_length
@@ -81,7 +96,8 @@ class MeanPooled:
                 rows = order[start:start + batch_size]
                 batch = self.tokenizer([texts[i] for i in rows], padding=True, truncation="longest_first",
                                        return_tensors="pt").to(self.model.device)
-                states = self.model(**batch).last_hidden_state  # [B, T, H]
+                states = self.model(**batch)
+                states = states if isinstance(states, torch.Tensor) else states.last_hidden_state  # [B, T, H]
                 mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)  # [B, T, 1]
                 mean = (states * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
                 out[rows] = F.normalize(mean.float(), p=2, dim=1).cpu().numpy()
