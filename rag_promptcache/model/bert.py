@@ -2,10 +2,11 @@
 from a directory's config.json and model.safetensors without importing transformers.
 
 Why: `AutoModel.from_pretrained` imports `transformers.modeling_utils`, which imports torch's distributed
-tensors, dynamo, sympy and quantisation integrations; loading the embedder paid that import, and now only
-a process that also loads a model through transformers (the generation model) does. The module tree carries `BertModel`'s parameter names and its math (absolute
-positions, erf GELU, padded keys masked, the same `scaled_dot_product_attention` call), so the states are
-transformers' own to float rounding (tests/test_bert.py compares them).
+tensors, dynamo, sympy and quantisation integrations; loading the embedder paid that import (as the
+default generation model did before model/llama.py). The module tree carries `BertModel`'s parameter
+names and its math (absolute positions, erf GELU, padded keys masked, the same
+`scaled_dot_product_attention` call), so the states are transformers' own to float rounding
+(tests/test_bert.py compares them).
 
 Not here: anything a config asks for beyond that plain shape (relative positions, another activation, a
 decoder, cross-attention, pruned heads, quantised or non-float32 weights, sharded or prefixed

@@ -249,9 +249,28 @@ def _load_merged(directory: str, device: torch.device, dtype: torch.dtype):
     transformers' model code), by transformers otherwise."""
     if not llama.supports(directory):
         return _from_pretrained(directory, device, dtype)
-    from transformers import AutoTokenizer
+    return llama.load(directory, device, dtype), tokenizer_from(directory)
 
-    return llama.load(directory, device, dtype), AutoTokenizer.from_pretrained(directory)
+
+# tokenizer classes `tokenizer_from` loads by name, as AutoTokenizer would pick them for such a directory
+_NAMED_TOKENIZERS = {"TokenizersBackend": "PreTrainedTokenizerFast", "PreTrainedTokenizerFast": "PreTrainedTokenizerFast",
+                     "BertTokenizer": "BertTokenizer", "BertTokenizerFast": "BertTokenizer"}
+
+
+def tokenizer_from(directory: str | os.PathLike[str], **kwargs: object) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained(directory, **kwargs)`, by the class it would pick where the directory's
+    tokenizer_config.json names a tokenizer AutoTokenizer maps to one class whatever the model (the default
+    model's and the default embedder's): AutoTokenizer's import reads transformers' model mappings (0.26 s)
+    and it reads the model's config, whose class may import what model/llama.py avoids (`LlamaConfig`: 0.8 s)."""
+    import transformers
+
+    try:
+        named = json.loads((Path(directory) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in _NAMED_TOKENIZERS and (Path(directory) / "tokenizer.json").is_file():
+        return getattr(transformers, _NAMED_TOKENIZERS[named]).from_pretrained(str(directory), **kwargs)
+    return transformers.AutoTokenizer.from_pretrained(str(directory), **kwargs)
 
 
 def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):

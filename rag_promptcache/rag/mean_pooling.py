@@ -8,8 +8,8 @@ tokenizer, truncation and pooling are the ones sentence-transformers uses for su
 vectors are its vectors to float rounding (tests/test_embed_pooling.py compares them).
 The encoder of a plain BERT directory (the default's) is our own (`model/bert.py`, transformers' math
 under its parameter names): `AutoModel.from_pretrained` imports `transformers.modeling_utils`, which
-imports torch's distributed tensors, dynamo and sympy, again about as long as loading the model (a process
-that loads the generation model through transformers still pays it there). Any other encoder loads
+imports torch's distributed tensors, dynamo and sympy, again about as long as loading the model (the
+default generation model has its own Llama for the same reason: model/llama.py). Any other encoder loads
 through `AutoModel`; the tokenizer is transformers' in both cases.
 
 Not here: any other pipeline (CLS or max pooling, prompts, dense layers, tokenizer or model arguments,
@@ -73,16 +73,15 @@ class MeanPooled:
     /v1/embeddings tokens with them)."""
 
     def __init__(self, directory: str | Path, max_seq_length: int, device: str | None = "cpu") -> None:
-        from transformers import AutoTokenizer
-
         from rag_promptcache.model.bert import BertEncoder
+        from rag_promptcache.model.loading import tokenizer_from
 
         ours = BertEncoder.for_directory(directory, device or "cpu")
         self.model = ours if ours is not None else _auto_model(directory, device or "cpu")
         # as sentence-transformers sets it: the directory's limit, within the model's positions
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_seq_length = min(max_seq_length, positions) if isinstance(positions, int) and positions > 0 else max_seq_length
-        self.tokenizer = AutoTokenizer.from_pretrained(str(directory), model_max_length=self.max_seq_length)
+        self.tokenizer = tokenizer_from(directory, model_max_length=self.max_seq_length)
         self.dim = int(self.model.config.hidden_size)
 
     def encode(self, texts: Sequence[str], batch_size: int) -> np.ndarray:
