@@ -20,7 +20,9 @@ NEEDED = ("torch", "transformers", "faiss", "bm25s")  # the model, the dense and
 # what other commands, other embedders or the adapters use; `ask` imports none of them
 NOT_NEEDED = ("sentence_transformers", "sklearn", "fastapi", "uvicorn", "starlette", "langchain_core", "llama_index",
               "ray", "matplotlib", "peft", "redis", "pandas", "rag_promptcache.server.app", "rag_promptcache.bench",
-              "rag_promptcache.tune")
+              "rag_promptcache.tune",
+              # transformers' model code (model/llama.py and model/bert.py run the default model and embedder)
+              "transformers.modeling_utils")
 PROBE = ("import sys\nfrom rag_promptcache.cli import main\ncode = 0\ntry:\n    main(sys.argv[1:])\n"
          "except SystemExit as e:\n    code = e.code\n"
          "print('\\nIMPORTED', code, sorted(m for m in {names!r} if m in sys.modules), file=sys.stderr)")

@@ -89,6 +89,8 @@ def test_generate_is_transformers_on_the_same_weights(tmp_path):
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2))
     got = ours.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, theirs.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+    with pytest.raises(AttributeError):  # a private name is never looked up on transformers' class
+        ours._no_such_thing
     made = ours.transformers_model()
     assert made.lm_head.weight.data_ptr() == ours.lm_head.weight.data_ptr() and "_transformers" not in dict(ours.named_modules())
 

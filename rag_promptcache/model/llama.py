@@ -262,8 +262,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """transformers' class of the same name as the engine uses it: `config`, `generation_config`, `model`
-    (`base_model`), `lm_head`, the input embeddings' getter and setter, `device` and `dtype`; and
-    `generate`, by transformers' own class on the same weights."""
+    (`base_model`), `lm_head`, the input embeddings' getter and setter, `device` and `dtype`; the rest of
+    transformers' class (`generate`, what its pipelines call) from that class on the same weights."""
 
     base_model_prefix = "model"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -287,9 +287,15 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def generate(self, *args: object, **kwargs: object) -> torch.Tensor:
-        """transformers' `generate`, run by `transformers_model()`."""
-        return self.transformers_model().generate(*args, **kwargs)
+    def __getattr__(self, name: str) -> object:
+        """What transformers' class offers and this one does not (`generate`, `can_generate`, what pipelines
+        call): `transformers_model()`'s, made on first use. Private names are not looked up there."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return getattr(self.transformers_model(), name)
 
     def transformers_model(self) -> PreTrainedModel:
         """transformers' LlamaForCausalLM on these very weights (shared, not copied), for what only it offers
