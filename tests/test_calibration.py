@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from rag_promptcache.engine.planning import costmodel
 from rag_promptcache.engine.planning.costmodel import (
@@ -82,6 +84,41 @@ def test_a_pace_past_drift_measures_again_once_per_engine(factor: float) -> None
     assert fb.costs is not None and calls == [1]
 
 
+def test_a_drift_is_measured_by_whoever_was_told_not_inside_a_request() -> None:
+    calls, woken = [], []
+    fb = Fallback("auto", lambda: SLOW, remeasure=lambda: calls.append(1) or QUICK)
+    fb.on_drift = lambda: woken.append(1)  # the engine's: its background encoder, in idle time
+    feed(fb, 1 / (1.5 * DRIFT), DRIFT_SAMPLES + 3)
+    assert woken == [1] and calls == []  # told once; the requests' decisions ran on the paced costs
+    assert fb.calibrated == SLOW and fb.costs is not None
+    assert fb.recalibrate() and calls == [1] and fb.calibrated == QUICK and fb.num_recalibrations == 1
+    assert not fb.recalibrate() and calls == [1]  # nothing left to measure
+
+
+def test_a_drift_is_measured_with_the_requests_torch_threads() -> None:
+    """The stored costs are keyed by the torch thread count, which is per thread: the encoder's thread
+    measures with the count of the requests that saw the drift, and keeps its own after."""
+    seen = []
+    fb = Fallback("auto", lambda: SLOW, remeasure=lambda: seen.append(torch.get_num_threads()) or QUICK)
+    fb.on_drift = lambda: None
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        feed(fb, 1 / (1.5 * DRIFT), DRIFT_SAMPLES + 3)  # the requests, on one torch thread
+    finally:
+        torch.set_num_threads(was)
+
+    def idle() -> None:  # the background encoder's thread, on two
+        torch.set_num_threads(2)
+        fb.recalibrate()
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=idle)
+    thread.start()
+    thread.join()
+    assert seen == [1, 2] and fb.num_recalibrations == 1
+
+
 def test_no_new_calibration_where_now_is_no_time_to_measure() -> None:
     answers = [None, QUICK]  # the CPU is busy the first time the drift is seen
     fb = Fallback("auto", lambda: SLOW, remeasure=lambda: answers.pop(0))
@@ -113,7 +150,8 @@ def test_a_recalibration_replaces_the_stored_one_and_waits_out_a_busy_cpu(tokeni
 def test_an_engine_whose_stored_calibration_was_made_under_load_measures_again(tokenizer, tmp_path, monkeypatch):
     """The suite's own story, told with a user's engine: a calibration stored while the CPU ran 20 times
     slower (and `cpu_busy` did not see it). The load is gone: prefills run at 1 ms a token on a virtual
-    clock. Within a few requests the pace drifts past `DRIFT`, the engine measures again and stores it."""
+    clock. Within a few requests the pace drifts past `DRIFT`, and the engine's background encoder measures again
+    (once no request runs) and stores it."""
     monkeypatch.setenv(COSTS_ENV, str(tmp_path))
     monkeypatch.delenv("RAG_PROMPTCACHE_FALLBACK", raising=False)
     monkeypatch.setattr(costmodel, "cpu_busy", lambda: False)
@@ -130,6 +168,7 @@ def test_an_engine_whose_stored_calibration_was_made_under_load_measures_again(t
     pc.add_schema(SCHEMA)
     for i in range(4 * DRIFT_SAMPLES):
         pc.generate(PROMPT, use_cache=i % 2 == 0, max_new_tokens=1)
+        assert pc.background.wait_done(timeout=120)  # a drift is measured while no request runs, not inside one
         if pc.fallback.num_recalibrations:
             break
     assert pc.fallback.num_recalibrations == 1 and measured == [1, 1] and pc.fallback.calibrated == QUICK

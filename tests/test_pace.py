@@ -202,14 +202,16 @@ def test_with_a_throttled_link_and_a_loaded_cpu_the_plan_is_never_slower_than_th
     forced_load = engine(tokenizer, store, "never", model)
     forced_load.generate(PROMPT, max_new_tokens=1)  # loaded: the link is measured
     assert store.tiers[0].link().load_s(14) == pytest.approx(per_get_s, rel=0.2)
-    pc = engine(tokenizer, store, Fallback("auto", lambda: Costs(fixed_s=0.0, token_s=loaded, pair_s=0.0,
-                                                                 cached_token_s=0.0)), model)
+    # pacing alone: a drift's fresh calibration finds the CPU busy (None), so the stale costs stay, paced
+    stale = Costs(fixed_s=0.0, token_s=loaded, pair_s=0.0, cached_token_s=0.0)
+    pc = engine(tokenizer, store, Fallback("auto", lambda: stale, remeasure=lambda: None), model)
 
     forced_recompute = engine(tokenizer, MemoryStore(), "never", model)
 
     def request() -> tuple[str, float, float]:
         """The plan's choice, its TTFT, and the better forced path's."""
         res = pc.generate(PROMPT, max_new_tokens=1)
+        assert pc.background.wait_done(timeout=120)  # a drifted calibration is measured again while idle
         choice = "load" if not res.missed_modules else "recompute" if not res.hit_modules else "mixed"
         by_load = forced_load.generate(PROMPT, max_new_tokens=1).ttft_s
         for key in forced_recompute.store.keys():  # emptied: every module encoded again

@@ -96,9 +96,7 @@ class PromptCache:
             from rag_promptcache.store import MemoryStore
 
             store = MemoryStore(codec=codec or "native")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.store = store
+        self.model, self.tokenizer, self.store = model, tokenizer, store
         # stores per schema name (`attach_store`): corpora sharing this model keep their modules apart, each in its own tiers
         self._stores: dict[str, Store] = {}
         self.mode = check_mode(mode)
@@ -123,8 +121,8 @@ class PromptCache:
         self.prefix_cache = make_prefix_cache(prefix_cache_bytes, self.geometry)
         # what produced a prefix's KV beyond its labels: the weights and dtype (the fingerprint), the device
         self.prefix_namespace = (self.fingerprint, str(model.device))
-        # Every forward pass of this model runs under it: prefill, each decode step, encoding, recovery passes (whose
-        # layer hooks would otherwise fire in another thread's forward). Reentrant: the batch scheduler holds it around calls.
+        # Every forward of this model runs under it (prefill, decode steps, encoding, recovery passes whose layer hooks would
+        # otherwise fire in another thread's forward); reentrant: the batch scheduler holds it around calls.
         self.model_lock = threading.RLock()
         self.schemas = Schemas(self.compiler, self.fingerprint, self.mode)
         self.fallback = fallback
@@ -138,6 +136,8 @@ class PromptCache:
         self.activity = Activity()  # requests in flight: the background encoder works only when there are none
         self.background = BackgroundEncoder(self.planner.encode, store, self.activity, admission=admission)
         yield_between(decoder_layers(model) or ())  # a background forward gives way between layers
+        self.background.idle_steps.append(fallback.recalibrate)  # a drifted cost model is measured while idle
+        fallback.on_drift = self.background.wake
         self.planner.defer, self.planner.default_misses = self.background.submit, misses
 
     def _default_recovery(self, spec: str | Recovery | None) -> Recovery:

@@ -1,8 +1,10 @@
-"""Which device and dtype a model runs in: dtype names, the CPU's features, the default per device.
-Split from `loading.py`, which re-exports these names."""
+"""Which device and dtype a model runs in: dtype names, the CPU's features, the default per device, the
+torch threads of the calling thread. Split from `loading.py`, which re-exports these names."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -78,3 +80,17 @@ def resolve_device_dtype(
         else:
             chosen = torch.float16
     return dev, chosen
+
+
+@contextmanager
+def torch_threads(num: int) -> Iterator[None]:
+    """Run with `num` torch threads in this thread (0: as it is), its own count restored after: the count is
+    per thread, and a new thread need not start with the one its creator set."""
+    was = torch.get_num_threads()
+    if num and num != was:
+        torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        if num and num != was:
+            torch.set_num_threads(was)

@@ -291,6 +291,13 @@ class BackgroundEncoder:
             if not self._closed:
                 self._start()
 
+    def wake(self) -> None:
+        """An idle step has work again (a cost model to measure anew): run the steps once no request runs."""
+        with self._cv:
+            if self.idle_steps and not self._closed:
+                self._idle_due = True
+                self._start()
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -63,6 +63,7 @@ from rag_promptcache.engine.kv.assemble import assemble, release
 from rag_promptcache.engine.kv.stream import assemble_for, load_all
 from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.engine.compute.runner import forward_last
+from rag_promptcache.model.device import torch_threads
 from rag_promptcache.model.loading import cache_home
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
@@ -214,31 +215,50 @@ class Fallback:
         self._remeasure = (remeasure or measure) if self._measure is not None else None
         self._costs: Costs | None = None
         self._drifted = False
-        self._lock = threading.Lock()
+        self._drift_threads = 0  # torch threads of the request that saw the drift
+        self._lock = threading.RLock()
         self.pace = PaceMeter() if pace is None else pace
         self.num_recalibrations = 0
+        # called where the pace drifted: whoever set it runs `recalibrate` off the request's path (the engine's
+        # background encoder, in idle time); None: the next decision measures, inside its request
+        self.on_drift: Callable[[], None] | None = None
 
     @property
     def calibrated(self) -> Costs | None:
         """The costs as measured (or read) once, before any pacing; measured again once where the pace drifted."""
-        if (self._costs is None and self._measure is not None) or self._drifted:
+        if (self._costs is None and self._measure is not None) or (self._drifted and self.on_drift is None):
             with self._lock:
                 if self._costs is None and self._measure is not None:
                     self._costs = self._measure()
-                elif self._drifted and self._remeasure is not None:
-                    self._drifted = False
-                    fresh = self._remeasure()
-                    if fresh is not None:
-                        self._costs = fresh
-                        self.num_recalibrations += 1
-                        self.pace.reset()
+                else:
+                    self.recalibrate()
         return self._costs
+
+    def recalibrate(self) -> bool:
+        """Measure the costs again now if the pace drifted since they were measured → whether it did. The
+        paced costs serve until then."""
+        with self._lock:
+            if not self._drifted or self._remeasure is None:
+                return False
+            self._drifted = False
+            with torch_threads(self._drift_threads):
+                fresh = self._remeasure()
+            if fresh is not None:
+                self._costs = fresh
+                self.num_recalibrations += 1
+                self.pace.reset()
+            return True
 
     def _check_drift(self) -> None:
         # the moving average, not one sample: a burst of load moves one sample, not DRIFT_SAMPLES of them
         if (self.num_recalibrations == 0 and self._remeasure is not None and self.pace.num_samples >= DRIFT_SAMPLES
-                and not 1 / DRIFT <= self.pace.factor <= DRIFT):
+                and not self._drifted and not 1 / DRIFT <= self.pace.factor <= DRIFT):
             self._drifted = True
+            # the requests' count: another thread (the background encoder's) may run with another, and the
+            # stored costs are keyed by it
+            self._drift_threads = torch.get_num_threads()
+            if self.on_drift is not None:
+                self.on_drift()
 
     @property
     def costs(self) -> Costs | None:
