@@ -78,12 +78,14 @@ def test_a_directory_of_another_shape_runs_through_sentence_transformers(default
     assert max_seq_length(_variant(default_dir, tmp_path, edit)) is None
 
 
-PROBE = ("import sys\nfrom rag_promptcache.rag.embed import Embedder\nv = Embedder().embed(['a question'])\n"
-         "print(v.shape, sorted(m for m in ('sentence_transformers', 'sklearn', 'scipy.stats') if m in sys.modules))")
+PROBE = ("import sys\nfrom rag_promptcache.rag.embed import Embedder\ne = Embedder()\nv = e.embed(['a question'])\n"
+         "print(v.shape, type(e.model.model).__name__, sorted(m for m in ('sentence_transformers', 'sklearn', "
+         "'scipy.stats', 'transformers.modeling_utils') if m in sys.modules))")
 
 
-def test_the_default_embedder_loads_without_sentence_transformers() -> None:
+def test_the_default_embedder_loads_without_sentence_transformers_or_transformers_model_loading() -> None:
+    """Its BERT is ours (model/bert.py), so neither sentence-transformers nor transformers' model code loads."""
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "(1, 384) []"
+    assert done.stdout.strip() == "(1, 384) BertEncoder []"
