@@ -11,7 +11,8 @@ reads KV computed from its own prompt; a module no other question retrieves fall
 entry), beside the same prompts over plain entries and over the engine's own `--neighbours 3`
 entries (a second corpus of the same documents built with `Corpus.build(neighbours=3)`), with
 recovery `none` and `last:1`, judged against the base model's full prefill (`--reference`) as the
-fidelity scenario judges (rag/fidelity.py, bench/fidelity_reference.py):
+fidelity scenario judges (rag/fidelity.py, bench/fidelity_reference.py). `temp:T+RECOVERY` reads the plain
+entries with their keys scaled by 1/T (`tempered`: APE's attention temperature on the cached modules):
 
     python -m research.byproduct_probe --split bench --k 4 8 12 --threads 2 --dtype bfloat16 \
         --reference docs/bench/fidelity-quiet-2026-11-25/tokens32/fidelity.json \
@@ -56,7 +57,7 @@ SETTINGS = ("none", "last:1", "nbr:3+none", "nbr:3+last:1", "byp+none", "byp+las
 
 
 def parse_setting(spec: str) -> tuple[str, str]:
-    """`none`, `last:1`, `nbr:3+none`, `byp+last:1` -> (encoding, recovery)."""
+    """`none`, `last:1`, `nbr:3+none`, `byp+last:1`, `temp:0.9+none` -> (encoding, recovery)."""
     spec = spec.strip()
     head, plus, rec = spec.partition("+")
     if not plus:
@@ -65,7 +66,23 @@ def parse_setting(spec: str) -> tuple[str, str]:
         return "byp", rec
     if head == "nbr:3":
         return "nbr", rec
-    raise ValueError(f"unknown probe setting {spec!r}; valid: RECOVERY, nbr:3+RECOVERY, byp+RECOVERY")
+    if head.startswith("temp:") and _positive(head.removeprefix("temp:")):
+        return head, rec
+    raise ValueError(f"unknown probe setting {spec!r}; valid: RECOVERY, nbr:3+RECOVERY, byp+RECOVERY, temp:T+RECOVERY")
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def tempered(kv: ModuleKV, temperature: float) -> ModuleKV:
+    """`kv` with its keys scaled by 1 / `temperature`: every query's logits on these tokens divided by it,
+    the others' left as they are (APE's attention temperature on cached contexts, without its scale
+    factor, which would need the attention's log-sum-exp per part)."""
+    return dataclasses.replace(kv, keys=(kv.keys.float() / temperature).to(kv.keys.dtype))
 
 
 @torch.inference_mode()
@@ -192,6 +209,11 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
             lent_reads = reads = 0
             for i, r in enumerate(refs):
                 entries = {"plain": {}, "nbr": {m: nbr_kvs[m] for m in r.module_ids} if nbr else {}, "byp": {}}
+                temps = {e for e, _ in parsed.values() if e.startswith("temp:")}
+                if temps:
+                    stored = _plain_kvs(engine, corpus, r.module_ids)
+                    entries.update({e: {m: tempered(kv, float(e.removeprefix("temp:"))) for m, kv in stored.items()}
+                                    for e in temps})
                 for m in r.module_ids:
                     d = donors.donor(m, i)
                     reads += 1

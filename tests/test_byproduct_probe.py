@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from research.byproduct_probe import Donors, byproduct_entries, parse_setting, with_entries
+from research.byproduct_probe import Donors, byproduct_entries, parse_setting, tempered, with_entries
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.kv.assemble import release
 from rag_promptcache.store import MemoryStore
@@ -79,3 +79,21 @@ def test_settings_parse_and_unknown_ones_are_refused():
     assert parse_setting("none") == ("plain", "none")
     with pytest.raises(ValueError, match="valid: RECOVERY"):
         parse_setting("nbr:2+none")
+
+
+def test_a_temperature_scales_the_cached_modules_logits_alone(tokenizer):
+    """T = 1 reads the stored entries unchanged; another T changes the answer's logits through the
+    modules' keys only (their values, positions and tokens as stored)."""
+    pc = engine("llama", tokenizer)
+    plan = pc.plan(PROMPT)
+    plain = _logits(pc, plan)
+    same = with_entries(plan, {m: tempered(kv, 1.0) for m, kv in plan.kvs.items()})
+    assert torch.equal(_logits(pc, same), plain)
+    sharper = {m: tempered(kv, 0.5) for m, kv in plan.kvs.items()}
+    for m, kv in sharper.items():
+        assert torch.allclose(kv.keys, plan.kvs[m].keys * 2) and torch.equal(kv.values, plan.kvs[m].values)
+    assert (_logits(pc, with_entries(plan, sharper)) - plain).abs().max() > 1e-4
+    assert parse_setting("temp:0.9+none") == ("temp:0.9", "none")
+    for bad in ("temp:0+none", "temp:x+none"):
+        with pytest.raises(ValueError, match="temp:T"):
+            parse_setting(bad)
