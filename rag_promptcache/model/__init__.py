@@ -1,5 +1,6 @@
-"""Models: loading and fingerprints, tuned adapters merged at load, chat-template role markup, and
-per-architecture position relocation of cached keys. No engine logic lives here."""
+"""Models: loading and fingerprints (the default model and embedder run on module sets of our own, `llama.py`
+and `bert.py`, equal to transformers' and without importing its model code), tuned adapters merged at load,
+chat-template role markup, and per-architecture position relocation of cached keys. No engine logic lives here."""
 
 from rag_promptcache.model.adapter import Adapter, AdapterError
 from rag_promptcache.model.chat import RoleMarkup, role_markup
