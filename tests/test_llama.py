@@ -114,6 +114,24 @@ def test_a_padding_mask_is_refused_by_name(tmp_path):
         ours(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[0, 1, 1]]))
 
 
+def test_tokenizers_load_as_autotokenizer_loads_them(tokenizer, tmp_path):
+    """`tokenizer_from` picks by name the class AutoTokenizer picks, for the default model's tokenizer
+    and the default embedder's: the same class, ids, chat template and special tokens."""
+    from transformers import AutoTokenizer
+
+    from rag_promptcache.model.loading import tokenizer_from
+    from rag_promptcache.rag.embed import resolve
+
+    tokenizer.save_pretrained(tmp_path / "llm")
+    texts = ["What does events.once return?", "Café naïve — 12,345 <|im_start|>user\nhi", ""]
+    for directory, kwargs in ((tmp_path / "llm", {}), (resolve(None)[1], {"model_max_length": 256})):
+        ours, auto = tokenizer_from(directory, **kwargs), AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        assert type(ours) is type(auto)
+        assert ours(texts)["input_ids"] == auto(texts)["input_ids"]
+        assert (ours.chat_template, ours.all_special_ids, ours.model_max_length, ours.padding_side) == (
+            auto.chat_template, auto.all_special_ids, auto.model_max_length, auto.padding_side)
+
+
 @pytest.mark.smollm
 def test_the_default_model_loads_without_transformers_model_code():
     """In a fresh process, once its merged weights are cached (the first load merges them, with transformers):

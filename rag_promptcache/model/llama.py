@@ -12,8 +12,9 @@ transformers' (`torch.equal`), with and without a cache, a mask and grouped-quer
 rotary embedding, SiLU, no biases and no tensor-parallel split, which is the default model's weights with
 its adapter merged (model/loading.py keeps them so). Everything else loads with transformers.
 
-Not here: training (dropout, gradient checkpointing), 2D padding masks, `generate` (the engine decodes),
-sharded checkpoints, other rotary types.
+Not here: training (dropout, gradient checkpointing), 2D padding masks, sharded checkpoints, other rotary
+types. What only transformers' class offers (`generate`, what its pipelines call) is that class's, made on
+first use over the same weights (`LlamaForCausalLM.transformers_model`).
 """
 
 from __future__ import annotations
@@ -299,7 +300,8 @@ class LlamaForCausalLM(nn.Module):
 
     def transformers_model(self) -> PreTrainedModel:
         """transformers' LlamaForCausalLM on these very weights (shared, not copied), for what only it offers
-        (`generate`, pipelines); made on first use, when it costs the import this class avoids."""
+        (`generate`, pipelines); made on first use, when it costs the import this class avoids. It shares the
+        weights as they are then: moved to another device or dtype after, this model's are not its."""
         made = self.__dict__.get("_transformers")  # not a submodule: it would be saved and moved twice
         if made is None:
             from transformers import LlamaConfig

@@ -254,7 +254,7 @@ def _load_merged(directory: str, device: torch.device, dtype: torch.dtype):
 
 # tokenizer classes `tokenizer_from` loads by name, as AutoTokenizer would pick them for such a directory
 _NAMED_TOKENIZERS = {"TokenizersBackend": "PreTrainedTokenizerFast", "PreTrainedTokenizerFast": "PreTrainedTokenizerFast",
-                     "BertTokenizer": "BertTokenizer", "BertTokenizerFast": "BertTokenizer"}
+                     "BertTokenizer": "BertTokenizer"}
 
 
 def tokenizer_from(directory: str | os.PathLike[str], **kwargs: object) -> PreTrainedTokenizerBase:
