@@ -253,10 +253,10 @@ class Fallback:
         # the moving average, not one sample: a burst of load moves one sample, not DRIFT_SAMPLES of them
         if (self.num_recalibrations == 0 and self._remeasure is not None and self.pace.num_samples >= DRIFT_SAMPLES
                 and not self._drifted and not 1 / DRIFT <= self.pace.factor <= DRIFT):
-            self._drifted = True
-            # the requests' count: another thread (the background encoder's) may run with another, and the
-            # stored costs are keyed by it
+            # the requests' count, before the drift is seen: another thread (the background encoder's) may
+            # run with another, and the stored costs are keyed by it
             self._drift_threads = torch.get_num_threads()
+            self._drifted = True
             if self.on_drift is not None:
                 self.on_drift()
 
