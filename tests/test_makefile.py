@@ -4,6 +4,7 @@ never the test, docs or bench toolchains; the test target adds those on top."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,10 +18,11 @@ TOOLCHAINS = ("[all]", "selenium", "langchain-tests", "mkdocs", "ray", "openai",
 def dry_run(target: str, tmp_path: Path, *variables: str) -> str:
     if shutil.which("make") is None:
         pytest.skip("no make here")
-    # --no-print-directory: under `make test` this make is nested and would print its directory lines
+    # --no-print-directory: under `make test` this make is nested and would print its directory lines; and it
+    # reads no TEST_WORKERS of the run around it (`TEST_WORKERS=2 make test`, as docs/getting-started.md says)
+    env = {k: v for k, v in os.environ.items() if k not in ("TEST_WORKERS", "MAKEFLAGS", "MFLAGS")}
     done = subprocess.run(["make", "-n", "--no-print-directory", target, f"VENV={tmp_path / 'venv'}", *variables], cwd=ROOT,
-                          capture_output=True,
-                          text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
