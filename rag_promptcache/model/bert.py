@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rag_promptcache.model import assigned
+
 WEIGHTS = "model.safetensors"
 # transformers' BertConfig defaults, for keys a config.json leaves out
 _DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
@@ -71,46 +73,13 @@ def _plain(raw: dict) -> bool:
             and all(raw.get(key) in (None, "float32") for key in ("dtype", "torch_dtype")))
 
 
-def _empty(*shape: int) -> nn.Parameter:
-    # never initialised: the checkpoint's tensors replace it (torch's own init on the meta device would
-    # import sympy and dynamo, the cost this module avoids)
-    return nn.Parameter(torch.empty(shape), requires_grad=False)
-
-
-class _Linear(nn.Module):
-    def __init__(self, n_in: int, n_out: int) -> None:
-        super().__init__()
-        self.weight, self.bias = _empty(n_out, n_in), _empty(n_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class _LayerNorm(nn.Module):
-    def __init__(self, n: int, eps: float) -> None:
-        super().__init__()
-        self.weight, self.bias, self.eps = _empty(n), _empty(n), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
-class _Embedding(nn.Module):
-    def __init__(self, n: int, dim: int) -> None:
-        super().__init__()
-        self.weight = _empty(n, dim)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class _AddNorm(nn.Module):
     """BertSelfOutput and BertOutput: a projection, then LayerNorm over it plus the residual."""
 
     def __init__(self, n_in: int, n_out: int, eps: float) -> None:
         super().__init__()
-        self.dense = _Linear(n_in, n_out)
-        self.LayerNorm = _LayerNorm(n_out, eps)
+        self.dense = assigned.Linear(n_in, n_out)
+        self.LayerNorm = assigned.LayerNorm(n_out, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dense(x) + residual)
@@ -119,7 +88,7 @@ class _AddNorm(nn.Module):
 class _Projections(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.query, self.key, self.value = (_Linear(hidden, hidden) for _ in range(3))
+        self.query, self.key, self.value = (assigned.Linear(hidden, hidden) for _ in range(3))
 
 
 class _Attention(nn.Module):
@@ -141,7 +110,7 @@ class _Attention(nn.Module):
 class _Dense(nn.Module):
     def __init__(self, n_in: int, n_out: int) -> None:
         super().__init__()
-        self.dense = _Linear(n_in, n_out)
+        self.dense = assigned.Linear(n_in, n_out)
 
 
 class _Layer(nn.Module):
@@ -159,10 +128,10 @@ class _Layer(nn.Module):
 class _Embeddings(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.word_embeddings = _Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = _Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = _Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = _LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.word_embeddings = assigned.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = assigned.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = assigned.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = assigned.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from rag_promptcache.model import assigned
 from rag_promptcache.model.rotary import apply_rotary_pos_emb  # noqa: F401 - recovery reads it off this module
 
 if TYPE_CHECKING:
@@ -81,21 +82,6 @@ def load(directory: str | os.PathLike[str], device: torch.device, dtype: torch.d
     return model
 
 
-class _Linear(nn.Linear):
-    """nn.Linear whose weight `load` assigns from the file: not initialised first (random values for 135M
-    parameters cost about 0.5 s; made on the meta device instead, torch imports its reference ops: 1.4 s)."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class _Embedding(nn.Embedding):
-    """nn.Embedding whose weight `load` assigns (see `_Linear`)."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
 class LlamaRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -136,9 +122,9 @@ class LlamaRotaryEmbedding(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.gate_proj = _Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = _Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = assigned.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = assigned.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = assigned.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -177,10 +163,10 @@ class LlamaAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // kv_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
-        self.q_proj = _Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
-        self.k_proj = _Linear(config.hidden_size, kv_heads * self.head_dim, bias=False)
-        self.v_proj = _Linear(config.hidden_size, kv_heads * self.head_dim, bias=False)
-        self.o_proj = _Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = assigned.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
+        self.k_proj = assigned.Linear(config.hidden_size, kv_heads * self.head_dim, bias=False)
+        self.v_proj = assigned.Linear(config.hidden_size, kv_heads * self.head_dim, bias=False)
+        self.o_proj = assigned.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
@@ -235,7 +221,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = assigned.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -274,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.generation_config: GenerationConfig | None = None
         self.model = LlamaModel(config)
-        self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = assigned.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def base_model(self) -> LlamaModel:
