@@ -89,22 +89,23 @@ def _smollm_weights_only_where_marked(request, monkeypatch):
 
         from rag_promptcache.model.loading import DEFAULT_MODEL
 
-        real = AutoModelForCausalLM.from_pretrained.__func__
-
-        def guarded(cls, path, *args, **kwargs):
-            if DEFAULT_MODEL in str(path) or "SmolLM2" in str(kwargs.get("gguf_file", "")):
-                pytest.fail(f"{request.node.nodeid} loads SmolLM2 ({path}): mark it smollm")
-            return real(cls, path, *args, **kwargs)
-
-        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(guarded))
         from rag_promptcache.model import llama
 
-        ours = llama.load
+        def refuse(path: object, gguf_file: object = "") -> None:
+            if DEFAULT_MODEL in str(path) or "SmolLM2" in str(gguf_file):
+                pytest.fail(f"{request.node.nodeid} loads SmolLM2 ({path}): mark it smollm")
+
+        real, ours = AutoModelForCausalLM.from_pretrained.__func__, llama.load
+
+        def guarded(cls, path, *args, **kwargs):
+            refuse(path, kwargs.get("gguf_file", ""))
+            return real(cls, path, *args, **kwargs)
 
         def guarded_ours(directory, *args, **kwargs):  # the default's merged weights load without transformers
-            if DEFAULT_MODEL in str(directory):
-                pytest.fail(f"{request.node.nodeid} loads SmolLM2 ({directory}): mark it smollm")
+            refuse(directory)
             return ours(directory, *args, **kwargs)
+
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(guarded))
 
         monkeypatch.setattr(llama, "load", guarded_ours)
     yield

@@ -32,6 +32,7 @@ from rag_promptcache.engine.planning.costmodel import (
     recalibrated_costs,
     stored_costs,
 )
+from rag_promptcache.model.device import torch_threads
 from rag_promptcache.model.loading import cache_home
 from rag_promptcache.model.positions import kv_geometry, relocator_for
 from rag_promptcache.store import MemoryStore
@@ -101,12 +102,8 @@ def test_a_drift_is_measured_with_the_requests_torch_threads() -> None:
     seen = []
     fb = Fallback("auto", lambda: SLOW, remeasure=lambda: seen.append(torch.get_num_threads()) or QUICK)
     fb.on_drift = lambda: None
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         feed(fb, 1 / (1.5 * DRIFT), DRIFT_SAMPLES + 3)  # the requests, on one torch thread
-    finally:
-        torch.set_num_threads(was)
 
     def idle() -> None:  # the background encoder's thread, on two
         torch.set_num_threads(2)

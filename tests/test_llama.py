@@ -17,15 +17,13 @@ from rag_promptcache.engine.compute.runner import native_gqa
 from rag_promptcache.model import llama
 from rag_promptcache.store import MemoryStore
 from tests.test_recovery import PROMPT, SCHEMA
-from tests.tiny import ARCHS, build
+from tests.tiny import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _saved(tmp_path: Path, arch: str = "llama", **overrides) -> Path:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(ARCHS[arch](**overrides), dtype=torch.float32)
-    model.save_pretrained(tmp_path)
+    build(arch, **overrides).save_pretrained(tmp_path)
     return tmp_path
 
 
