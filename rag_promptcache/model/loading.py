@@ -161,9 +161,9 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase
         gguf = smollm2_gguf_path()
         target = cache_home() / "models" / DEFAULT_MODEL
         if _source_matches(target, _smollm2_source_key(gguf)):
-            return AutoTokenizer.from_pretrained(str(target))
+            return tokenizer_from(target)
         return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    return AutoTokenizer.from_pretrained(_resolve_directory(name_or_path))
+    return tokenizer_from(_resolve_directory(name_or_path))
 
 
 def _smollm2_source_key(gguf: Path) -> str:
@@ -274,7 +274,7 @@ def tokenizer_from(directory: str | os.PathLike[str], **kwargs: object) -> PreTr
 
 
 def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         # The config first: an unreachable hub id then fails after one round of retries, not three.
@@ -285,7 +285,7 @@ def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
             model = AutoModelForCausalLM.from_pretrained(
                 directory, config=config, dtype=dtype, attn_implementation="sdpa", **placement
             )
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = tokenizer_from(directory)
     except (OSError, ValueError) as e:
         where = "local directory" if Path(directory).is_dir() else "hub id"
         raise ValueError(
