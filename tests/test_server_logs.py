@@ -6,6 +6,7 @@ name the API's own fields; a request's `min_score` that nothing reaches is answe
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -33,9 +34,16 @@ def _post(url: str, body: bytes | dict, key: str | None = KEY) -> httpx.Response
     return httpx.post(f"{url}/v1/chat/completions", content=raw, headers=headers, timeout=120)
 
 
-def _access(log) -> list[dict]:
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    return [r for r in lines if r.get("logger") == "rag_promptcache.server.access"]
+def _access(log, ids: list[str]) -> dict[str, dict]:
+    """The access lines by request id, once those of `ids` are written: the server writes a line after
+    the response's last byte, so a client can read its response before the line is there."""
+    deadline = time.monotonic() + 30
+    while True:
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        found = {r["request_id"]: r for r in lines if r.get("logger") == "rag_promptcache.server.access"}
+        if set(ids) <= found.keys() or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 def test_one_access_line_per_request_without_the_key_or_the_prompt(served):
@@ -44,7 +52,7 @@ def test_one_access_line_per_request_without_the_key_or_the_prompt(served):
     bad = _post(url, {"model": MODEL, "messages": [], "max_tokens": 6})
     unauthorized = _post(url, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, key=None)
     assert (ok.status_code, bad.status_code, unauthorized.status_code) == (200, 400, 401)
-    lines = {r["request_id"]: r for r in _access(log)}
+    lines = _access(log, [r.headers["x-request-id"] for r in (ok, bad, unauthorized)])
     for response in (ok, bad, unauthorized):
         line = lines[response.headers["x-request-id"]]
         assert (line["method"], line["route"], line["status"]) == ("POST", "/v1/chat/completions", response.status_code)
