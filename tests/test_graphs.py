@@ -77,14 +77,14 @@ def test_static_step_logits_equal_the_lean_forward_one_token_a_draft_and_rows_at
 def _decode_with(model, engine: PromptCache, make_step, monkeypatch) -> tuple[tuple[int, ...], list[torch.Tensor]]:
     """Greedy decode of PROMPT with the loop's step made by `make_step` → (tokens, the cache's keys after)."""
     kept: list[torch.Tensor] = []
-    real_keep = type(engine).keep_prefix.__get__(engine)
+    real_keep = type(engine).keep_kv.__get__(engine)
 
-    def keep(prefix, state, keys, values, length):
+    def keep(plan, prefix, state, keys, values, length):
         kept.extend(k[:, :length].clone() for k in keys)
-        return real_keep(prefix, state, keys, values, length)
+        return real_keep(plan, prefix, state, keys, values, length)
 
     monkeypatch.setattr(decode_module, "step_for", make_step)
-    monkeypatch.setattr(engine, "keep_prefix", keep)
+    monkeypatch.setattr(engine, "keep_kv", keep)
     res = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
     return res.token_ids, kept
 

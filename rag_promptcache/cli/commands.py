@@ -292,7 +292,8 @@ def info(
         ("modules", f"{facts['num_modules']} ({facts['num_tokens']} tokens; {facts['num_chunks']} chunks)"),
         ("store", f"{mib(facts['store_bytes'])} on disk, codec {facts['codec']}"),
         ("kv", f"{facts['kv']}: {encoded_line(facts['encoded'])}"
-               + (f"; each module encoded after its {facts['neighbours']} nearest" if facts.get("neighbours") else "")),
+               + (f"; each module encoded after its {facts['neighbours']} nearest" if facts.get("neighbours") else "")
+               + ("; each module kept from the prefill of the first question to retrieve it" if facts.get("byproduct") else "")),
         ("budget", _budget_line(facts["budget"])),
         ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),
         ("model", f"{facts['model']} (fingerprint {facts['fingerprint']}, mode {facts['mode']}, {facts['dtype']})"),

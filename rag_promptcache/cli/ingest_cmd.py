@@ -46,6 +46,7 @@ def ingest(
     store_budget: Annotated[str | None, typer.Option("--store-budget", help="The store's bytes per tier, recorded in the corpus and held by every process that opens it: memory=1GiB,disk=20GiB,redis=4GiB (none: unbounded; a tier not named keeps its budget) [default: memory 1 GiB per process, disk and Redis unbounded].", show_default=False)] = None,
     eviction: Annotated[str | None, typer.Option(help="Which entries a full tier drops first: lru or cost (greedy-dual-size-frequency: recompute cost per byte and hits) [default: the corpus's, cost for a new one].", show_default=False)] = None,
     neighbours: Annotated[int | None, typer.Option("--neighbours", help="Encode each module after the M modules nearest its text (their KV dropped, its own kept), so that it has read what a question likely retrieves beside it: more answers kept at no cost per question, but ingest encodes (M+1)x the tokens. 0: off. Set once for a corpus; not with --ray [default: the corpus's, 0 for a new one]; docs/concepts.md.", metavar="M", show_default=False)] = None,
+    byproduct: Annotated[bool | None, typer.Option("--byproduct/--no-byproduct", help="With --kv lazy: keep a missed module's KV from the prefill of the question that first retrieves it (computed after the modules retrieved with it) instead of encoding it on its own: storing it runs no model at all. On look-alike documents its answers held with nothing recomputed where plain modules' did not; on unrelated pages (a manual) it lost some: run `eval` on your questions before choosing it. Set once for a corpus; not with --neighbours [default: the corpus's, off for a new one]; docs/stores.md.", show_default=False)] = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
     files gone from an ingested directory removed. Interrupted? Run it again to resume (with or without --ray).
@@ -68,6 +69,10 @@ def ingest(
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
     check_neighbours(neighbours, ray_opts)  # refused before Ray's settings touch this process
+    if not is_corpus(corpus):  # a new corpus's choice, refused before any model loads
+        from rag_promptcache.rag.budget import check_byproduct
+
+        check_byproduct(byproduct, kv, neighbours)
     if ray:
         quiet_ray(ray_address)
     parse_dtype(dtype)  # a bad name fails before anything is created
@@ -80,7 +85,8 @@ def ingest(
     budget = _budget(corpus, existed, store_budget, eviction, kv)
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
-                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours)
+                            max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours,
+                            byproduct)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
         raise typer.Exit(130) from None
@@ -168,7 +174,7 @@ def quiet_ray(address: str | None) -> None:
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours):
+            redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours, byproduct):
     from rag_promptcache.rag import Corpus, LoaderWarning
 
     with warnings.catch_warnings():
@@ -176,7 +182,9 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
         warnings.showwarning = lambda message, *a, **k: typer.echo(f"warning: {message}", err=True)
         if existed:
             c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
-            for key, value in {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index, "neighbours": neighbours}.items():
+            asked = {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index, "neighbours": neighbours,
+                     "byproduct": byproduct}
+            for key, value in asked.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
             if codec is not None and codec != c.manifest.codec:
@@ -196,7 +204,7 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
                              redis_url=redis_url, ray=ray_opts, dtype=dtype, adapter=adapter,
                              instructions=instructions, codec=codec, on_estimate=_print_estimate, kv=kv, budget=budget,
-                             neighbours=neighbours)
+                             neighbours=neighbours, byproduct=byproduct)
             report = c.last_report
     return c, report
 

@@ -3,9 +3,9 @@
 Each step is owned once, elsewhere; this class wires them over one model and one store:
 - the schema registry (engine/prompt/schemas.py) and the planner (engine/planning/plan.py): a module whose KV is
   missing from the store is computed in the request's prefill and queued for the background encoder
-  (engine/planning/background.py), which writes it to the store while no request runs (`misses="encode"`:
-  encoded in the request, used and written back first). On a model with learned absolute positions a module
-  is reused only where it was encoded; elsewhere it is recomputed (`recomputed_modules` lists it);
+  (engine/planning/background.py), which writes it (or that prefill's own KV of it, engine/kv/byproduct.py)
+  to the store while no request runs (`misses="encode"`: encoded in the request, used and written back first).
+  On a model with learned absolute positions a module is reused only where it was encoded (else recomputed);
 - the prefill (engine/planning/prefill.py), then the request's `DecodeState` (engine/decoding/state.py) driven by the
   single-request loop (engine/decoding/decode.py) or, through `scheduler()`, by the batcher (engine/batching/batcher.py).
 
@@ -182,9 +182,8 @@ class PromptCache:
     def from_pretrained(cls, model: str = "smollm2-135m-instruct", *, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, adapter: str | os.PathLike[str] | None = "default",
                         **kwargs) -> PromptCache:
-        """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16". `adapter`:
-        "default" (the tuned adapter shipped for the model, if one ships), "none"/None (the base
-        model) or an adapter directory (`load_model`)."""
+        """`dtype`: a torch dtype, or "auto" (None), "float32", "bfloat16", "float16". `adapter`: "default" (the tuned
+        adapter shipped for the model, if one ships), "none"/None (the base model) or an adapter directory (`load_model`)."""
         hf_model, tokenizer = load_model(model, device=device, dtype=dtype, adapter=adapter)
         return cls(hf_model, tokenizer, name=kwargs.pop("name", model), **kwargs)
 
@@ -201,7 +200,7 @@ class PromptCache:
         self._stores[name] = store
 
     def detach_store(self, name: str) -> Store | None:
-        """Stop routing schema `name` to the store attached for it; returns that store (None: none was)."""
+        """Stop routing schema `name` to its attached store → that store (None: none was)."""
         return self._stores.pop(name, None)
 
     def store_of(self, schema_name: str) -> Store:
@@ -276,7 +275,7 @@ class PromptCache:
 
         The longest prefix of the plan that an earlier request computed the same way is copied from the
         prefix cache instead (`Prefilling.prefix` says how much); hand the request's cache to
-        `keep_prefix` when its answer is done, so later requests may reuse this one."""
+        `keep_kv` when its answer is done, so later requests may reuse this one."""
         if plan.sources is None:  # a full-prefill reference: nothing reused
             todo = start(self.model, plan, self.relocator, self.geometry, room)
             todo.on_ran = self.fallback.ran  # its pace counts too: it is the other path's cost
@@ -303,12 +302,13 @@ class PromptCache:
         assert first is not None, f"{todo.num_left=}"
         return first
 
-    def keep_prefix(self, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
-                    values: Sequence[torch.Tensor], length: int) -> int:
-        """Keep a finished request's prompt and answer KV in the prefix cache, from its cache given per
-        layer (keys[i], values[i]: [H, capacity, D], `length` tokens written) → tokens newly kept."""
+    def keep_kv(self, plan: Plan, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
+                values: Sequence[torch.Tensor], length: int) -> int:
+        """A finished request's cache, per layer ([H, capacity, D], `length` written): prompt and answer kept in the
+        prefix cache (→ tokens newly kept), the plan's by-product entries (`Plan.byproducts`) queued for the store."""
         if prefix is None:
             return 0
+        self.planner.keep_byproducts(plan, prefix.pieces, keys, values, length)
         return self.prefix_cache.end(self.prefix_namespace, prefix, keys, values, length, state.tokens, state.start)
 
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = None, lookup: bool = True) -> DecodeState:
@@ -353,7 +353,7 @@ class PromptCache:
             raise
         finally:  # finished, stopped or closed by the caller: the KV buffers go back to the pool now
             if sound:
-                self.keep_prefix(first.prefix, state, *cache_layers(first.cache))
+                self.keep_kv(plan, first.prefix, state, *cache_layers(first.cache))
             release(first.cache)
         return plan.result(state, time.perf_counter() - t0, first.prefix.num_tokens if first.prefix else 0,
                            self.adapter_name)

@@ -98,6 +98,10 @@ class Schema:
     # stays the one place a text lives, and a text shared by many modules' lists is held once. Set in
     # Python only (PML has no syntax for it); empty for every parsed schema.
     neighbours: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False, repr=False)
+    # whether a module's KV, where it is missing, is kept from the prefill of the question that retrieved it
+    # (each module encoded after the modules before it in that prompt, keys moved back to its usual
+    # position: engine/kv/byproduct.py) rather than encoded on its own. Python only, as `neighbours`.
+    byproduct: bool = field(default=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,16 @@ def check_kv(kv: str | None) -> None:
         raise ValueError(f"unknown kv mode {kv!r}; valid modes: {', '.join(KV_MODES)}")
 
 
+def check_byproduct(byproduct: bool | None, kv: str | None, neighbours: int | None) -> None:
+    """A new corpus's `byproduct` (module KV kept from the prefills of the questions that retrieve it, lazily)."""
+    if byproduct and kv != "lazy":
+        raise ValueError("byproduct (--byproduct) keeps a missed module's KV from the prefill of the question "
+                         "that retrieved it; a corpus encoded at ingest has no misses: ingest with --kv lazy")
+    if byproduct and neighbours:
+        raise ValueError("byproduct (--byproduct) and neighbours (--neighbours) are two ways to encode a module "
+                         "after others; choose one")
+
+
 def module_bytes(engine: PromptCache, num_tokens: int, codec: str) -> int:
     """About what a module of `num_tokens` tokens costs at rest in `codec` for `engine`'s model."""
     from rag_promptcache.store.codecs import bytes_per_token
@@ -128,6 +138,9 @@ def record(manifest: Manifest, budget: StoreBudget | None, kv: str | None,
     """`manifest` with `budget` and `kv` (None: keep each), and what changed. A new budget is checked
     against the corpus's largest module (the engine, loaded if need be, knows the KV's size)."""
     check_kv(kv)
+    if kv == "eager" and manifest.byproduct:
+        raise ValueError("this corpus keeps module KV from the prefills of its questions (byproduct): its KV "
+                         "stays lazy; ingest into a new corpus to encode it eagerly")
     old = StoreBudget.of(manifest)
     changed = changes(old, budget) if budget is not None else []
     if changed:

@@ -141,7 +141,8 @@ class Corpus(Answering, StoreAccess):
               token_budget: int = DEFAULT_TOKEN_BUDGET, on_batch: OnBatch | None = None, progress: bool | None = None,
               redis_url: str | None = None, ray: RayOptions | None = None,
               adapter: str | os.PathLike[str] | None = "default", codec: str | None = None,
-              on_estimate: OnEstimate | None = None, kv: str | None = None, budget: StoreBudget | None = None, neighbours: int | None = None) -> Corpus:
+              on_estimate: OnEstimate | None = None, kv: str | None = None, budget: StoreBudget | None = None,
+              neighbours: int | None = None, byproduct: bool | None = None) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
         `codec` (None: int8, `corpus_store.DEFAULT_CODEC`; `store.CODECS` lists the valid ones) is how the
         corpus's memory, disk and Redis tiers hold module KV, recorded in the manifest. `on_estimate` is
@@ -154,7 +155,9 @@ class Corpus(Answering, StoreAccess):
         module's KV computed now) or "lazy" (chunked, embedded and indexed now, KV computed when a question
         first retrieves a module: rag/lazy.py), recorded for later ingests. `budget`: the store's bytes per
         tier and its eviction policy (rag/budget.py), recorded; an existing corpus's changes to it. `neighbours`
-        (None: 0, off, for a new corpus): each module encoded after its this many nearest (rag/neighbours.py)."""
+        (None: 0, off, for a new corpus): each module encoded after its this many nearest (rag/neighbours.py).
+        `byproduct` (None: off for a new corpus; only with kv="lazy"): each module's KV kept from the prefill of
+        the first question that retrieves it (engine/kv/byproduct.py)."""
         path = Path(path)
         inputs = list(inputs)
         redis_url = corpus_store.redis_url(redis_url)
@@ -166,12 +169,14 @@ class Corpus(Answering, StoreAccess):
         if is_corpus(path):
             corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,
-                                                   "max_tokens": max_tokens, "index": index, "codec": codec, "neighbours": neighbours})
+                                                   "max_tokens": max_tokens, "index": index, "codec": codec, "neighbours": neighbours,
+                                                   "byproduct": byproduct})
             corpus.set_budget(budget, kv=kv)
             corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
                        progress=progress, ray=ray, on_estimate=on_estimate)
             return corpus
         codec = codec or corpus_store.DEFAULT_CODEC
+        budgeting.check_byproduct(byproduct, kv, neighbours)
         if codec in CODEC_WARNINGS:
             warnings.warn(f"codec {codec!r} {CODEC_WARNINGS[codec]}", CorpusWarning, stacklevel=2)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -204,7 +209,8 @@ class Corpus(Answering, StoreAccess):
             mode=getattr(engine, "mode", mode), embedder=emb.name, dim=emb.dim, chunk_tokens=params.chunk_tokens,
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=layout.package_version(), created=now,
-            updated=now, dtype=dtype_of(engine), codec=codec, kv=kv or "eager", neighbours=neighbours or 0, **budget.manifest_fields(),
+            updated=now, dtype=dtype_of(engine), codec=codec, kv=kv or "eager", neighbours=neighbours or 0,
+            byproduct=bool(byproduct), **budget.manifest_fields(),
             **adapter_fields(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
@@ -400,7 +406,7 @@ class Corpus(Answering, StoreAccess):
         return {
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index), "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "codec": m.codec, "kv": m.kv, "neighbours": m.neighbours, "budget": dataclasses.asdict(StoreBudget.of(m)),
+            "codec": m.codec, "kv": m.kv, "neighbours": m.neighbours, "byproduct": m.byproduct, "budget": dataclasses.asdict(StoreBudget.of(m)),
             "encoded": dataclasses.asdict(self.coverage()), "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated, "redis_url": self.redis_url,

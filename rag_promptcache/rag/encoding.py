@@ -58,7 +58,8 @@ def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix
     mods = {m: ast.Module(m, (ast.Text(text),)) for m, text in (*modules, *neighbours.earlier)}
     system = ast.Role("system", (ast.Text(manifest.instructions + "\n\n"), *mods.values()))
     return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={},
-                      neighbours={m: tuple(n) for m, n in neighbours.of.items() if n and m in mods})
+                      neighbours={m: tuple(n) for m, n in neighbours.of.items() if n and m in mods},
+                      byproduct=manifest.byproduct)
 
 
 def encode_modules(engine: PromptCache, embedder: EmbedderLike, manifest: Manifest,

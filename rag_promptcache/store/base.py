@@ -107,10 +107,12 @@ def module_key(
     start: int,
     context_ids: tuple[int, ...] | list[int] = (),
     neighbour_ids: tuple[int, ...] | list[int] = (),
+    byproduct: bool = False,
 ) -> str:
-    """The content address of a module's KV: model, encoding mode, tokens, position, context and the
-    neighbours' tokens it was encoded after (engine/prompt/compiler.py `Unit.neighbour_ids`). Without
-    neighbours the address is what it always was: stores made before them keep their entries."""
+    """The content address of a module's KV: model, encoding mode, tokens, position, context, the
+    neighbours' tokens it was encoded after (engine/prompt/compiler.py `Unit.neighbour_ids`) and whether
+    it is kept from the prefills of the questions that retrieve it (`Unit.byproduct`). Without
+    either the address is what it always was: stores made before them keep their entries."""
     h = hashlib.blake2b(digest_size=20)
     h.update(f"v{FORMAT_VERSION}|{fingerprint}|{mode}|{start}|".encode())
     h.update(struct.pack(f"<{len(context_ids)}q", *context_ids))
@@ -119,6 +121,8 @@ def module_key(
     if neighbour_ids:  # a marker, then the count: no other tokens can hash the same as these
         h.update(f"|nbr{len(neighbour_ids)}|".encode())
         h.update(struct.pack(f"<{len(neighbour_ids)}q", *neighbour_ids))
+    if byproduct:
+        h.update(b"|byproduct")
     return h.hexdigest()
 
 

@@ -83,8 +83,8 @@ class Engine(Protocol):
 
     def start_prefill(self, plan: Plan, room: int = ...) -> Prefilling: ...
 
-    def keep_prefix(self, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
-                    values: Sequence[torch.Tensor], length: int) -> int: ...
+    def keep_kv(self, plan: Plan, prefix: PrefixUse | None, state: DecodeState, keys: Sequence[torch.Tensor],
+                values: Sequence[torch.Tensor], length: int) -> int: ...
 
     def decode_state(self, plan: Plan, sampling: Sampling, *, t0: float | None = ..., lookup: bool = ...) -> DecodeState: ...
 
@@ -372,8 +372,8 @@ class Batcher:
             run.handle.put(piece)
         if run.state.finished:
             row = self.rows.row(rid)
-            self.engine.keep_prefix(run.prefix, run.state, self.batch.keys[:, row], self.batch.values[:, row],
-                                    self.batch.lengths[row])
+            self.engine.keep_kv(run.handle.plan, run.prefix, run.state, self.batch.keys[:, row],
+                                self.batch.values[:, row], self.batch.lengths[row])
             num_prefix = run.prefix.num_tokens if run.prefix is not None else 0
             self._finish(rid, run.handle.plan.result(run.state, time.perf_counter() - run.handle.t0, num_prefix,
                                                      self.engine.adapter_name))

@@ -4,7 +4,8 @@ A request whose module is missing from the store does not wait for it to be enco
 computes the module's tokens in the request's own prefill (against the modules before it, as a full
 prefill would) and hands the module here. `BackgroundEncoder` encodes it later, the way an ingest
 would (alone after the schema's context, or after its neighbours where the corpus says so), and
-writes it to the store, so the next question that retrieves it reads it as stored.
+writes it to the store, so the next question that retrieves it reads it as stored (a by-product entry,
+engine/kv/byproduct.py, comes ready-made: only the write).
 
 - One forward at a time, and only while no request is in flight (`Activity`). A request that
   arrives during a background forward stops it before the next decoder layer (`yield_between`: a
@@ -12,9 +13,8 @@ writes it to the store, so the next question that retrieves it reads it as store
   of the queue (`num_yielded`), as does a job whose turn comes as a request arrives: a request
   waits for at most one layer of a background forward, never for the queue. Idle steps' forwards give
   way the same, and `close` (also at the interpreter's exit) stops a forward at its next layer.
-- `EncodeQueue` (no torch): duplicates coalesce by store key; a full queue drops the newest job
-  rather than grow; `Admission` says which misses are worth a forward at all (a module retrieved
-  once is not worth evicting one retrieved often).
+- `EncodeQueue` (no torch): duplicates coalesce by store key; a full queue drops the newest job rather than
+  grow; `Admission` says which misses are worth storing (one retrieved once is not worth one retrieved often).
 - A job that fails (a store that cannot write, a model error) is counted and dropped: the question
   was answered already, and a store entry is written whole or not at all (each tier's `put`).
 - `drain` encodes what is queued in the caller's thread (the CLI's `ask`, after the answer is out).
@@ -59,8 +59,7 @@ def _give_way(*_: object) -> None:
 
 @atexit.register
 def _close_all() -> None:
-    """A forward still running in a daemon thread as the interpreter ends aborts the process (torch's
-    threads are torn down under it): stop every encoder's at its next layer first."""
+    """A forward still running in a daemon thread at the interpreter's end aborts it: stop each at its next layer."""
     for encoder in list(_live):
         encoder.close()
 
@@ -185,6 +184,7 @@ class Job:
     unit: Unit
     num_tokens: int
     store: Store | None = None  # where it goes (its schema's, `PromptCache.store_of`); None: the encoder's own
+    kv: ModuleKV | None = None  # made already (a by-product entry, engine/kv/byproduct.py): written, not encoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,11 +397,11 @@ class BackgroundEncoder:
                 with self._cv:
                     self.queue.num_coalesced += 1
                 return 0
-            if yielding and self.activity.busy:  # it came while the store was asked (a Redis round trip)
+            if yielding and self.activity.busy and job.kv is None:  # it came while the store was asked
                 raise Yielded
             _running.encoder = self if yielding else None
             try:
-                (kv,) = self.encode([job.unit])
+                kv = job.kv if job.kv is not None else self.encode([job.unit])[0]
             finally:
                 _running.encoder = None
             store.put(job.key, kv)

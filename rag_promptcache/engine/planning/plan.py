@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rag_promptcache.engine.kv import byproduct
+from rag_promptcache.engine.kv.byproduct import Byproduct
 from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit
 from rag_promptcache.engine.planning.background import MISSES, Job
 from rag_promptcache.engine.planning.costmodel import Fallback
@@ -63,6 +65,8 @@ class Plan:
     path: str = "cached"  # "full": every token computed (use_cache=False, or the fallback chose it)
     # missed modules computed in this request's prefill, queued for the background encoder (unless held but slower to load)
     deferred: tuple[str, ...] = ()
+    # those of them whose entry is this prefill's own KV, kept once the answer is done (engine/kv/byproduct.py)
+    byproducts: tuple[Byproduct, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -228,10 +232,14 @@ class Planner:
         # every module in sequence order, before a deferred miss becomes new tokens: `last:N` counts those among the N
         order = list(dict.fromkeys(p.unit for p in pieces if p.cached and p.unit != ROOT))
         deferred: list[Unit] = []
+        kept: list[Byproduct] = []
         to_encode = missing
         if missing and chosen.kind in DEFERRABLE and (misses or self.default_misses) == "defer":
             # computed in this prefill against what precedes them; stored later, off the request's path
             computed = {u.name for u in missing}
+            if any(u.byproduct for u in missing) and byproduct.supported(self.relocator, self.geometry, end):
+                at = byproduct.located(pieces, [u for u in missing if u.byproduct and u.name not in stored_anyway])
+                kept = [Byproduct(keys[n], compiled.units[n], seq, pos, store) for n, (seq, pos) in at.items()]
             pieces = [Piece(p.token_ids, p.position) if p.unit in computed else p for p in pieces]
             deferred, to_encode = missing, []  # what the store holds but loads slower than this is not queued
         encoded = 0
@@ -246,15 +254,26 @@ class Planner:
         missed = {u.name for u in missing}
         plan = Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
                     tuple(u.name for u in missing), tuple(dict.fromkeys(recomputed)), encoded, keys,
-                    deferred=tuple(u.name for u in deferred))
+                    deferred=tuple(u.name for u in deferred), byproducts=tuple(kept))
         if deferred and self.defer is not None:
-            self.defer([Job(keys[u.name], u, len(u.token_ids), store) for u in deferred if u.name not in stored_anyway])
+            later = stored_anyway | {b.unit.name for b in kept}  # a by-product entry is queued after the answer
+            self.defer([Job(keys[u.name], u, len(u.token_ids), store) for u in deferred if u.name not in later])
         if fallback and cfg.fallback is not None and self._full_pays(plan, full, cfg.fallback):
             # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
             # an earlier full-path request computed of the same tokens (the prefix cache's labels)
             return dataclasses.replace(full, misses=plan.misses, num_encoded_tokens=encoded, sources={},
-                                       deferred=plan.deferred)
+                                       deferred=plan.deferred, byproducts=plan.byproducts)
         return plan
+
+    def keep_byproducts(self, plan: Plan, pieces: Sequence[Piece], keys: Sequence[torch.Tensor],
+                        values: Sequence[torch.Tensor], length: int) -> int:
+        """Queue `plan`'s by-product entries, from its finished request's cache as assembled from `pieces`
+        (per layer [H, capacity, D], `length` tokens written) → how many were queued."""
+        if not plan.byproducts or self.defer is None:
+            return 0
+        made = byproduct.entries(plan.byproducts, pieces, keys, values, length, self.relocator,
+                                 self.config.fingerprint, self.config.mode)
+        return self.defer([Job(b.key, b.unit, kv.num_tokens, b.store, kv) for b, kv in made])
 
     def _full_pays(self, plan: Plan, full: Plan, fallback: Fallback) -> bool:
         """The cost model's choice between `plan` and `full`, its full prefill, counting what the prefix

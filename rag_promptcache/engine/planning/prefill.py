@@ -44,7 +44,7 @@ class Prefilled:
     cache: DynamicCache  # the prompt's KV, with room for `room` more tokens
     logits: torch.Tensor  # [V] fp32: the next-token logits after the prompt
     next_position: int  # of the answer's first token
-    # what the prefix cache gave this request: its owner ends it (engine.keep_prefix)
+    # what the prefix cache gave this request: its owner ends it (engine.keep_kv)
     prefix: PrefixUse | None = None
 
 

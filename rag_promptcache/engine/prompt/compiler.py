@@ -50,6 +50,9 @@ class Unit:
     # the schema's neighbours of this module (`ast.Schema.neighbours`), their tokens in order: encoded
     # between its context and it, their KV dropped, its keys moved back to `encode_start`
     neighbour_ids: tuple[int, ...] = ()
+    # kept from the prefills that compute it (`ast.Schema.byproduct`): its own store key, so a schema that
+    # encodes its modules on their own never reads such an entry
+    byproduct: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,11 @@ class Compiler:
                                  f"another module of the schema; valid: {known}")
             ids = tuple(t for n in names for t in units[n].token_ids)
             units[name] = replace(units[name], neighbour_ids=ids)
+        if schema.byproduct:
+            if schema.neighbours:
+                raise ValueError(f"schema {schema.name!r}: modules kept from prefills (byproduct) are not also "
+                                 "encoded after neighbours; choose one")
+            units.update((n, replace(u, byproduct=True)) for n, u in units.items() if n != ROOT)
         return CompiledSchema(schema.name, units, size)
 
     def _unit(

@@ -112,7 +112,7 @@ class Schemas:
         if key is None:
             context = unit.context_ids if self.mode == "shared_prefix" else ()
             key = module_key(self.fingerprint, self.mode, unit.token_ids, unit.encode_start, context,
-                             unit.neighbour_ids)
+                             unit.neighbour_ids, unit.byproduct)
             with self._lock:  # memoised only for the current compilation: a schema may be replaced meanwhile
                 if self._compiled.get((compiled.name, chat, default_system)) is compiled:
                     self._keys[memo] = key
@@ -132,7 +132,7 @@ class Schemas:
 def _same_schema(a: ast.Schema, b: ast.Schema) -> bool:
     """The same content, wherever it was written: positions in the PML source do not count. Neighbours
     (which PML does not write) count."""
-    return to_pml(a) == to_pml(b) and a.neighbours == b.neighbours
+    return to_pml(a) == to_pml(b) and (a.neighbours, a.byproduct) == (b.neighbours, b.byproduct)
 
 
 def _first_role(nodes: Iterable[object]) -> str | None:
