@@ -77,12 +77,11 @@ cli-docs: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(BIN)/mkdocs build --strict --quiet
 
-# TEST_WORKERS=2: two pytest-xdist workers, each file's tests in one of them (tests/conftest.py), as much of
-# the suite waits on processes it started (the CLI, servers, Ray, the browser); each worker gives torch its
-# share of the cores. On a quiet 2-core machine `make test` took 9 min 52 s so, against 16-20 min in one
-# process, but two of three such runs failed one test each on a timing race the load exposed (both fixed;
-# docs/getting-started.md): one process (0) stays the default until runs with workers come back green.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers by default, each file's tests in one of them (tests/conftest.py), as much of the
+# suite waits on processes it started (the CLI, servers, Ray, the browser); each worker gives torch its share
+# of the cores. On a quiet 2-core machine `make test` took 10-13 min so, against 14-20 min in one process
+# (docs/getting-started.md). TEST_WORKERS=0 runs one process (a one-core machine, or a debugger).
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: venv kernels redis browser docs

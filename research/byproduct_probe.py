@@ -22,16 +22,16 @@ Writes fidelity.json / fidelity.md / fidelity_front.png in the fidelity scenario
 `none`, `last:1`, `nbr:3+none`, `nbr:3+last:1`, `byp+none`, `byp+last:1`, and per row how many of the
 prompts' module reads came from a by-product entry (`byproduct_share`). Speed-ups in the rows are rough
 (the references' full-prefill TTFT against each setting's, not back to back): the entries cost nothing
-at question time, so what is measured is answers. Not here: storing by-product entries in the engine
-(what wiring it would take is in docs/FIDELITY.md), the store's codec (entries are kept in the model's
-dtype, as the native codec keeps them).
+at question time, so what is measured is answers. The entries and the donors are the package's
+(rag/byproduct_eval.py, what `eval --byproduct` runs; the engine keeps such entries for a corpus
+ingested `--kv lazy --byproduct`). Not here: the store's codec (entries are kept in the model's dtype,
+as the native codec keeps them).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import random
 import tempfile
 import time
 from collections.abc import Sequence
@@ -44,9 +44,9 @@ from rag_promptcache.bench import fidelity as bench_fidelity
 from rag_promptcache.bench import fidelity_reference
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.decoding.sampling import Sampling
-from rag_promptcache.engine.kv.assemble import release
-from rag_promptcache.engine.planning.plan import Plan, uncached
-from rag_promptcache.engine.prompt.compiler import ROOT
+from rag_promptcache.engine.planning.plan import Plan
+from rag_promptcache.rag.byproduct_eval import Donors
+from rag_promptcache.rag.byproduct_eval import prefill_entries as byproduct_entries
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import EvalQuestion, Outcome, Reference, references, summarize
 from rag_promptcache.store import MemoryStore
@@ -86,38 +86,6 @@ def tempered(kv: ModuleKV, temperature: float) -> ModuleKV:
 
 
 @torch.inference_mode()
-def byproduct_entries(engine: PromptCache, prompt: str) -> tuple[dict[str, ModuleKV], torch.Tensor]:
-    """The prompt's full prefill (the engine's own, of the same tokens `generate(use_cache=False)` runs)
-    → (each module's KV as that prefill computed it, at its tokens in the prompt, keys rotated back to
-    the module's own encoding position: what a plain entry of it would be stored as; the prefill's
-    next-token logits [V])."""
-    plan = engine.plan(prompt, recovery="none", fallback=False)
-    full = engine.prefill(uncached(plan))
-    try:
-        spans: dict[str, list[tuple[int, int]]] = {}
-        seq = 0
-        for p in plan.pieces:  # cached pieces are modules' tokens; a module may come in several
-            if p.cached and p.unit != ROOT:
-                spans.setdefault(p.unit, []).append((seq, p.position))
-            seq += len(p.token_ids)
-        out = {}
-        layers = full.cache.layers
-        for name, parts in spans.items():
-            stored = plan.kvs[name]  # the plain entry: what the slice must match in shape and tokens
-            n = stored.num_tokens
-            (at, position), = parts  # a corpus module is one run of tokens
-            tokens = [t for p in plan.pieces if p.cached and p.unit == name for t in p.token_ids]
-            assert tuple(tokens) == tuple(stored.token_ids), f"{name}: the prompt's tokens are not the entry's"
-            keys = torch.stack([layer.keys[0, :, at:at + n] for layer in layers])
-            values = torch.stack([layer.values[0, :, at:at + n] for layer in layers])
-            keys = engine.relocator.rotate(keys, torch.full((n,), stored.start - position, device=keys.device))
-            out[name] = ModuleKV(keys.to(stored.keys.dtype).contiguous(), values.to(stored.values.dtype).contiguous(),
-                                 stored.start, stored.token_ids, stored.fingerprint, stored.mode)
-        return out, full.logits
-    finally:
-        release(full.cache)
-
-
 def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| over max |b|, per layer, the largest: rounding shows as a few units of the dtype's last place."""
     a, b = a.float(), b.float()
@@ -127,29 +95,6 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def with_entries(plan: Plan, entries: dict[str, ModuleKV]) -> Plan:
     """`plan` reading `entries` in place of its modules' stored KV (the others as stored)."""
     return dataclasses.replace(plan, kvs={n: entries.get(n, kv) for n, kv in plan.kvs.items()}, sources=None)
-
-
-class Donors:
-    """Which question's prompt lends each module its by-product entry: the first in a fixed shuffled
-    order of the questions that retrieved it, other than the question being answered."""
-
-    def __init__(self, module_ids: Sequence[Sequence[str]], seed: int = 0) -> None:
-        order = list(range(len(module_ids)))
-        random.Random(seed).shuffle(order)
-        self.order = order
-        self.of: dict[str, list[int]] = {}
-        for q in order:
-            for m in module_ids[q]:
-                if len(self.of.setdefault(m, [])) < 2:  # the first two: one is always another question's
-                    self.of[m].append(q)
-
-    def donor(self, module: str, question: int) -> int | None:
-        """The question whose prompt lends `module` to `question`; None: no other question retrieved it."""
-        return next((q for q in self.of.get(module, ()) if q != question), None)
-
-    def lends(self, question: int) -> list[str]:
-        """The modules whose entry some question takes from `question`'s prompt."""
-        return [m for m, qs in self.of.items() if question in qs]
 
 
 def _answer(engine: PromptCache, prompt: str, recovery: str, entries: dict[str, ModuleKV], new_tokens: int,

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from research.byproduct_probe import byproduct_entries
+from rag_promptcache.rag.byproduct_eval import prefill_entries as byproduct_entries
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.kv.assemble import release
 from rag_promptcache.pml import parse_schema
 from rag_promptcache.store import MemoryStore
+from test_corpus_codec import tiny_corpus  # noqa: F401 - a fixture: a corpus over a tiny Llama
 from tests.test_byproduct_probe import PROMPT, SCHEMA
 from tests.tiny import build
 
@@ -160,3 +161,50 @@ def test_a_lazy_byproduct_corpus_keeps_what_its_questions_computed(tmp_path_fact
         c.close()
     with pytest.raises(ValueError, match="stays lazy"):
         Corpus.build([docs], tmp_path / "c", model=model, embedder=emb, redis_url="", kv="eager")
+
+
+def test_eval_byproduct_answers_each_recovery_over_plain_and_borrowed_entries(tiny_corpus: Path, tmp_path: Path,
+                                                                               capsys) -> None:
+    import json
+
+    from test_cli import assert_user_error, run
+
+    qs = tmp_path / "q.jsonl"
+    # the same question twice: each borrows the other's entries, which are its own prefill's, so by-product
+    # `none` answers as full prefill does; a third question borrows where it can
+    qs.write_text("".join(json.dumps({"question": q}) + "\n" for q in ("What do cats do?", "What do cats do?",
+                                                                        "Where do dogs sleep?")))
+    code, out, err = run(capsys, "eval", qs, "--corpus", tiny_corpus, "--byproduct", "-k", "2", "--max-new-tokens",
+                         "6", "--recovery", "none,last:1", "--json")
+    assert code in (0, None), err
+    got = json.loads(out)
+    rows = {r["recovery"]: r for r in got["settings"]}
+    assert list(rows) == ["none", "byproduct+none", "last:1", "byproduct+last:1"]
+    assert [r["byproduct"] for r in got["settings"]] == [False, True, False, True]
+    twins = [x["agrees"] for x in rows["byproduct+none"]["failures"] if x["question"] == "What do cats do?"]
+    assert not twins  # each read its twin's entries: its own full prefill's
+    assert got["recommended"] is None and got["no_recommendation"].startswith("no recommendation")  # no expected answers
+    code, out, err = run(capsys, "eval", qs, "--corpus", tiny_corpus, "--byproduct", "-k", "2", "--max-new-tokens",
+                         "4", "--recovery", "none")
+    assert code in (0, None), err
+    lines = out.splitlines()
+    assert lines[1].split()[:3] == ["entries,", "recovery", "full"]
+    assert lines[2].startswith("plain, none") and lines[3].startswith("by-product, none")
+    assert_user_error(run(capsys, "eval", qs, "--corpus", tiny_corpus, "--byproduct", "--apply"),
+                      "--kv lazy --byproduct")
+    assert_user_error(run(capsys, "eval", qs, "--corpus", tiny_corpus, "--byproduct", "--codec", "int4"),
+                      "one at a time")
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"question": "What do cats do?"}) + "\n")
+    assert_user_error(run(capsys, "eval", one, "--corpus", tiny_corpus, "--byproduct"), "two questions or more")
+
+
+def test_ingest_refuses_byproduct_without_lazy_kv_before_loading_a_model(tmp_path: Path, capsys) -> None:
+    from test_cli import assert_user_error, run
+
+    docs = tmp_path / "d.txt"
+    docs.write_text("Some text.")
+    assert_user_error(run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--byproduct"), "ingest with --kv lazy")
+    assert_user_error(run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--byproduct", "--kv", "lazy",
+                          "--neighbours", "2"), "choose one")
+    assert not (tmp_path / "c").exists()

@@ -19,7 +19,7 @@ def dry_run(target: str, tmp_path: Path, *variables: str) -> str:
     if shutil.which("make") is None:
         pytest.skip("no make here")
     # --no-print-directory: under `make test` this make is nested and would print its directory lines; and it
-    # reads no TEST_WORKERS of the run around it (`TEST_WORKERS=2 make test`, as docs/getting-started.md says)
+    # reads no TEST_WORKERS of the run around it (`TEST_WORKERS=0 make test`, as docs/getting-started.md says)
     env = {k: v for k, v in os.environ.items() if k not in ("TEST_WORKERS", "MAKEFLAGS", "MFLAGS")}
     done = subprocess.run(["make", "-n", "--no-print-directory", target, f"VENV={tmp_path / 'venv'}", *variables], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env=env)
@@ -42,9 +42,10 @@ def test_make_test_installs_the_rest_on_top_of_the_demos(tmp_path: Path) -> None
     assert '-e ".[all]"' in out and "langchain-tests" in out and "openai" in out
 
 
-def test_the_test_targets_run_workers_when_asked_and_the_coarse_clock_reaches_them(tmp_path: Path) -> None:
+def test_the_test_targets_run_two_workers_unless_told_and_the_coarse_clock_reaches_them(tmp_path: Path) -> None:
     for target in ("test", "test-fast", "test-coarse"):
-        assert "-n 2 --dist loadgroup" in dry_run(target, tmp_path, "TEST_WORKERS=2"), target
-        assert " -n " not in dry_run(target, tmp_path), target  # one process by default
+        assert "-n 2 --dist loadgroup" in dry_run(target, tmp_path), target  # two workers by default
+        assert "-n 3 --dist loadgroup" in dry_run(target, tmp_path, "TEST_WORKERS=3"), target
+        assert " -n " not in dry_run(target, tmp_path, "TEST_WORKERS=0"), target  # one process
     coarse = [ln for ln in dry_run("test-coarse", tmp_path).splitlines() if "pytest" in ln]
     assert coarse and coarse[-1].startswith(f"PYTHONPATH={ROOT}/tests/coarse_clock "), coarse  # absolute: any cwd

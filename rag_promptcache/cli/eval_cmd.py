@@ -40,6 +40,7 @@ def eval_(
     dtype: DtypeOpt = None,
     adapter: AdapterOpt = "default",
     codec: Annotated[str | None, typer.Option("--codec", help="Comma-separated KV codecs, e.g. int8,int4,cachegen: answer the questions over modules decoded from each, against the same modules in fp16, with one recovery (--recovery, else the corpus's), and recommend the smallest that keeps the answers.")] = None,
+    byproduct: Annotated[bool, typer.Option("--byproduct", help="Answer each recovery (--recovery, else none and the engine default) over plain entries and over the entries other questions' full prefills leave of each module (what `ingest --kv lazy --byproduct` keeps), against full prefill, and say whether such a corpus keeps the answers.")] = False,
 ) -> None:
     """Check, per recovery setting, that cached answers match full prefill's: accuracy against the
     expected answers (kept: of full prefill's right answers, the share the setting also gets right, with
@@ -63,6 +64,12 @@ def eval_(
 
     check_name("dtype", dtype, SHOWN_DTYPES)
     check_corpus(corpus)  # usage and path errors come back before torch is imported
+    if codec is not None and byproduct:
+        raise fail("--codec and --byproduct are two evaluations; run them one at a time")
+    if byproduct:
+        from rag_promptcache.cli.eval_byproduct import eval_byproduct
+
+        return eval_byproduct(questions, corpus, k, specs, max_new_tokens, apply, as_json, redis_url, dtype, adapter)
     if codec is not None:
         from rag_promptcache.cli.eval_codecs import eval_codecs
 
