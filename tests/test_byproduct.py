@@ -74,6 +74,7 @@ def test_a_missed_modules_entry_is_its_prefills_kv_and_reads_back_as_the_full_pr
     pc.background.encode = lambda units: (encoded.extend(u.name for u in units), real(units))[1]
     pc.background.drain()  # what the background encoder does while no request runs
     assert pc.background.wait_done(30) and pc.background.stats().num_encoded == len(MODULES) + 1
+    assert pc.background.stats().num_kept == len(MODULES)  # the instructions were encoded, the modules kept
     assert not set(encoded) & set(MODULES), encoded  # only the instructions ran a forward
     _same(stored(pc), expected)
 

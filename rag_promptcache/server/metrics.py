@@ -165,6 +165,8 @@ class _Live:
         yield GaugeMetricFamily(f"{PREFIX}background_queue", "Missed modules waiting for the background encoder.",
                                 value=sum(b.num_queued for b in stats))
         for name, what, field in (("encoded", "Modules the background encoder stored.", "num_encoded"),
+                                  ("kept", "Of those, by-product entries: a question's prefill KV, stored with no "
+                                   "forward (ingest --byproduct).", "num_kept"),
                                   ("dropped", "Missed modules not queued: the queue was full.", "num_dropped"),
                                   ("not_admitted", "Missed modules the admission rule did not queue (a full store's "
                                    "module missed once).", "num_deferred"),

@@ -92,7 +92,6 @@ def misses_policy(spec: str | None, default: str = "encode") -> str:
 
 class Ticket:
     """One request's place in `Activity`; `end` is idempotent (the request's end, or its stream collected)."""
-
     __slots__ = ("_activity", "_open")
 
     def __init__(self, activity: Activity) -> None:
@@ -190,7 +189,7 @@ class Job:
 @dataclass(frozen=True, slots=True)
 class BackgroundStats:
     num_queued: int  # waiting now
-    num_encoded: int  # encoded and written
+    num_encoded: int  # written: encoded by a forward, or a by-product entry made already
     num_tokens: int  # tokens of those
     num_coalesced: int  # misses of a module already queued, or found stored when its turn came
     num_dropped: int  # not queued: the queue was full
@@ -198,6 +197,7 @@ class BackgroundStats:
     num_failed: int  # encodes or writes that failed (the question was answered; the store is unchanged)
     last_error: str = ""  # the latest failure, `Type: message`
     num_yielded: int = 0  # jobs put back unencoded because a request arrived as their forward was due
+    num_kept: int = 0  # of `num_encoded`, by-product entries (engine/kv/byproduct.py): written with no forward
 
 
 class EncodeQueue:
@@ -263,7 +263,7 @@ class BackgroundEncoder:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._working = False
-        self.num_encoded = self.num_tokens = self.num_failed = self.num_yielded = 0
+        self.num_encoded = self.num_tokens = self.num_failed = self.num_yielded = self.num_kept = 0
         self.last_error = ""
         # steps of work for idle time, each → whether it did any (`start_idle`: a corpus's warming each)
         self.idle_steps: list[Callable[[], bool]] = []
@@ -283,8 +283,7 @@ class BackgroundEncoder:
         return len(queued)
 
     def start_idle(self, step: Callable[[], bool]) -> None:
-        """Spend idle time on `step()` from now on, beside the steps given before (a server at start-up, before
-        any question; one step per corpus on this engine)."""
+        """Spend idle time on `step()` too from now on (a server at start-up; one step per corpus on this engine)."""
         with self._cv:
             self.idle_steps.append(step)
             self._idle_due = not self._closed
@@ -313,7 +312,7 @@ class BackgroundEncoder:
             q = self.queue
             return BackgroundStats(len(q) + self._working, self.num_encoded, self.num_tokens,
                                    q.num_coalesced, q.num_dropped, q.num_deferred, self.num_failed, self.last_error,
-                                   self.num_yielded)
+                                   self.num_yielded, self.num_kept)
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or being encoded and idle work has no more to do (True), or `timeout`
@@ -421,5 +420,6 @@ class BackgroundEncoder:
             return 0
         with self._cv:
             self.num_encoded += 1
+            self.num_kept += job.kv is not None
             self.num_tokens += job.num_tokens
         return 1
