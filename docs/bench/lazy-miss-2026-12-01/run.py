@@ -15,9 +15,10 @@ machine's own noise (p95 of full2 / full) stands beside the p95 of ttft / full.
 
 Run from the repository root:
 python docs/bench/lazy-miss-2026-12-01/run.py OUT.json [tokens] [questions] [think] [variants]
-`variants`: comma-separated MISSES:SHARE[:ADMISSION], default defer:0.05,encode:0.05,defer:0.2,defer:0.5
+`variants`: comma-separated MISSES:SHARE[:ADMISSION][:byproduct], default defer:0.05,encode:0.05,defer:0.2,defer:0.5
 (ADMISSION: first, second:W, auto or auto:W; engine/planning/background.py; unset: first, as in the runs
-made before auto became the engine's default).
+made before auto became the engine's default; `byproduct`: the corpus keeps each miss's KV from its
+question's prefill, `ingest --kv lazy --byproduct`, engine/kv/byproduct.py).
 """
 
 from __future__ import annotations
@@ -60,12 +61,17 @@ def eager_ttft(engine, ref, corpus: Corpus, ans) -> float:
 
 
 def run_one(path: Path, misses: str, share: float, questions: list[tuple[int, str]], think: float,
-            admission: str = "first") -> dict:
-    from rag_promptcache.engine import PromptCache
-    from rag_promptcache.store import MemoryStore
+            admission: str = "first", byproduct: bool = False) -> dict:
+    import dataclasses
     import shutil
 
+    from rag_promptcache.engine import PromptCache
+    from rag_promptcache.rag import layout
+    from rag_promptcache.store import MemoryStore
+
     shutil.rmtree(path / "store", ignore_errors=True)
+    # the same corpus, keeping by-product entries or not (its store starts empty either way)
+    layout.write_manifest(path, dataclasses.replace(layout.read_manifest(path), byproduct=byproduct))
     os.environ["RAG_PROMPTCACHE_MISSES"] = misses
     os.environ["RAG_PROMPTCACHE_ENCODER_ADMISSION"] = admission  # RAG_PROMPTCACHE_ADMISSION before 2026-12-02
     corpus = Corpus.open(path, redis_url="")
@@ -94,7 +100,7 @@ def run_one(path: Path, misses: str, share: float, questions: list[tuple[int, st
                   f"{sum(r['hits'] for r in last) / (K * len(last)):.2f}", flush=True)
     bg = engine.background.stats()
     corpus.close()
-    return {"misses": misses, "share": share, "admission": admission, "think": think, "rows": rows,
+    return {"misses": misses, "share": share, "admission": admission, "byproduct": byproduct, "think": think, "rows": rows,
             "background": {"encoded": bg.num_encoded, "dropped": bg.num_dropped, "failed": bg.num_failed,
                            "coalesced": bg.num_coalesced}}
 
@@ -110,6 +116,7 @@ def summary(run: dict) -> dict:
     windows100 = [statistics.median(r["full"] / r["ttft"] for r in run["rows"][s:s + 100])
                   for s in range(0, len(run["rows"]), 100)]
     return {"misses": run["misses"], "share": run["share"], "admission": run.get("admission", "first"),
+            "byproduct": run.get("byproduct", False),
             "p50_speedup": statistics.median(ratios), "windows100_p50": windows100,
             "eager_p50_speedup": statistics.median(eager) if eager else None,
             "of_eager": statistics.median(ratios) / statistics.median(eager) if eager else None,
@@ -139,8 +146,10 @@ def main() -> None:
         runs = []
         spec = sys.argv[5] if len(sys.argv) > 5 else "defer:0.05,encode:0.05,defer:0.2,defer:0.5"
         for variant in spec.split(","):
-            misses, share, *admission = variant.split(":", 2)
-            runs.append(run_one(Path(tmp) / "corpus", misses, float(share), questions, think, *admission))
+            misses, share, *rest = variant.split(":")
+            byproduct = rest[-1:] == ["byproduct"]
+            admission = ":".join(rest[:-1] if byproduct else rest) or "first"
+            runs.append(run_one(Path(tmp) / "corpus", misses, float(share), questions, think, admission, byproduct))
             result = {"corpus": info, "k": K, "warmup": WARMUP, "summaries": [summary(r) for r in runs], "runs": runs}
             out.write_text(json.dumps(result, indent=1))
             print(json.dumps(result["summaries"][-1]), flush=True)
