@@ -31,6 +31,7 @@ from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outc
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
+    from rag_promptcache.engine.result import Result
     from rag_promptcache.rag.corpus import Corpus
     from rag_promptcache.store.base import ModuleKV
 
@@ -86,7 +87,7 @@ def prefill_entries(engine: PromptCache, prompt: str) -> tuple[dict[str, ModuleK
 
 
 def answer_with_entries(engine: PromptCache, prompt: str, recovery: str, entries: dict[str, ModuleKV],
-                 max_new_tokens: int, stop: tuple[str, ...] = ()):
+                        max_new_tokens: int, stop: tuple[str, ...] = ()) -> Result:
     """`prompt` answered with `recovery`, its modules read from `entries` where given (else as stored)."""
     from rag_promptcache.engine.decoding.sampling import Sampling
 
