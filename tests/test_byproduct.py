@@ -1,10 +1,12 @@
 """By-product entries (engine/kv/byproduct.py): where a schema keeps them, a missed module's entry is its
-request's own prefill KV, keys moved back to the module's position, written with no forward. Checked
-against the probe's slices of a full prefill (research/byproduct_probe.py): the single request's loop,
-the batcher and the full-prefill path store the same entries; a prompt read from its own entries with
-recovery `none` has its full prefill's logits; a schema that encodes modules on its own never reads
-one; a sliding-window model encodes its misses as before. Then a lazy corpus chosen `--byproduct`
-(tests/tiny_llama.py), and the refusals. Tiny random models, fp32."""
+request's own prefill KV, keys moved back to the module's position, written with no forward. The single
+request's loop, the batcher and the full-prefill path store the same entries as the slices of a separate
+full prefill (`prefill_entries`, what `eval --byproduct` and the research probe read; both go through
+`byproduct.entries`, so the check that does not is the next one: a prompt read back from those entries
+with recovery `none` has its full prefill's logits, where plain entries do not); a schema that encodes
+modules on its own never reads one; a sliding-window model encodes its misses as before. Then a lazy
+corpus chosen `--byproduct` (tests/tiny_llama.py), `eval --byproduct`, and the refusals. Tiny random
+models, fp32 (tests/test_byproduct_probe.py: a prompt's first module's slice is its plain entry)."""
 
 from __future__ import annotations
 
