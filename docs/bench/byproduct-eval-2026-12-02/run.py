@@ -1,13 +1,15 @@
-"""eval --byproduct on a fidelity split (first draw), through the CLI as a user runs it, at each k.
-python run.py SPLIT N OUT K..."""
-import json, sys, subprocess, tempfile, time
+"""eval --byproduct on a fidelity split, through the CLI as a user runs it, at each k.
+python run.py SPLIT N OUT K... (RPC_SEED_OFFSET=1: the second draw)"""
+import json, os, sys, subprocess, tempfile, time
 from pathlib import Path
 from rag_promptcache.bench import fidelity as bf
 from rag_promptcache.rag import Corpus
 
 split, n, out, ks = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
 out.mkdir(parents=True, exist_ok=True)
-data, chunk = bf.split_data(split)
+seed = int(os.environ.get("RPC_SEED_OFFSET", "0"))
+data, chunk = bf.split_data(split, seed_offset=seed)
+split = split + (f"-draw{seed}" if seed else "")
 tmp = Path(tempfile.mkdtemp(prefix="byp-eval-"))
 c = Corpus.build(data.documents, tmp / "corpus", chunk_tokens=chunk, progress=False, dtype="bfloat16")
 c.close()
