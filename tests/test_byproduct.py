@@ -36,8 +36,8 @@ def engine(arch: str, tokenizer, byproduct: bool = True, **kw) -> PromptCache:
 
 
 def reference(pc: PromptCache, tokenizer) -> tuple[dict, torch.Tensor]:
-    """The probe's slices of `pc`'s model's full prefill of PROMPT, and its logits (a twin engine that
-    encodes misses first, as the probe's plan needs its plain entries)."""
+    """The slices of `pc`'s model's full prefill of PROMPT (`prefill_entries`), and its logits: on a twin
+    engine that encodes misses first (`prefill_entries` plans over the plain entries)."""
     twin = PromptCache(pc.model, tokenizer, store=MemoryStore(), recovery="none", fallback="never",
                        prefix_cache_bytes=0, misses="encode")
     twin.add_schema(SCHEMA)
