@@ -85,7 +85,6 @@ def tempered(kv: ModuleKV, temperature: float) -> ModuleKV:
     return dataclasses.replace(kv, keys=(kv.keys.float() / temperature).to(kv.keys.dtype))
 
 
-@torch.inference_mode()
 def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| over max |b|, per layer, the largest: rounding shows as a few units of the dtype's last place."""
     a, b = a.float(), b.float()
