@@ -211,3 +211,11 @@ def test_ingest_refuses_byproduct_without_lazy_kv_before_loading_a_model(tmp_pat
     assert_user_error(run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--byproduct", "--kv", "lazy",
                           "--neighbours", "2"), "choose one")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_schema_is_refused_that_keeps_byproducts_and_names_neighbours(tokenizer):
+    schema = dataclasses.replace(parse_schema(SCHEMA), byproduct=True, neighbours={"c": ("a",)})
+    pc = PromptCache(build("llama", vocab_size=len(tokenizer)), tokenizer, store=MemoryStore())
+    with pytest.raises(ValueError, match="choose one"):
+        pc.add_schema(schema)
+        pc.plan(PROMPT)
