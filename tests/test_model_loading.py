@@ -109,6 +109,31 @@ def test_default_alias_second_load_comes_from_the_cache(smollm, monkeypatch):
 
 
 @pytest.mark.smollm
+def test_a_saved_tokenizer_loads_without_parsing_its_json_in_python(smollm, tmp_path, monkeypatch):
+    # transformers parses all of tokenizer.json with Python's json (0.1-0.2 s for the default model) where
+    # tokenizer_config.json lacks the added tokens; save_tokenizer writes them there.
+    loading.save_tokenizer(smollm[1], tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert {t["content"] for t in config["added_tokens_decoder"].values()} >= {"<|im_start|>", "<|im_end|>"}
+    parsed: list[str] = []
+    real_load = json.load
+
+    def load(handle, *args, **kwargs):
+        parsed.append(Path(getattr(handle, "name", "?")).name)
+        return real_load(handle, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", load)
+    tokenizer = loading.tokenizer_from(tmp_path)
+    assert "tokenizer.json" not in parsed and "tokenizer_config.json" in parsed  # the probe sees the loads
+    text = "<|im_start|>user\nHello wörld 😀 events.once()<|im_end|>"
+    assert tokenizer(text)["input_ids"] == smollm[1](text)["input_ids"]
+    assert tokenizer.all_special_tokens == smollm[1].all_special_tokens
+    assert tokenizer.added_tokens_decoder == smollm[1].added_tokens_decoder
+    turns = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(turns, tokenize=False) == smollm[1].apply_chat_template(turns, tokenize=False)
+
+
+@pytest.mark.smollm
 def test_gguf_path_converts_once_into_rag_promptcache_home(smollm, tmp_path, monkeypatch):
     # The default alias without its shipped adapter, from the session's cache home (converted there once
     # already): converting it again in the fresh home below would double this test's time, not its checks.
