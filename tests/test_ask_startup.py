@@ -22,7 +22,9 @@ NOT_NEEDED = ("sentence_transformers", "sklearn", "fastapi", "uvicorn", "starlet
               "ray", "matplotlib", "peft", "redis", "pandas", "rag_promptcache.server.app", "rag_promptcache.bench",
               "rag_promptcache.tune",
               # transformers' model code (model/llama.py and model/bert.py run the default model and embedder)
-              "transformers.modeling_utils")
+              "transformers.modeling_utils",
+              # its package list, which naming a model-specific tokenizer class makes transformers build
+              "transformers.models")
 PROBE = ("import sys\nfrom rag_promptcache.cli import main\ncode = 0\ntry:\n    main(sys.argv[1:])\n"
          "except SystemExit as e:\n    code = e.code\n"
          "print('\\nIMPORTED', code, sorted(m for m in {names!r} if m in sys.modules), file=sys.stderr)")

@@ -80,12 +80,29 @@ def test_a_directory_of_another_shape_runs_through_sentence_transformers(default
 
 PROBE = ("import sys\nfrom rag_promptcache.rag.embed import Embedder\ne = Embedder()\nv = e.embed(['a question'])\n"
          "print(v.shape, type(e.model.model).__name__, sorted(m for m in ('sentence_transformers', 'sklearn', "
-         "'scipy.stats', 'transformers.modeling_utils') if m in sys.modules))")
+         "'scipy.stats', 'transformers.modeling_utils', 'transformers.models') if m in sys.modules))")
 
 
 def test_the_default_embedder_loads_without_sentence_transformers_or_transformers_model_loading() -> None:
-    """Its BERT is ours (model/bert.py), so neither sentence-transformers nor transformers' model code loads."""
+    """Its BERT is ours (model/bert.py), so neither sentence-transformers nor transformers' model code loads,
+    and its tokenizer is read from tokenizer.json, so transformers does not list its model packages either."""
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(1, 384) BertEncoder []"
+
+
+def test_the_default_embedders_tokenizer_gives_the_inputs_autotokenizer_gives(default_dir: str) -> None:
+    """Read from tokenizer.json (`loading.tokenizer_from`), it is AutoTokenizer's BertTokenizer to the token:
+    the same ids, the same inputs (token_type_ids included), the same truncation and padding."""
+    from transformers import AutoTokenizer
+
+    ours = Embedder().model.tokenizer
+    reference = AutoTokenizer.from_pretrained(default_dir, model_max_length=256)
+    assert type(reference).__name__ == "BertTokenizer" and ours.model_input_names == reference.model_input_names
+    for start in range(0, len(TEXTS), 16):
+        got, want = (t(TEXTS[start:start + 16], padding=True, truncation="longest_first", return_tensors="np")
+                     for t in (ours, reference))
+        assert set(got) == set(want) == {"input_ids", "token_type_ids", "attention_mask"}
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])

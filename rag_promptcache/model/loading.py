@@ -268,24 +268,31 @@ def _load_merged(directory: str, device: torch.device, dtype: torch.dtype):
     return llama.load(directory, device, dtype), tokenizer_from(directory)
 
 
-# tokenizer classes `tokenizer_from` loads by name, as AutoTokenizer would pick them for such a directory
-_NAMED_TOKENIZERS = {"TokenizersBackend": "PreTrainedTokenizerFast", "PreTrainedTokenizerFast": "PreTrainedTokenizerFast",
-                     "BertTokenizer": "BertTokenizer"}
+# tokenizer classes `tokenizer_from` reads from tokenizer.json alone, with the inputs each class gives a model
+_FROM_TOKENIZER_JSON = {"TokenizersBackend": None, "PreTrainedTokenizerFast": None,
+                        "BertTokenizer": ["input_ids", "token_type_ids", "attention_mask"]}
 
 
 def tokenizer_from(directory: str | os.PathLike[str], **kwargs: object) -> PreTrainedTokenizerBase:
-    """`AutoTokenizer.from_pretrained(directory, **kwargs)`, by the class it would pick where the directory's
-    tokenizer_config.json names a tokenizer AutoTokenizer maps to one class whatever the model (the default
-    model's and the default embedder's): AutoTokenizer's import reads transformers' model mappings (0.26 s)
-    and it reads the model's config, whose class may import what model/llama.py avoids (`LlamaConfig`: 0.8 s)."""
-    import transformers
-
+    """`AutoTokenizer.from_pretrained(directory, **kwargs)`, the same tokenization and inputs, where the
+    directory's tokenizer_config.json names a class whose tokenizer.json says all it does (the default
+    model's and the default embedder's): read as transformers' generic fast tokenizer from that file. By
+    name, AutoTokenizer imports transformers' model mappings (0.26 s) and reads the model's config, whose
+    class may import what model/llama.py avoids (`LlamaConfig`: 0.8 s); `BertTokenizer`'s name alone
+    makes transformers list every model package (0.25-0.6 s of each `ask`), and the class rebuilds from
+    vocab.txt the WordPiece tokenizer that tokenizer.json already holds."""
     try:
         named = json.loads((Path(directory) / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         named = None
-    if named in _NAMED_TOKENIZERS and (Path(directory) / "tokenizer.json").is_file():
-        return getattr(transformers, _NAMED_TOKENIZERS[named]).from_pretrained(str(directory), **kwargs)
+    if named in _FROM_TOKENIZER_JSON and (Path(directory) / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        if (inputs := _FROM_TOKENIZER_JSON[named]) is not None:
+            kwargs = {"model_input_names": inputs, **kwargs}
+        return TokenizersBackend.from_pretrained(str(directory), **kwargs)
+    import transformers
+
     return transformers.AutoTokenizer.from_pretrained(str(directory), **kwargs)
 
 
