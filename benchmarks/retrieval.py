@@ -143,13 +143,13 @@ def answers(corpus: Corpus, engine: PromptCache, questions: list[retrieval_data.
 def latency(bench: Bench, corpus: Corpus, questions: list[str], scales: tuple[int, ...], tmp: Path) -> list[dict[str, object]]:
     """Per scale and mode, the median over the questions of one `retrieval.search` (embedding included),
     the embedding's own median, and the lexical index's build time."""
-    ids, texts = corpus.table.search_texts()
+    ids, texts, headings = corpus.table.search_texts()
     _, vectors = corpus.table.vectors(corpus.manifest.dim)
     vocabulary = " ".join(texts).split()
     embed = median([timed(lambda q=q: corpus.embedder.embed([q]), bench.device, bench.min_span_s)[0] for q in questions])
     rows = []
     for n in scales:
-        table, index, lexical, build_s = _scaled(corpus, ids, texts, vectors, vocabulary, n, tmp)
+        table, index, lexical, build_s = _scaled(corpus, ids, texts, headings, vectors, vocabulary, n, tmp)
         lock = threading.RLock()
         for mode in retrieval.MODES:
             per = [timed(lambda q=q: retrieval.search(index, lexical, lock, corpus.embedder, table, q, ANSWER_K, mode),
@@ -160,8 +160,8 @@ def latency(bench: Bench, corpus: Corpus, questions: list[str], scales: tuple[in
     return rows
 
 
-def _scaled(corpus: Corpus, ids: np.ndarray, texts: list[str], vectors: np.ndarray, vocabulary: list[str], n: int,
-            tmp: Path) -> tuple[ChunkTable, VectorIndex, LexicalIndex, float]:
+def _scaled(corpus: Corpus, ids: np.ndarray, texts: list[str], headings: list[str], vectors: np.ndarray,
+            vocabulary: list[str], n: int, tmp: Path) -> tuple[ChunkTable, VectorIndex, LexicalIndex, float]:
     """The real modules plus synthetic ones up to `n`: a chunk table, a flat FAISS index, a BM25 index."""
     rng, gen = random.Random(n), np.random.default_rng(n)
     table = ChunkTable(tmp / f"scale-{n}.sqlite")
@@ -177,7 +177,7 @@ def _scaled(corpus: Corpus, ids: np.ndarray, texts: list[str], vectors: np.ndarr
     all_ids = np.array([r.faiss_id for r in rows], dtype=np.int64)
     index = VectorIndex(corpus.manifest.dim, "flat")
     index.add(all_ids, all_vectors)
-    built = repeat(lambda: LexicalIndex(all_ids, all_texts), 0.0)
+    built = repeat(lambda: LexicalIndex(all_ids, all_texts, [*headings, *[""] * len(fill)]), 0.0)
     return table, index, built.result, built.seconds
 
 

@@ -80,7 +80,7 @@ def test_headings_give_each_chunk_its_context_and_retrieval_reads_it(corpus: Cor
     assert sync == "Pragmas › Sync"  # the title (first `# ` heading) and the section
     module = next(t for t in contexts if "synchronous" in t)
     assert module.startswith("[Pragmas › Sync]\n")  # the model reads it too (chunker.MODULE_HEADER)
-    ids, texts = corpus.table.search_texts()
+    ids, texts, _ = corpus.table.search_texts()
     assert any(t.startswith("Pragmas › Sync\n") for t in texts)
     # the heading word alone finds its section, through the context both rankings read
     assert "synchronous" in corpus.text(corpus.search("Sync", k=1, mode="lexical")[0][0])
@@ -125,13 +125,25 @@ def test_a_missing_lexical_index_is_built_once_saved_and_said(corpus: Corpus) ->
     c.close()
 
 
-@pytest.mark.parametrize("damage", ["lexical.json", "ids.npy", "vocab.index.json"])
+@pytest.mark.parametrize("damage", ["lexical.json", "ids.npy", "vocab.index.json", "headings/vocab.index.json"])
 def test_a_damaged_lexical_index_is_rebuilt_with_a_warning_and_saved(corpus: Corpus, damage: str) -> None:
     corpus.close()
     (corpus.path / "lexical" / damage).write_bytes(b"\x00garbage")
     c, said = _open(corpus.path)
     assert len(said) == 1 and "damaged" in said[0] and "rebuilt the lexical (BM25) index" in said[0]
     assert "journal_mode" in c.text(c.search("journal_mode", k=1, mode="lexical")[0][0])
+    c.close()
+    assert _open(corpus.path)[1] == []
+
+
+def test_a_lexical_index_of_the_format_before_headings_is_rebuilt_with_them_and_saved(corpus: Corpus) -> None:
+    corpus.close()
+    meta = corpus.path / "lexical" / "lexical.json"
+    meta.write_text(meta.read_text().replace('"format": 2', '"format": 1'))
+    shutil.rmtree(corpus.path / "lexical" / "headings")  # as the earlier version saved it
+    c, said = _open(corpus.path)
+    assert len(said) == 1 and "another format (1; this version reads 2" in said[0] and "and saved" in said[0]
+    assert LexicalIndex.load(corpus.path / "lexical")[0].search_names("journal_mode", 1) == []  # loads: saved whole
     c.close()
     assert _open(corpus.path)[1] == []
 
@@ -172,3 +184,32 @@ def test_an_empty_lexical_index_saves_and_loads(tmp_path: Path) -> None:
     empty.save(tmp_path / "lex", 3)
     loaded, generation = LexicalIndex.load(tmp_path / "lex")
     assert generation == 3 and len(loaded) == 0 and loaded.search("anything", 4) == []
+
+
+# An API reference names each subject in a heading; other sections name it in their text, more often.
+API_DOCS = {"events.md": "# Events\n\n"
+            "## `emitter.once(eventName, listener)`\n\nAdds a one-time listener. Unlike events.once, which "
+            "waits on a promise, emitter.once calls back; use events.once to await it, emitter.once to listen.\n\n"
+            "## `events.once(emitter, name)`\n\nCreates a Promise that is fulfilled when the emitter emits "
+            "the given event, or rejected on an error.\n\n"
+            "## `nodeEventTarget.once(type, listener)`\n\nAdds a one-time listener for the type. As with "
+            "events.once and emitter.once, the listener runs at most once; events.once returns a promise.\n\n"}
+
+
+def test_a_question_naming_an_identifier_finds_the_section_whose_heading_names_it(tmp_path: Path) -> None:
+    c = build(write_docs(tmp_path / "docs", API_DOCS), tmp_path / "c")
+    question, wanted = "What does events.once return?", "`events.once(emitter, name)`"
+    section = lambda hits: c.metadata(hits[0][0])["section"]  # noqa: E731
+    assert section(c.search(question, k=1)) == wanted
+    # the text alone ranks the sections that mention it more often above it; the headings' ranking puts it first
+    assert section(c.search(question, k=1, mode="lexical")) != wanted
+    named = c.lexical.search_names(question, 50)
+    assert {c.metadata(m)["section"] for m in c.table.module_ids_for([i for i, _ in named]).values()} == {wanted}
+    c.close()
+
+
+def test_only_identifiers_are_looked_up_and_only_in_headings(corpus: Corpus) -> None:
+    assert corpus.search("Which pragma sets journal_mode?", k=1, mode="lexical")  # in a text
+    assert corpus.lexical.search_names("Which pragma sets journal_mode?", 3) == []  # no heading holds it
+    assert corpus.lexical.search_names("how does Sync work", 3) == []  # a heading's word, but no identifier
+    assert corpus.lexical.search_names("in-memory keep-index", 3) == []  # nor is a hyphenated word

@@ -7,6 +7,13 @@ text. Tokens (`tokens`): lower case words; a compound such as `journal_mode`, `w
 Snowball stems (PyStemmer) for plain words; runs of CJK characters, which carry no spaces, as character
 bigrams. A question none of whose tokens the corpus has gets no lexical ranking (dense retrieval alone).
 
+**Names in headings** (`search_names`): API references name their subject in a heading
+(`events.once(emitter, name[, options])`), and a question that names an identifier (a compound joined by
+`.`, `_`, `:` or `/`: `events.once`, `journal_mode`, `clean.requireForce`) asks for that section. A
+second BM25 over the modules' context lines alone ranks the modules whose headings hold the identifiers
+the question names; hybrid retrieval fuses it as a third ranking. Hyphenated words (`in-memory`) are not
+identifiers: weighing the headings for every word lost answers on the manuals (docs/retrieval.md).
+
 The index is derived data, built from the chunk table: bm25s cannot add or drop documents, so the
 corpus rebuilds it after an ingest or a removal (seconds per 100k modules, `bench --scenarios
 retrieval`), and between them the index lags (a module added meanwhile is found by FAISS only). Saved
@@ -28,11 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT = 1  # of the saved files; another one is rebuilt from the table
+FORMAT = 2  # of the saved files (2: with the headings' index); another one is rebuilt from the table
+HEADINGS = "headings"  # the folder, inside the saved index's, of the context lines' BM25
 _WORD = re.compile(r"[^\W_]+(?:[_.:/-][^\W_]+)*")
 # words of how a question is asked, not of what it asks (bm25s's English list keeps them)
 QUESTION_WORDS = frozenset({"which", "what", "how", "when", "where", "why", "who", "whom", "whose", "does", "do",
                             "did", "can", "could", "should", "would", "i", "me", "my", "you", "your", "s"})
+_IDENTIFIER = re.compile(r"(?=.*[a-z])[^_.:/]+(?:[_.:/][^_.:/]*)+")  # a compound term joined by `.`, `_`, `:` or `/`
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 
 
@@ -77,17 +86,15 @@ def _terms(word: str) -> tuple[str, ...]:
 
 
 class LexicalIndex:
-    """BM25 (bm25s, Lucene's variant) over `texts`, one per FAISS id in `ids`."""
+    """BM25 (bm25s, Lucene's variant) over `texts`, one per FAISS id in `ids`, and over their `headings`
+    (each module's context line) for `search_names`."""
 
-    def __init__(self, ids: np.ndarray, texts: Sequence[str]) -> None:
-        import bm25s
-
+    def __init__(self, ids: np.ndarray, texts: Sequence[str], headings: Sequence[str] | None = None) -> None:
         assert len(ids) == len(texts), f"{len(ids)=} {len(texts)=}"
+        headings = [""] * len(texts) if headings is None else headings
+        assert len(headings) == len(texts), f"{len(headings)=} {len(texts)=}"
         self.ids = np.ascontiguousarray(ids, dtype=np.int64)
-        self._bm25 = bm25s.BM25()
-        if len(texts):
-            # an empty document keeps its row: ids and bm25s's rows stay aligned
-            self._bm25.index([tokens(t) or [""] for t in texts], show_progress=False)
+        self._bm25, self._headings = _bm25(texts), _bm25(headings)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -96,12 +103,20 @@ class LexicalIndex:
         """Up to k (FAISS id, BM25 score) with a score above zero, best first; empty when no query term
         is in the index. With `allowed` (FAISS ids), among those only: the others score zero before the top k
         is taken."""
+        return self._top(self._bm25, tokens(query), k, allowed)
+
+    def search_names(self, query: str, k: int, allowed: np.ndarray | None = None) -> list[tuple[int, float]]:
+        """As `search`, over the modules' headings and by the identifiers the query names only (the module
+        docstring); empty when it names none that a heading holds."""
+        return self._top(self._headings, [t for t in tokens(query) if _IDENTIFIER.fullmatch(t)], k, allowed)
+
+    def _top(self, bm25, terms: list[str], k: int, allowed: np.ndarray | None) -> list[tuple[int, float]]:
         if not len(self) or k < 1:
             return []
-        terms = [t for t in tokens(query) if t in self._bm25.vocab_dict]
+        terms = [t for t in terms if t in bm25.vocab_dict]
         if not terms:
             return []
-        scores = self._bm25.get_scores(terms)  # [num_docs]
+        scores = bm25.get_scores(terms)  # [num_docs]
         if allowed is not None:
             scores = np.where(np.isin(self.ids, allowed), scores, 0.0)
         k = min(k, len(scores))
@@ -116,6 +131,7 @@ class LexicalIndex:
         try:
             if len(self):
                 self._bm25.save(str(tmp), show_progress=False)
+                self._headings.save(str(tmp / HEADINGS), show_progress=False)
             np.save(tmp / "ids.npy", self.ids)
             meta = {"format": FORMAT, "generation": generation, "num_modules": len(self)}
             (tmp / "lexical.json").write_text(json.dumps(meta) + "\n")
@@ -135,17 +151,33 @@ class LexicalIndex:
 
         try:
             meta = json.loads((path / "lexical.json").read_text())
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, this version reads {FORMAT}")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} is missing or damaged ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
+        if isinstance(meta, dict) and isinstance(meta.get("format"), int) and meta["format"] != FORMAT:
+            raise ValueError(f"{path} was saved in another format ({meta['format']}; this version reads {FORMAT}: "
+                             "format 2 added the headings' index)")
+        try:
             out = cls.__new__(cls)
             out.ids = np.load(path / "ids.npy", allow_pickle=False).astype(np.int64)
-            out._bm25 = bm25s.BM25()
+            out._bm25 = out._headings = bm25s.BM25()
             if len(out.ids):
                 out._bm25 = bm25s.BM25.load(str(path), show_progress=False, verbosity=0)
-                if out._bm25.scores["num_docs"] != len(out.ids):
-                    raise ValueError(f"{out._bm25.scores['num_docs']} documents for {len(out.ids)} ids")
+                out._headings = bm25s.BM25.load(str(path / HEADINGS), show_progress=False, verbosity=0)
+                for name, bm25 in (("texts", out._bm25), ("headings", out._headings)):
+                    if bm25.scores["num_docs"] != len(out.ids):
+                        raise ValueError(f"{bm25.scores['num_docs']} {name} for {len(out.ids)} ids")
             if meta.get("num_modules") != len(out.ids):
                 raise ValueError(f"{len(out.ids)} ids, lexical.json says {meta.get('num_modules')}")
             return out, int(meta["generation"])
         except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
             raise ValueError(f"{path} is missing or damaged ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
+
+
+def _bm25(texts: Sequence[str]):
+    import bm25s
+
+    bm25 = bm25s.BM25()
+    if len(texts):
+        # an empty document keeps its row: ids and bm25s's rows stay aligned
+        bm25.index([tokens(t) or [""] for t in texts], show_progress=False)
+    return bm25

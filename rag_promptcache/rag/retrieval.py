@@ -7,8 +7,10 @@ LangChain and LlamaIndex retrievers). Hybrid by default: the dense ranking (FAIS
 modules) and the lexical one (BM25, `lexical.py`), each `FUSION_DEPTH` deep, fused by reciprocal rank
 (Cormack et al. 2009: each module scores the sum of weight / (RRF_K + its rank) over the rankings that
 hold it), the lexical ranking weighted `LEXICAL_WEIGHT` (on manuals, where questions name options and
-settings, it ranks the answer first more often: `python -m benchmarks.retrieval`, docs/retrieval.md). A
-question with no lexical match is ranked by the dense half alone. Whatever ranked it, each hit's
+settings, it ranks the answer first more often: `python -m benchmarks.retrieval`, docs/retrieval.md),
+and, where the question names an identifier a heading holds (`events.once`), a third ranking of the
+modules under such headings (`LexicalIndex.search_names`), weighted `NAMES_WEIGHT`. A question with no
+lexical match is ranked by the dense half alone. Whatever ranked it, each hit's
 score is its cosine similarity to the question, so `min_score` means one thing in every mode.
 
 The one rule for how history counts against the window: every earlier turn's text (system, user,
@@ -42,6 +44,7 @@ NOT_FOUND = "Not found in the documents."
 MODES = ("hybrid", "dense", "lexical")  # `search`'s rankings: fused (the default), FAISS alone, BM25 alone
 RRF_K = 60  # reciprocal rank fusion's constant, as its authors set it
 LEXICAL_WEIGHT = 1.5  # the BM25 ranking's weight in the fusion, the dense one's being 1
+NAMES_WEIGHT = 1.0  # the ranking by identifiers named in headings (on API references: docs/retrieval.md)
 FUSION_DEPTH = 50  # candidates each ranking gives the fusion
 # The least answer room a question is asked with: a question that leaves less (with the instructions,
 # earlier turns and the best chunk) is refused as too long, not answered with a token or two.
@@ -110,9 +113,11 @@ def search(index: VectorIndex, lexical: LexicalIndex | None, lock: threading.RLo
     with lock:
         dense = index.search(vector, depth, allowed)[0] if mode != "lexical" else []
         words = lexical.search(question, depth, allowed) if mode != "dense" and lexical is not None else []
+        named = lexical.search_names(question, depth, allowed) if mode == "hybrid" and lexical is not None else []
     if allowed is not None and mode != "lexical" and len(dense) < min(depth, len(allowed)):
         dense = exact(table, vector[0], allowed, depth)
-    ranked = fuse([[i for i, _ in dense], [i for i, _ in words]], (1.0, LEXICAL_WEIGHT))
+    ranked = fuse([[i for i, _ in dense], [i for i, _ in words], [i for i, _ in named]],
+                  (1.0, LEXICAL_WEIGHT, NAMES_WEIGHT))
     names = table.module_ids_for(ranked)  # a module removed since the lexical index was built is gone here
     ranked = [i for i in ranked if i in names][:k]
     cosine = dict(dense)
