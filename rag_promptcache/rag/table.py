@@ -325,11 +325,9 @@ class ChunkTable:
 
     @_serialized
     def search_texts(self) -> tuple[np.ndarray, list[str], list[str]]:
-        """(faiss ids [n] int64, what retrieval reads of each module: `chunker.search_text`, each module's
-        context line: its headings) of every module."""
+        """(faiss ids [n] int64, what retrieval reads: `chunker.search_text`, the context lines) of every module."""
         rows = self.db.execute("SELECT faiss_id, context, text FROM modules ORDER BY rowid").fetchall()
-        return (np.array([r[0] for r in rows], dtype=np.int64), [search_text(r[1] or "", r[2]) for r in rows],
-                [r[1] or "" for r in rows])
+        return np.array([r[0] for r in rows], dtype=np.int64), [search_text(r[1] or "", r[2]) for r in rows], [r[1] or "" for r in rows]
 
     @_serialized
     def vectors_for(self, faiss_ids: Sequence[int]) -> dict[int, np.ndarray]:
