@@ -111,8 +111,11 @@ def test_bad_adapters_are_refused_naming_what_is_wrong(tiny, lora, tmp_path):
 
 
 def test_store_keys_and_default_recovery_follow_the_adapter(tiny, lora):
-    base = PromptCache(*load_model(tiny, device="cpu", dtype="float32", adapter="none"), store=MemoryStore())
-    tuned = PromptCache(*load_model(tiny, device="cpu", dtype="float32", adapter=str(lora)), store=MemoryStore())
+    # the cached plan always: no cost-model calibration per engine (seconds each under the coarse clock)
+    base = PromptCache(*load_model(tiny, device="cpu", dtype="float32", adapter="none"), store=MemoryStore(),
+                       fallback="never")
+    tuned = PromptCache(*load_model(tiny, device="cpu", dtype="float32", adapter=str(lora)), store=MemoryStore(),
+                        fallback="never")
     for engine in (base, tuned):
         engine.add_schema(SCHEMA)
     assert base.store_keys("s", ["m"]) != tuned.store_keys("s", ["m"])

@@ -100,11 +100,11 @@ def test_flipped_bytes_in_redis_are_a_miss(redis_server) -> None:
 
 def test_corrupt_entries_are_recomputed_to_the_same_answer(tokenizer, tmp_path: Path) -> None:
     model = build("llama", vocab_size=len(tokenizer))
-    fresh = PromptCache(model, tokenizer, store=NullStore(), recovery="none")
+    fresh = PromptCache(model, tokenizer, store=NullStore(), recovery="none", fallback="never")
     fresh.add_schema(SCHEMA)
     want = fresh.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
     pc = PromptCache(model, tokenizer, store=DiskStore(tmp_path, codec="cachegen"), recovery="none",
-                     prefix_cache_bytes=0)
+                     prefix_cache_bytes=0, fallback="never")  # the damaged entries are read, not bypassed
     pc.add_schema(SCHEMA)
     pc.generate(PROMPT, max_new_tokens=1)  # every module stored, coded
     files = sorted(tmp_path.rglob("*.safetensors"))

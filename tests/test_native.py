@@ -186,7 +186,8 @@ def test_native_relocation_writes_what_rotate_computes(arch, shift, monkeypatch)
 @needs_native
 def test_bf16_assembly_is_the_same_with_and_without_native_kernels(tokenizer, monkeypatch):
     model = build("llama", vocab_size=len(tokenizer)).to(torch.bfloat16)
-    pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none")
+    # the cached plan, whose assembly is compared, without the cost model's calibration "auto" runs first
+    pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none", fallback="never")
     docs = "".join(f'<module name="d{i}">Document {i} says that the number {i} is the {i}th number.</module>'
                    for i in range(4))
     pc.add_schema(f'<schema name="s">You answer questions.{docs}</schema>')
