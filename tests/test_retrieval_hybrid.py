@@ -125,10 +125,12 @@ def test_a_missing_lexical_index_is_built_once_saved_and_said(corpus: Corpus) ->
     c.close()
 
 
-@pytest.mark.parametrize("damage", ["lexical.json", "ids.npy", "vocab.index.json", "headings/vocab.index.json"])
-def test_a_damaged_lexical_index_is_rebuilt_with_a_warning_and_saved(corpus: Corpus, damage: str) -> None:
+@pytest.mark.parametrize("damage, garbage", [("lexical.json", b"\x00garbage"), ("lexical.json", b"[2]"),
+                                             ("ids.npy", b"\x00garbage"), ("vocab.index.json", b"\x00garbage"),
+                                             ("headings/vocab.index.json", b"\x00garbage")])
+def test_a_damaged_lexical_index_is_rebuilt_with_a_warning_and_saved(corpus: Corpus, damage: str, garbage: bytes) -> None:
     corpus.close()
-    (corpus.path / "lexical" / damage).write_bytes(b"\x00garbage")
+    (corpus.path / "lexical" / damage).write_bytes(garbage)
     c, said = _open(corpus.path)
     assert len(said) == 1 and "damaged" in said[0] and "rebuilt the lexical (BM25) index" in said[0]
     assert "journal_mode" in c.text(c.search("journal_mode", k=1, mode="lexical")[0][0])

@@ -151,9 +151,11 @@ class LexicalIndex:
 
         try:
             meta = json.loads((path / "lexical.json").read_text())
+            if not isinstance(meta, dict):
+                raise ValueError(f"lexical.json holds a {type(meta).__name__}, not an object")
         except (OSError, ValueError) as e:
             raise ValueError(f"{path} is missing or damaged ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
-        if isinstance(meta, dict) and isinstance(meta.get("format"), int) and meta["format"] != FORMAT:
+        if isinstance(meta.get("format"), int) and meta["format"] != FORMAT:
             raise ValueError(f"{path} was saved in another format ({meta['format']}; this version reads {FORMAT}: "
                              "format 2 added the headings' index)")
         try:
