@@ -5,6 +5,7 @@ Dec 2 measurement, and questions drawn from the reference's API headings ("What 
 
     PYTHONPATH=. python docs/bench/heading-names-2026-12-03/run.py NODE_CORPUS MANUALS_CORPUS OUT.json
 """
+import ast
 import json
 import random
 import re
@@ -18,23 +19,10 @@ from rag_promptcache.rag.corpus import Corpus
 
 API = Path("/usr/share/doc/nodejs/api")
 SEED, DRAWN = 20261203, 120
-# the Dec 2 measurement's questions (docs/bench/heading-weight-2026-12-02/nodejs.py): the heading each names
-HAND = [("What does events.once return?", "events.once(emitter"),
-        ("What does emitter.prependListener do?", "emitter.prependListener("),
-        ("What does events.getEventListeners return?", "events.getEventListeners("),
-        ("What does emitter.setMaxListeners do?", "emitter.setMaxListeners("),
-        ("What does stream.finished do?", "stream.finished(stream"),
-        ("What does stream.pipeline do?", "stream.pipeline(source"),
-        ("What does readable.unpipe do?", "readable.unpipe("),
-        ("What does writable.cork do?", "writable.cork()"),
-        ("What does process.cwd return?", "process.cwd()"),
-        ("What does process.hrtime.bigint return?", "process.hrtime.bigint()"),
-        ("What does process.memoryUsage return?", "process.memoryUsage()"),
-        ("What does child_process.execFileSync return?", "child_process.execFileSync("),
-        ("What does child_process.fork do?", "child_process.fork("),
-        ("What does subprocess.kill do?", "subprocess.kill("),
-        ("What does events.on return?", "events.on(emitter"),
-        ("What does emitter.eventNames return?", "emitter.eventNames()")]
+# the Dec 2 measurement's questions and the heading each names, read from its script
+_DEC2 = Path(__file__).resolve().parents[1] / "heading-weight-2026-12-02" / "nodejs.py"
+HAND = next(ast.literal_eval(node.value) for node in ast.parse(_DEC2.read_text()).body
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "QS")
 _API = re.compile(r"`((?:new )?[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+)(\([^`]*\))?`")
 
 
