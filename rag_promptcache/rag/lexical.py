@@ -154,7 +154,7 @@ class LexicalIndex:
             if not isinstance(meta, dict):
                 raise ValueError(f"lexical.json holds a {type(meta).__name__}, not an object")
         except (OSError, ValueError) as e:
-            raise ValueError(f"{path} is missing or damaged ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
+            raise _damaged(path, e) from e
         if isinstance(meta.get("format"), int) and meta["format"] != FORMAT:
             raise ValueError(f"{path} was saved in another format ({meta['format']}; this version reads {FORMAT}: "
                              "format 2 added the headings' index)")
@@ -172,7 +172,12 @@ class LexicalIndex:
                 raise ValueError(f"{len(out.ids)} ids, lexical.json says {meta.get('num_modules')}")
             return out, int(meta["generation"])
         except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
-            raise ValueError(f"{path} is missing or damaged ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
+            raise _damaged(path, e) from e
+
+
+def _damaged(path: Path, error: Exception) -> ValueError:
+    said = str(error).strip()
+    return ValueError(f"{path} is missing or damaged ({said.splitlines()[0] if said else type(error).__name__})")
 
 
 def _bm25(texts: Sequence[str]):
