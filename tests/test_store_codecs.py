@@ -28,7 +28,8 @@ from rag_promptcache.store.serialize import CorruptEntry
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64.
 L, H, D, S = 30, 3, 64, 128
-BYTES = {"native": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5, "cachegen": 0.25, "k8v4": 0.75}
+BYTES = {"native": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5, "cachegen": 0.25, "k8v4": 0.75, "k6v6": 0.75,
+         "k7v5": 0.75, "k5v5": 0.625}
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +70,36 @@ def test_decode_error_and_dtype(kv: ModuleKV, codec: str, record_property) -> No
     assert got.keys.dtype == torch.float32 and got.keys.shape == kv.keys.shape
     errs = [((a - b).norm() / b.norm()).item() for a, b in ((got.keys, kv.keys), (got.values, kv.values))]
     record_property("rel_err_keys_values", errs)
-    bound = {"native": 0.0, "fp16": 1e-3, "bf16": 5e-3, "int8": 1e-2, "int4": 0.15, "cachegen": 0.4, "k8v4": 0.15}[codec]
+    bound = {"native": 0.0, "fp16": 1e-3, "bf16": 5e-3, "int8": 1e-2, "int4": 0.15, "cachegen": 0.4, "k8v4": 0.15,
+             "k6v6": 0.04, "k7v5": 0.06, "k5v5": 0.08}[codec]
     assert max(errs) <= bound, errs
     if codec == "k8v4":  # keys as int8's, values as int4's
         int8, int4 = decode(encode(kv, "int8")), decode(encode(kv, "int4"))
         assert torch.equal(got.keys, int8.keys) and torch.equal(got.values, int4.values)
     half = decode(encode(kv, codec), dtype=torch.float16)
     assert half.keys.dtype == torch.float16
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 80, 7, 1])
+def test_codes_pack_into_their_bits_and_back(bits: int, head_dim: int) -> None:
+    from rag_promptcache.store.codecs import _pack, _packed_width, _unpack
+
+    q = torch.randint(0, 2**bits, (2, 3, head_dim), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = _pack(q, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == _packed_width(head_dim, bits)
+    assert packed.shape[-1] <= (head_dim + 7) // 8 * bits  # no byte beyond eight codes' worth
+    assert torch.equal(_unpack(packed, bits, head_dim), q)
+
+
+def test_the_same_bits_spent_evenly_err_less_than_k8v4(kv: ModuleKV) -> None:
+    # k6v6 and k7v5 cost k8v4's bytes; the error they trade is measured on real KV in docs/stores.md.
+    errs = {c: decode(encode(kv, c)) for c in ("k8v4", "k6v6", "k7v5")}
+    size = {c: encode(kv, c).num_bytes for c in errs}
+    assert size["k6v6"] == size["k7v5"] == size["k8v4"]
+    err = {c: max(((a - b).norm() / b.norm()).item() for a, b in ((d.keys, kv.keys), (d.values, kv.values)))
+           for c, d in errs.items()}
+    assert err["k6v6"] < err["k7v5"] < err["k8v4"] / 2, err
 
 
 def test_int8_per_channel_keys_beat_per_token_on_outlier_channels(kv: ModuleKV) -> None:
@@ -166,3 +190,33 @@ def dataclasses_frozen_error() -> type[Exception]:
     import dataclasses
 
     return dataclasses.FrozenInstanceError
+
+
+QUANTIZED = ("int8", "int4", "k8v4", "k6v6", "k7v5", "k5v5")
+
+
+@pytest.mark.parametrize("shape", [(30, 3, 128, 64), (2, 2, 37, 80), (2, 1, 5, 9), (1, 2, 1, 7), (2, 2, 3, 1)])
+def test_the_native_decode_writes_what_the_torch_code_computes(shape: tuple[int, int, int, int], monkeypatch) -> None:
+    """model/kernels/dequantize.c against the torch path, bit for bit, for every quantized codec: head
+    dims not a multiple of 16 (or of 8, or odd), one token (the buffer's last row is read code by code),
+    and values past fp16's range (scales kept in fp32)."""
+    from rag_promptcache.model import native
+    from rag_promptcache.store import codecs
+
+    if native.library() is None:
+        pytest.skip("no avx512_bf16 CPU or no native kernels here")
+    g = torch.Generator().manual_seed(sum(shape))
+    keys = torch.randn(shape, generator=g).to(torch.bfloat16)
+    keys[..., 0] *= 30
+    values = (torch.randn(shape, generator=g) * 1e5).to(torch.bfloat16)
+    kv = ModuleKV(keys, values, 0, tuple(range(shape[2])), "fp", "alone")
+    for codec in QUANTIZED:
+        enc = encode(kv, codec)
+        got = codecs._native_dequantize(enc, torch.bfloat16, None)
+        assert got is not None, codec
+        monkeypatch.setenv("RAG_PROMPTCACHE_KERNELS", "0")
+        want = decode(enc)
+        monkeypatch.delenv("RAG_PROMPTCACHE_KERNELS")
+        assert torch.equal(got[0], want.keys) and torch.equal(got[1], want.values), codec
+        assert torch.equal(decode(enc).keys, want.keys)  # decode itself takes the kernel
+    assert codecs._native_dequantize(encode(kv, "int8"), torch.float32, None) is None  # bf16 out only

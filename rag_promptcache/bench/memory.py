@@ -22,7 +22,7 @@ from rag_promptcache.engine import PromptCache
 from rag_promptcache.store import DiskStore, MemoryStore, ModuleKV, NullStore, decode, encode
 
 SCHEMA = "bench_memory"
-BYTES = {"fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "k8v4": 0.75}  # cachegen: no formula, its size depends on the values
+BYTES = {"fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "k8v4": 0.75, "k6v6": 0.75, "k7v5": 0.75, "k5v5": 0.625}  # cachegen: no formula, its size depends on the values
 
 
 def _engine(bench: Bench) -> PromptCache:

@@ -1,10 +1,11 @@
 """Native CPU kernels (`kernels/*.c`): built when the package is installed, loaded with ctypes.
 
-Three hot spots have kernels here, for x86 CPUs with AVX512-BF16 and bf16 tensors: the question's
+Four hot spots have kernels here, for x86 CPUs with AVX512-BF16 and bf16 tensors: the question's
 attention against the assembled cache (`prefill_attention.c`, used by engine/compute/attention.py), the
 relocation of a module's keys into that cache (`rope_shift.c`, used by
-positions.RopeRelocator.rotate_into), and the decode step of a Llama model, every layer in one call
-(`decode_step.c`, used by engine/compute/native_step.py). Each computes what the torch code it replaces
+positions.RopeRelocator.rotate_into), the decode step of a Llama model, every layer in one call
+(`decode_step.c`, used by engine/compute/native_step.py), and the decoding of a quantized store entry
+(`dequantize.c`, used by store/codecs.py). Each computes what the torch code it replaces
 computes, with the same fp32 arithmetic and bf16 roundings (tests/test_native.py,
 tests/test_attention.py, tests/test_native_step.py).
 
@@ -198,7 +199,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llama_decode_bf16.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.llama_decode_batch_bf16.argtypes = ([ptr] * 5 + [i64, ptr] + [i64] * 7
                                             + [ctypes.c_float, ptr, i64, ptr, ptr, ptr, ctypes.c_int])
-    for fn in (lib.prefill_attention, lib.rope_shift_bf16, lib.llama_decode_bf16, lib.llama_decode_batch_bf16):
+    lib.dequantize_bf16.argtypes = [ptr] + [i64] * 4 + [ctypes.c_int] + [ptr] * 2 + [ctypes.c_int, ptr, ctypes.c_int]
+    for fn in (lib.prefill_attention, lib.rope_shift_bf16, lib.llama_decode_bf16, lib.llama_decode_batch_bf16,
+               lib.dequantize_bf16):
         fn.restype = ctypes.c_int
     return lib
 

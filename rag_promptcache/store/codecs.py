@@ -9,6 +9,8 @@
 - "k8v4": keys as int8, values as int4 (the same axes): keys decide which tokens a question reads
   (their error passes through the softmax), values only what is read, and measured here keys carry the
   outlier channels while values do not (docs/stores.md, "Choosing the cachegen codec"). 0.4 of fp16.
+- "k6v6", "k7v5", "k5v5": the same layout with 6, 7 or 5-bit codes, packed eight codes to `bits` bytes
+  along head_dim: k6v6 and k7v5 cost what k8v4 costs and spend its bits evenly; k5v5 is 0.33 of fp16.
 - "cachegen": a step per channel's deviation and per layer, entropy-coded (cachegen.py).
 
 Each codec carries a version, written into every serialized entry: an entry of a codec version this
@@ -30,7 +32,8 @@ from .cachegen import CodecError
 __all__ = ["CODECS", "CODEC_VERSIONS", "CODEC_WARNINGS", "CodecError", "EncodedKV", "bytes_per_token", "check_codec", "decode", "encode",
            "layout"]
 
-CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 2, "k8v4": 1}
+CODEC_VERSIONS: dict[str, int] = {"native": 1, "fp16": 1, "bf16": 1, "int8": 1, "int4": 1, "cachegen": 2, "k8v4": 1,
+                                   "k6v6": 1, "k7v5": 1, "k5v5": 1}
 CODECS: tuple[str, ...] = tuple(CODEC_VERSIONS)
 # Codecs not shown to keep answers against fp16 modules on the default model (docs/stores.md, "Codecs and
 # answers"): what a corpus that chooses one is warned of.
@@ -46,7 +49,7 @@ CODEC_WARNINGS: dict[str, str] = {
                 "check it on your questions with `rag-promptcache eval QUESTIONS --corpus CORPUS --codec cachegen`",
 }
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}  # (key bits, value bits)
+_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4), "k6v6": (6, 6), "k7v5": (7, 5), "k5v5": (5, 5)}  # (keys, values)
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
@@ -88,7 +91,7 @@ def layout(codec: str, shape: tuple[int, int, int, int], start: int = 0) -> dict
         return cachegen.layout(shape, start)
     if codec in ("native", "fp16", "bf16"):
         return {"k": shape, "v": shape}
-    kw, vw = ((D if bits == 8 else (D + 1) // 2) for bits in _BITS[codec])
+    kw, vw = (_packed_width(D, bits) for bits in _BITS[codec])
     return {
         "k": (L, H, S, kw),
         "v": (L, H, S, vw),
@@ -118,6 +121,38 @@ def bytes_per_token(codec: str, geometry: tuple[int, int, int], dtype: torch.dty
     return codes + 2 * 2 * L * H * D / max(module_tokens, 1) + 2 * 2 * L * H
 
 
+def _packed_width(head_dim: int, bits: int) -> int:
+    if bits == 8:
+        return head_dim
+    if bits == 4:
+        return (head_dim + 1) // 2
+    return (head_dim + 7) // 8 * bits
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """`bits`-bit codes along the last dim into bytes, little-endian: 4 bits two to a byte, low nibble
+    first; 5-7 bits eight codes to `bits` bytes (padded to a multiple of eight codes)."""
+    if bits == 8:
+        return q
+    if bits == 4:
+        if q.shape[-1] % 2:
+            q = torch.nn.functional.pad(q, (0, 1))
+        return q[..., 0::2] | (q[..., 1::2] << 4)
+    q = torch.nn.functional.pad(q, (0, -q.shape[-1] % 8)).to(torch.int64)
+    q = q.unflatten(-1, (-1, 8))
+    word = (q << (bits * torch.arange(8))).sum(-1, keepdim=True)  # 8 codes in the low 8 * bits bits
+    return ((word >> (8 * torch.arange(bits))) & 0xFF).to(torch.uint8).flatten(-2)
+
+
+def _unpack(q: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    if bits == 8:
+        return q
+    if bits == 4:
+        return torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)[..., :head_dim]
+    word = (q.unflatten(-1, (-1, bits)).to(torch.int64) << (8 * torch.arange(bits))).sum(-1, keepdim=True)
+    return ((word >> (bits * torch.arange(8))) & (2**bits - 1)).flatten(-2)[..., :head_dim]
+
+
 def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qmax = 2**bits - 1
     xf = x.float()
@@ -129,17 +164,37 @@ def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch
     scale = ((hi - lo) / qmax).clamp_min(1e-4).to(param_dtype)
     zero = lo.to(param_dtype)
     q = ((xf - zero.float()) / scale.float()).round_().clamp_(0, qmax).to(torch.uint8)
-    if bits == 4:
-        if q.shape[-1] % 2:
-            q = torch.nn.functional.pad(q, (0, 1))
-        q = q[..., 0::2] | (q[..., 1::2] << 4)
-    return q.contiguous(), scale.contiguous(), zero.contiguous()
+    return _pack(q, bits).contiguous(), scale.contiguous(), zero.contiguous()
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
-    if bits == 4:
-        q = torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)[..., :head_dim]
-    return q.float() * scale.float() + zero.float()
+    return _unpack(q, bits, head_dim).float() * scale.float() + zero.float()
+
+
+def _native_dequantize(enc: EncodedKV, dtype: torch.dtype, device: torch.device | str | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(keys, values) decoded by the native kernel (model/kernels/dequantize.c: the torch path's arithmetic
+    in one pass), or None where it does not run: not bf16 out, not on CPU, or no kernels here."""
+    t = enc.tensors
+    if dtype != torch.bfloat16 or any(x.device.type != "cpu" for x in t.values()) or torch.device(device or "cpu").type != "cpu":
+        return None
+    from rag_promptcache.model import native  # not at the top: the store imports no model code until it decodes
+
+    lib = native.library()
+    if lib is None:
+        return None
+    L, H, S, D = enc.shape
+    out = []
+    for name, bits, per_token in (("k", _BITS[enc.codec][0], 0), ("v", _BITS[enc.codec][1], 1)):
+        codes = t[name].contiguous()
+        scale, zero = (t[f"{name}_{p}"].float().contiguous() for p in ("scale", "zero"))
+        x = torch.empty(L, H, S, D, dtype=torch.bfloat16)
+        rc = lib.dequantize_bf16(codes.data_ptr(), L * H, S, D, codes.shape[-1], bits, scale.data_ptr(), zero.data_ptr(),
+                                 per_token, x.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            return None
+        out.append(x)
+    return out[0], out[1]
 
 
 def encode(kv: ModuleKV, codec: str = "native", device: torch.device | str = "cpu", pin: bool = False) -> EncodedKV:
@@ -182,6 +237,9 @@ def decode(enc: EncodedKV, dtype: torch.dtype | None = None, device: torch.devic
         device = device or next(iter(t.values())).device
     else:
         (kbits, vbits), D = _BITS[enc.codec], enc.shape[3]
+        native = _native_dequantize(enc, dtype, device)
+        if native is not None:
+            return ModuleKV(*native, enc.start, enc.token_ids, enc.fingerprint, enc.mode)
         keys = _dequantize(t["k"], t["k_scale"], t["k_zero"], kbits, D)
         values = _dequantize(t["v"], t["v_scale"], t["v_zero"], vbits, D)
     # keys, values: [layers, kv_heads, tokens, head_dim]
