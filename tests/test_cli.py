@@ -252,7 +252,7 @@ def test_demo_builds_then_reuses(tmp_path: Path, fakes, capsys) -> None:
 
 def test_store_commands(built: Path, capsys) -> None:
     code, out, _ = run(capsys, "store", "info", "--corpus", built, "--json")
-    assert code == 0 and json.loads(out)["kind"] == "DiskStore" and json.loads(out)["codec"] == DEFAULT_CODEC == "int8"
+    assert code == 0 and json.loads(out)["kind"] == "DiskStore" and json.loads(out)["codec"] == DEFAULT_CODEC == "k6v6"
     code, out, _ = run(capsys, "store", "info", "--corpus", built)
     assert code == 0 and out.splitlines()[1].split() == ["entries", "0", "(0", "tokens)"] and f"codec    {DEFAULT_CODEC}" in out
     code, out, _ = run(capsys, "store", "verify", "--corpus", built)

@@ -53,7 +53,7 @@ class BenchConfig:
         ("isolated", "selective:0.15"), ("shared_prefix", "selective:0.15"), ("shared_prefix", "last:1"),
         ("shared_prefix", "last:2"), ("shared_prefix", "last:3"), ("shared_prefix", "attend:1"),
     )
-    codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "k8v4", "int4", "cachegen")
+    codecs: tuple[str, ...] = ("native", "fp16", "bf16", "int8", "k6v6", "k8v4", "int4", "cachegen")
     codec_k: int = 4  # the k of the per-codec quality rows
     faiss_sizes: tuple[int, ...] = (10_000, 100_000)
     faiss_queries: int = 200
@@ -76,7 +76,7 @@ class BenchConfig:
     fidelity_codec: str = "native"  # the store codec the cached answers' modules pass through
     # codec rows per split and k: each codec's answers against fp16 modules' (rag/codec_eval.py), with
     # `fidelity_codec_recovery` (None: the engine's default, the adapter's where one is merged)
-    fidelity_codecs: tuple[str, ...] = ("int8", "k8v4", "int4", "cachegen")
+    fidelity_codecs: tuple[str, ...] = ("int8", "k6v6", "int4", "cachegen")
     fidelity_codec_recovery: str | None = None
     fidelity_seed_offset: int = 0  # added to each split's data seed: the same templates, other entities and facts
     fidelity_ttft_context: int = 2048  # the context of the speed-up the default is held to

@@ -108,7 +108,7 @@ DtypeOpt = Annotated[str | None, typer.Option(
 # What --dtype and --codec take, checked before torch is imported so that a wrong name answers at once (the
 # full parsers, model.device.parse_dtype and store.check_codec, import torch); tests hold them equal to those.
 SHOWN_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
-SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "k6v6", "k7v5", "k8v4", "k5v5", "int4", "cachegen")
+SHOWN_CODECS = ("native", "fp16", "bf16", "int8", "int4", "cachegen", "k8v4", "k6v6", "k7v5", "k5v5")
 
 
 def check_name(option: str, value: str | None, valid: tuple[str, ...], listed: str = "valid") -> None:

@@ -144,7 +144,7 @@ class Corpus(Answering, StoreAccess):
               on_estimate: OnEstimate | None = None, kv: str | None = None, budget: StoreBudget | None = None,
               neighbours: int | None = None, byproduct: bool | None = None) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
-        `codec` (None: int8, `corpus_store.DEFAULT_CODEC`; `store.CODECS` lists the valid ones) is how the
+        `codec` (None: k6v6, `corpus_store.DEFAULT_CODEC`; `store.CODECS` lists the valid ones) is how the
         corpus's memory, disk and Redis tiers hold module KV, recorded in the manifest. `on_estimate` is
         called once the model is loaded and before anything is encoded, with the store's expected size
         per codec (`StoreEstimate`).

@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from rag_promptcache.store.base import Store
 
 ENV_REDIS_URL = "RAG_PROMPTCACHE_REDIS_URL"
-# A corpus's codec (`Manifest.codec`, `ingest --codec`) applies to every tier it opens. The default, int8
-# (keys per channel, values per token), is the smallest codec that kept the default model's answers by the
-# fidelity rule on all three splits at k = 4, 8 and 12 against fp16 modules (docs/stores.md, "Codecs and
-# answers"): 1.9x fewer bytes than fp16; k8v4 (2.5x) lost answers on the manuals split. Entries are decoded
-# back to the model's dtype, and the codec is in each entry's header.
-DEFAULT_CODEC = "int8"
+# A corpus's codec (`Manifest.codec`, `ingest --codec`) applies to every tier it opens. The default, k6v6
+# (6-bit keys per channel, 6-bit values per token), is the smallest codec that kept the default model's
+# answers by the fidelity rule on all three splits at k = 4, 8 and 12 against fp16 modules, two draws
+# (docs/stores.md, "Codecs and answers"): 2.5x fewer bytes than fp16 (int8 1.9x); k8v4, the same size, lost
+# answers on the manuals split and k5v5 (3x) on the manuals at k = 4 and 8. Entries are decoded back to the
+# model's dtype, and the codec is in each entry's header.
+DEFAULT_CODEC = "k6v6"
 _SCHEMES = ("redis://", "rediss://", "unix://")
 
 
