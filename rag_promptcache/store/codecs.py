@@ -44,8 +44,9 @@ CODEC_WARNINGS: dict[str, str] = {
     "k8v4": "is not shown to keep answers: over modules read back from k8v4 the tuned model kept 0.92 of fp16 "
             "modules' right answers on the manuals split at k = 8 (two draws; docs/stores.md, \"Codecs and answers\"); "
             "check it on your questions with `rag-promptcache eval QUESTIONS --corpus CORPUS --codec k8v4`",
-    "k5v5": "is not shown to keep answers: over modules read back from k5v5 the tuned model kept 0.92 of fp16 "
-            "modules' right answers on the manuals split at k = 4 (two draws; docs/stores.md, \"Codecs and answers\"); "
+    "k5v5": "is not shown to keep answers as int8 and k6v6 do: over modules read back from k5v5 the tuned model kept "
+            "0.87 of fp16 modules' right answers on the manuals split at k = 4 and 8 in one of two draws (docs/stores.md, "
+            "\"Codecs and answers\"); "
             "check it on your questions with `rag-promptcache eval QUESTIONS --corpus CORPUS --codec k5v5`",
     "cachegen": "is not shown to keep answers: over modules read back from cachegen the tuned model kept 0.54-0.74 "
                 "of fp16 modules' right answers in the fidelity cells (docs/stores.md, \"Codecs and answers\"); "
