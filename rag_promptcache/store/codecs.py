@@ -144,8 +144,8 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
         return q[..., 0::2] | (q[..., 1::2] << 4)
     q = torch.nn.functional.pad(q, (0, -q.shape[-1] % 8)).to(torch.int64)
     q = q.unflatten(-1, (-1, 8))
-    word = (q << (bits * torch.arange(8))).sum(-1, keepdim=True)  # 8 codes in the low 8 * bits bits
-    return ((word >> (8 * torch.arange(bits))) & 0xFF).to(torch.uint8).flatten(-2)
+    word = (q << (bits * torch.arange(8, device=q.device))).sum(-1, keepdim=True)  # 8 codes in the low 8 * bits bits
+    return ((word >> (8 * torch.arange(bits, device=q.device))) & 0xFF).to(torch.uint8).flatten(-2)
 
 
 def _unpack(q: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
@@ -153,8 +153,8 @@ def _unpack(q: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
         return q
     if bits == 4:
         return torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)[..., :head_dim]
-    word = (q.unflatten(-1, (-1, bits)).to(torch.int64) << (8 * torch.arange(bits))).sum(-1, keepdim=True)
-    return ((word >> (bits * torch.arange(8))) & (2**bits - 1)).flatten(-2)[..., :head_dim]
+    word = (q.unflatten(-1, (-1, bits)).to(torch.int64) << (8 * torch.arange(bits, device=q.device))).sum(-1, keepdim=True)
+    return ((word >> (bits * torch.arange(8, device=q.device))) & (2**bits - 1)).flatten(-2)[..., :head_dim]
 
 
 def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
