@@ -62,3 +62,26 @@ def test_missed_module_tokens_count_as_computed_not_cached(model, tokenizer):
     third = pc.generate(prompt, max_new_tokens=2)  # one missed
     assert third.missed_modules == ("b",)
     assert third.cached_tokens == second.cached_tokens - len(units["b"].token_ids)
+
+
+def test_a_fallback_policy_assigned_after_construction_is_the_one_requests_follow(model, tokenizer):
+    from rag_promptcache.engine.planning.costmodel import Costs, Fallback
+
+    pc = PromptCache(model, tokenizer, store=MemoryStore(), recovery="none", fallback="always")
+    pc.add_schema(SCHEMA)
+    pc.encode("s")
+    prompt = '<prompt schema="s"><a/><b/><user>Where is the Seine?</user></prompt>'
+    assert pc.plan(prompt).path == "full"  # "always"
+    before = pc.fallback
+    pc.fallback = "never"
+    assert pc.fallback.policy == "never" and pc.planner.config.fallback is pc.fallback
+    assert pc.plan(prompt).path == "cached" and pc.generate(prompt, max_new_tokens=2).path == "cached"
+    steps = pc.background.idle_steps  # the idle recalibration is the new policy's, the old one's is gone
+    assert pc.fallback.recalibrate in steps and before.recalibrate not in steps
+    assert pc.fallback.on_drift == pc.background.wake
+    slow = Fallback("auto", lambda: Costs(fixed_s=0.0, token_s=1e-3, pair_s=0.0, cached_token_s=1.0))  # a Fallback as given
+    pc.fallback = slow
+    assert pc.fallback is slow and pc.generate(prompt, max_new_tokens=2).path == "full"
+    with pytest.raises(ValueError, match="unknown"):
+        pc.fallback = "sometimes"
+    assert pc.fallback is slow  # a bad policy changes nothing

@@ -4,13 +4,11 @@ these, on tiny random-weight models."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from rag_promptcache.engine.planning.costmodel import Fallback
 from rag_promptcache.engine.prompt.compiler import Piece
 from rag_promptcache.engine.prefix.prefix_cache import (
     PREFIX, NullPrefixCache, PrefixCache, cache_layers, cache_slots, gather, token_labels,
@@ -351,8 +349,8 @@ def tiny_corpus(tmp_path_factory):
                           redis_url="", dtype="float32")
     # The cached path on every turn (tests/conftest.py): under "auto" a loaded machine's cost model once ran
     # turn 1 as a full prefill and turn 2 cached, whose prefix labels (with module sources) differ from the
-    # full path's, so turn 2 reused its modules but not turn 1's prompt. The planner holds the policy.
-    corpus.engine.planner.config = dataclasses.replace(corpus.engine.planner.config, fallback=Fallback("never"))
+    # full path's, so turn 2 reused its modules but not turn 1's prompt.
+    corpus.engine.fallback = "never"
     yield corpus
     corpus.close()
 

@@ -7,7 +7,6 @@ the embedder is the real all-MiniLM-L6-v2. One cluster (2 CPUs) for the module.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import faiss
@@ -16,7 +15,6 @@ import pytest
 import torch
 
 from rag_promptcache.cli import main
-from rag_promptcache.engine.planning.costmodel import Fallback
 from rag_promptcache.rag import corpus as corpus_mod
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.corpus_store import redis_prefix
@@ -115,7 +113,7 @@ def test_ray_ingest_builds_the_same_corpus(cluster, docs: Path, tiny_model: str,
     key = store.keys()[0]
     torch.testing.assert_close(store.get(key).keys, DiskStore(reference.path / "store").get(key).keys, rtol=0, atol=0)
     # the cached path, whichever path this machine's timed cost model would pick for a prompt this small
-    c.engine.planner.config = dataclasses.replace(c.engine.planner.config, fallback=Fallback("never"))  # the planner's policy
+    c.engine.fallback = "never"
     answer = c.ask("Why do zebras have stripes?", k=2, max_new_tokens=4)
     assert answer.hit_modules and not answer.missed_modules
     c.close()

@@ -89,9 +89,8 @@ class PromptCache:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is not None and codec is not None:  # a store holds entries in its own codec
-            raise ValueError(
-                f"codec={codec!r} applies only to the engine's default MemoryStore, not to a store you pass; "
-                f"set it on the store instead, e.g. MemoryStore(codec={codec!r}) or DiskStore(path, codec={codec!r})")
+            raise ValueError(f"codec={codec!r} applies only to the engine's default MemoryStore, not to a store you pass; set "
+                             f"it on the store instead, e.g. MemoryStore(codec={codec!r}) or DiskStore(path, codec={codec!r})")
         if store is None:
             from rag_promptcache.store import MemoryStore
 
@@ -99,9 +98,7 @@ class PromptCache:
         self.model, self.tokenizer, self.store = model, tokenizer, store
         # stores per schema name (`attach_store`): corpora sharing this model keep their modules apart, each in its own tiers
         self._stores: dict[str, Store] = {}
-        self.mode = check_mode(mode)
-        self.layout = layout
-        self.batch_size = batch_size
+        self.mode, self.layout, self.batch_size = check_mode(mode), layout, batch_size
         self.adapter = applied(model)  # the tuned adapter merged into the weights; None: the base model
         if self.adapter is not None and self.adapter.mode != self.mode:
             warnings.warn(f"adapter {self.adapter.name!r} was tuned for modules encoded in mode {self.adapter.mode!r}; "
@@ -125,11 +122,10 @@ class PromptCache:
         # otherwise fire in another thread's forward); reentrant: the batch scheduler holds it around calls.
         self.model_lock = threading.RLock()
         self.schemas = Schemas(self.compiler, self.fingerprint, self.mode)
-        self.fallback = fallback
         self.planner = Planner(
             self.schemas, self.compiler, self.store_of, model, self.relocator, self.geometry,
             PlanConfig(self.mode, layout, batch_size, self._default_recovery(recovery), self.context_window, self.fingerprint,
-                       self.fallback),
+                       fallback),
             self.model_lock,
             lambda labels: self.prefix_cache.num_reusable(self.prefix_namespace, labels),
         )
@@ -164,6 +160,18 @@ class PromptCache:
     @recovery.setter
     def recovery(self, spec: str | Recovery | None) -> None:
         self.planner.config = dataclasses.replace(self.planner.config, recovery=self._default_recovery(spec))
+
+    @property
+    def fallback(self) -> Fallback:
+        """When a request runs a plain full prefill instead of its cached plan (`fallback=` above); assignable."""
+        return self.planner.config.fallback
+
+    @fallback.setter
+    def fallback(self, policy: str | Fallback | None) -> None:
+        new = policy if isinstance(policy, Fallback) else Fallback(policy, self._measure_costs, remeasure=self._remeasure_costs)
+        steps = self.background.idle_steps  # the old policy's idle recalibration gives way to the new one's
+        steps[steps.index(self.fallback.recalibrate)], new.on_drift = new.recalibrate, self.background.wake
+        self.planner.config = dataclasses.replace(self.planner.config, fallback=new)
 
     @property
     def adapter_name(self) -> str | None:
@@ -372,13 +380,10 @@ class PromptCache:
         self, prompt: str | ast.Prompt, *, use_cache: bool = True, recovery: str | Recovery | None = None,
         misses: str | None = None, **sampling
     ) -> Stream:
-        s = Sampling(**sampling)
-        t0 = time.perf_counter()
-        # raises here, before the first next()
-        self.grammar(s)
+        s, t0 = Sampling(**sampling), time.perf_counter()
+        self.grammar(s)  # raises here, before the first next()
         with self.activity.request():  # from planning on: the stream's own ticket takes over before this ends
-            plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens,
-                             misses=misses)
+            plan = self.plan(prompt, use_cache=use_cache, recovery=recovery, max_new_tokens=s.max_new_tokens, misses=misses)
             return self.stream_plan(plan, s, t0=t0)
 
     async def agenerate(self, prompt: str | ast.Prompt, **kwargs) -> Result:
@@ -407,18 +412,13 @@ class PromptCache:
         # the cached assembly is what is compared, alone: nothing from the prefix cache
         plan = dataclasses.replace(self.plan(prompt, recovery=recovery, fallback=False, misses="encode"), sources=None)
         cached, full = self.prefill(plan), self.prefill(uncached(plan))
-        release(cached.cache)
-        release(full.cache)
+        for prefilled in (cached, full):
+            release(prefilled.cache)
         log_p, log_q = full.logits.log_softmax(-1), cached.logits.log_softmax(-1)
-        return Comparison(
-            max_abs_logit_diff=float((full.logits - cached.logits).abs().max()),
-            top1_match=bool(full.logits.argmax() == cached.logits.argmax()),
-            kl=float((log_p.exp() * (log_p - log_q)).sum()),
-            cached_top1=int(cached.logits.argmax()),
-            full_top1=int(full.logits.argmax()),
-            prompt_tokens=plan.num_tokens,
-            cached_tokens=plan.num_cached,
-        )
+        return Comparison(max_abs_logit_diff=float((full.logits - cached.logits).abs().max()),
+                          top1_match=bool(full.logits.argmax() == cached.logits.argmax()),
+                          kl=float((log_p.exp() * (log_p - log_q)).sum()), cached_top1=int(cached.logits.argmax()),
+                          full_top1=int(full.logits.argmax()), prompt_tokens=plan.num_tokens, cached_tokens=plan.num_cached)
 
     def full_prefill_ttft(self, prompt: str | ast.Prompt) -> float:
         """Seconds to the first token with nothing cached: the baseline for TTFT comparisons."""
