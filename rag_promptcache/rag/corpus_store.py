@@ -24,8 +24,8 @@ ENV_REDIS_URL = "RAG_PROMPTCACHE_REDIS_URL"
 # (6-bit keys per channel, 6-bit values per token), is the smallest codec that kept the default model's
 # answers as int8 did (0.97 or more of fp16 modules' right answers in every cell: three splits, k = 4, 8
 # and 12, two draws; docs/stores.md, "Codecs and answers"): 2.5x fewer bytes than fp16 (int8 1.9x); k8v4,
-# the same size, lost answers on the manuals split and k5v5 (3x) kept 0.87 there in one draw. Entries are decoded back to the
-# model's dtype, and the codec is in each entry's header.
+# the same size, lost answers on the manuals split and k5v5 (3x) kept 0.87 there in one draw. Entries are
+# decoded back to the model's dtype, and the codec is in each entry's header.
 DEFAULT_CODEC = "k6v6"
 _SCHEMES = ("redis://", "rediss://", "unix://")
 
