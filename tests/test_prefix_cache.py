@@ -4,7 +4,6 @@ these, on tiny random-weight models."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import DynamicCache
