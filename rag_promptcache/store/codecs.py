@@ -244,11 +244,12 @@ def decode(enc: EncodedKV, dtype: torch.dtype | None = None, device: torch.devic
         device = device or next(iter(t.values())).device
     else:
         (kbits, vbits), D = _BITS[enc.codec], enc.shape[3]
-        native = _native_dequantize(enc, dtype, device)
+        native = _native_dequantize(enc, dtype, device)  # bf16 on CPU already: the casts below return them as they are
         if native is not None:
-            return ModuleKV(*native, enc.start, enc.token_ids, enc.fingerprint, enc.mode)
-        keys = _dequantize(t["k"], t["k_scale"], t["k_zero"], kbits, D)
-        values = _dequantize(t["v"], t["v_scale"], t["v_zero"], vbits, D)
+            keys, values = native
+        else:
+            keys = _dequantize(t["k"], t["k_scale"], t["k_zero"], kbits, D)
+            values = _dequantize(t["v"], t["v_scale"], t["v_zero"], vbits, D)
     # keys, values: [layers, kv_heads, tokens, head_dim]
     keys = keys.to(device=device, dtype=dtype)
     values = values.to(device=device, dtype=dtype)
