@@ -68,7 +68,10 @@ def parse_setting(spec: str) -> tuple[str, str]:
         return "nbr", rec
     if head.startswith("temp:") and _positive(head.removeprefix("temp:")):
         return head, rec
-    raise ValueError(f"unknown probe setting {spec!r}; valid: RECOVERY, nbr:3+RECOVERY, byp+RECOVERY, temp:T+RECOVERY")
+    if head.startswith("pick:") and head.removeprefix("pick:").isdigit():
+        return head, rec
+    raise ValueError(f"unknown probe setting {spec!r}; valid: RECOVERY, nbr:3+RECOVERY, byp+RECOVERY, temp:T+RECOVERY, "
+                     "pick:C+RECOVERY, pick:C+gate")
 
 
 def _positive(text: str) -> bool:
@@ -94,6 +97,13 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def with_entries(plan: Plan, entries: dict[str, ModuleKV]) -> Plan:
     """`plan` reading `entries` in place of its modules' stored KV (the others as stored)."""
     return dataclasses.replace(plan, kvs={n: entries.get(n, kv) for n, kv in plan.kvs.items()}, sources=None)
+
+
+def picked(module_ids: Sequence[str], near: dict[str, tuple[str, ...]], least: int) -> set[str]:
+    """The modules of a prompt that read their `--neighbours` entry: those with at least `least` of the
+    neighbours they were encoded after in the same prompt (the others read their plain entry)."""
+    there = set(module_ids)
+    return {m for m in module_ids if near.get(m) and len(there.intersection(near[m])) >= least}
 
 
 def _answer(engine: PromptCache, prompt: str, recovery: str, entries: dict[str, ModuleKV], new_tokens: int,
@@ -124,12 +134,14 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
         corpus = Corpus.build(data.documents, f"{tmp}/corpus", engine=engine, chunk_tokens=chunk, progress=False)
         corpus.prepare()
         nbr = None
-        if any(e == "nbr" for e, _ in parsed.values()):
+        near: dict[str, tuple[str, ...]] = {}
+        if any(e == "nbr" or e.startswith("pick:") for e, _ in parsed.values()):
             nbr = Corpus.build(data.documents, f"{tmp}/nbr", engine=nbr_engine, chunk_tokens=chunk, progress=False,
                                neighbours=3)
             nbr.prepare()
             assert {m for m, _ in nbr.table.modules()} == {m for m, _ in corpus.table.modules()}, "other modules"
             nbr_kvs = _plain_kvs(nbr_engine, nbr, [m for m, _ in nbr.table.modules()])
+            near = nbr.table.neighbours()
             plain = _plain_kvs(engine, corpus, list(nbr_kvs))
             for m, kv in nbr_kvs.items():  # the same tokens at the same place, another encoding
                 assert kv.token_ids == plain[m].token_ids and kv.start == plain[m].start, m
@@ -140,7 +152,8 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
             donors = Donors([r.module_ids for r in refs], cfg.donor_seed)
             lent: dict[tuple[str, int], ModuleKV] = {}
             first_diff = 0.0  # a prompt's first module against its plain entry: the same but for rounding
-            for q in donors.order:  # each prompt's full prefill, kept only where it lends an entry
+            lending = any(e == "byp" for e, _ in parsed.values())
+            for q in donors.order if lending else ():  # each prompt's full prefill, kept only where it lends
                 wanted = donors.lends(q)
                 if wanted:
                     made, _ = byproduct_entries(engine, refs[q].prompt)
@@ -151,6 +164,8 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
                         (made[first].keys, plain.keys), (made[first].values, plain.values))))
             outcomes: dict[str, list[Outcome]] = {s: [] for s in settings}
             lent_reads = reads = 0
+            picks = {e: [0, 0] for e, _ in parsed.values() if e.startswith("pick:")}  # nbr reads, gated to none
+            gated: list = []  # the prompts a `gate` setting answers with plain entries and last:1
             for i, r in enumerate(refs):
                 entries = {"plain": {}, "nbr": {m: nbr_kvs[m] for m in r.module_ids} if nbr else {}, "byp": {}}
                 temps = {e for e, _ in parsed.values() if e.startswith("temp:")}
@@ -161,25 +176,42 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
                 for m in r.module_ids:
                     d = donors.donor(m, i)
                     reads += 1
-                    if d is not None:
+                    if d is not None and lending:
                         entries["byp"][m] = lent[(m, d)]
                         lent_reads += 1
+                for e in picks:
+                    chosen = picked(r.module_ids, near, int(e.removeprefix("pick:")))
+                    entries[e] = {m: nbr_kvs[m] for m in chosen}
+                    picks[e][0] += len(chosen)
+                    picks[e][1] += len(chosen) == len(r.module_ids)
+                    if len(chosen) < len(r.module_ids) and (e, "gate") in parsed.values():
+                        gated.append(r)
                 for s in settings:
                     encoding, rec = parsed[s]
+                    if rec == "gate":  # every module read after its neighbours: nothing recomputed; else plain last:1
+                        rec = "none" if len(entries[encoding]) == len(r.module_ids) else "last:1"
+                        if rec == "last:1":
+                            encoding = "plain"
                     outcomes[s].append(_answer(engine, r.prompt, rec, entries[encoding], cfg.new_tokens, r, s))
             for s in settings:
                 report = summarize(s, k, refs, outcomes[s])
                 row = fidelity_reference.row(
                     split, adapter, "shared_prefix", "native", report, reference,
-                    recomputed_share=bench_fidelity.recomputed_share(engine, refs, parsed[s][1]),
+                    recomputed_share=(bench_fidelity.recomputed_share(engine, refs, parsed[s][1]) if parsed[s][1] != "gate" else
+                                      bench_fidelity.recomputed_share(engine, gated, "last:1")
+                                      * sum(g.context_tokens for g in gated) / sum(r.context_tokens for r in refs)),
                     byproduct_share=lent_reads / max(1, reads) if parsed[s][0] == "byp" else 0.0,
+                    picked_share=picks[parsed[s][0]][0] / max(1, reads) if parsed[s][0] in picks else None,
+                    all_picked_share=picks[parsed[s][0]][1] / len(refs) if parsed[s][0] in picks else None,
                     first_module_max_diff=first_diff)
                 rows.append(row)
                 log(f"{split} k={k} {s}: full {row['full_correct']}/{row['with_answer']}"
                     + (f" (reference {row['reference_full_correct']})" if reference else "")
                     + f", cached {row['cached_correct']}, retained {row['retained']:.2f}, kept {row['kept']:.2f}"
                     + (f", own kept {row['own_kept']:.2f}" if reference else "")
-                    + f", by-product reads {row['byproduct_share']:.2f}")
+                    + f", by-product reads {row['byproduct_share']:.2f}"
+                    + (f", neighbour reads {row['picked_share']:.2f}, all {row['all_picked_share']:.2f}"
+                       if row["picked_share"] is not None else ""))
             log(f"{split} k={k}: {time.perf_counter() - t0:.0f} s; a prompt's first module against its plain entry: "
                 f"max |diff| / max |entry| {first_diff:.4f}")
             save(rows)
