@@ -1,8 +1,8 @@
 """`Corpus.build(neighbours=M)` / `ingest --neighbours M`: each module's KV encoded after its M nearest
 modules by the corpus's own dense index, least similar first; the choice recorded in the table so every
 process compiles the same keys; eager and lazy corpora store the same keys and answer alike; a removed
-neighbour leaves the modules that named it, re-encoded with the ones left; a different setting, and Ray,
-refused by name.
+neighbour leaves the modules that named it, re-encoded with the ones left; a different setting refused
+by name; with --ray only M is checked (tests/test_ray_ingest.py ingests with both, on the CLI too).
 
 Over a 2-layer random Llama with SmolLM2's tokenizer (tests/tiny_llama.py) and the real MiniLM embedder."""
 
@@ -136,11 +136,7 @@ def test_settings_are_kept_and_bad_ones_refused(parts, tmp_path):
     for bad in (-1, 17, 1.5, True):
         with pytest.raises(ValueError, match="neighbours must be a whole number from 0"):
             build(parts, tmp_path / "x", neighbours=bad)
-    from rag_promptcache.rag.distributed import RayOptions
-
-    with pytest.raises(ValueError, match=r"not supported with Ray ingest \(--ray\)"):
-        build(parts, tmp_path / "r", neighbours=2, ray=RayOptions())
-    assert not (tmp_path / "r").exists() and not (tmp_path / "x").exists()
+    assert not (tmp_path / "x").exists()
 
 
 def test_an_old_table_gains_an_empty_neighbours_column(tmp_path):
@@ -166,10 +162,10 @@ def run(capsys, *args: str) -> tuple[int, str]:
     return exc.value.code, " ".join((out.out + out.err).split())  # help is wrapped to the terminal
 
 
-def test_the_cli_says_the_cost_and_refuses_ray(tmp_path, capsys):
+def test_the_cli_says_the_cost_and_checks_m_with_ray_too(tmp_path, capsys):
     code, help_text = run(capsys, "ingest", "--help")
-    assert code == 0 and "--neighbours" in help_text and "(M+1)x" in help_text
+    assert code == 0 and "--neighbours" in help_text and "(M+1)x" in help_text and "not with --ray" not in help_text
     (tmp_path / "d.txt").write_text("text")
-    code, out = run(capsys, "ingest", tmp_path / "d.txt", "--corpus", tmp_path / "c", "--neighbours", "2", "--ray")
-    assert code == 1 and "not supported with Ray ingest" in out
+    code, out = run(capsys, "ingest", tmp_path / "d.txt", "--corpus", tmp_path / "c", "--neighbours", "17", "--ray")
+    assert code == 1 and "neighbours must be a whole number from 0 (off) to 16" in out and "Ray" not in out
     assert not (tmp_path / "c").exists()

@@ -1,5 +1,7 @@
 """`ingest --ray` on a local Ray cluster started here: the same corpus as a local ingest, resumable
-with or without Ray, a worker killed mid-batch retried, a batch that keeps failing reported.
+with or without Ray, a worker killed mid-batch retried, a batch that keeps failing reported; with
+`--neighbours`, the same neighbour lists, store keys and KV as a local ingest (batches in flight searched
+too, a changed document's drop after them), resumable without Ray, a failed batch failing those behind it.
 
 A tiny random-weight llama (SmolLM2's tokenizer, hidden 64) keeps each actor's model load short;
 the embedder is the real all-MiniLM-L6-v2. One cluster (2 CPUs) for the module.
@@ -7,6 +9,7 @@ the embedder is the real all-MiniLM-L6-v2. One cluster (2 CPUs) for the module.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import faiss
@@ -184,7 +187,6 @@ def test_options_are_checked() -> None:
 
 def test_workers_that_cannot_load_the_model_are_a_clear_error(cluster, reference: Corpus, tmp_path: Path) -> None:
     import json
-    import shutil
 
     shutil.copytree(reference.path, tmp_path / "c")
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
@@ -198,3 +200,147 @@ def test_workers_that_cannot_load_the_model_are_a_clear_error(cluster, reference
     # Nothing lost and nothing half-done: the workers fail before the first document is started.
     assert len(c) == len(reference) and [d.source for d in c.table.documents()] == [d.source for d in reference.table.documents()]
     c.close()
+
+
+# -- with neighbours (`--neighbours 2`): batches of 3 on 2 workers, so up to 4 in flight when a batch is chosen for
+
+
+def numbered(text: str, n: int) -> str:
+    """`text`'s first two sentences in turn, each numbered: n sentences, n chunks, no two alike."""
+    return " ".join(f"{text.split('. ')[i % 2]} (note {i})." for i in range(n))
+
+
+def write_numbered(root: Path) -> Path:
+    for name, text in TOPICS.items():
+        (root / name).write_text(numbered(text, 8))
+    return root
+
+
+@pytest.fixture(scope="module")
+def nbr_docs(tmp_path_factory) -> Path:
+    return write_numbered(tmp_path_factory.mktemp("nbr-docs"))
+
+
+@pytest.fixture(scope="module")
+def nbr_reference(nbr_docs: Path, tiny_model: str, tmp_path_factory) -> Corpus:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus_mod, "BATCH_CHUNKS", 3)
+        c = build(nbr_docs, tmp_path_factory.mktemp("nbr-ref") / "c", tiny_model, neighbours=2, codec="native")
+    yield c
+    c.close()
+
+
+def assert_same_neighbours(a: Corpus, b: Corpus, fp16: bool = False) -> None:
+    """`a` is `b` (rows, vectors, keys) with the same neighbour lists and the same KV under every key:
+    bit for bit, or `b`'s rounded to fp16 where `a`'s went to the driver (as fp16) on the way."""
+    assert_same(a, b)
+    assert a.table.neighbours() == b.table.neighbours()
+    assert sorted(a.table.module_keys()) == sorted(b.table.module_keys())
+    sa, sb = DiskStore(a.path / "store"), DiskStore(b.path / "store")
+    for key in sb.keys():
+        ka, kb = sa.get(key), sb.get(key)
+        for x, y in ((ka.keys, kb.keys), (ka.values, kb.values)):
+            assert torch.equal(x.float(), y.half().float() if fp16 else y), key
+
+
+@pytest.mark.parametrize("kv", ["workers", "driver"])
+def test_ray_ingest_with_neighbours_builds_the_same_corpus(cluster, nbr_docs: Path, tiny_model: str, nbr_reference: Corpus,
+                                                           tmp_path: Path, kv: str) -> None:
+    near = nbr_reference.table.neighbours()
+    order = [m for m, _ in nbr_reference.table.modules()]
+    assert len(order) > 15 and all(len(near[m]) == 2 for m in order)
+    if kv == "workers":
+        c = build(nbr_docs, tmp_path / "c", tiny_model, RayOptions(workers=2, kv=kv), neighbours=2, codec="native")
+    else:  # the CLI takes --neighbours with --ray
+        with pytest.raises(SystemExit) as exit_:
+            main(["ingest", str(nbr_docs), "--corpus", str(tmp_path / "c"), "--model", tiny_model, "--chunk-tokens", "32",
+                  "--codec", "native", "--neighbours", "2", "--ray", "--workers", "2", "--ray-kv", "driver"])
+        assert exit_.value.code == 0
+        c = Corpus.open(tmp_path / "c")
+    try:
+        assert c.manifest.neighbours == 2
+        if kv == "workers":
+            assert c.last_report.kv_written_by == "workers" and not c.last_report.failed
+        assert_same_neighbours(c, nbr_reference, fp16=kv == "driver")
+    finally:
+        c.close()
+
+
+def test_interrupted_ray_ingest_with_neighbours_resumes_without_ray(cluster, nbr_docs: Path, tiny_model: str,
+                                                                   nbr_reference: Corpus, tmp_path: Path) -> None:
+    commits = []
+
+    def stop_after_two(num_modules: int, num_tokens: int) -> None:
+        commits.append(num_modules)
+        if len(commits) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(nbr_docs, tmp_path / "c", tiny_model, RayOptions(workers=2, kv="workers"), neighbours=2, codec="native",
+              on_batch=stop_after_two)
+    partial = Corpus.open(tmp_path / "c")
+    try:
+        before = len(partial)
+        assert 0 < before < len(nbr_reference) and partial.info()["num_incomplete"] > 0
+        report = partial.add([nbr_docs], progress=False)  # no Ray
+        assert report.workers == 0 and report.num_modules == len(nbr_reference) - before
+        assert_same_neighbours(partial, nbr_reference)
+    finally:
+        partial.close()
+
+
+def test_a_changed_document_on_ray_with_neighbours_is_a_local_ingests_change(cluster, tiny_model: str, tmp_path: Path) -> None:
+    """A changed document drops its old modules when it starts; the batches sent before it (a new document's,
+    whose nearest modules are the old ones) are committed first, then encoded again without them, as locally."""
+    (tmp_path / "docs").mkdir()
+    docs = write_numbered(tmp_path / "docs")
+    local = build(docs, tmp_path / "local", tiny_model, neighbours=2, codec="native")
+    local.close()
+    shutil.copytree(tmp_path / "local", tmp_path / "ray")
+    # one batch (3 chunks), sent before zebra.txt starts: zebra.txt's first three chunks' text under another title
+    (docs / "a_stripes.txt").write_text(numbered(TOPICS["zebra.txt"], 3))
+    (docs / "zebra.txt").write_text("Zebras live in herds on the African savanna and graze on grass all day.")
+    on_ray = Corpus.open(tmp_path / "ray")
+    local = Corpus.open(tmp_path / "local")
+    try:
+        on_ray.add([docs], progress=False, ray=RayOptions(workers=2, kv="workers"))
+        local.add([docs], progress=False)
+        assert on_ray.last_report.num_ingested == 2 and not on_ray.last_report.failed
+        assert_same_neighbours(on_ray, local)
+        stripes = local.table.chunk_ids(str((docs / "a_stripes.txt").resolve()))
+        near = local.table.neighbours()
+        assert len(stripes) == 3 and any(len(near.get(m, ())) < 2 for m in stripes)  # it named some of the old zebra's
+        assert all(local.table.has_module(n) for ns in local.table.neighbours().values() for n in ns)
+    finally:
+        on_ray.close()
+        local.close()
+
+
+def assert_whole(c: Corpus) -> None:
+    """Every chunk's module and every neighbour named is in the table, and every module's recorded key is the
+    one the corpus schema compiles, its KV stored."""
+    db = c.table.db
+    assert db.execute("SELECT COUNT(*) FROM chunks WHERE module_id NOT IN (SELECT module_id FROM modules)").fetchone()[0] == 0
+    assert all(c.table.has_module(n) for ns in c.table.neighbours().values() for n in ns)
+    keys = {m: k for m, k, _ in c.table.module_keys()}
+    assert c.engine.store_keys(c.manifest.name, [m for m, _ in c.table.modules()]) == keys
+    store = DiskStore(c.path / "store")
+    assert all(store.contains(k) for k in keys.values())
+
+
+def test_a_failed_batch_with_neighbours_fails_those_sent_behind_it(cluster, nbr_docs: Path, tiny_model: str,
+                                                                   tmp_path: Path) -> None:
+    fault = Fault("Magma rises through the crust (note 0)", action="raise")
+    c = build(nbr_docs, tmp_path / "c", tiny_model, RayOptions(workers=2, max_retries=0, fault=fault), neighbours=2,
+              codec="native")
+    try:
+        why = dict(c.last_report.failed)
+        assert "injected failure" in why.pop(str((nbr_docs / "volcanoes.md").resolve()))
+        assert why and all("sent while a batch that failed was in flight" in w for w in why.values())
+        assert_whole(c)
+        assert {d.source for d in c.table.documents() if not d.complete} == {*why, str((nbr_docs / "volcanoes.md").resolve())}
+        report = c.add([nbr_docs], progress=False)  # no Ray: the failed files again
+        assert report.num_ingested == len(why) + 1 and c.info()["num_incomplete"] == 0
+        assert_whole(c)
+    finally:
+        c.close()

@@ -45,7 +45,7 @@ def ingest(
     kv: Annotated[str | None, typer.Option("--kv", help="When module KV is computed: eager (now, every chunk) or lazy (when a question first retrieves a chunk; ingest only chunks, embeds and indexes, and the store starts empty) [default: the corpus's, eager for a new one]; docs/stores.md says which to choose.", show_default=False)] = None,
     store_budget: Annotated[str | None, typer.Option("--store-budget", help="The store's bytes per tier, recorded in the corpus and held by every process that opens it: memory=1GiB,disk=20GiB,redis=4GiB (none: unbounded; a tier not named keeps its budget) [default: memory 1 GiB per process, disk and Redis unbounded].", show_default=False)] = None,
     eviction: Annotated[str | None, typer.Option(help="Which entries a full tier drops first: lru or cost (greedy-dual-size-frequency: recompute cost per byte and hits) [default: the corpus's, cost for a new one].", show_default=False)] = None,
-    neighbours: Annotated[int | None, typer.Option("--neighbours", help="Encode each module after the M modules nearest its text (their KV dropped, its own kept), so that it has read what a question likely retrieves beside it: more answers kept at no cost per question, but ingest encodes (M+1)x the tokens. 0: off. Set once for a corpus; not with --ray [default: the corpus's, 0 for a new one]; docs/concepts.md.", metavar="M", show_default=False)] = None,
+    neighbours: Annotated[int | None, typer.Option("--neighbours", help="Encode each module after the M modules nearest its text (their KV dropped, its own kept), so that it has read what a question likely retrieves beside it: more answers kept at no cost per question, but ingest encodes (M+1)x the tokens. 0: off. Set once for a corpus [default: the corpus's, 0 for a new one]; docs/concepts.md.", metavar="M", show_default=False)] = None,
     byproduct: Annotated[bool | None, typer.Option("--byproduct/--no-byproduct", help="With --kv lazy: keep a missed module's KV from the prefill of the question that first retrieves it (computed after the modules retrieved with it) instead of encoding it on its own: storing it runs no model at all. On look-alike documents its answers held with nothing recomputed where plain modules' did not; on unrelated pages (a manual) it lost some: run `eval` on your questions before choosing it. Set once for a corpus; not with --neighbours [default: the corpus's, off for a new one]; docs/stores.md.", show_default=False)] = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
@@ -68,7 +68,7 @@ def ingest(
         ray_opts = RayOptions(address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker, kv=ray_kv)
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
-    check_neighbours(neighbours, ray_opts)  # refused before Ray's settings touch this process
+    check_neighbours(neighbours)  # refused before anything loads
     if not is_corpus(corpus):  # a new corpus's choice, refused before any model loads
         from rag_promptcache.rag.budget import check_byproduct
 

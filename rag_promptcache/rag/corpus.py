@@ -165,7 +165,7 @@ class Corpus(Answering, StoreAccess):
         if codec is not None:
             check_codec(codec)
         lazy.check_kv(kv)
-        nbr.check(neighbours, ray)
+        nbr.check(neighbours)
         if is_corpus(path):
             corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,

@@ -4,7 +4,10 @@ The driver does what is cheap and must be ordered: loading, chunking, deciding w
 new, and committing (the ingestor's `commit`, which a local ingest runs too), one batch at a time
 in submission order, so an interrupted run leaves whole batches and resumes with or without Ray.
 Each actor loads the model and the embedder once and, per batch, runs `encoding.encode_modules` (the
-same call a local ingest makes): it returns the vectors and stores the modules' KV. Where the KV goes (`RayOptions.kv`):
+same call a local ingest makes): it returns the vectors and stores the modules' KV. With neighbours
+(`--neighbours`, rag/neighbours.py) the driver embeds each batch and chooses its neighbours itself, as a
+local ingest does, searching the batches in flight beside the index, and the actor only encodes the KV
+(`encoding.encode_kv`), so the lists, keys and KV are a local ingest's. Where the KV goes (`RayOptions.kv`):
 - "workers": the actors write into the corpus's store themselves: its Redis tier, and its disk
   directory when every node sees it (a local cluster does; a shared filesystem does);
 - "driver": the actors return the KV (fp16, as it is stored at rest) and the driver writes it;
@@ -24,7 +27,8 @@ benchmarked.
 Failures: an actor whose process dies is restarted and its batch retried (`max_restarts`,
 `max_task_retries`); a batch that raises is retried too; one that still fails is reported in
 `IngestReport.failed` with its source files, which stay incomplete (the next ingest retries them),
-and the rest of the corpus is kept.
+and the rest of the corpus is kept. With neighbours, so do the batches sent while it was in flight:
+they may share its modules or name them as neighbours.
 
 Not here: chunking, the table or the index (`ingestor.py`), the encoding itself (`encoding.py`), the
 tiers (`corpus_store.py`).
@@ -45,8 +49,9 @@ import numpy as np
 from rag_promptcache.rag.budget import StoreBudget
 from rag_promptcache.rag.chunker import search_text
 from rag_promptcache.rag.corpus_store import open_store
-from rag_promptcache.rag.encoding import Batch, encode_modules
+from rag_promptcache.rag.encoding import NONE, Batch, Encoded, Neighbours, encode_kv, encode_modules
 from rag_promptcache.rag.models import adapter_to_load, load_embedder, load_engine
+from rag_promptcache.rag.neighbours import Unindexed
 from rag_promptcache.rag.records import Manifest
 
 if TYPE_CHECKING:
@@ -55,8 +60,9 @@ if TYPE_CHECKING:
 
 KV_SINKS = ("auto", "workers", "driver")
 INSTALL_HINT = "ingest --ray needs Ray: pip install 'rag-promptcache[ray]'"
-Commit = Callable[[Batch, list[str], dict[str, "Chunk"], np.ndarray], None]
+Commit = Callable[[Batch, list[str], dict[str, "Chunk"], np.ndarray, Neighbours], None]
 NewModules = Callable[[Batch], dict[str, "Chunk"]]
+Choose = Callable[[dict[str, "Chunk"], Unindexed], tuple[np.ndarray, Neighbours]]  # the ingestor's `choose`
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +170,8 @@ class _Collect:
 
 
 class EncodeWorker:
-    """One Ray actor: the model and the embedder, loaded once; `run` embeds and encodes a batch."""
+    """One Ray actor: the model and the embedder, loaded once; `run` embeds (unless the driver did) and
+    encodes a batch."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         m = spec.manifest
@@ -181,11 +188,14 @@ class EncodeWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, modules: list[tuple[str, str]], embed_texts: list[str]) -> BatchOut:
+    def run(self, modules: list[tuple[str, str]], embed_texts: list[str] | None, near: Neighbours = NONE) -> BatchOut:
+        """`embed_texts` None: the driver embedded the modules (and chose `near`); only their KV is encoded."""
         from rag_promptcache.store import encode
 
         self._fault(modules)
-        out = encode_modules(self.engine, self.embedder, self.spec.manifest, modules, embed_texts)
+        m = self.spec.manifest
+        out = (encode_modules(self.engine, self.embedder, m, modules, embed_texts) if embed_texts is not None
+               else Encoded(np.zeros((0, m.dim), np.float32), encode_kv(self.engine, m, modules, near)))
         # fp16 on the way to the driver, whose store encodes in the corpus's codec (coding twice would
         # quantize twice)
         kv = tuple((k, encode(v, "fp16")) for k, v in self.collect.take().items()) if self.collect else ()
@@ -210,12 +220,16 @@ class _Pending:
     new: dict[str, Chunk]
     ref: object | None  # a Ray ObjectRef of BatchOut; None when nothing is new
     slot: int
+    vectors: np.ndarray | None = None  # [len(new), dim], when the driver embedded them (with neighbours)
+    near: Neighbours = NONE
+    doomed: str | None = None  # why it fails whatever its worker returns: sent while a batch that failed was in flight
 
 
-def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]]], opts: RayOptions,
-                   new_modules: NewModules, commit: Commit) -> RayRun:
-    """Run `batches` through a pool of Ray actors and `commit` each in order on this process.
-    `new_modules(batch)`: the modules the corpus does not hold yet, the only ones sent."""
+def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]] | None], opts: RayOptions,
+                   new_modules: NewModules, commit: Commit, choose: Choose | None = None) -> RayRun:
+    """Run `batches` through a pool of Ray actors and `commit` each in order on this process; a None
+    among them: commit every batch in flight first (`Ingestor.batches`). `new_modules(batch)`: the modules
+    the corpus does not hold yet, the only ones sent. `choose` (with neighbours): embeds and chooses here."""
     try:
         import ray
     except ImportError as e:
@@ -239,34 +253,53 @@ def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]]]
         pending: deque[_Pending] = deque()
         dim = target.manifest.dim
 
+        def fail(p: _Pending, why: str) -> None:
+            for source in dict.fromkeys(s for s, _, _ in p.batch):
+                failed.setdefault(source, why)
+            commit([], [s for s in p.finished if s not in failed], {}, np.zeros((0, dim), np.float32), NONE)
+
         def finish(p: _Pending) -> None:
             nonlocal encode_s
-            vectors = np.zeros((0, dim), np.float32)
+            vectors = p.vectors if p.vectors is not None else np.zeros((0, dim), np.float32)
             if p.ref is not None:
                 try:
                     out: BatchOut = ray.get(p.ref)
                 except ray.exceptions.RayError as e:
-                    for source in dict.fromkeys(s for s, _, _ in p.batch):
-                        failed.setdefault(source, _why(e))
                     if isinstance(e, ray.exceptions.RayActorError):  # restarts used up: a fresh one
                         actors[p.slot] = actor_cls.remote(spec)
-                    commit([], [s for s in p.finished if s not in failed], {}, vectors)
-                    return
+                    if choose is not None and p.doomed is None:  # the batches behind it were chosen with it in flight
+                        for q in pending:
+                            q.doomed = q.doomed or f"sent while a batch that failed was in flight ({_why(e)})"
+                    return fail(p, p.doomed or _why(e))
                 encode_s += out.encode_seconds
-                vectors = out.vectors
-                if store is not None:
+                vectors = out.vectors if p.vectors is None else vectors
+                if store is not None and p.doomed is None:
                     from rag_promptcache.store import decode
 
                     for key, enc in out.kv:
                         store.put(key, decode(enc))
-            commit(p.batch, [s for s in p.finished if s not in failed], p.new, vectors)
+            if p.doomed is not None:
+                return fail(p, p.doomed)
+            commit(p.batch, [s for s in p.finished if s not in failed], p.new, vectors, p.near)
 
-        for i, (batch, finished) in enumerate(batches):
-            new = new_modules(batch)
-            slot = i % len(actors)
+        i = 0
+        for item in batches:
+            if item is None:
+                while pending:
+                    finish(pending.popleft())
+                continue
+            batch, finished = item
+            new, vectors, near = new_modules(batch), None, NONE
+            if choose is not None:
+                live = [q for q in pending if q.doomed is None and q.vectors is not None]
+                new = {m: c for m, c in new.items() if not any(m in q.new for q in live)}  # in flight: not new again
+                if new:
+                    vectors, near = choose(new, _unindexed(live, dim))
+            slot, i = i % len(actors), i + 1
+            texts = None if vectors is not None else [search_text(c.context, c.module_text) for c in new.values()]
             ref = actors[slot].run.options(retry_exceptions=True).remote([(m, c.module_text) for m, c in new.items()],
-                                                                    [search_text(c.context, c.module_text) for c in new.values()]) if new else None
-            pending.append(_Pending(batch, finished, new, ref, slot))
+                                                                    texts, near) if new else None
+            pending.append(_Pending(batch, finished, new, ref, slot, vectors, near))
             while len(pending) > 2 * len(actors):  # bounded: a worker always has its next batch queued
                 finish(pending.popleft())
         while pending:
@@ -277,6 +310,13 @@ def ingest_batches(target: RayTarget, batches: Iterable[tuple[Batch, list[str]]]
             ray.kill(a)
         if started:
             ray.shutdown()
+
+
+def _unindexed(live: list[_Pending], dim: int) -> Unindexed:
+    """The new modules of the batches in flight, which a local ingest would have indexed by now."""
+    texts = {m: c.module_text for p in live for m, c in p.new.items()}
+    vectors = [p.vectors for p in live if p.vectors is not None]
+    return Unindexed(texts, np.concatenate(vectors) if vectors else np.zeros((0, dim), np.float32))
 
 
 def connect(ray, opts: RayOptions) -> bool:

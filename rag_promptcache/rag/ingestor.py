@@ -100,7 +100,6 @@ class Ingestor:
         """Ingest new and changed documents, drop those gone from an ingested directory or file."""
         t0 = time.perf_counter()
         table = self.parts.table
-        nbr.check(self.parts.manifest.neighbours, ray)
         todo = [d for d in docs if not self.unchanged(d)]
         self.update_metadata([d for d in docs if d.source not in {t.source for t in todo}])
         lazy = self.parts.manifest.kv == "lazy"
@@ -122,13 +121,15 @@ class Ingestor:
                 self.parts.forget(table.remove_document(source))
             batches = self.batches(todo)
             if ray is None:
-                for batch, finished in batches:
-                    self.flush(batch, finished)
+                for item in batches:
+                    if item is not None:
+                        self.flush(*item)
             elif todo:
                 from rag_promptcache.rag.distributed import ingest_batches
 
                 assert ray_target is not None, f"{ray_target=}"
-                run = ingest_batches(ray_target, batches, ray, self.new_modules, self.commit)
+                run = ingest_batches(ray_target, batches, ray, self.new_modules, self.commit,
+                                     self.choose if self.parts.manifest.neighbours else None)
                 self.stats.encode_seconds += run.encode_seconds
                 extra = {"workers": run.num_workers, "kv_written_by": run.kv_written_by, "failed": run.failed,
                          "worker_start_seconds": run.start_seconds}
@@ -184,9 +185,11 @@ class Ingestor:
         if moved:
             self.parts.table.update_metadata(moved)
 
-    def batches(self, todo: list[Document]) -> Iterator[tuple[Batch, list[str]]]:
+    def batches(self, todo: list[Document]) -> Iterator[tuple[Batch, list[str]] | None]:
         """(chunks to embed and encode, documents complete once they are committed), in order.
-        Starts each document in the table as it reaches it; skips chunks an interrupted ingest committed."""
+        Starts each document in the table as it reaches it; skips chunks an interrupted ingest committed.
+        None before a changed document starts: it drops its old modules then, which batches sent before
+        (on Ray, maybe not committed yet) may share or name as neighbours, so those must be committed first."""
         if not todo:
             yield [], []
             return
@@ -194,6 +197,8 @@ class Ingestor:
         batch: Batch = []
         finished: list[str] = []
         for doc in todo:
+            if (old := table.document(doc.source)) is not None and old.content_hash != doc.content_hash:
+                yield None
             self.parts.forget(table.begin_document(document_row(doc), doc.metadata))
             done = table.chunk_ids(doc.source)  # non-empty when resuming an interrupted ingest
             seq = -1
@@ -225,10 +230,7 @@ class Ingestor:
         engine, embedder, manifest = self.parts.engine(), self.parts.embedder(), self.parts.manifest
         texts = [search_text(c.context, c.module_text) for c in new.values()]  # what retrieval reads
         if manifest.neighbours and modules:  # the neighbours come from the embeddings: first embed, then encode
-            assert self.parts.search is not None, "a corpus with neighbours hands its index's search to ingest"
-            vectors = embedder.embed(texts)
-            near = nbr.choose(self.parts.search, self.parts.table, list(new), vectors, manifest.neighbours,
-                              [t for _, t in modules])
+            vectors, near = self.choose(new)
             self.stats.encode_seconds += encode_kv(engine, manifest, modules, near)
             self.commit(batch, finished, new, vectors, near)
             return
@@ -245,6 +247,15 @@ class Ingestor:
         finally:
             done = vectors.result()  # waited for even when encoding failed: no thread outlives the batch's error
         self.commit(batch, finished, new, done)
+
+    def choose(self, new: dict[str, Chunk], unindexed: nbr.Unindexed = nbr.NOTHING) -> tuple[np.ndarray, Neighbours]:
+        """Embed `new` (vectors [len(new), dim]) and choose the neighbours each is encoded after (`--neighbours`)
+        among the indexed modules, `unindexed` (a Ray ingest's batches in flight) and each other."""
+        assert self.parts.search is not None, "a corpus with neighbours hands its index's search to ingest"
+        vectors = self.parts.embedder().embed([search_text(c.context, c.module_text) for c in new.values()])
+        near = nbr.choose(self.parts.search, self.parts.table, list(new), vectors, self.parts.manifest.neighbours,
+                          [c.module_text for c in new.values()], unindexed)
+        return vectors, near
 
     def commit(self, batch: Batch, finished: list[str], new: dict[str, Chunk], vectors: np.ndarray,
                near: Neighbours = NONE) -> None:

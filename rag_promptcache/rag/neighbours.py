@@ -13,17 +13,23 @@ schema and the same store keys (`Corpus.schema`, the lazy path's misses, a later
 A neighbour removed later (its document removed or changed): the modules that named it lose it from
 their lists (the others stay, in order), their old KV is dropped, and their KV is encoded again with
 the neighbours left (`rekey`: now for an eager corpus, at its first retrieval for a lazy one). The removed
-text is not kept: a corpus holds only what its documents say. Not on Ray yet: refused by name (`check`).
+text is not kept: a corpus holds only what its documents say.
+
+On Ray (rag/distributed.py) the driver embeds and chooses, batch by batch in order, as a local ingest does;
+the batches it has sent but not committed yet are searched beside the index (`Unindexed`), since a local
+ingest has indexed them by then, so both choose the same lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rag_promptcache.rag.encoding import Neighbours, encode_kv, store_keys
+from rag_promptcache.rag.index import VectorIndex, faiss_id
 from rag_promptcache.rag.records import Manifest
 from rag_promptcache.rag.table import ChunkTable
 
@@ -34,28 +40,43 @@ Search = Callable[[np.ndarray, int], list[list[tuple[int, float]]]]  # the index
 MAX = 16  # neighbours a module reads: each one costs its tokens again at ingest, per module
 
 
-def check(neighbours: int | None, ray: object | None) -> int | None:
-    """`neighbours` as asked (None: not asked), refused where it cannot run."""
+@dataclass(frozen=True, slots=True)
+class Unindexed:
+    """Modules embedded and being encoded, not committed yet: a Ray ingest's batches in flight. A local
+    ingest has indexed them by the time it chooses for a later batch, so `choose` searches them as indexed."""
+
+    texts: dict[str, str]  # module id -> module text
+    vectors: np.ndarray  # [len(texts), dim] float32, in the order of `texts`
+
+
+NOTHING = Unindexed({}, np.zeros((0, 0), np.float32))
+
+
+def check(neighbours: int | None) -> int | None:
+    """`neighbours` as asked (None: not asked), refused unless it is a valid setting."""
     if neighbours is None:
         return None
     if isinstance(neighbours, bool) or not isinstance(neighbours, int) or not 0 <= neighbours <= MAX:
         raise ValueError(f"neighbours must be a whole number from 0 (off) to {MAX}, got {neighbours!r}")
-    if neighbours and ray is not None:
-        raise ValueError("neighbours (--neighbours) is not supported with Ray ingest (--ray) yet; "
-                         "ingest without --ray, or with --neighbours 0")
     return neighbours
 
 
 def choose(search: Search, table: ChunkTable, ids: Sequence[str], vectors: np.ndarray, m: int,
-           texts: Sequence[str]) -> Neighbours:
+           texts: Sequence[str], unindexed: Unindexed = NOTHING) -> Neighbours:
     """The m nearest modules of each of `ids` (new modules, `texts` theirs, `vectors` [n, dim] their
-    embeddings) among the indexed modules and each other, least similar first; with the text of the
-    indexed ones they name."""
+    embeddings) among the indexed modules (and `unindexed`, as if indexed) and each other, least similar
+    first; with the text of the earlier ones they name."""
     if not m or not len(ids):
         return Neighbours({})
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     indexed = search(vectors, m)
     names = table.module_ids_for(sorted({f for row in indexed for f, _ in row})) if any(indexed) else {}
+    if unindexed.texts:  # searched the way the index searches (a flat FAISS index), so the scores are the same
+        extra = VectorIndex(vectors.shape[1])
+        extra.add(np.array([faiss_id(u) for u in unindexed.texts], np.int64), unindexed.vectors)
+        # the m nearest of the index and the m nearest of these hold the m nearest of both
+        indexed = [a + b for a, b in zip(indexed, extra.search(vectors, m))]
+        names |= {faiss_id(u): u for u in unindexed.texts}
     within = vectors @ vectors.T
     of: dict[str, tuple[str, ...]] = {}
     own = dict(zip(ids, texts))
@@ -68,7 +89,7 @@ def choose(search: Search, table: ChunkTable, ids: Sequence[str], vectors: np.nd
         best = sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))[:m]
         of[module] = tuple(n for n, _ in reversed(best))
     earlier = sorted({n for ns in of.values() for n in ns if n not in own})
-    return Neighbours(of, [(n, _text(table, n)) for n in earlier])
+    return Neighbours(of, [(n, unindexed.texts[n] if n in unindexed.texts else _text(table, n)) for n in earlier])
 
 
 def recorded(table: ChunkTable, ids: Sequence[str], of: dict[str, tuple[str, ...]] | None = None) -> Neighbours:
