@@ -1,0 +1,44 @@
+"""Pools the two draws of the pick probe per setting, split and k: retained and kept against the base model's
+full prefill (the references the runs name), over both draws' questions, with each draw's speed-up against
+this model's own full prefill (rough: other work shared the machine); writes pooled.json and prints the table
+of docs/FIDELITY.md ("2026-12-03: picking the encoding per prompt")."""
+
+import collections
+import json
+from pathlib import Path
+
+HERE = Path(__file__).parent
+cells: dict[tuple[str, str, int], list] = collections.defaultdict(lambda: [0, 0, 0, 0, []])  # ref right, right, both, draws, speed-ups
+settings: list[str] = []
+for draw in ("draw0", "draw1"):
+    path = HERE / draw / "fidelity.json"
+    if not path.exists():
+        continue
+    for row in json.loads(path.read_text())["rows"]:
+        settings += [row["recovery"]] if row["recovery"] not in settings else []
+        cell = cells[(row["recovery"], row["split"], row["k"])]
+        answers = row["answers"]
+        cell[0] += sum(a["reference_right"] for a in answers)
+        cell[1] += sum(a["cached_right"] for a in answers)
+        cell[2] += sum(a["reference_right"] and a["cached_right"] for a in answers)
+        cell[3] += 1
+        cell[4].append(row["speedup"])
+out = {}
+print("| setting | " + " | ".join(f"{s} k={k}" for s in ("bench", "heldout", "manuals") for k in (4, 8, 12)) + " |")
+print("|---|" + "---|" * 9)
+for setting in settings:
+    shown = []
+    for split in ("bench", "heldout", "manuals"):
+        for k in (4, 8, 12):
+            ref, right, both, draws, speed = cells[(setting, split, k)]
+            if not ref:
+                shown.append("not run")
+                continue
+            retained, kept = right / ref, both / ref
+            meets = retained >= 0.95 and kept >= 0.90
+            shown.append(f"{retained:.2f} / {kept:.2f}" + ("" if meets else " (fails)")
+                         + f" · {min(speed):.1f}" + (f"-{max(speed):.1f}x" if draws == 2 else f"x ({draws} draw)"))
+            out[f"{setting} {split} {k}"] = {"reference_right": ref, "right": right, "both_right": both, "draws": draws,
+                                             "retained": retained, "kept": kept, "meets": meets, "speedups": speed}
+    print(f"| `{setting}` | " + " | ".join(shown) + " |")
+(HERE / "pooled.json").write_text(json.dumps(out, indent=1) + "\n")
