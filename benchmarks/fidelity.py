@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     help="judge retained and kept against this run's full-prefill answers (the base model's, over the "
                          "same split, k, questions and seed offset); speed-ups stay against this model's own full prefill")
     ap.add_argument("--neighbours", type=int, default=0, metavar="M", help="each module encoded after its M nearest (ingest --neighbours)")
+    ap.add_argument("--neighbours-present", type=int, default=0, metavar="C",
+                    help="read so only where C of them are in the prompt, plain otherwise (ingest --neighbours-present)")
     ap.add_argument("--ttft-point", action="store_true", help="also time the bench split at ~2k context")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="FIDELITY_JSON",
                     help="no model run: pool these runs' fidelity.json (other seeds) into one report")
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                               fidelity_new_tokens=args.new_tokens, dtype=args.dtype,
                               fidelity_seed_offset=args.seed_offset, fidelity_codec=check_codec(args.codec),
                               fidelity_codecs=tuple(check_codec(c.strip()) for c in args.codecs.split(",") if c.strip()),
-                              fidelity_codec_recovery=args.codec_recovery, adapter=args.adapter, fidelity_neighbours=args.neighbours)
+                              fidelity_codec_recovery=args.codec_recovery, adapter=args.adapter, fidelity_neighbours=args.neighbours,
+                              fidelity_neighbours_present=args.neighbours_present)
     splits = fidelity.GROUPS.get(args.split, (args.split,))
     reference = None
     if args.reference is not None:

@@ -87,6 +87,7 @@ class BenchConfig:
     # retrieved): re-run the reference with this runner (--adapter none) before judging a difference of an answer.
     fidelity_retrieval: str = "dense"
     fidelity_neighbours: int = 0  # each split's modules encoded after their M nearest (rag/neighbours.py); 0: alone
+    fidelity_neighbours_present: int = 0  # read so only where this many of them are in the prompt (else plain)
     dtype: str = "auto"  # the model's dtype for every scenario (model.loading.parse_dtype); auto: the device's default
     adapter: str = "default"  # the tuned adapter merged into the model (model/adapter.py): default, none or a directory
     decode_context: int = 2048  # retrieved-context tokens of the decode scenario's prompt

@@ -96,7 +96,7 @@ def run(bench: Bench, splits: tuple[str, ...] | None = None, ttft_point: bool = 
             "splits": list(splits),
             "engine_default": str(Recovery.parse(DEFAULT_RECOVERY)), "questions": questions,
             "retrieval": cfg.fidelity_retrieval, "neighbours": cfg.fidelity_neighbours,
-            "new_tokens": cfg.fidelity_new_tokens}
+            "neighbours_present": cfg.fidelity_neighbours_present, "new_tokens": cfg.fidelity_new_tokens}
 
 
 def check_reference(reference: fidelity_reference.ReferenceRun, cfg: BenchConfig, splits: tuple[str, ...]) -> None:
@@ -121,7 +121,8 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
         engines[modes[0]] = PromptCache(model, tok, store=MemoryStore(codec=cfg.fidelity_codec), mode=modes[0], name=bench.model_name,
                                         **NO_FALLBACK)
         corpus = Corpus.build(data.documents, f"{tmp}/corpus", engine=engines[modes[0]], chunk_tokens=chunk,
-                              progress=False, neighbours=cfg.fidelity_neighbours)
+                              progress=False, neighbours=cfg.fidelity_neighbours,
+                              neighbours_present=cfg.fidelity_neighbours_present)
         bench.log(f"fidelity {split}: corpus of {len(data.documents)} documents, {len(corpus)} modules, "
                   f"{corpus.last_report.num_tokens} tokens")
         for mode in modes[1:]:  # the same modules, encoded in another mode, before anything is timed

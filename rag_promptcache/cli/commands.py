@@ -293,6 +293,8 @@ def info(
         ("store", f"{mib(facts['store_bytes'])} on disk, codec {facts['codec']}"),
         ("kv", f"{facts['kv']}: {encoded_line(facts['encoded'])}"
                + (f"; each module encoded after its {facts['neighbours']} nearest" if facts.get("neighbours") else "")
+               + (f", read so where {facts['neighbours_present']} of them are retrieved with it (its plain KV otherwise)"
+                  if facts.get("neighbours_present") else "")
                + ("; each module kept from the prefill of the first question to retrieve it" if facts.get("byproduct") else "")),
         ("budget", _budget_line(facts["budget"])),
         ("schema", f"{facts['schema']} (PML prompts import its modules: <prompt schema=\"{facts['schema']}\">)"),

@@ -46,6 +46,7 @@ def ingest(
     store_budget: Annotated[str | None, typer.Option("--store-budget", help="The store's bytes per tier, recorded in the corpus and held by every process that opens it: memory=1GiB,disk=20GiB,redis=4GiB (none: unbounded; a tier not named keeps its budget) [default: memory 1 GiB per process, disk and Redis unbounded].", show_default=False)] = None,
     eviction: Annotated[str | None, typer.Option(help="Which entries a full tier drops first: lru or cost (greedy-dual-size-frequency: recompute cost per byte and hits) [default: the corpus's, cost for a new one].", show_default=False)] = None,
     neighbours: Annotated[int | None, typer.Option("--neighbours", help="Encode each module after the M modules nearest its text (their KV dropped, its own kept), so that it has read what a question likely retrieves beside it: more answers kept at no cost per question, but ingest encodes (M+1)x the tokens. 0: off. Set once for a corpus [default: the corpus's, 0 for a new one]; docs/concepts.md.", metavar="M", show_default=False)] = None,
+    neighbours_present: Annotated[int | None, typer.Option("--neighbours-present", help="With --neighbours M: also store each module's plain KV (encoded without its neighbours), and read the KV encoded after them only where at least C of its M neighbours are retrieved into the same prompt, the plain KV otherwise; with --recovery none it kept the answers on look-alike records at every k where reading after the neighbours always did not (docs/FIDELITY.md). Ingest encodes (M+2)x the tokens. 0: always read the KV encoded after them. Set once for a corpus [default: the corpus's, 0 for a new one].", metavar="C", show_default=False)] = None,
     byproduct: Annotated[bool | None, typer.Option("--byproduct/--no-byproduct", help="With --kv lazy: keep a missed module's KV from the prefill of the question that first retrieves it (computed after the modules retrieved with it) instead of encoding it on its own: storing it runs no model at all. On look-alike documents its answers held with nothing recomputed where plain modules' did not; on unrelated pages (a manual) it lost some: run `eval` on your questions before choosing it. Set once for a corpus; not with --neighbours [default: the corpus's, off for a new one]; docs/stores.md.", show_default=False)] = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
@@ -68,7 +69,7 @@ def ingest(
         ray_opts = RayOptions(address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker, kv=ray_kv)
     elif ray_address is not None:
         raise fail("--ray-address needs --ray")
-    check_neighbours(neighbours)  # refused before anything loads
+    check_neighbours(neighbours, neighbours_present)  # refused before anything loads
     if not is_corpus(corpus):  # a new corpus's choice, refused before any model loads
         from rag_promptcache.rag.budget import check_byproduct
 
@@ -86,7 +87,7 @@ def ingest(
     try:
         c, report = _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field,
                             max_ingest_tokens, redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours,
-                            byproduct)
+                            byproduct, neighbours_present)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; committed work is kept, run the same command again to resume", err=True)
         raise typer.Exit(130) from None
@@ -174,7 +175,7 @@ def quiet_ray(address: str | None) -> None:
 
 
 def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, index, field, id_field, max_ingest_tokens,
-            redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours, byproduct):
+            redis_url, ray_opts, dtype, adapter, instructions, codec, kv, budget, neighbours, byproduct, neighbours_present):
     from rag_promptcache.rag import Corpus, LoaderWarning
 
     with warnings.catch_warnings():
@@ -183,7 +184,7 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
         if existed:
             c = Corpus.open(corpus, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             asked = {"chunk_tokens": chunk_tokens, "overlap": overlap, "index": index, "neighbours": neighbours,
-                     "byproduct": byproduct}
+                     "byproduct": byproduct, "neighbours_present": neighbours_present}
             for key, value in asked.items():
                 if value is not None and value != getattr(c.manifest, key):
                     raise fail(f"corpus {corpus} uses {key}={getattr(c.manifest, key)!r}, not {value!r}; ingest into a new corpus to change it")
@@ -204,7 +205,7 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
                              index=index, field=field, id_field=id_field, token_budget=max_ingest_tokens,
                              redis_url=redis_url, ray=ray_opts, dtype=dtype, adapter=adapter,
                              instructions=instructions, codec=codec, on_estimate=_print_estimate, kv=kv, budget=budget,
-                             neighbours=neighbours, byproduct=byproduct)
+                             neighbours=neighbours, byproduct=byproduct, neighbours_present=neighbours_present)
             report = c.last_report
     return c, report
 

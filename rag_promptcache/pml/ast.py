@@ -98,6 +98,9 @@ class Schema:
     # stays the one place a text lives, and a text shared by many modules' lists is held once. Set in
     # Python only (PML has no syntax for it); empty for every parsed schema.
     neighbours: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False, repr=False)
+    # a prompt reads a module's KV encoded after its neighbours only where at least this many of them are in
+    # the same prompt, its plain KV (encoded without them) otherwise; 0: always. Python only, as `neighbours`.
+    neighbours_present: int = field(default=0, compare=False, repr=False)
     # whether a module's KV, where it is missing, is kept from the prefill of the question that retrieved it
     # (each module encoded after the modules before it in that prompt, keys moved back to its usual
     # position: engine/kv/byproduct.py) rather than encoded on its own. Python only, as `neighbours`.

@@ -142,7 +142,7 @@ class Corpus(Answering, StoreAccess):
               redis_url: str | None = None, ray: RayOptions | None = None,
               adapter: str | os.PathLike[str] | None = "default", codec: str | None = None,
               on_estimate: OnEstimate | None = None, kv: str | None = None, budget: StoreBudget | None = None,
-              neighbours: int | None = None, byproduct: bool | None = None) -> Corpus:
+              neighbours: int | None = None, byproduct: bool | None = None, neighbours_present: int | None = None) -> Corpus:
         """Create a corpus at `path` from `inputs`, or update the one there (its settings must match).
         `codec` (None: k6v6, `corpus_store.DEFAULT_CODEC`; `store.CODECS` lists the valid ones) is how the
         corpus's memory, disk and Redis tiers hold module KV, recorded in the manifest. `on_estimate` is
@@ -155,7 +155,8 @@ class Corpus(Answering, StoreAccess):
         module's KV computed now) or "lazy" (chunked, embedded and indexed now, KV computed when a question
         first retrieves a module: rag/lazy.py), recorded for later ingests. `budget`: the store's bytes per
         tier and its eviction policy (rag/budget.py), recorded; an existing corpus's changes to it. `neighbours`
-        (None: 0, off, for a new corpus): each module encoded after its this many nearest (rag/neighbours.py).
+        (None: 0, off, for a new corpus): each module encoded after its this many nearest (rag/neighbours.py);
+        `neighbours_present` C (None: 0): a prompt reads that KV where C of them are retrieved with it, else plain KV.
         `byproduct` (None: off for a new corpus; only with kv="lazy"): each module's KV kept from the prefill of
         the first question that retrieves it (engine/kv/byproduct.py)."""
         path = Path(path)
@@ -165,17 +166,18 @@ class Corpus(Answering, StoreAccess):
         if codec is not None:
             check_codec(codec)
         lazy.check_kv(kv)
-        nbr.check(neighbours)
+        nbr.check(neighbours, neighbours_present)
         if is_corpus(path):
             corpus = cls.open(path, engine, model=model, embedder=embedder, redis_url=redis_url, dtype=dtype, adapter=adapter)
             check_settings(corpus.manifest, path, {"chunk_tokens": chunk_tokens, "overlap": overlap,
                                                    "max_tokens": max_tokens, "index": index, "codec": codec, "neighbours": neighbours,
-                                                   "byproduct": byproduct})
+                                                   "byproduct": byproduct, "neighbours_present": neighbours_present})
             corpus.set_budget(budget, kv=kv)
             corpus.add(inputs, field=field, id_field=id_field, token_budget=token_budget, on_batch=on_batch,
                        progress=progress, ray=ray, on_estimate=on_estimate)
             return corpus
         codec = codec or corpus_store.DEFAULT_CODEC
+        nbr.check(neighbours or 0, neighbours_present)
         budgeting.check_byproduct(byproduct, kv, neighbours)
         if codec in CODEC_WARNINGS:
             warnings.warn(f"codec {codec!r} {CODEC_WARNINGS[codec]}", CorpusWarning, stacklevel=2)
@@ -210,7 +212,7 @@ class Corpus(Answering, StoreAccess):
             overlap=params.overlap, max_tokens=params.hard_max, index=index or "flat",
             instructions=instructions or DEFAULT_INSTRUCTIONS, package_version=layout.package_version(), created=now,
             updated=now, dtype=dtype_of(engine), codec=codec, kv=kv or "eager", neighbours=neighbours or 0,
-            byproduct=bool(byproduct), **budget.manifest_fields(),
+            neighbours_present=neighbours_present or 0, byproduct=bool(byproduct), **budget.manifest_fields(),
             **adapter_fields(engine),
         )
         path.mkdir(parents=True, exist_ok=True)
@@ -406,7 +408,7 @@ class Corpus(Answering, StoreAccess):
         return {
             "path": str(self.path), **self.table.counts(), "num_vectors": len(self.index), "store_bytes": layout.store_bytes(self.path),
             "model": m.model, "fingerprint": m.fingerprint, "mode": m.mode, "dtype": m.dtype, "embedder": m.embedder, "dim": m.dim,
-            "codec": m.codec, "kv": m.kv, "neighbours": m.neighbours, "byproduct": m.byproduct, "budget": dataclasses.asdict(StoreBudget.of(m)),
+            "codec": m.codec, "kv": m.kv, "neighbours": m.neighbours, "neighbours_present": m.neighbours_present, "byproduct": m.byproduct, "budget": dataclasses.asdict(StoreBudget.of(m)),
             "encoded": dataclasses.asdict(self.coverage()), "recovery": m.recovery, "adapter": m.adapter, "adapter_digest": m.adapter_digest, "instructions": m.instructions,
             "index": m.index, "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "max_tokens": m.max_tokens,
             "package_version": m.package_version, "created": m.created, "updated": m.updated, "redis_url": self.redis_url,

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
 
 INGEST_SUFFIX = ".ingest"
+PLAIN = "#plain"  # the table's key row of a module's plain KV, beside its KV encoded after its neighbours
 Batch = list[tuple[str, int, Chunk]]  # (document source, chunk seq, chunk)
 
 
@@ -59,6 +60,7 @@ def corpus_schema(manifest: Manifest, modules: Iterable[tuple[str, str]], suffix
     system = ast.Role("system", (ast.Text(manifest.instructions + "\n\n"), *mods.values()))
     return ast.Schema(manifest.name + suffix, (system,), modules=mods, parents={m: None for m in mods}, union_of={},
                       neighbours={m: tuple(n) for m, n in neighbours.of.items() if n and m in mods},
+                      neighbours_present=manifest.neighbours_present,
                       byproduct=manifest.byproduct)
 
 
@@ -80,6 +82,9 @@ def encode_kv(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[s
     if not modules or manifest.kv == "lazy":
         return 0.0
     t = time.perf_counter()
+    if manifest.neighbours_present and neighbours.of:  # the plain KV a prompt without the neighbours reads
+        engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX), replace=True)
+        engine.encode(manifest.name + INGEST_SUFFIX)
     engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX, neighbours), replace=True)
     # The batch's modules and the root (instructions), so no question pays for them; not the earlier
     # modules declared as neighbours.
@@ -93,5 +98,9 @@ def store_keys(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[
     only tokenizes), so that forgetting a module can drop its KV."""
     if not modules:
         return {}
+    plain = {}
+    if manifest.neighbours_present and neighbours.of:  # recorded under "<module>#plain", dropped with the module
+        engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX), replace=True)
+        plain = {m + PLAIN: k for m, k in engine.store_keys(manifest.name + INGEST_SUFFIX, [m for m, _ in modules]).items()}
     engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX, neighbours), replace=True)
-    return engine.store_keys(manifest.name + INGEST_SUFFIX, [m for m, _ in modules])
+    return engine.store_keys(manifest.name + INGEST_SUFFIX, [m for m, _ in modules]) | plain

@@ -157,7 +157,8 @@ class Ingestor:
                                                    m.chunk_tokens)) for c in CODECS}
         return StoreEstimate(tokens, m.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])), m.kv,
                              StoreBudget.of(m).describe(), m.disk_budget if m.disk_budget is not None else m.redis_budget,
-                             encode_seconds(engine.fallback.costs, tokens, m.chunk_tokens, m.neighbours))
+                             encode_seconds(engine.fallback.costs, tokens, m.chunk_tokens,
+                                            m.neighbours + bool(m.neighbours_present)))  # + the plain KV
 
     def committed(self, todo: list[Document]) -> int:
         """Tokens an interrupted ingest of the same documents committed already (resumed, not redone)."""

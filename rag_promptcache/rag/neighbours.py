@@ -52,12 +52,17 @@ class Unindexed:
 NOTHING = Unindexed({}, np.zeros((0, 0), np.float32))
 
 
-def check(neighbours: int | None) -> int | None:
-    """`neighbours` as asked (None: not asked), refused unless it is a valid setting."""
-    if neighbours is None:
-        return None
-    if isinstance(neighbours, bool) or not isinstance(neighbours, int) or not 0 <= neighbours <= MAX:
+def check(neighbours: int | None, present: int | None = None) -> int | None:
+    """`neighbours` as asked (None: not asked, an existing corpus's), refused unless it is a valid setting; so is
+    `present` (how many of a module's neighbours a prompt must hold for it to read the KV encoded after them)."""
+    if neighbours is not None and (isinstance(neighbours, bool) or not isinstance(neighbours, int)
+                                   or not 0 <= neighbours <= MAX):
         raise ValueError(f"neighbours must be a whole number from 0 (off) to {MAX}, got {neighbours!r}")
+    if present is not None and (isinstance(present, bool) or not isinstance(present, int) or present < 0
+                                or (neighbours is not None and present > neighbours)):  # None: the corpus's
+        raise ValueError(f"neighbours_present (--neighbours-present) must be a whole number from 0 (always read "
+                         f"the KV encoded after the neighbours) to the corpus's neighbours (M, given with it: "
+                         f"{neighbours or 0}), got {present!r}")
     return neighbours
 
 

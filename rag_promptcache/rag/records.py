@@ -58,6 +58,9 @@ class Manifest:
     # Each module's KV encoded after its this many nearest modules (`ingest --neighbours`, rag/neighbours.py);
     # 0 (and manifests before it): each alone after the instructions.
     neighbours: int = 0
+    # A prompt reads a module's KV encoded after its neighbours only where at least this many of them are
+    # retrieved with it, its plain KV (also stored) otherwise (`ingest --neighbours-present`); 0: always.
+    neighbours_present: int = 0
     # Each module's KV kept from the prefill of the first question that retrieves it (`ingest --kv lazy
     # --byproduct`, engine/kv/byproduct.py) rather than encoded on its own; False (and manifests before it): off.
     byproduct: bool = False

@@ -403,13 +403,13 @@ class ChunkTable:
 
     def _drop_chunks(self, db: sqlite3.Connection, source: str) -> Dropped:
         db.execute("DELETE FROM chunks WHERE source = ?", (source,))
-        orphans = db.execute(
-            "SELECT m.module_id, m.faiss_id, k.store_key FROM modules m LEFT JOIN module_keys k USING(module_id) "
-            "WHERE m.module_id NOT IN (SELECT module_id FROM chunks)"
+        orphans = db.execute(  # with a module's own key, its plain KV's where it keeps one (rag/encoding.py PLAIN)
+            "SELECT m.module_id, m.faiss_id, k.store_key, p.store_key FROM modules m LEFT JOIN module_keys k USING(module_id) "
+            "LEFT JOIN module_keys p ON p.module_id = m.module_id || '#plain' WHERE m.module_id NOT IN (SELECT module_id FROM chunks)"
         ).fetchall()
-        db.executemany("DELETE FROM modules WHERE module_id = ?", [(m,) for m, _, _ in orphans])
-        db.executemany("DELETE FROM module_keys WHERE module_id = ?", [(m,) for m, _, _ in orphans])
-        gone = {m for m, _, _ in orphans}
+        db.executemany("DELETE FROM modules WHERE module_id = ?", [(m,) for m, *_ in orphans])
+        db.executemany("DELETE FROM module_keys WHERE module_id IN (?, ? || '#plain')", [(m, m) for m, *_ in orphans])
+        gone = {m for m, *_ in orphans}
         changed = []
         if gone:  # modules encoded after a dropped one lose it from their neighbours (rag/neighbours.py)
             rows = db.execute("SELECT m.module_id, m.neighbours, k.store_key FROM modules m LEFT JOIN module_keys k "
@@ -421,5 +421,5 @@ class ChunkTable:
                     db.execute("UPDATE modules SET neighbours = ? WHERE module_id = ?",
                                (json.dumps(left) if left else None, m))
                     changed.append((m, key))
-        return Dropped(tuple(f for _, f, _ in orphans), tuple(k for _, _, k in orphans if k) + tuple(k for _, k in changed if k),
-                       tuple(m for m, _ in changed))
+        keys = tuple(k for *_, own, plain in orphans for k in (own, plain) if k) + tuple(k for _, k in changed if k)
+        return Dropped(tuple(f for _, f, *_ in orphans), keys, tuple(m for m, _ in changed))

@@ -33,7 +33,7 @@ import torch
 
 from rag_promptcache.engine.kv import byproduct
 from rag_promptcache.engine.kv.byproduct import Byproduct
-from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit
+from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit, read_as
 from rag_promptcache.engine.planning.background import MISSES, Job
 from rag_promptcache.engine.planning.costmodel import Fallback
 from rag_promptcache.engine.planning.encoder import encode_units
@@ -210,13 +210,14 @@ class Planner:
                     pieces[i] = Piece(p.token_ids, p.position)
                     recomputed.append(unit.name)
         needed = list(dict.fromkeys(p.unit for p in pieces if p.cached))
-        keys = {name: self.schemas.key(compiled, compiled.units[name], chat, default) for name in needed}
+        units = {name: read_as(compiled.units[name], set(needed)) for name in needed}  # plain where neighbours are absent
+        keys = {name: self.schemas.key(compiled, units[name], chat, default) for name in needed}
         kvs: dict[str, ModuleKV] = {}
         missing: list[Unit] = []
         stored_anyway: set[str] = set()
         store = self.store_of(compiled.name)
         for name in needed:
-            unit = compiled.units[name]
+            unit = units[name]
             if self.recompute_sooner(store, keys[name], len(unit.token_ids)):
                 missing.append(unit)
                 stored_anyway.add(name)
@@ -239,7 +240,7 @@ class Planner:
             computed = {u.name for u in missing}
             if any(u.byproduct for u in missing) and byproduct.supported(self.relocator, self.geometry, end):
                 at = byproduct.located(pieces, [u for u in missing if u.byproduct and u.name not in stored_anyway])
-                kept = [Byproduct(keys[n], compiled.units[n], seq, pos, store) for n, (seq, pos) in at.items()]
+                kept = [Byproduct(keys[n], units[n], seq, pos, store) for n, (seq, pos) in at.items()]
             pieces = [Piece(p.token_ids, p.position) if p.unit in computed else p for p in pieces]
             deferred, to_encode = missing, []  # what the store holds but loads slower than this is not queued
         encoded = 0

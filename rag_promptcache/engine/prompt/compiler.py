@@ -50,9 +50,19 @@ class Unit:
     # the schema's neighbours of this module (`ast.Schema.neighbours`), their tokens in order: encoded
     # between its context and it, their KV dropped, its keys moved back to `encode_start`
     neighbour_ids: tuple[int, ...] = ()
+    neighbour_names: tuple[str, ...] = ()  # the modules `neighbour_ids` are the tokens of
+    neighbours_present: int = 0  # `ast.Schema.neighbours_present`: see `read_as`
     # kept from the prefills that compute it (`ast.Schema.byproduct`): its own store key, so a schema that
     # encodes its modules on their own never reads such an entry
     byproduct: bool = False
+
+
+def read_as(unit: Unit, present: set[str]) -> Unit:
+    """`unit` as a prompt whose cached modules are `present` reads it: its KV encoded after its neighbours
+    where at least `neighbours_present` of them are there (or that is 0), else its plain KV."""
+    if not unit.neighbour_names or len(present.intersection(unit.neighbour_names)) >= unit.neighbours_present:
+        return unit
+    return replace(unit, neighbour_ids=(), neighbour_names=(), neighbours_present=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +149,8 @@ class Compiler:
                 raise ValueError(f"schema {schema.name!r}: neighbours of {name!r} name {bad[0]!r}, which is not "
                                  f"another module of the schema; valid: {known}")
             ids = tuple(t for n in names for t in units[n].token_ids)
-            units[name] = replace(units[name], neighbour_ids=ids)
+            units[name] = replace(units[name], neighbour_ids=ids, neighbour_names=tuple(names),
+                                  neighbours_present=schema.neighbours_present)
         if schema.byproduct:
             if schema.neighbours:
                 raise ValueError(f"schema {schema.name!r}: modules kept from prefills (byproduct) are not also "

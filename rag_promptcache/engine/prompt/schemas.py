@@ -106,7 +106,7 @@ class Schemas:
 
     def key(self, compiled: CompiledSchema, unit: Unit, chat: bool, default_system: bool = False) -> str:
         """The store key of `unit`'s KV in this compilation."""
-        memo = (compiled.name, chat, default_system, unit.name)
+        memo = (compiled.name, chat, default_system, unit.name, bool(unit.neighbour_ids))  # plain or after neighbours
         with self._lock:
             key = self._keys.get(memo)
         if key is None:
@@ -132,7 +132,8 @@ class Schemas:
 def _same_schema(a: ast.Schema, b: ast.Schema) -> bool:
     """The same content, wherever it was written: positions in the PML source do not count. Neighbours
     (which PML does not write) count."""
-    return to_pml(a) == to_pml(b) and (a.neighbours, a.byproduct) == (b.neighbours, b.byproduct)
+    return to_pml(a) == to_pml(b) and ((a.neighbours, a.neighbours_present, a.byproduct)
+                                       == (b.neighbours, b.neighbours_present, b.byproduct))
 
 
 def _first_role(nodes: Iterable[object]) -> str | None:
