@@ -1,22 +1,28 @@
 """Pools the two draws of the pick probe per setting, split and k: retained and kept against the base model's
 full prefill (the references the runs name), over both draws' questions, with each draw's speed-up against
 this model's own full prefill (rough: other work shared the machine); writes pooled.json and prints the table
-of docs/FIDELITY.md ("2026-12-03: picking the encoding per prompt")."""
+of docs/FIDELITY.md ("... choosing each module's encoding per prompt"). `python pool.py product`: the same for
+the product path's runs (`benchmarks.fidelity --neighbours 3 --neighbours-present 2`, product/), into
+product/pooled.json."""
 
 import collections
 import json
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+PRODUCT = sys.argv[1:] == ["product"]
+HERE = Path(__file__).parent / "product" if PRODUCT else Path(__file__).parent
+RUNS = ("both0", "manuals0", "both1", "manuals1") if PRODUCT else ("draw0", "draw1")
 cells: dict[tuple[str, str, int], list] = collections.defaultdict(lambda: [0, 0, 0, 0, []])  # ref right, right, both, draws, speed-ups
 settings: list[str] = []
-for draw in ("draw0", "draw1"):
-    path = HERE / draw / "fidelity.json"
+for run in RUNS:
+    path = HERE / run / "fidelity.json"
     if not path.exists():
         continue
     for row in json.loads(path.read_text())["rows"]:
-        settings += [row["recovery"]] if row["recovery"] not in settings else []
-        cell = cells[(row["recovery"], row["split"], row["k"])]
+        name = row["recovery"] if "recovery" in row else row["setting"]
+        settings += [name] if name not in settings else []
+        cell = cells[(name, row["split"], row["k"])]
         answers = row["answers"]
         cell[0] += sum(a["reference_right"] for a in answers)
         cell[1] += sum(a["cached_right"] for a in answers)
