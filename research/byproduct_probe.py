@@ -12,7 +12,10 @@ entry), beside the same prompts over plain entries and over the engine's own `--
 entries (a second corpus of the same documents built with `Corpus.build(neighbours=3)`), with
 recovery `none` and `last:1`, judged against the base model's full prefill (`--reference`) as the
 fidelity scenario judges (rag/fidelity.py, bench/fidelity_reference.py). `temp:T+RECOVERY` reads the plain
-entries with their keys scaled by 1/T (`tempered`: APE's attention temperature on the cached modules):
+entries with their keys scaled by 1/T (`tempered`: APE's attention temperature on the cached modules);
+`pick:C+RECOVERY` reads a module's `--neighbours 3` entry where at least C of its three neighbours are in the
+prompt, its plain entry otherwise (what `ingest --neighbours-present C` does), and `pick:C+gate` answers a
+prompt whose every module is so covered with `none`, any other from plain entries with `last:1`:
 
     python -m research.byproduct_probe --split bench --k 4 8 12 --threads 2 --dtype bfloat16 \
         --reference docs/bench/fidelity-quiet-2026-11-25/tokens32/fidelity.json \
@@ -165,7 +168,7 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
             outcomes: dict[str, list[Outcome]] = {s: [] for s in settings}
             lent_reads = reads = 0
             picks = {e: [0, 0] for e, _ in parsed.values() if e.startswith("pick:")}  # nbr reads, gated to none
-            gated: list = []  # the prompts a `gate` setting answers with plain entries and last:1
+            gated: dict[str, list] = {e: [] for e in picks}  # the prompts a `gate` setting answers plain with last:1
             for i, r in enumerate(refs):
                 entries = {"plain": {}, "nbr": {m: nbr_kvs[m] for m in r.module_ids} if nbr else {}, "byp": {}}
                 temps = {e for e, _ in parsed.values() if e.startswith("temp:")}
@@ -185,7 +188,7 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
                     picks[e][0] += len(chosen)
                     picks[e][1] += len(chosen) == len(r.module_ids)
                     if len(chosen) < len(r.module_ids) and (e, "gate") in parsed.values():
-                        gated.append(r)
+                        gated[e].append(r)
                 for s in settings:
                     encoding, rec = parsed[s]
                     if rec == "gate":  # every module read after its neighbours: nothing recomputed; else plain last:1
@@ -198,8 +201,9 @@ def run_split(engine: PromptCache, nbr_engine: PromptCache, split: str, cfg: arg
                 row = fidelity_reference.row(
                     split, adapter, "shared_prefix", "native", report, reference,
                     recomputed_share=(bench_fidelity.recomputed_share(engine, refs, parsed[s][1]) if parsed[s][1] != "gate" else
-                                      bench_fidelity.recomputed_share(engine, gated, "last:1")
-                                      * sum(g.context_tokens for g in gated) / sum(r.context_tokens for r in refs)),
+                                      bench_fidelity.recomputed_share(engine, gated[parsed[s][0]], "last:1")
+                                      * sum(g.context_tokens for g in gated[parsed[s][0]])
+                                      / sum(r.context_tokens for r in refs)),
                     byproduct_share=lent_reads / max(1, reads) if parsed[s][0] == "byp" else 0.0,
                     picked_share=picks[parsed[s][0]][0] / max(1, reads) if parsed[s][0] in picks else None,
                     all_picked_share=picks[parsed[s][0]][1] / len(refs) if parsed[s][0] in picks else None,
