@@ -82,25 +82,34 @@ def encode_kv(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[s
     if not modules or manifest.kv == "lazy":
         return 0.0
     t = time.perf_counter()
-    if manifest.neighbours_present and neighbours.of:  # the plain KV a prompt without the neighbours reads
-        engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX), replace=True)
-        engine.encode(manifest.name + INGEST_SUFFIX)
-    engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX, neighbours), replace=True)
-    # The batch's modules and the root (instructions), so no question pays for them; not the earlier
-    # modules declared as neighbours.
-    engine.encode(manifest.name + INGEST_SUFFIX, [ROOT, *(m for m, _ in modules)] if neighbours.earlier else None)
+    for near in encodings(manifest, neighbours):
+        # The batch's modules and the root (instructions), so no question pays for them; not the earlier
+        # modules declared as neighbours.
+        engine.encode(_ingest_schema(engine, manifest, modules, near),
+                      [ROOT, *(m for m, _ in modules)] if near.earlier else None)
     return time.perf_counter() - t
 
 
 def store_keys(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]],
                neighbours: Neighbours = NONE) -> dict[str, str]:
     """The store key of each module's KV, as the engine computes it (registering the batch's schema
-    only tokenizes), so that forgetting a module can drop its KV."""
-    if not modules:
-        return {}
-    plain = {}
-    if manifest.neighbours_present and neighbours.of:  # recorded under "<module>#plain", dropped with the module
-        engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX), replace=True)
-        plain = {m + PLAIN: k for m, k in engine.store_keys(manifest.name + INGEST_SUFFIX, [m for m, _ in modules]).items()}
+    only tokenizes), so that forgetting a module can drop its KV; a plain entry kept beside the one encoded
+    after the neighbours (`--neighbours-present`) under "<module>#plain", dropped with the module."""
+    keys: dict[str, str] = {}
+    for near in encodings(manifest, neighbours) if modules else ():
+        got = engine.store_keys(_ingest_schema(engine, manifest, modules, near), [m for m, _ in modules])
+        keys |= got if near is neighbours else {m + PLAIN: k for m, k in got.items()}
+    return keys
+
+
+def encodings(manifest: Manifest, neighbours: Neighbours) -> tuple[Neighbours, ...]:
+    """The encodings a corpus stores of a batch: after `neighbours`, and plain too where a prompt without
+    enough of them reads that (`Manifest.neighbours_present`)."""
+    return (NONE, neighbours) if manifest.neighbours_present and neighbours.of else (neighbours,)
+
+
+def _ingest_schema(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[str, str]],
+                   neighbours: Neighbours) -> str:
+    """Register the batch's schema (its modules after `neighbours`) for ingest; its name."""
     engine.add_schema(corpus_schema(manifest, modules, INGEST_SUFFIX, neighbours), replace=True)
-    return engine.store_keys(manifest.name + INGEST_SUFFIX, [m for m, _ in modules]) | plain
+    return manifest.name + INGEST_SUFFIX

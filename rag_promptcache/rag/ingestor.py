@@ -229,12 +229,12 @@ class Ingestor:
         new = self.new_modules(batch)
         modules = [(m, c.module_text) for m, c in new.items()]
         engine, embedder, manifest = self.parts.engine(), self.parts.embedder(), self.parts.manifest
-        texts = [search_text(c.context, c.module_text) for c in new.values()]  # what retrieval reads
         if manifest.neighbours and modules:  # the neighbours come from the embeddings: first embed, then encode
             vectors, near = self.choose(new)
             self.stats.encode_seconds += encode_kv(engine, manifest, modules, near)
             self.commit(batch, finished, new, vectors, near)
             return
+        texts = [search_text(c.context, c.module_text) for c in new.values()]  # what retrieval reads
         if not self.overlap or not modules:
             out = encode_modules(engine, embedder, manifest, modules, texts)
             self.stats.encode_seconds += out.encode_seconds
