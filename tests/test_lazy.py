@@ -130,6 +130,12 @@ def test_warm_encodes_the_most_retrieved_and_resumes(parts, tmp_path: Path, caps
     assert code == 0, err
     code, out, _ = run(capsys, "info", "--corpus", tmp_path / "c", "--json")
     assert json.loads(out)["encoded"]["num_encoded"] >= 5
+    code, out, err = run(capsys, "warm", "--corpus", tmp_path / "c", "--all")  # the rest, hot ones first
+    assert code == 0, err
+    total = json.loads(run(capsys, "info", "--corpus", tmp_path / "c", "--json")[1])["encoded"]
+    assert total["num_encoded"] == total["num_modules"] and f"{total['num_modules']} modules encoded" in out
+    code, out, _ = run(capsys, "warm", "--corpus", tmp_path / "c", "--all")
+    assert code == 0 and "0 module(s) encoded" in out
 
 
 def test_ingest_prints_both_modes_and_a_budget_below_one_module_is_refused(parts, tmp_path: Path, capsys,

@@ -2,7 +2,8 @@
 KV encoded after its neighbours only where at least C of them are in the same prompt, its plain KV (the
 entry a schema without neighbours stores) otherwise, chosen per module in the plan, so every path that plans
 follows it. Exact where it is plain: the same key, KV and logits as an engine without neighbours. The corpus
-stores both entries and drops both with the module.
+writes the plain entries at ingest and the others later (a question that read one plain queues it; a server's
+idle time and `warm --all` encode the rest), and drops both with the module.
 
 Engine tests over a tiny random Llama, fp32; corpus tests over a 2-layer random Llama with SmolLM2's tokenizer
 (tests/tiny_llama.py) and the real MiniLM embedder."""
@@ -10,12 +11,15 @@ Engine tests over a tiny random Llama, fp32; corpus tests over a 2-layer random 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
 
+from rag_promptcache.cli.ingest_cmd import encoded_line
 from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.kv.assemble import release
+from rag_promptcache.engine.planning.plan import Plan
 from rag_promptcache.rag import Corpus
 from rag_promptcache.store import DiskStore, MemoryStore
 from tests.test_neighbours import PROMPT, schema
@@ -37,8 +41,8 @@ def model(tokenizer):
 
 
 @torch.inference_mode()
-def logits(pc: PromptCache, prompt: str) -> torch.Tensor:
-    done = pc.prefill(dataclasses.replace(pc.plan(prompt), sources=None))
+def logits(pc: PromptCache, prompt: str | Plan, **plan) -> torch.Tensor:
+    done = pc.prefill(dataclasses.replace(pc.plan(prompt, **plan) if isinstance(prompt, str) else prompt, sources=None))
     release(done.cache)
     return done.logits
 
@@ -75,10 +79,37 @@ def test_a_deferred_plain_miss_is_encoded_plain_in_the_background(model, tokeniz
     reference = engine(model, tokenizer, present=0, neighbours={}).plan(ONE_NEIGHBOUR)
     stored = picking.store.get(reference.sources["a"])  # under the plain key, the plain KV
     assert stored is not None and torch.equal(stored.keys, reference.kvs["a"].keys)
-    assert not picking.store.contains(picking.plan(PROMPT, misses="defer").sources.get("a", "?"))
+    # with both neighbours there, a reads that plain entry too while its entry after them is not stored yet
+    assert picking.plan(PROMPT, misses="defer").sources["a"] == reference.sources["a"]
 
 
-# Corpus: both entries written at ingest, read per prompt, dropped with the module.
+@torch.inference_mode()
+def test_an_entry_after_neighbours_not_stored_yet_is_read_plain_and_queued(model, tokenizer):
+    store = MemoryStore()
+    plain = engine(model, tokenizer, present=0, neighbours={}, store=store)
+    plain.encode("s")  # what ingest writes: the plain entries only
+    picking = engine(model, tokenizer, present=2, store=store)
+    after = engine(model, tokenizer, present=0)
+    deferred = picking.plan(PROMPT, misses="defer")  # both neighbours there, but a's entry after them is not stored
+    reference = plain.plan(PROMPT)
+    assert deferred.sources["a"] == reference.sources["a"] and "a" in deferred.hits and not deferred.misses
+    assert deferred.num_encoded_tokens == 0  # nothing encoded in the request: a's entry is queued (once)
+    stats = picking.background.stats()
+    assert stats.num_queued + stats.num_encoded == 1 and not stats.num_failed
+    assert torch.equal(logits(picking, deferred), logits(plain, PROMPT))  # answered exactly as from the plain entries
+    picking.background.drain()  # while no request runs (its thread may have begun)
+    upgraded = picking.plan(PROMPT, misses="defer")
+    assert upgraded.sources["a"] == after.plan(PROMPT).sources["a"] != reference.sources["a"]
+    assert torch.equal(upgraded.kvs["a"].keys, after.plan(PROMPT).kvs["a"].keys)
+    assert torch.equal(logits(picking, PROMPT, misses="defer"), logits(after, PROMPT))
+    # `encode` (a bare engine's misses, what `eval` measures): the request encodes it first, as before
+    fresh = MemoryStore()
+    engine(model, tokenizer, present=0, neighbours={}, store=fresh).encode("s")
+    encoding = engine(model, tokenizer, present=2, store=fresh)
+    assert encoding.plan(PROMPT, misses="encode").sources["a"] == upgraded.sources["a"]
+
+
+# Corpus: the plain entries written at ingest, the others later; read per prompt, both dropped with the module.
 
 TOPICS = {
     "rivers.txt": "The Nile flows north through eleven countries into the Mediterranean Sea. ",
@@ -97,7 +128,7 @@ def corpus(parts, path, **kw) -> Corpus:
     return Corpus.build([docs], path, model=model, embedder=emb, chunk_tokens=48, progress=False, redis_url="", **kw)
 
 
-def test_a_corpus_stores_both_entries_reads_each_where_it_belongs_and_drops_both(parts, tmp_path, monkeypatch):
+def test_a_corpus_writes_plain_entries_upgrades_what_questions_read_and_drops_both(parts, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_PROMPTCACHE_FALLBACK", "never")  # the cached path (tests/conftest.py)
     c = corpus(parts, tmp_path / "c", neighbours=2, neighbours_present=2)
     try:
@@ -106,14 +137,24 @@ def test_a_corpus_stores_both_entries_reads_each_where_it_belongs_and_drops_both
         ids = [m for m, _ in c.table.modules()]
         assert all(m + "#plain" in rows and rows[m + "#plain"] != rows[m] for m in ids)
         store = DiskStore(tmp_path / "c" / "store")
-        try:
-            assert all(store.contains(k) for k in rows.values())  # ingest wrote both
+        try:  # ingest wrote the plain entries, as an ingest without neighbours does, and only those
+            assert all(store.contains(rows[m + "#plain"]) and not store.contains(rows[m]) for m in ids)
         finally:
             store.close()
+        cov = c.coverage()
+        assert (cov.num_encoded, cov.num_after_neighbours) == (len(ids), 0)
+        assert f"{len(ids)} of {len(ids)} modules encoded, 100% of their tokens; 0 also after their neighbours" in \
+            encoded_line(c.info()["encoded"])  # `info`
         one = c.ask("Why do bees dance?", k=1, max_new_tokens=4)  # alone: no neighbour beside it, its plain entry
         assert not one.missed_modules and one.hit_modules == one.module_ids
-        many = c.ask("Why do bees dance?", k=len(ids), max_new_tokens=4)  # every module: each after its neighbours
+        assert c.store_deferred() == 0  # nothing better to write for a module read alone
+        many = c.ask("Why do bees dance?", k=len(ids), max_new_tokens=4)  # every module: plain now, the rest queued
         assert not many.missed_modules and set(many.hit_modules) == set(ids)
+        assert c.engine.background.stats().num_queued == len(ids)
+        c.store_deferred()  # what `ask` does once the answer is out (the encoder's thread may have begun)
+        assert all(c.engine.store.contains(rows[m]) for m in ids) and c.coverage().num_after_neighbours == len(ids)
+        again = c.ask("Why do bees dance?", k=len(ids), max_new_tokens=4)  # each after its neighbours now
+        assert set(again.hit_modules) == set(ids) and c.store_deferred() == 0
         gone = c.table.chunk_ids(str((parts[1] / "bees.txt").resolve()))
         c.remove("bees.txt")
         for m in gone:
@@ -133,3 +174,23 @@ def test_bad_settings_are_refused_by_name(parts, tmp_path):
     c.close()
     with pytest.raises(ValueError, match="neighbours_present=1, not 2"):
         corpus(parts, tmp_path / "c", neighbours_present=2)
+
+
+def test_warm_all_and_idle_time_encode_the_entries_after_neighbours(parts, tmp_path):
+    c = corpus(parts, tmp_path / "w", neighbours=2, neighbours_present=2)
+    try:
+        ids = [m for m, _ in c.table.modules()]
+        report = c.warm(None)  # `warm --all`: every module, though no question retrieved any yet
+        assert (report.num_wanted, report.num_held, report.num_encoded) == (len(ids), 0, len(ids))
+        assert c.coverage().num_after_neighbours == len(ids) and c.warm(None).num_encoded == 0  # resumable
+    finally:
+        c.close()
+    c = corpus(parts, tmp_path / "i", neighbours=2, neighbours_present=2)
+    try:
+        c.warm_when_idle()  # what `serve` calls at start-up
+        deadline = time.monotonic() + 120
+        while c.coverage().num_after_neighbours < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.coverage().num_after_neighbours == len(ids)
+    finally:
+        c.close()

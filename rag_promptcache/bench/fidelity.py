@@ -125,6 +125,8 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
                               neighbours_present=cfg.fidelity_neighbours_present)
         bench.log(f"fidelity {split}: corpus of {len(data.documents)} documents, {len(corpus)} modules, "
                   f"{corpus.last_report.num_tokens} tokens")
+        if cfg.fidelity_neighbours_present:  # what idle time writes after ingest (`warm --all`), before anything is timed
+            corpus.warm(None)
         for mode in modes[1:]:  # the same modules, encoded in another mode, before anything is timed
             engines[mode] = PromptCache(model, tok, store=MemoryStore(codec=cfg.fidelity_codec), mode=mode, name=bench.model_name,
                                         **NO_FALLBACK)

@@ -46,7 +46,7 @@ def ingest(
     store_budget: Annotated[str | None, typer.Option("--store-budget", help="The store's bytes per tier, recorded in the corpus and held by every process that opens it: memory=1GiB,disk=20GiB,redis=4GiB (none: unbounded; a tier not named keeps its budget) [default: memory 1 GiB per process, disk and Redis unbounded].", show_default=False)] = None,
     eviction: Annotated[str | None, typer.Option(help="Which entries a full tier drops first: lru or cost (greedy-dual-size-frequency: recompute cost per byte and hits) [default: the corpus's, cost for a new one].", show_default=False)] = None,
     neighbours: Annotated[int | None, typer.Option("--neighbours", help="Encode each module after the M modules nearest its text (their KV dropped, its own kept), so that it has read what a question likely retrieves beside it: more answers kept at no cost per question, but ingest encodes (M+1)x the tokens. 0: off. Set once for a corpus [default: the corpus's, 0 for a new one]; docs/concepts.md.", metavar="M", show_default=False)] = None,
-    neighbours_present: Annotated[int | None, typer.Option("--neighbours-present", help="With --neighbours M: also store each module's plain KV (encoded without its neighbours), and read the KV encoded after them only where at least C of its M neighbours are retrieved into the same prompt, the plain KV otherwise; with recovery none, C = 2 of M = 3 kept 89-95% of the answers on look-alike records at 8-43x and 80-88% on manual pages (docs/FIDELITY.md). Ingest encodes (M+2)x the tokens. 0: always read the KV encoded after them. Set once for a corpus [default: the corpus's, 0 for a new one].", metavar="C", show_default=False)] = None,
+    neighbours_present: Annotated[int | None, typer.Option("--neighbours-present", help="With --neighbours M: also store each module's plain KV (encoded without its neighbours), and read the KV encoded after them only where at least C of its M neighbours are retrieved into the same prompt, the plain KV otherwise; with recovery none, C = 2 of M = 3 kept 89-95% of the answers on look-alike records at 8-43x and 80-88% on manual pages (docs/FIDELITY.md). Ingest encodes each module's plain KV only (what an ingest without neighbours encodes), so the corpus answers from it at once; the KV encoded after the neighbours ((M+1)x the tokens) follows in idle time: a server encodes it while no request runs, a question that read a module plain queues it, `warm --all` encodes it now. 0: always read the KV encoded after them. Set once for a corpus [default: the corpus's, 0 for a new one].", metavar="C", show_default=False)] = None,
     byproduct: Annotated[bool | None, typer.Option("--byproduct/--no-byproduct", help="With --kv lazy: keep a missed module's KV from the prefill of the question that first retrieves it (computed after the modules retrieved with it) instead of encoding it on its own: storing it runs no model at all. On look-alike documents its answers held with nothing recomputed where plain modules' did not; on unrelated pages (a manual) it lost some: run `eval` on your questions before choosing it. Set once for a corpus; not with --neighbours [default: the corpus's, off for a new one]; docs/stores.md.", show_default=False)] = None,
 ) -> None:
     """Build a corpus, or update one: new and changed files are ingested, unchanged ones skipped,
@@ -129,7 +129,10 @@ def _print_estimate(estimate) -> None:
 def encoded_line(cov: dict) -> str:
     """`info`'s coverage: how much of the corpus's KV the store holds."""
     share = cov["num_encoded_tokens"] / cov["num_tokens"] if cov["num_tokens"] else 0.0
-    return f"{cov['num_encoded']} of {cov['num_modules']} modules encoded, {share:.0%} of their tokens"
+    after = cov.get("num_after_neighbours")
+    return (f"{cov['num_encoded']} of {cov['num_modules']} modules encoded, {share:.0%} of their tokens"
+            + (f"; {after} also after their neighbours (the rest read plain until idle time or `warm --all` "
+               "encodes them)" if after is not None else ""))
 
 
 def _budget(corpus: Path, existed: bool, spec: str | None, eviction: str | None, kv: str | None):
@@ -217,13 +220,14 @@ def _ingest(paths, corpus, existed, model, chunk_tokens, overlap, embedder, inde
 def warm(
     corpus: CorpusOpt,
     top: Annotated[int, typer.Option("--top", help="How many of the most retrieved modules to encode.")] = 100,
+    everything: Annotated[bool, typer.Option("--all", help="Every module instead of the --top N (the most retrieved first): a lazy corpus whole, or the KV encoded after their neighbours of a corpus ingested with --neighbours-present, which ingest leaves to idle time.")] = False,
     questions: Annotated[Path | None, typer.Option("--questions", help="A question log (one question a line, or JSON lines with a \"question\" field) whose retrievals rank the modules [default: what questions asked of this corpus have retrieved].", dir_okay=False, show_default=False)] = None,
     k: KOpt = 4,
     redis_url: RedisOpt = None,
 ) -> None:
     """Encode, ahead of questions, the module KV of the --top N modules questions retrieve most (a lazy
-    corpus's, or an eager one's after its store evicted them), skipping those stored already, within the
-    store budget. Interrupted? Run it again to resume."""
+    corpus's, or an eager one's after its store evicted them), or of --all, skipping those stored already,
+    within the store budget. Interrupted? Run it again to resume."""
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.lazy import read_questions
 
@@ -232,7 +236,7 @@ def warm(
     asked = read_questions(questions) if questions is not None else None
     c = Corpus.open(corpus, redis_url=redis_url)
     try:
-        report = c.warm(top, asked, k)
+        report = c.warm(None if everything else top, asked, k)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; what was encoded is stored, run the same command again to resume", err=True)
         raise typer.Exit(130) from None

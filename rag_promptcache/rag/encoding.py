@@ -82,11 +82,12 @@ def encode_kv(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[s
     if not modules or manifest.kv == "lazy":
         return 0.0
     t = time.perf_counter()
-    for near in encodings(manifest, neighbours):
-        # The batch's modules and the root (instructions), so no question pays for them; not the earlier
-        # modules declared as neighbours.
-        engine.encode(_ingest_schema(engine, manifest, modules, near),
-                      [ROOT, *(m for m, _ in modules)] if near.earlier else None)
+    # A corpus that keeps both entries writes the plain one now, the other in idle time (rag/lazy.py `fill_one`)
+    # or when a question reads its plain entry in its place (engine/planning/plan.py).
+    near = NONE if manifest.neighbours_present else neighbours
+    # The batch's modules and the root (instructions), so no question pays for them; not the earlier
+    # modules declared as neighbours.
+    engine.encode(_ingest_schema(engine, manifest, modules, near), [ROOT, *(m for m, _ in modules)] if near.earlier else None)
     return time.perf_counter() - t
 
 
@@ -103,8 +104,8 @@ def store_keys(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[
 
 
 def encodings(manifest: Manifest, neighbours: Neighbours) -> tuple[Neighbours, ...]:
-    """The encodings a corpus stores of a batch: after `neighbours`, and plain too where a prompt without
-    enough of them reads that (`Manifest.neighbours_present`)."""
+    """The encodings a corpus keeps of a batch: after `neighbours`, and plain too where a prompt without
+    enough of them reads that (`Manifest.neighbours_present`; ingest writes only that one, `encode_kv`)."""
     return (NONE, neighbours) if manifest.neighbours_present and neighbours.of else (neighbours,)
 
 

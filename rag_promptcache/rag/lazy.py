@@ -44,9 +44,12 @@ class Coverage:
     """How much of a corpus's module KV the store holds now (in any tier)."""
 
     num_modules: int
-    num_encoded: int
+    num_encoded: int  # modules with an entry held (either, where the corpus keeps two: `--neighbours-present`)
     num_tokens: int
     num_encoded_tokens: int
+    # where the corpus keeps two entries, the modules whose entry encoded after their neighbours is held
+    # (ingest writes the plain ones; these follow in idle time, `Upgrades`); None: it keeps one
+    num_after_neighbours: int | None = None
 
     @property
     def share(self) -> float:
@@ -76,8 +79,13 @@ def held_keys(corpus: Corpus) -> set[str]:
 def coverage(corpus: Corpus) -> Coverage:
     rows = corpus.table.module_keys()
     held = held_keys(corpus)
-    encoded = [n for _, key, n in rows if key in held]
-    return Coverage(len(rows), len(encoded), sum(n for _, _, n in rows), sum(encoded))
+    after = {m for m, key, _ in rows if key in held}
+    if not corpus.manifest.neighbours_present:
+        encoded = [n for m, _, n in rows if m in after]
+        return Coverage(len(rows), len(encoded), sum(n for _, _, n in rows), sum(encoded))
+    plain = {m for m, key, _ in corpus.table.module_keys(plain=True) if key in held}
+    encoded = [n for m, _, n in rows if m in after or m in plain]
+    return Coverage(len(rows), len(encoded), sum(n for _, _, n in rows), sum(encoded), len(after))
 
 
 class RetrievalLog:
@@ -153,24 +161,29 @@ def ranked(corpus: Corpus, questions: Sequence[str] | None, k: int) -> list[str]
     return sorted(counts, key=lambda m: (-counts[m], order.get(m, 0)))
 
 
-def warm(corpus: Corpus, top: int, questions: Sequence[str] | None = None, k: int = 4,
+def warm(corpus: Corpus, top: int | None, questions: Sequence[str] | None = None, k: int = 4,
          progress: Callable[[int], None] | None = None) -> WarmReport:
-    """Encode the `top` most retrieved modules not held yet (resumable: what is held is skipped), capped
-    at what the store's budget holds; `progress(n)` after each batch encoded."""
+    """Encode the `top` most retrieved modules not held yet (None: every module, the most retrieved first;
+    resumable: what is held is skipped), capped at what the store's budget holds; `progress(n)` after each
+    batch encoded. Where the corpus keeps two entries of each module, this encodes the ones after their
+    neighbours (the plain ones are written at ingest) and the budget counts both."""
     import time
 
-    if top < 1:
+    if top is not None and top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
     t0 = time.perf_counter()
     order = ranked(corpus, questions, k)
+    tokens = {m: n for m, _, n in corpus.table.module_keys()}
+    if top is None:
+        order = list(dict.fromkeys([*order, *tokens]))
+        top = len(order)
     if not order:
         raise ValueError("nothing to warm from: no question has retrieved a module of this corpus yet; "
-                         "pass a question log (--questions FILE)")
-    tokens = {m: n for m, _, n in corpus.table.module_keys()}
-    room = _room(corpus)
+                         "pass a question log (--questions FILE)" if tokens else "the corpus holds no modules")
+    room, entries = _room(corpus), 2 if corpus.manifest.neighbours_present else 1
     wanted, used, capped = [], 0, ""
     for m in order[:top]:
-        size = module_bytes(corpus.engine_slot.get(), tokens.get(m, 0), corpus.manifest.codec)
+        size = entries * module_bytes(corpus.engine_slot.get(), tokens.get(m, 0), corpus.manifest.codec)
         if room is not None and used + size > room:
             capped = (f"the store budget holds about {len(wanted)} of the {min(top, len(order))} modules asked "
                       f"for ({corpus.budget.describe()})")
@@ -208,6 +221,32 @@ def warm_one(corpus: Corpus, engine: PromptCache, warmed: set[str]) -> bool:
             raise
         return True
     return False
+
+
+class Upgrades:
+    """Idle steps of a corpus that keeps two entries of each module (`--neighbours-present`): encode the entries
+    encoded after their neighbours, which ingest leaves for later (rag/encoding.py `encode_kv`), one module a
+    step in ingest order, while the budget holds both entries of each. A module a question read plain in the
+    meantime is queued by that question (engine/planning/plan.py) and found held here."""
+
+    def __init__(self, corpus: Corpus) -> None:
+        self.corpus, self.at = corpus, 0  # rows before `at` are held or were tried
+
+    def __call__(self) -> bool:
+        c, name, room, used = self.corpus, self.corpus.manifest.name, _room(self.corpus), 0
+        engine = c.prepare()  # the schema as the table is now (an ingest meanwhile re-registers it)
+        store = engine.store_of(name)
+        for i, (m, key, n) in enumerate(c.table.module_keys()):
+            used += 2 * module_bytes(engine, n, c.manifest.codec)
+            if room is not None and used > room:
+                return False
+            if i < self.at or store.contains(key):
+                continue
+            self.at = i  # a forward a request stops (the encoder's `Yielded`) is tried again next step
+            engine.encode(name, [m])
+            self.at = i + 1
+            return True
+        return False
 
 
 def _room(corpus: Corpus) -> int | None:
@@ -305,18 +344,21 @@ class StoreAccess:
         """Spend the engine's idle time (no request in flight, no missed module queued) encoding the modules
         the retrieval log says are hot (retrieved at least twice) and the store does not hold, most retrieved
         first, within what the budget holds, each at most once per process: a restarted server refills what
-        its questions come back to before they do. What `serve` and the Ray replicas call at start-up."""
+        its questions come back to before they do; then, where the corpus keeps two entries of each module, the
+        entries encoded after their neighbours not held yet (`Upgrades`). What `serve` and the Ray replicas
+        call at start-up."""
         engine = self.engine_slot.get()
         warmed: set[str] = set()
+        upgrades = Upgrades(self) if self.manifest.neighbours_present else lambda: False  # type: ignore[arg-type]
 
         def step() -> bool:
             self.retrievals.flush()  # this process's latest retrievals count too
-            return warm_one(self, engine, warmed)  # type: ignore[arg-type]
+            return warm_one(self, engine, warmed) or upgrades()  # type: ignore[arg-type]
 
         engine.background.start_idle(step)
 
-    def warm(self, top: int, questions: Sequence[str] | None = None, k: int = 4) -> WarmReport:
+    def warm(self, top: int | None, questions: Sequence[str] | None = None, k: int = 4) -> WarmReport:
         """Encode the `top` modules questions retrieve most (from `questions`, else from what questions
-        retrieved so far), those not held yet, within the store's budget."""
+        retrieved so far; None: every module, those first), those not held yet, within the store's budget."""
         self.retrievals.flush()
         return warm(self, top, questions, k)  # type: ignore[arg-type]

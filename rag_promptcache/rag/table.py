@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 
@@ -304,10 +304,11 @@ class ChunkTable:
         return ids, vectors
 
     @_serialized
-    def module_keys(self) -> list[tuple[str, str, int]]:
-        """(module id, store key of its KV, tokens) of every module, in ingest order."""
-        return self.db.execute("SELECT m.module_id, k.store_key, m.num_tokens FROM modules m "
-                               "JOIN module_keys k USING(module_id) ORDER BY m.rowid").fetchall()
+    def module_keys(self, plain: bool = False) -> list[tuple[str, str, int]]:
+        """(module id, store key of its KV, tokens) of every module, in ingest order; `plain`: of its plain KV,
+        where it keeps one beside the KV encoded after its neighbours (rag/encoding.py PLAIN)."""
+        on = "k.module_id = m.module_id || '#plain'" if plain else "k.module_id = m.module_id"
+        return self.db.execute(f"SELECT m.module_id, k.store_key, m.num_tokens FROM modules m JOIN module_keys k ON {on} ORDER BY m.rowid").fetchall()
 
     @_serialized
     def retrieval_counts(self) -> list[tuple[str, int]]:
@@ -409,8 +410,7 @@ class ChunkTable:
         ).fetchall()
         db.executemany("DELETE FROM modules WHERE module_id = ?", [(m,) for m, *_ in orphans])
         db.executemany("DELETE FROM module_keys WHERE module_id IN (?, ? || '#plain')", [(m, m) for m, *_ in orphans])
-        gone = {m for m, *_ in orphans}
-        changed = []
+        gone, changed = {m for m, *_ in orphans}, []
         if gone:  # modules encoded after a dropped one lose it from their neighbours (rag/neighbours.py)
             rows = db.execute("SELECT m.module_id, m.neighbours, k.store_key FROM modules m LEFT JOIN module_keys k "
                               "USING(module_id) WHERE m.neighbours IS NOT NULL").fetchall()

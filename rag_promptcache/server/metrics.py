@@ -179,11 +179,14 @@ class _Live:
                                   ("corpus_modules_encoded", "Modules whose KV the store holds.", "num_encoded"),
                                   ("corpus_tokens", "Module tokens in the corpus.", "num_tokens"),
                                   ("corpus_tokens_encoded", "Module tokens whose KV the store holds.",
-                                   "num_encoded_tokens")):
-            if covered:
+                                   "num_encoded_tokens"),
+                                  ("corpus_modules_after_neighbours", "Modules whose KV encoded after their neighbours "
+                                   "the store holds, of a corpus keeping a plain entry beside it.", "num_after_neighbours")):
+            values = [(corpus, v) for corpus, cov in covered if (v := getattr(cov, field)) is not None]
+            if values:
                 gauge = GaugeMetricFamily(f"{PREFIX}{name}", what, labels=["corpus"])
-                for corpus, cov in covered:
-                    gauge.add_metric([corpus], getattr(cov, field))
+                for corpus, v in values:
+                    gauge.add_metric([corpus], v)
                 yield gauge
 
 

@@ -9,6 +9,9 @@ made by another model; the key is content-addressed, so that is a miss too) one 
   question waits for an encoding, and the cost model still picks the sooner of this plan and full prefill;
 - encoded (`misses="encode"`): encoded on its own and stored before the request goes on, so the
   request reads it exactly as later ones will (what `eval` measures).
+Under `defer`, a module whose schema keeps two entries (`ast.Schema.neighbours_present`) and whose entry encoded
+after its neighbours is not stored yet reads its plain entry, as a prompt without those neighbours would, and
+the other is queued for the background encoder: a corpus writes only the plain entries at ingest.
 It then turns modules that cannot move to their place here (learned absolute positions) into new
 tokens, and applies the quality recovery (engine/planning/recovery.py). The plan is the request's one
 record from here to its `Result`.
@@ -33,7 +36,7 @@ import torch
 
 from rag_promptcache.engine.kv import byproduct
 from rag_promptcache.engine.kv.byproduct import Byproduct
-from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit, read_as
+from rag_promptcache.engine.prompt.compiler import ROOT, Compiler, Layout, Piece, Unit, plain, read_as
 from rag_promptcache.engine.planning.background import MISSES, Job
 from rag_promptcache.engine.planning.costmodel import Fallback
 from rag_promptcache.engine.planning.encoder import encode_units
@@ -216,16 +219,31 @@ class Planner:
         missing: list[Unit] = []
         stored_anyway: set[str] = set()
         store = self.store_of(compiled.name)
+        deferring = (misses or self.default_misses) == "defer"
+        better: list[Job] = []  # entries encoded after neighbours, not stored yet: the plain one read now
+
+        def stored(unit: Unit) -> ModuleKV | None:
+            kv = store.get(keys[unit.name])
+            # keys are content addresses; this re-checks what the entry says of itself, so a foreign
+            # entry planted under our key is recomputed, never used
+            same = kv is not None and (kv.token_ids, kv.fingerprint, kv.mode) == (unit.token_ids, cfg.fingerprint, cfg.mode)
+            return kv if same else None
+
         for name in needed:
             unit = units[name]
             if self.recompute_sooner(store, keys[name], len(unit.token_ids)):
                 missing.append(unit)
                 stored_anyway.add(name)
                 continue
-            kv = store.get(keys[name])
-            # keys are content addresses; this re-checks what the entry says of itself, so a foreign
-            # entry planted under our key is recomputed, never used
-            if kv is None or (kv.token_ids, kv.fingerprint, kv.mode) != (unit.token_ids, cfg.fingerprint, cfg.mode):
+            kv = stored(unit)
+            if kv is None and deferring and unit.neighbour_ids and unit.neighbours_present:
+                # a corpus that keeps both entries writes this one in idle time: read its plain entry (or miss
+                # it) as a prompt without its neighbours would, and have this one encoded off the request's path
+                better.append(Job(keys[name], unit, len(unit.token_ids), store))
+                unit = units[name] = plain(unit)
+                keys[name] = self.schemas.key(compiled, unit, chat, default)
+                kv = stored(unit)
+            if kv is None:
                 missing.append(unit)
             else:
                 kvs[name] = kv
@@ -256,9 +274,9 @@ class Planner:
         plan = Plan(tuple(pieces), kvs, tuple(n for n in needed if n not in missed),
                     tuple(u.name for u in missing), tuple(dict.fromkeys(recomputed)), encoded, keys,
                     deferred=tuple(u.name for u in deferred), byproducts=tuple(kept))
-        if deferred and self.defer is not None:
+        if (deferred or better) and self.defer is not None:
             later = stored_anyway | {b.unit.name for b in kept}  # a by-product entry is queued after the answer
-            self.defer([Job(keys[u.name], u, len(u.token_ids), store) for u in deferred if u.name not in later])
+            self.defer([*(Job(keys[u.name], u, len(u.token_ids), store) for u in deferred if u.name not in later), *better])
         if fallback and cfg.fallback is not None and self._full_pays(plan, full, cfg.fallback):
             # every token computed; sources={} (no cached unit): such a plan may still reuse, exactly, what
             # an earlier full-path request computed of the same tokens (the prefix cache's labels)

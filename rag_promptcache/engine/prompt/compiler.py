@@ -62,6 +62,11 @@ def read_as(unit: Unit, present: set[str]) -> Unit:
     where at least `neighbours_present` of them are there (or that is 0), else its plain KV."""
     if not unit.neighbour_names or len(present.intersection(unit.neighbour_names)) >= unit.neighbours_present:
         return unit
+    return plain(unit)
+
+
+def plain(unit: Unit) -> Unit:
+    """`unit` encoded without its neighbours: the entry a schema without them stores."""
     return replace(unit, neighbour_ids=(), neighbour_names=(), neighbours_present=0)
 
 
