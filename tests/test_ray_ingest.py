@@ -266,6 +266,27 @@ def test_ray_ingest_with_neighbours_builds_the_same_corpus(cluster, nbr_docs: Pa
         c.close()
 
 
+def test_ray_ingest_keeping_both_entries_writes_the_plain_ones_and_warm_writes_the_rest(
+        cluster, nbr_docs: Path, tiny_model: str, nbr_reference: Corpus, tmp_path: Path) -> None:
+    c = build(nbr_docs, tmp_path / "c", tiny_model, RayOptions(workers=2, kv="workers"), neighbours=2,
+              neighbours_present=2, codec="native")
+    try:
+        assert c.last_report.kv_written_by == "workers" and not c.last_report.failed
+        assert c.table.neighbours() == nbr_reference.table.neighbours()
+        assert sorted(c.table.module_keys()) == sorted(nbr_reference.table.module_keys())
+        plain, after = ({k for _, k, _ in c.table.module_keys(plain=p)} for p in (True, False))
+        held = set(DiskStore(c.path / "store").keys())
+        assert len(plain) == len(after) == len(c) and plain <= held and not after & held  # the workers wrote the plain ones
+        assert c.coverage().num_after_neighbours == 0
+        assert c.warm(None).num_encoded == len(c)  # the entries after the neighbours: a local ingest's, bit for bit
+        ours, theirs = DiskStore(c.path / "store"), DiskStore(nbr_reference.path / "store")
+        for _, key, _ in nbr_reference.table.module_keys():
+            a, b = ours.get(key), theirs.get(key)
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), key
+    finally:
+        c.close()
+
+
 def test_interrupted_ray_ingest_with_neighbours_resumes_without_ray(cluster, nbr_docs: Path, tiny_model: str,
                                                                    nbr_reference: Corpus, tmp_path: Path) -> None:
     commits = []

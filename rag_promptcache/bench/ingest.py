@@ -10,6 +10,9 @@ eager one, and local against Ray (per worker count, `BenchConfig.ingest_workers`
   commits; no KV), the same documents.
 - The eager ingest once more with the embedding the other way (`rag.ingestor.OVERLAP`: beside the
   encoding in a thread of its own, or before it): which is the default.
+- `ready_vs_eager`: an ingest with `--neighbours 3 --neighbours-present 2` (ready to answer from the plain
+  entries; the entries after the neighbours follow in idle time) over the eager one's seconds, against
+  `READY_TARGET`; beside it `--neighbours 3` alone, which encodes every module after its neighbours at ingest.
 - Ray rows: as before, one run per worker count, `seconds` with the workers' start, `tokens_per_s_after_start`
   without it; each worker is one CPU (one thread), the local run uses torch's threads in this process.
 
@@ -33,6 +36,7 @@ from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.sample import TOPICS, sample_documents
 
 EAGER_TARGET = 0.8
+READY_TARGET = 1.5  # a corpus keeping both entries is ready to answer within this of an eager ingest's seconds
 
 
 def run(bench: Bench) -> dict[str, object]:
@@ -43,6 +47,9 @@ def run(bench: Bench) -> dict[str, object]:
     prefill.append(full_prefill(bench))
     runs.append(_ingest(bench, docs, "lazy"))
     runs.append(_ingest(bench, docs, "eager", overlap=not ingestor.OVERLAP))
+    runs.append(_ingest(bench, docs, "eager", name="local, eager, --neighbours 3 --neighbours-present 2 (ready)",
+                        neighbours=3, neighbours_present=2))
+    runs.append(_ingest(bench, docs, "eager", name="local, eager, --neighbours 3", neighbours=3))
     runs += _ray_runs(bench, docs)
     prefill_tps = statistics.mean(p["tokens_per_s"] for p in prefill)
     eager, lazy = runs[0], runs[1]
@@ -53,12 +60,15 @@ def run(bench: Bench) -> dict[str, object]:
         "runs": runs, "modules": eager["modules"], "tokens": eager["tokens"], "full_prefill": prefill,
         "full_prefill_tokens_per_s": prefill_tps, "eager_vs_prefill": ratio, "eager_target": EAGER_TARGET,
         "eager_passed": ratio >= EAGER_TARGET, "lazy_speedup": eager["seconds"] / lazy["seconds"] if lazy["seconds"] else None,
+        "ready_vs_eager": runs[3]["seconds"] / eager["seconds"], "ready_target": READY_TARGET,
         "note": f"one run each on {os.cpu_count()} CPU(s); local: {torch.get_num_threads()} torch threads; "
                 "Ray: 1 thread per worker",
     }
     bench.log(f"ingest: eager {eager['tokens_per_s']:.0f} tokens/s, full prefill {prefill_tps:.0f} tokens/s: "
               f"{ratio:.2f} of it ({'met' if out['eager_passed'] else 'MISSED'}: target {EAGER_TARGET}); "
-              f"lazy {out['lazy_speedup']:.1f}x faster than eager")
+              f"lazy {out['lazy_speedup']:.1f}x faster than eager; ready with both entries kept in "
+              f"{out['ready_vs_eager']:.2f}x the eager seconds ({'met' if out['ready_vs_eager'] <= READY_TARGET else 'MISSED'}: "
+              f"target {READY_TARGET}x)")
     return out
 
 
@@ -84,7 +94,7 @@ def full_prefill(bench: Bench) -> dict[str, object]:
 
 
 def _ingest(bench: Bench, docs: list, kv: str, ray=None, name: str | None = None,
-            overlap: bool = ingestor.OVERLAP) -> dict[str, object]:
+            overlap: bool = ingestor.OVERLAP, **neighbours: int) -> dict[str, object]:
     cfg = bench.config
     name = name or f"local, {kv}" + ("" if overlap == ingestor.OVERLAP else
                                       ", embedding beside encoding" if overlap else ", embedding then encoding")
@@ -94,7 +104,8 @@ def _ingest(bench: Bench, docs: list, kv: str, ray=None, name: str | None = None
         with tempfile.TemporaryDirectory() as tmp:
             # The corpus loads its own model (before its clock starts), as `rag-promptcache ingest` does.
             corpus = Corpus.build(docs, Path(tmp) / "c", model=bench.model_name, chunk_tokens=cfg.module_tokens,
-                                  adapter=cfg.adapter, dtype=cfg.dtype, progress=False, ray=ray, kv=kv, redis_url="")
+                                  adapter=cfg.adapter, dtype=cfg.dtype, progress=False, ray=ray, kv=kv, redis_url="",
+                                  **neighbours)
             r = corpus.last_report
             corpus.close()
     finally:
@@ -138,7 +149,10 @@ def markdown(ing: dict[str, object]) -> list[str]:
         verdict = "met" if ing["eager_passed"] else "MISSED"
         head += [f"Eager ingest at {ing['eager_vs_prefill']:.2f} of the engine's own full prefill ({fp:.0f} tokens/s, "
                  f"a {ing['full_prefill'][0]['tokens']}-token prompt): target {ing['eager_target']} {verdict}. "
-                 f"Lazy ingest {ing['lazy_speedup']:.1f}x faster than eager.", ""]
+                 f"Lazy ingest {ing['lazy_speedup']:.1f}x faster than eager."
+                 + (f" A corpus keeping both entries (`--neighbours 3 --neighbours-present 2`) ready to answer in "
+                    f"{ing['ready_vs_eager']:.2f}x the eager seconds: target {ing['ready_target']}x "
+                    f"{'met' if ing['ready_vs_eager'] <= ing['ready_target'] else 'MISSED'}." if "ready_vs_eager" in ing else ""), ""]
     return head + [table(
         ["run", "seconds", "workers' start s", "tokens/s", "modules/s", "tokens/s after start", "vs local eager",
          "KV written by"],

@@ -148,13 +148,14 @@ class Ingestor:
 
     def estimate(self, tokens: int) -> StoreEstimate:
         """The store's expected growth from about `tokens` new tokens, per codec, for this corpus's model, as
-        this ingest encodes (its manifest's `kv`), with the budget a lazy corpus's store grows to."""
+        this ingest encodes (its manifest's `kv`), with the budget a lazy corpus's store grows to. A corpus
+        keeping two entries of each module (`neighbours_present`) grows by both, the second in idle time."""
         from rag_promptcache.store.codecs import CODECS, bytes_per_token
 
         engine, m = self.parts.engine(), self.parts.manifest
-        g = engine.geometry
-        sizes = {c: round(tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim), engine.model.dtype,
-                                                   m.chunk_tokens)) for c in CODECS}
+        g, entries = engine.geometry, 2 if m.neighbours_present else 1
+        sizes = {c: round(entries * tokens * bytes_per_token(c, (g.num_layers, g.num_kv_heads, g.head_dim),
+                                                             engine.model.dtype, m.chunk_tokens)) for c in CODECS}
         return StoreEstimate(tokens, m.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])), m.kv,
                              StoreBudget.of(m).describe(), m.disk_budget if m.disk_budget is not None else m.redis_budget,
                              encode_seconds(engine.fallback.costs, tokens, m.chunk_tokens,
