@@ -194,3 +194,36 @@ def test_warm_all_and_idle_time_encode_the_entries_after_neighbours(parts, tmp_p
         assert c.coverage().num_after_neighbours == len(ids)
     finally:
         c.close()
+
+
+@pytest.mark.slow
+def test_a_server_upgrades_a_fresh_corpus_in_idle_time(parts, tmp_path):
+    """`serve` over a corpus just ingested (plain entries only) answers at once, and its idle time writes the
+    entries after the neighbours, as /metrics counts them."""
+    import httpx
+
+    from tests.test_server import start_server
+
+    path = tmp_path / "corpus"
+    c = corpus(parts, path, neighbours=2, neighbours_present=2)
+    num_modules = len(c)
+    c.close()
+    proc, url = start_server(path, tmp_path / "serve.log")
+
+    def after_neighbours() -> float:
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("rag_promptcache:corpus_modules_after_neighbours{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no corpus_modules_after_neighbours gauge")
+
+    try:
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "corpus", "messages": [{"role": "user", "content": "Why do bees dance?"}], "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        deadline = time.monotonic() + 120
+        while after_neighbours() < num_modules and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert after_neighbours() == num_modules
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
