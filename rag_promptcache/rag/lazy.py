@@ -344,12 +344,14 @@ class StoreAccess:
         """Spend the engine's idle time (no request in flight, no missed module queued) encoding the modules
         the retrieval log says are hot (retrieved at least twice) and the store does not hold, most retrieved
         first, within what the budget holds, each at most once per process: a restarted server refills what
-        its questions come back to before they do; then, where the corpus keeps two entries of each module, the
-        entries encoded after their neighbours not held yet (`Upgrades`). What `serve` and the Ray replicas
+        its questions come back to before they do; then, where an eager corpus keeps two entries of each module,
+        the entries encoded after their neighbours not held yet (`Upgrades`). What `serve` and the Ray replicas
         call at start-up."""
         engine = self.engine_slot.get()
         warmed: set[str] = set()
-        upgrades = Upgrades(self) if self.manifest.neighbours_present else lambda: False  # type: ignore[arg-type]
+        # a lazy corpus's store grows with what questions retrieve: its entries after the neighbours too
+        both = self.manifest.neighbours_present and self.manifest.kv == "eager"
+        upgrades = Upgrades(self) if both else lambda: False  # type: ignore[arg-type]
 
         def step() -> bool:
             self.retrievals.flush()  # this process's latest retrievals count too
