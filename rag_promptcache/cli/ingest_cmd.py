@@ -131,8 +131,8 @@ def encoded_line(cov: dict) -> str:
     share = cov["num_encoded_tokens"] / cov["num_tokens"] if cov["num_tokens"] else 0.0
     after = cov.get("num_after_neighbours")
     return (f"{cov['num_encoded']} of {cov['num_modules']} modules encoded, {share:.0%} of their tokens"
-            + (f"; {after} also after their neighbours (the rest read plain until idle time or `warm --all` "
-               "encodes them)" if after is not None else ""))
+            + (f"; {after} also after their neighbours (the rest read plain until a question that reads them, "
+               "idle time or `warm --all` encodes them)" if after is not None else ""))
 
 
 def _budget(corpus: Path, existed: bool, spec: str | None, eviction: str | None, kv: str | None):

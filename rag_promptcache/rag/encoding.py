@@ -82,7 +82,7 @@ def encode_kv(engine: PromptCache, manifest: Manifest, modules: Sequence[tuple[s
     if not modules or manifest.kv == "lazy":
         return 0.0
     t = time.perf_counter()
-    # A corpus that keeps both entries writes the plain one now, the other in idle time (rag/lazy.py `fill_one`)
+    # A corpus that keeps both entries writes the plain one now, the other in idle time (rag/lazy.py `Upgrades`)
     # or when a question reads its plain entry in its place (engine/planning/plan.py).
     near = NONE if manifest.neighbours_present else neighbours
     # The batch's modules and the root (instructions), so no question pays for them; not the earlier
