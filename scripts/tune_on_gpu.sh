@@ -20,7 +20,10 @@
 # tokenizer, the training passages (`recipe --write-passages`: this machine's Debian records,
 # changelogs, Python reference and docstrings) and the first part; the last call's folder holds the
 # probe prompts (`research.tune_probe dump`). The recipe is the link-token recipe (docs/FIDELITY.md),
-# starting from the shipped adapter, which travels in the tree; RECIPE_ARGS replaces it.
+# starting from the shipped adapter, which travels in the tree; RECIPE_ARGS replaces it. NEIGHBOURS=M prep
+# also writes the training passages' M nearest neighbours (the corpus embedder's, as `ingest --neighbours M`
+# chooses), and train then lays every module out after them (`recipe --neighbours M`: the layout a corpus
+# ingested with `--neighbours M` serves; pair it with RECIPE_ARGS without --links, the layout read with `none`).
 # Its files come back in $OUT: the adapter, links.safetensors, tune.json, train.json, the probe's
 # answers (grade them here with `python -m research.tune_probe grade`) and the log.
 #
@@ -61,6 +64,15 @@ print(pathlib.Path(s.submodule_search_locations[0]) / '$MODEL_FILE')")
     done
     "$BIN/python" -c "from rag_promptcache.model.loading import load_tokenizer; load_tokenizer().save_pretrained('$GPU/c1/tok')"
     "$BIN/python" -m rag_promptcache.tune.recipe --write-passages "$GPU/c1/passages.json" && gzip -9 "$GPU/c1/passages.json"
+    if [ -n "${NEIGHBOURS:-}" ]; then  # the neighbour lists need the embedder, which the device does not have
+      "$BIN/python" -c "
+from pathlib import Path
+from rag_promptcache.tune.recipe import nearest_passages, read_passages
+from rag_promptcache.tune.texts import held_out
+_, passages = read_passages(Path('$GPU/c1/passages.json.gz'))
+nearest_passages([p for p in passages if not held_out(p.source)], $NEIGHBOURS, Path('$GPU/c1/near.json'))"
+      echo "$NEIGHBOURS" > "$GPU/c1/neighbours"
+    fi
     "$BIN/python" -m research.tune_probe dump "$GPU/probe.json" && gzip -9 "$GPU/probe.json"
     "$BIN/python" -c "
 import gzip, json; rows = json.loads(gzip.decompress(open('$GPU/probe.json.gz', 'rb').read()))
@@ -127,6 +139,9 @@ between calls (it keeps /tmp only while held); start again from c1"; exit 3; }
     cmd=("$PY" -m rag_promptcache.tune.recipe --out "$STAGE/adapter" --model "$STAGE/model/$MODEL_FILE"
          --device "${DEVICE:-cuda}" --seconds "${2:-300}" --passages "$STAGE/passages.json.gz"
          --probe "$STAGE/probe.json.gz" --probe-batch 64 $RECIPE_ARGS)
+    if [ -f "$STAGE/near.json" ]; then  # prep ran with NEIGHBOURS=M
+      cmd+=(--neighbours "$(cat "$STAGE/neighbours")" --neighbours-file "$STAGE/near.json")
+    fi
     if [ -n "${TUNE_DRY:-}" ]; then echo "${cmd[*]}"; exit 0; fi
     # bounded, so whatever happens the files below are copied before the call's own limit
     timeout "$(( ${2:-300} + 150 ))" "${cmd[@]}" > "$OUT/log.txt" 2>&1 || echo "recipe exited $?"

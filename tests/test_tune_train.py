@@ -208,3 +208,22 @@ def test_recipe_trains_wrapper_tokens_with_the_lora(tiny, tmp_path):
     fresh = links.fresh(model, 4, seed=meta["recipe"]["seed"])
     assert not torch.allclose(links.of(model).links.float(), fresh), "the wrappers trained"
     assert [len(ids) for ids in links.wrap_ids(model)] == [2, 2]
+
+
+@pytest.mark.slow
+def test_recipe_lays_modules_after_their_neighbours(tiny, tmp_path):
+    """`--neighbours M`: every module of a training prompt laid out after its M nearest passages (by the
+    corpus embedder, as `ingest --neighbours M` chooses), the lists written once and read back."""
+    from rag_promptcache.tune import recipe
+
+    args = ["--model", str(tiny), "--device", "cpu", "--steps", "2", "--tokens-per-batch", "3000", "--k-max", "3",
+            "--families", "reference", "--neighbours", "2", "--neighbours-file", str(tmp_path / "near.json")]
+    meta = recipe.main(["--out", str(tmp_path / "n"), *args])
+    assert meta["recipe"]["neighbours"] == 2 and meta["metrics"]["steps"] == 2
+    near = json.loads((tmp_path / "near.json").read_text())
+    assert near and all(len(n) == 2 and i not in n for i, n in enumerate(near))
+    laid = recipe._lay(0)[1]  # the last run's sample maker and layouter, in this process
+    assert laid.hidden is not None and any(laid.hidden) and laid.pos is not None
+    (tmp_path / "near.json").write_text(json.dumps([[0, 1]]))  # lists for other passages: refused by name
+    with pytest.raises(ValueError, match="near.json holds neighbour lists for other passages"):
+        recipe.main(["--out", str(tmp_path / "m"), *args])

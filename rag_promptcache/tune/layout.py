@@ -34,8 +34,13 @@ SCHEMA = "tune"
 class Laid:
     """One sample in the engine's layout. `unit[i]` numbers the cached unit token i comes from (-1: a
     new token); a cached token sees the first `context[i]` tokens of the sequence and its own unit's
-    earlier tokens; a new token sees everything before it. `loss_from`: the first token whose
-    next-token prediction is trained (the question's first token); `answer_from`: the answer's first."""
+    earlier tokens; a new token sees everything before it but hidden tokens. `loss_from`: the first token
+    whose next-token prediction is trained (the question's first token); `answer_from`: the answer's first.
+
+    A module encoded after its neighbours (`Layouter.lay(neighbours=...)`) is preceded by a hidden copy of
+    what its encoding read first (the shared prefix, then the neighbours' tokens), in its unit, at the
+    positions that put the module at its own: the distances its encoding saw (engine/planning/encoder.py).
+    `pos`: each token's position (None: 0, 1, ...); `hidden[i]`: token i is such a copy (None: none is)."""
 
     ids: list[int]
     unit: list[int]
@@ -44,17 +49,23 @@ class Laid:
     answer_from: int
     num_links: int = 0  # learned tokens (links, wrappers: model/links.py), all before `loss_from`
     first_link: int = 0  # the first learned token's id; ids from it on are learned
+    pos: list[int] | None = None
+    hidden: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def positions(self) -> list[int]:
+        return list(range(len(self.ids))) if self.pos is None else self.pos
+
     def plain(self) -> Laid:
-        """The same sample without its link tokens: the prompt a full prefill reads."""
-        if not self.num_links:
+        """The same sample without its link tokens and hidden copies: the prompt a full prefill reads."""
+        if not self.num_links and self.hidden is None:
             return self
-        keep = [i for i, t in enumerate(self.ids) if t < self.first_link]
+        hidden = self.hidden or [False] * len(self.ids)
+        keep = [i for i, t in enumerate(self.ids) if not hidden[i] and not (self.num_links and t >= self.first_link)]
         return Laid([self.ids[i] for i in keep], [self.unit[i] for i in keep], [self.context[i] for i in keep],
-                    self.loss_from - self.num_links, self.answer_from - self.num_links)
+                    sum(i < self.loss_from for i in keep), sum(i < self.answer_from for i in keep))
 
 
 class Layouter:
@@ -74,26 +85,43 @@ class Layouter:
         self.link_ids = tuple(link_ids)
         self.wrap_ids = (*wrap[0], *wrap[1])
 
-    def lay(self, instructions: str, modules: Sequence[str], question: str, answer: str) -> Laid:
+    def lay(self, instructions: str, modules: Sequence[str], question: str, answer: str,
+            neighbours: Sequence[Sequence[str]] = ()) -> Laid:
+        """`neighbours[i]`: the texts module i is encoded after, least similar first (a corpus ingested with
+        `--neighbours M`); none: every module encoded on its own."""
         names = [f"m{i}" for i in range(len(modules))]
-        mods = {n: ast.Module(n, (ast.Text(t),)) for n, t in zip(names, modules)}
+        extra = {f"n{i}_{j}": t for i, texts in enumerate(neighbours) for j, t in enumerate(texts)}
+        mods = {n: ast.Module(n, (ast.Text(t),)) for n, t in (*zip(names, modules), *extra.items())}
         system = ast.Role("system", (ast.Text(instructions + "\n\n"), *mods.values()))
-        self.schemas.add(ast.Schema(SCHEMA, (system,), modules=mods, parents={n: None for n in names}, union_of={}),
-                         replace=True)
+        near = {m: tuple(f"n{i}_{j}" for j in range(len(texts))) for i, (m, texts) in enumerate(zip(names, neighbours)) if texts}
+        self.schemas.add(ast.Schema(SCHEMA, (system,), modules=mods, parents={n: None for n in mods}, union_of={},
+                                    neighbours=near), replace=True)
         out = self.schemas.compile_prompt(prompt_pml(SCHEMA, names, [("user", question)]))
         ids: list[int] = []
         unit: list[int] = []
         context: list[int] = []
+        pos: list[int] = []
+        hidden: list[bool] = []
         numbers = {n: i for i, n in enumerate(out.schema.units)}
         for p in with_links(out.pieces, self.link_ids):
-            assert p.position == len(ids), f"{p.position=} {len(ids)=}: the layout is contiguous"
+            assert p.position == len(ids) - sum(hidden), f"{p.position=} {len(ids)=}: the layout is contiguous"
             u = out.schema.units[p.unit] if p.cached else None
             ctx = len(u.context_ids) if u is not None and self.mode == "shared_prefix" else 0
             if ctx:
                 assert tuple(ids[:ctx]) == u.context_ids, "a shared-prefix unit's context opens the sequence"
+            if u is not None and u.neighbour_ids and p.offset == 0:  # what its encoding read first, a copy of its own
+                copy = (*(u.context_ids if self.mode == "shared_prefix" else ()), *u.neighbour_ids)
+                ids.extend(copy)
+                unit.extend([numbers[p.unit]] * len(copy))
+                pos.extend(range(p.position - len(copy), p.position))
+                hidden.extend([True] * len(copy))
+                context.extend([0] * len(copy))
+                ctx = 0  # it reads its copy of the shared prefix, not the sequence's
             ids.extend(p.token_ids)
             unit.extend([numbers[p.unit] if p.cached else -1] * len(p.token_ids))
             context.extend([ctx] * len(p.token_ids))
+            pos.extend(range(p.position, p.position + len(p.token_ids)))
+            hidden.extend([False] * len(p.token_ids))
         learned = set(self.link_ids) | set(self.wrap_ids)  # a full prefill reads none of them (`Laid.plain`)
         num_links = sum(1 for t in ids if t in learned)
         first_new = next(i for i, (u, t) in enumerate(zip(unit, ids)) if u == -1 and t not in learned)
@@ -102,7 +130,12 @@ class Layouter:
         ids.extend(answer_ids)
         unit.extend([-1] * len(answer_ids))
         context.extend([0] * len(answer_ids))
-        return Laid(ids, unit, context, first_new, answer_from, num_links, min(learned, default=0))
+        if not any(hidden):
+            return Laid(ids, unit, context, first_new, answer_from, num_links, min(learned, default=0))
+        pos.extend(range(pos[-1] + 1, pos[-1] + 1 + len(answer_ids)))
+        low = min(pos)  # a copy before the sequence's start: every position later by as much (RoPE reads distances)
+        return Laid(ids, unit, context, first_new, answer_from, num_links, min(learned, default=0),
+                    [q - low for q in pos] if low < 0 else pos, hidden + [False] * len(answer_ids))
 
 
 def block_mask(laid: Laid, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -112,7 +145,8 @@ def block_mask(laid: Laid, device: torch.device | str = "cpu") -> torch.Tensor:
     n = len(laid.unit)
     j = torch.arange(n, device=device)
     causal = j[None, :] <= j[:, None]
-    sees = (unit[:, None] == -1) | (unit[:, None] == unit[None, :]) | (j[None, :] < ctx[:, None])
+    shown = torch.ones(n, dtype=torch.bool, device=device) if laid.hidden is None else ~torch.tensor(laid.hidden, device=device)
+    sees = ((unit[:, None] == -1) & shown[None, :]) | (unit[:, None] == unit[None, :]) | (j[None, :] < ctx[:, None])
     return causal & sees
 
 
@@ -130,7 +164,7 @@ def batch_masks(samples: Sequence[Laid], full: Sequence[bool], device: torch.dev
     for b, (s, n) in enumerate(zip(samples, lengths)):
         at = slice(width - n, width) if left else slice(0, n)
         ids[b, at] = torch.tensor(s.ids[:n], device=device)
-        pos[b, at] = torch.arange(n, device=device)
+        pos[b, at] = torch.tensor(s.positions()[:n], device=device)
         mask[b, 0, at, at] = (torch.ones(n, n, dtype=torch.bool, device=device).tril() if full[b]
                               else block_mask(s, device)[:n, :n])
     return ids, pos, mask

@@ -29,14 +29,16 @@ def greedy(model, prompts: Sequence[Laid], *, full: bool, max_new_tokens: int, e
         lengths = [p.answer_from for p in group]
         ids, pos, mask = batch_masks(group, [full] * len(group), device, lengths=lengths, left=True)
         width = ids.shape[1]
-        valid = torch.tensor([[j >= width - n for j in range(width)] for n in lengths], device=device)
+        # what a new token reads: the prompt without hidden copies (`Laid.hidden`; a causal read has none)
+        valid = torch.tensor([[j >= width - n and not (p.hidden and not full and p.hidden[j - width + n])
+                               for j in range(width)] for p, n in zip(group, lengths)], device=device)
         res = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
         cache = output_cache(res)
         nxt = res.logits[:, -1].argmax(-1)
         done = torch.zeros(len(group), dtype=torch.bool, device=device)
         eos = torch.tensor(list(eos_ids), device=device)
         tokens: list[torch.Tensor] = []
-        step_pos = torch.tensor(lengths, device=device)
+        step_pos = torch.tensor([p.positions()[n - 1] + 1 for p, n in zip(group, lengths)], device=device)
         for _ in range(max_new_tokens):
             tokens.append(nxt)
             done |= torch.isin(nxt, eos)

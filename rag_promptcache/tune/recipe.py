@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rag_promptcache.tune.layout import Laid, Layouter
@@ -30,21 +31,51 @@ from rag_promptcache.tune.texts import FAMILIES, Passage, gather, held_out
 from rag_promptcache.tune.train import TuneConfig, bf16_autocast, train
 
 FORMAT = 1
-_worker: tuple[SampleMaker, Layouter] | None = None
+_worker: tuple[SampleMaker, Layouter, list[list[int]]] | None = None
 
 
 def _init(maker: SampleMaker, tokenizer, mode: str, link_ids: tuple[int, ...] = (),
-          wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
+          wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), near: list[list[int]] | None = None) -> None:
     global _worker
-    _worker = (maker, Layouter(tokenizer, mode, link_ids, wrap))
+    _worker = (maker, Layouter(tokenizer, mode, link_ids, wrap), near or [])
 
 
 def _lay(index: int) -> tuple[int, Laid]:
     assert _worker is not None
-    maker, layouter = _worker
+    maker, layouter, near = _worker
     s = maker(index)
     mods = [module_text(maker.passages[i]) for i in s.passages]
-    return index, layouter.lay(s.instructions, mods, s.question, s.answer)
+    after = [[module_text(maker.passages[j]) for j in near[i]] for i in s.passages] if near else ()
+    return index, layouter.lay(s.instructions, mods, s.question, s.answer, neighbours=after)
+
+
+def nearest_passages(passages: list[Passage], m: int, path: Path | None = None) -> list[list[int]]:
+    """Each passage's `m` nearest others by the corpus embedder, least similar first, as `ingest --neighbours M`
+    chooses a module's (rag/neighbours.py: identical texts skipped, ties by index): what training prompts lay
+    their modules after (`--neighbours`). Read from `path` where it holds lists for these passages, else
+    computed and written there (a machine without the embedder reads what another wrote)."""
+    if path is not None and path.exists():
+        near = json.loads(path.read_text())
+        if len(near) == len(passages) and all(len(n) >= min(m, len(passages) - 1) for n in near):
+            return [n[len(n) - m:] for n in near]
+        raise ValueError(f"{path} holds neighbour lists for other passages or fewer than {m} each")
+    from rag_promptcache.rag.models import load_embedder
+
+    texts = [module_text(p) for p in passages]
+    vectors = load_embedder(None).embed(texts)
+    alike: dict[str, list[int]] = {}
+    for j, t in enumerate(texts):
+        alike.setdefault(t, []).append(j)
+    near, index = [], np.arange(len(texts))
+    for start in range(0, len(texts), 512):
+        sims = (vectors[start:start + 512] @ vectors.T).astype(np.float64)
+        for row, i in zip(sims, range(start, start + len(sims))):
+            row[alike[texts[i]]] = -np.inf  # itself and its copies
+            ranked = [int(j) for j in np.lexsort((index, -row))[:m] if row[j] > -np.inf]
+            near.append(ranked[::-1])
+    if path is not None:
+        path.write_text(json.dumps(near))
+    return near
 
 
 def module_text(p: Passage) -> str:
@@ -138,6 +169,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--wrap", type=int, default=0,
                     help="wrapper tokens before and after every module, encoded with it (0: none)")
     ap.add_argument("--init", default="", help="an adapter directory to start from (same rank and projections)")
+    ap.add_argument("--neighbours", type=int, default=0,
+                    help="lay each module out after its M nearest passages, as a corpus ingested with --neighbours M "
+                         "encodes it (0: every module on its own)")
+    ap.add_argument("--neighbours-file", type=Path,
+                    help="the passages' neighbour lists: read where the file holds them, else computed and written")
     ap.add_argument("--families", default=",".join(FAMILIES), help="text families to train on")
     ap.add_argument("--fact-share", type=float, default=0.45, help="samples asking a fact where one can be asked")
     ap.add_argument("--full-share", type=float, default=0.15, help="samples the student reads with full attention")
@@ -192,9 +228,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     w = args.wrap  # the table: w opening wrappers, w closing ones, then the links
     wrap = (tuple(range(vocab, vocab + w)), tuple(range(vocab + w, vocab + 2 * w)))
     link_ids = tuple(range(vocab + 2 * w, vocab + 2 * w + args.links))
+    near = nearest_passages(train_passages, args.neighbours, args.neighbours_file) if args.neighbours else None
     pool = None
     if args.workers:
-        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode, link_ids, wrap))
+        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode, link_ids, wrap, near))
 
         def stream(start: int):
             # windows of 256, the next one laid out while this one trains; never `imap` over an endless
@@ -205,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 window, ahead = ahead.get(), pool.map_async(_lay, range(start, start + 256), chunksize=8)
                 yield from window
     else:
-        _init(maker, tokenizer, args.mode, link_ids, wrap)
+        _init(maker, tokenizer, args.mode, link_ids, wrap, near)
 
         def stream(start: int):
             return map(_lay, itertools.count(start))
@@ -227,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     meta = {"format": FORMAT, "base_model": args.model, "base_fingerprint": base_fingerprint, "mode": args.mode,
             "recovery": f"links:{args.links}" if args.links else "none",
             "recipe": {**asdict(cfg), "passages": len(train_passages), "families": args.families,
-                       "k": [args.k_min, args.k_max], "fact_share": args.fact_share,
+                       "k": [args.k_min, args.k_max], "fact_share": args.fact_share, "neighbours": args.neighbours,
                                            "device": device.type}, "metrics": metrics}
     (args.out / "tune.json").write_text(json.dumps(meta, indent=1))
     print(json.dumps(metrics), flush=True)
