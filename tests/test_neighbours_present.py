@@ -227,3 +227,32 @@ def test_a_server_upgrades_a_fresh_corpus_in_idle_time(parts, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_tune_lays_a_corpus_prompt_out_as_the_corpus_reads_it(parts, tmp_path, tokenizer):
+    """`rag-promptcache tune` on a corpus ingested with --neighbours: each module of a training or check prompt
+    is laid out after the neighbours the corpus recorded, where enough of them are in the prompt."""
+    from rag_promptcache.tune.corpus import neighbourhood
+    from rag_promptcache.tune.layout import Layouter
+
+    c = corpus(parts, tmp_path / "t", neighbours=2, neighbours_present=2)
+    try:
+        near = neighbourhood(c)
+        text = dict(c.table.modules())
+        assert near is not None and near.present == 2
+        assert near.of == {text[m]: tuple(text[n] for n in ns) for m, ns in c.table.neighbours().items()}
+        module, (a, b) = next((m, ns) for m, ns in c.table.neighbours().items() if len(ns) == 2)
+        layouter = Layouter(tokenizer, c.manifest.mode, near=near)
+        both = layouter.lay(c.manifest.instructions, [text[a], text[b], text[module]], "Why?", "")
+        one = layouter.lay(c.manifest.instructions, [text[a], text[module]], "Why?", "")  # too few: read plain
+        alone = Layouter(tokenizer, c.manifest.mode).lay(c.manifest.instructions, [text[a], text[module]], "Why?", "")
+        copied = [t for t, h in zip(both.ids, both.hidden or []) if h]
+        assert copied and all(tokenizer.decode(copied).count(text[n].strip()[:40]) for n in (a, b))
+        assert (one.ids, one.hidden) == (alone.ids, alone.hidden)
+    finally:
+        c.close()
+    plain = corpus(parts, tmp_path / "p")
+    try:
+        assert neighbourhood(plain) is None
+    finally:
+        plain.close()

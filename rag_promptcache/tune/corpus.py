@@ -20,7 +20,7 @@ from rag_promptcache.model import adapter as adapters
 from rag_promptcache.model import links
 from rag_promptcache.tune.check import (Check, answers_of, check_questions, judge, made_questions, summarize,
                                         too_few_to_judge, verdict)
-from rag_promptcache.tune.layout import Layouter
+from rag_promptcache.tune.layout import Layouter, Neighbourhood
 from rag_promptcache.tune.recipe import FORMAT, module_text
 from rag_promptcache.tune.samples import SampleMaker
 from rag_promptcache.tune.texts import Passage, gather, held_out
@@ -70,6 +70,15 @@ def corpus_passages(corpus: Corpus, check: int, seed: int, neighbours: int = 6
     return passages, near, sorted(ranked[:held])
 
 
+def neighbourhood(corpus: Corpus) -> Neighbourhood | None:
+    """What the corpus encodes each module after (`ingest --neighbours M`), by module text; None: nothing."""
+    if not corpus.manifest.neighbours:
+        return None
+    text = dict(corpus.table.modules())
+    return Neighbourhood({text[m]: tuple(text[n] for n in near if n in text)
+                          for m, near in corpus.table.neighbours().items() if m in text}, corpus.manifest.neighbours_present)
+
+
 def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bool = True, check: int = 24, k: int = 4,
                 questions: Sequence[EvalQuestion] = (),
                 progress: Callable[[Progress, dict[str, float]], None] | None = None,
@@ -99,9 +108,10 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
         raise ValueError("the corpus has no modules to train on")
     model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
-    layouter = Layouter(tokenizer, corpus.manifest.mode)
+    served = neighbourhood(corpus)  # trained and checked in the layout the corpus serves
+    layouter = Layouter(tokenizer, corpus.manifest.mode, near=served)
     vocab = model.get_input_embeddings().weight.shape[0]  # link ids follow the vocabulary (model/links.py)
-    linked = Layouter(tokenizer, corpus.manifest.mode, range(vocab, vocab + cfg.links)) if cfg.links else layouter
+    linked = Layouter(tokenizer, corpus.manifest.mode, range(vocab, vocab + cfg.links), near=served) if cfg.links else layouter
     shipped = adapters.find(adapters.DEFAULT, corpus.manifest.model)
     if rows and phase is not None:
         phase(PHASES[0], 2 if shipped is not None and shipped.mode == corpus.manifest.mode else 1)
@@ -124,7 +134,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
             merged, _ = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter=shipped.path)
             # its link and wrapper ids as the merged model numbers them (wrapper rows come first)
             link_ids = links.ids(merged, shipped.num_links) if shipped.num_links else ()
-            shipped_layouter = Layouter(tokenizer, corpus.manifest.mode, link_ids, links.wrap_ids(merged))
+            shipped_layouter = Layouter(tokenizer, corpus.manifest.mode, link_ids, links.wrap_ids(merged), served)
             texts.update(answers_of(merged, tokenizer, rows, shipped_layouter, "default"))
             del merged
     if cfg.links:

@@ -14,7 +14,7 @@ Not here: where samples come from (`samples.py`) or the loop (`train.py`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,14 +68,30 @@ class Laid:
                     sum(i < self.loss_from for i in keep), sum(i < self.answer_from for i in keep))
 
 
+@dataclass(frozen=True, slots=True)
+class Neighbourhood:
+    """What a corpus ingested with `--neighbours M` encodes each module after: its neighbours' texts, by the
+    module's text, and how many of them a prompt must hold for the module to read that encoding
+    (`--neighbours-present`; 0: always), as the engine's plan chooses (engine/prompt/compiler.py `read_as`)."""
+
+    of: Mapping[str, tuple[str, ...]]
+    present: int = 0
+
+    def lists(self, modules: Sequence[str]) -> list[tuple[str, ...]]:
+        here = set(modules)
+        return [near if len(here.intersection(near)) >= self.present else ()
+                for near in (self.of.get(t, ()) for t in modules)]
+
+
 class Layouter:
     """Lays out (instructions, module texts, question, answer) as the engine would for a corpus prompt;
     with `link_ids`, those link tokens after each module, as recovery `links:N` places them."""
 
     def __init__(self, tokenizer, mode: str = "shared_prefix", link_ids: Sequence[int] = (),
-                 wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> None:
+                 wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), near: Neighbourhood | None = None) -> None:
         """`wrap`: wrapper token ids every module opens and closes with (the engine's compiler places
-        them so for a model trained with them)."""
+        them so for a model trained with them); `near`: a corpus's neighbour lists, for prompts `lay` is
+        given none."""
         if mode not in MODES:
             raise ValueError(f"unknown encoding mode {mode!r}; valid: {', '.join(MODES)}")
         self.tokenizer = tokenizer
@@ -84,11 +100,14 @@ class Layouter:
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
         self.link_ids = tuple(link_ids)
         self.wrap_ids = (*wrap[0], *wrap[1])
+        self.near = near
 
     def lay(self, instructions: str, modules: Sequence[str], question: str, answer: str,
             neighbours: Sequence[Sequence[str]] = ()) -> Laid:
         """`neighbours[i]`: the texts module i is encoded after, least similar first (a corpus ingested with
         `--neighbours M`); none: every module encoded on its own."""
+        if not neighbours and self.near is not None:
+            neighbours = self.near.lists(modules)
         names = [f"m{i}" for i in range(len(modules))]
         extra = {f"n{i}_{j}": t for i, texts in enumerate(neighbours) for j, t in enumerate(texts)}
         mods = {n: ast.Module(n, (ast.Text(t),)) for n, t in (*zip(names, modules), *extra.items())}
