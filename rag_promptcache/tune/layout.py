@@ -128,6 +128,8 @@ class Layouter:
             ctx = len(u.context_ids) if u is not None and self.mode == "shared_prefix" else 0
             if ctx:
                 assert tuple(ids[:ctx]) == u.context_ids, "a shared-prefix unit's context opens the sequence"
+            if u is not None and u.neighbour_ids:  # it reads its own copy of the shared prefix, not the sequence's
+                ctx = 0
             if u is not None and u.neighbour_ids and p.offset == 0:  # what its encoding read first, a copy of its own
                 copy = (*(u.context_ids if self.mode == "shared_prefix" else ()), *u.neighbour_ids)
                 ids.extend(copy)
@@ -135,7 +137,6 @@ class Layouter:
                 pos.extend(range(p.position - len(copy), p.position))
                 hidden.extend([True] * len(copy))
                 context.extend([0] * len(copy))
-                ctx = 0  # it reads its copy of the shared prefix, not the sequence's
             ids.extend(p.token_ids)
             unit.extend([numbers[p.unit] if p.cached else -1] * len(p.token_ids))
             context.extend([ctx] * len(p.token_ids))
