@@ -214,10 +214,16 @@ def test_recipe_trains_wrapper_tokens_with_the_lora(tiny, tmp_path):
 def test_recipe_lays_modules_after_their_neighbours(tiny, tmp_path):
     """`--neighbours M`: every module of a training prompt laid out after its M nearest passages (by the
     corpus embedder, as `ingest --neighbours M` chooses), the lists written once and read back."""
-    from rag_promptcache.tune import recipe
+    from dataclasses import asdict
 
+    from rag_promptcache.tune import recipe
+    from rag_promptcache.tune.texts import gather
+
+    # a slice of the reference passages, so embedding them takes seconds (the training ones: not held out)
+    some = [asdict(p) for p in gather(("reference",))[:120]]
+    (tmp_path / "passages.json").write_text(json.dumps({"instructions": "Answer from the documents.", "passages": some}))
     args = ["--model", str(tiny), "--device", "cpu", "--steps", "2", "--tokens-per-batch", "3000", "--k-max", "3",
-            "--families", "reference", "--neighbours", "2", "--neighbours-file", str(tmp_path / "near.json")]
+            "--passages", str(tmp_path / "passages.json"), "--neighbours", "2", "--neighbours-file", str(tmp_path / "near.json")]
     meta = recipe.main(["--out", str(tmp_path / "n"), *args])
     assert meta["recipe"]["neighbours"] == 2 and meta["metrics"]["steps"] == 2
     near = json.loads((tmp_path / "near.json").read_text())
