@@ -161,6 +161,15 @@ def test_ingest_prints_both_modes_and_a_budget_below_one_module_is_refused(parts
     assert info["budget"]["disk"] == 2 * 2**20 and info["kv"] == "lazy"
     code, _, err = run(capsys, *args, "--corpus", tmp_path / "b", "--store-budget", "disk=64KiB")
     assert code == 0 and "eager encoding would evict most of it as it is written" in err
+    def native(said: str) -> float:  # the native codec's expected size, in MiB
+        size, unit = said.split("native ", 1)[1].split(",")[0].split()
+        return float(size) * {"KiB": 2**-10, "MiB": 1.0, "GiB": 2**10}[unit]
+
+    one = native(err)
+    # a corpus keeping two entries a module: twice the store, the plain half written now
+    code, _, err = run(capsys, *args, "--corpus", tmp_path / "c", "--neighbours", "2", "--neighbours-present", "1")
+    assert code == 0 and "eager (this ingest): the plain entries (half) now, the rest in idle time" in err
+    assert native(err) == pytest.approx(2 * one, rel=0.1)  # as printed: one decimal
 
 
 def test_a_budget_lowered_between_runs_is_held_and_said(parts, tmp_path: Path, capsys) -> None:

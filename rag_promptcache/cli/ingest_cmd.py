@@ -118,7 +118,8 @@ def _print_estimate(estimate) -> None:
     now = "this ingest" if estimate.kv == "eager" else "--kv eager"
     later = "this ingest" if estimate.kv == "lazy" else "--kv lazy"
     took = "" if estimate.seconds is None else f", about {duration(estimate.seconds)} of encoding on this machine"
-    typer.echo(f"  eager ({now}): all of it now{took}; lazy ({later}): 0 B now (chunking and embedding only), "
+    what = "the plain entries (half) now, the rest in idle time" if estimate.both else "all of it now"
+    typer.echo(f"  eager ({now}): {what}{took}; lazy ({later}): 0 B now (chunking and embedding only), "
                f"then the chunks questions retrieve, up to the store budget ({estimate.budget})", err=True)
     if estimate.kv == "eager" and estimate.room is not None and estimate.bytes() > estimate.room:
         typer.echo(f"warning: the store budget holds {mib(estimate.room)}, less than this ingest's "

@@ -159,7 +159,8 @@ class Ingestor:
         return StoreEstimate(tokens, m.codec, tuple(sorted(sizes.items(), key=lambda kv: -kv[1])), m.kv,
                              StoreBudget.of(m).describe(), m.disk_budget if m.disk_budget is not None else m.redis_budget,
                              encode_seconds(engine.fallback.costs, tokens, m.chunk_tokens,
-                                            0 if m.neighbours_present else m.neighbours))  # plain only: the rest idle
+                                            0 if m.neighbours_present else m.neighbours),  # plain only: the rest idle
+                             entries == 2)
 
     def committed(self, todo: list[Document]) -> int:
         """Tokens an interrupted ingest of the same documents committed already (resumed, not redone)."""

@@ -98,6 +98,7 @@ class StoreEstimate:
     budget: str = ""
     room: int | None = None  # the bytes the corpus's disk (else Redis) budget holds; None: unbounded
     seconds: float | None = None  # encoding all of it on this machine (the engine's cost model); None: not modelled
+    both: bool = False  # two entries a module (`neighbours_present`): the plain half now, the other in idle time
 
     def bytes(self, codec: str | None = None) -> int:
         return dict(self.bytes_per_codec)[codec or self.codec]
