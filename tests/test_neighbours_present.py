@@ -11,6 +11,7 @@ Engine tests over a tiny random Llama, fp32; corpus tests over a 2-layer random 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -256,3 +257,16 @@ def test_tune_lays_a_corpus_prompt_out_as_the_corpus_reads_it(parts, tmp_path, t
         assert neighbourhood(plain) is None
     finally:
         plain.close()
+
+
+def test_ask_stores_the_entries_after_neighbours_it_read_plain_before_it_exits(parts, tmp_path, capsys, monkeypatch):
+    from test_cli import run
+
+    monkeypatch.setenv("RAG_PROMPTCACHE_FALLBACK", "never")  # the cached path (tests/conftest.py)
+    c = corpus(parts, tmp_path / "a", neighbours=2, neighbours_present=2)
+    n = len(c)
+    c.close()
+    code, _, err = run(capsys, "ask", "--corpus", tmp_path / "a", "Why do bees dance?", "-k", str(n))
+    assert code == 0 and f"storing {n} module(s) for later questions" in err
+    info = json.loads(run(capsys, "info", "--corpus", tmp_path / "a", "--json")[1])
+    assert info["encoded"]["num_after_neighbours"] == n

@@ -140,12 +140,15 @@ def ask(
 
 
 def _store_deferred(c, answer, quiet: bool) -> None:
-    """The modules this answer computed without waiting for their encoding, stored before the process ends
+    """The modules this answer computed without waiting for their encoding, and the entries after their
+    neighbours it read plain in their place (`--neighbours-present`), stored before the process ends
     (Ctrl-C skips it: the store keeps what was written whole, and they are misses next time)."""
-    if not answer.deferred_modules:
+    queued = c.engine.background.stats().num_queued if c.loaded else 0
+    if not answer.deferred_modules and not queued:
         return
     if not quiet:
-        typer.echo(f"storing {len(answer.deferred_modules)} module(s) for later questions (Ctrl-C skips)", err=True)
+        typer.echo(f"storing {max(queued, len(answer.deferred_modules))} module(s) for later questions (Ctrl-C skips)",
+                   err=True)
     try:
         c.store_deferred()
     except KeyboardInterrupt:
