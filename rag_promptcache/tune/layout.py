@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rag_promptcache.engine.planning.recovery import with_links
-from rag_promptcache.engine.prompt.compiler import Compiler
+from rag_promptcache.engine.prompt.compiler import Compiler, read_as
 from rag_promptcache.engine.prompt.schemas import Schemas
 from rag_promptcache.model.chat import role_markup
 from rag_promptcache.pml import ast
@@ -72,15 +72,10 @@ class Laid:
 class Neighbourhood:
     """What a corpus ingested with `--neighbours M` encodes each module after: its neighbours' texts, by the
     module's text, and how many of them a prompt must hold for the module to read that encoding
-    (`--neighbours-present`; 0: always), as the engine's plan chooses (engine/prompt/compiler.py `read_as`)."""
+    (`--neighbours-present`; 0: always)."""
 
     of: Mapping[str, tuple[str, ...]]
     present: int = 0
-
-    def lists(self, modules: Sequence[str]) -> list[tuple[str, ...]]:
-        here = set(modules)
-        return [near if len(here.intersection(near)) >= self.present else ()
-                for near in (self.of.get(t, ()) for t in modules)]
 
 
 class Layouter:
@@ -105,17 +100,24 @@ class Layouter:
     def lay(self, instructions: str, modules: Sequence[str], question: str, answer: str,
             neighbours: Sequence[Sequence[str]] = ()) -> Laid:
         """`neighbours[i]`: the texts module i is encoded after, least similar first (a corpus ingested with
-        `--neighbours M`); none: every module encoded on its own."""
+        `--neighbours M`; default: the `near` the layouter was given); none: every module encoded on its own.
+        A module reads them as the engine's plan does (`compiler.read_as`: where `near.present` of them are in
+        the prompt)."""
+        present = 0
         if not neighbours and self.near is not None:
-            neighbours = self.near.lists(modules)
+            neighbours, present = [self.near.of.get(t, ()) for t in modules], self.near.present
         names = [f"m{i}" for i in range(len(modules))]
-        extra = {f"n{i}_{j}": t for i, texts in enumerate(neighbours) for j, t in enumerate(texts)}
-        mods = {n: ast.Module(n, (ast.Text(t),)) for n, t in (*zip(names, modules), *extra.items())}
+        named = dict(zip(reversed(modules), reversed(names)))  # a neighbour in the prompt is that module
+        extra: dict[str, str] = {}  # the others: text -> a module declared after the prompt's
+        for t in (t for texts in neighbours for t in texts if t not in named):
+            named[t] = extra.setdefault(t, f"n{len(extra)}")
+        mods = {n: ast.Module(n, (ast.Text(t),)) for n, t in (*zip(names, modules), *((n, t) for t, n in extra.items()))}
         system = ast.Role("system", (ast.Text(instructions + "\n\n"), *mods.values()))
-        near = {m: tuple(f"n{i}_{j}" for j in range(len(texts))) for i, (m, texts) in enumerate(zip(names, neighbours)) if texts}
+        near = {m: tuple(named[t] for t in texts) for m, texts in zip(names, neighbours) if texts}
         self.schemas.add(ast.Schema(SCHEMA, (system,), modules=mods, parents={n: None for n in mods}, union_of={},
-                                    neighbours=near), replace=True)
+                                    neighbours=near, neighbours_present=present), replace=True)
         out = self.schemas.compile_prompt(prompt_pml(SCHEMA, names, [("user", question)]))
+        cached = {p.unit for p in out.pieces if p.cached}
         ids: list[int] = []
         unit: list[int] = []
         context: list[int] = []
@@ -124,7 +126,7 @@ class Layouter:
         numbers = {n: i for i, n in enumerate(out.schema.units)}
         for p in with_links(out.pieces, self.link_ids):
             assert p.position == len(ids) - sum(hidden), f"{p.position=} {len(ids)=}: the layout is contiguous"
-            u = out.schema.units[p.unit] if p.cached else None
+            u = read_as(out.schema.units[p.unit], cached) if p.cached else None
             ctx = len(u.context_ids) if u is not None and self.mode == "shared_prefix" else 0
             if ctx:
                 assert tuple(ids[:ctx]) == u.context_ids, "a shared-prefix unit's context opens the sequence"
