@@ -253,7 +253,7 @@ class Planner:
         deferred: list[Unit] = []
         kept: list[Byproduct] = []
         to_encode = missing
-        if missing and chosen.kind in DEFERRABLE and (misses or self.default_misses) == "defer":
+        if missing and chosen.kind in DEFERRABLE and deferring:
             # computed in this prefill against what precedes them; stored later, off the request's path
             computed = {u.name for u in missing}
             if any(u.byproduct for u in missing) and byproduct.supported(self.relocator, self.geometry, end):
