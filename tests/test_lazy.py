@@ -373,3 +373,16 @@ def test_prepare_packs_the_answering_forward_before_the_first_question(parts, tm
         assert runner._LEAN.get(engine.model) is not None  # packed now, not in the first answer's TTFT (0.2 s)
     finally:
         c.close()
+
+
+def test_warm_all_of_a_corpus_with_no_modules_says_so(parts, tmp_path: Path) -> None:
+    c = build(parts, tmp_path / "c", kv="lazy")
+    try:
+        for d in c.table.documents():
+            c.remove(d.source)
+        assert len(c) == 0
+        for top in (None, 5):  # --all, --top 5: nothing to rank, and nothing to warm either way
+            with pytest.raises(ValueError, match="the corpus holds no modules"):
+                c.warm(top)
+    finally:
+        c.close()
