@@ -15,7 +15,7 @@ from rag_promptcache.tune.probe import greedy
 from rag_promptcache.tune.recipe import module_text
 from rag_promptcache.tune.samples import SampleMaker
 from rag_promptcache.tune.texts import Passage, gather, held_out
-from rag_promptcache.tune.train import TuneConfig, train
+from rag_promptcache.tune.train import TuneConfig, batches, train
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +226,7 @@ def test_recipe_lays_modules_after_their_neighbours(tiny, tmp_path):
             "--passages", str(tmp_path / "passages.json"), "--neighbours", "2", "--neighbours-file", str(tmp_path / "near.json")]
     meta = recipe.main(["--out", str(tmp_path / "n"), *args])
     assert meta["recipe"]["neighbours"] == 2 and meta["metrics"]["steps"] == 2
+    assert meta["recipe"]["max_len"] == 3 * 3072  # the neighbours' copies lengthen every sample
     near = json.loads((tmp_path / "near.json").read_text())
     assert near and all(len(n) == 2 and i not in n for i, n in enumerate(near))
     laid = recipe._lay(0)[1]  # the last run's sample maker and layouter, in this process
@@ -233,3 +234,19 @@ def test_recipe_lays_modules_after_their_neighbours(tiny, tmp_path):
     (tmp_path / "near.json").write_text(json.dumps([[0, 1]]))  # lists for other passages: refused by name
     with pytest.raises(ValueError, match="near.json holds neighbour lists for other passages"):
         recipe.main(["--out", str(tmp_path / "m"), *args])
+
+
+def test_samples_all_too_long_raise_rather_than_hang(tiny, maker):
+    """A window of samples all longer than `max_len` (a layout after neighbours at many modules) says so:
+    the batch stream would otherwise read forever and the time limit would never be checked."""
+    layouter = Layouter(AutoTokenizer.from_pretrained(tiny))
+
+    def stream():
+        for i in itertools.count():
+            s = maker(i)
+            yield i, layouter.lay(s.instructions, [module_text(maker.passages[j]) for j in s.passages], s.question, s.answer)
+
+    with pytest.raises(ValueError, match="longer than max_len = 16 tokens"):
+        next(batches(stream(), TuneConfig(max_len=16)))
+    group, after = next(batches(stream(), TuneConfig(tokens_per_batch=1 << 20)))
+    assert group and after == 64

@@ -28,7 +28,7 @@ import torch
 from rag_promptcache.tune.layout import Laid, Layouter
 from rag_promptcache.tune.samples import SampleMaker, shared_fact_neighbors
 from rag_promptcache.tune.texts import FAMILIES, Passage, gather, held_out
-from rag_promptcache.tune.train import TuneConfig, bf16_autocast, train
+from rag_promptcache.tune.train import TuneConfig, bf16_autocast, max_len_for, train
 
 FORMAT = 1
 _worker: tuple[SampleMaker, Layouter, list[list[int]]] | None = None
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--neighbours", type=int, default=0,
                     help="lay each module out after its M nearest passages, as a corpus ingested with --neighbours M "
                          "encodes it (0: every module on its own)")
+    ap.add_argument("--max-len", type=int,
+                    help="longer samples are dropped, hidden neighbour copies counted (default: 3072 times M + 1)")
     ap.add_argument("--neighbours-file", type=Path,
                     help="the passages' neighbour lists: read where the file holds them, else computed and written")
     ap.add_argument("--families", default=",".join(FAMILIES), help="text families to train on")
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         neighbors=shared_fact_neighbors(train_passages, seed=args.seed), fact_share=args.fact_share)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
                      tokens_per_batch=args.tokens_per_batch, seed=args.seed, links=args.links, init=args.init,
-                     full_share=args.full_share, wrap=args.wrap)
+                     full_share=args.full_share, wrap=args.wrap, max_len=args.max_len or max_len_for(args.neighbours))
     vocab = model.get_input_embeddings().weight.shape[0]  # learned ids follow the vocabulary (model/links.py)
     w = args.wrap  # the table: w opening wrappers, w closing ones, then the links
     wrap = (tuple(range(vocab, vocab + w)), tuple(range(vocab + w, vocab + 2 * w)))

@@ -34,6 +34,7 @@ from rag_promptcache.tune.layout import Laid, batch_masks
 
 TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHECKPOINT = "checkpoint"
+MAX_LEN = 3072  # tokens of the longest sample trained on, in the plain layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ class TuneConfig:
     max_steps: int = 1000
     max_seconds: float = 3600.0
     tokens_per_batch: int = 4096  # padded tokens per optimizer step
-    max_len: int = 3072  # longer samples are dropped
+    max_len: int = MAX_LEN  # longer samples are dropped (`max_len_for` a layout after M neighbours)
     full_share: float = 0.15  # samples the student reads with the causal mask (keeps full prefill as it was)
     ce_weight: float = 0.1
     seed: int = 0
@@ -66,12 +67,22 @@ class Progress:
     losses: list[float] = field(default_factory=list)
 
 
+def max_len_for(neighbours: int, plain: int = MAX_LEN) -> int:
+    """The longest sample to train on where every module is laid out after `neighbours` hidden copies
+    (`layout.py`): a sample grows by about that many times its modules' tokens."""
+    return plain * (1 + neighbours)
+
+
 def batches(stream: Iterator[tuple[int, Laid]], cfg: TuneConfig) -> Iterator[tuple[list[Laid], int]]:
-    """(samples, index after the last one read) by padded-token budget, sorted by length within windows of 64."""
+    """(samples, index after the last one read) by padded-token budget, sorted by length within windows of 64.
+    A window whose every sample is longer than `cfg.max_len` raises: the stream would never yield."""
     while True:
         window = [next(stream) for _ in range(64)]
         after = window[-1][0] + 1
         kept = sorted((s for _, s in window if len(s) <= cfg.max_len), key=len)
+        if not kept:
+            raise ValueError(f"all 64 samples of a window are longer than max_len = {cfg.max_len} tokens (the "
+                             f"shortest {min(len(s) for _, s in window)}): raise max_len or lay out fewer modules")
         group: list[Laid] = []
         for s in kept:
             if group and len(s) * (len(group) + 1) > cfg.tokens_per_batch:
