@@ -197,6 +197,33 @@ def test_warm_all_and_idle_time_encode_the_entries_after_neighbours(parts, tmp_p
         c.close()
 
 
+def test_idle_upgrades_skip_nothing_when_modules_leave_or_arrive(parts, tmp_path):
+    """The idle step (`rag/lazy.py` `Upgrades`) remembers what it encoded by entry, not by table row: modules
+    removed behind it shift no row past it, and modules ingested while it runs are found."""
+    from rag_promptcache.rag.lazy import Upgrades
+
+    c = corpus(parts, tmp_path / "u", neighbours=2, neighbours_present=2)
+    try:
+        step = Upgrades(c)
+        assert step() and c.coverage().num_after_neighbours == 1  # the first module in ingest order
+        first = c.table.module_keys()[0][0]
+        gone = next(src for src in (str((parts[1] / n).resolve()) for n in TOPICS) if first in c.table.chunk_ids(src))
+        c.remove(gone)  # the rows behind the step leave: the rest move up a row each
+        while step():
+            pass
+        assert c.coverage().num_after_neighbours == len(c) > 0
+        extra = tmp_path / "extra"
+        extra.mkdir()
+        (extra / "tides.txt").write_text("The moon pulls the sea into two bulges, so most shores see two tides a day. " * 6)
+        c.add([extra])  # ingested while the idle loop runs
+        assert c.coverage().num_after_neighbours < len(c)
+        while step():
+            pass
+        assert c.coverage().num_after_neighbours == len(c)
+    finally:
+        c.close()
+
+
 @pytest.mark.slow
 def test_a_server_upgrades_a_fresh_corpus_in_idle_time(parts, tmp_path):
     """`serve` over a corpus just ingested (plain entries only) answers at once, and its idle time writes the

@@ -16,13 +16,14 @@ Not here: the miss path itself (engine/planning/plan.py), the budget (budget.py)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from rag_promptcache.rag import budget as budgeting
 from rag_promptcache.rag import corpus_store, layout
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from rag_promptcache.rag.table import ChunkTable
     from rag_promptcache.store.base import Store
 
+T = TypeVar("T")
 FLUSH_EVERY = 32  # retrievals noted between writes of their counts
 
 
@@ -180,19 +182,14 @@ def warm(corpus: Corpus, top: int | None, questions: Sequence[str] | None = None
     if not order:
         raise ValueError("nothing to warm from: no question has retrieved a module of this corpus yet; "
                          "pass a question log (--questions FILE)" if tokens else "the corpus holds no modules")
-    room, entries = _room(corpus), 2 if corpus.manifest.neighbours_present else 1
-    wanted, used, capped = [], 0, ""
-    for m in order[:top]:
-        size = entries * module_bytes(corpus.engine_slot.get(), tokens.get(m, 0), corpus.manifest.codec)
-        if room is not None and used + size > room:
-            capped = (f"the store budget holds about {len(wanted)} of the {min(top, len(order))} modules asked "
-                      f"for ({corpus.budget.describe()})")
-            break
-        wanted.append(m)
-        used += size
-    if len(order) < top and not capped:
-        capped = f"only {len(order)} modules were ever retrieved"
     engine = corpus.prepare()
+    wanted = list(within_budget(corpus, engine, ((m, tokens.get(m, 0)) for m in order[:top])))
+    capped = ""
+    if len(wanted) < len(order[:top]):
+        capped = (f"the store budget holds about {len(wanted)} of the {min(top, len(order))} modules asked "
+                  f"for ({corpus.budget.describe()})")
+    elif len(order) < top:
+        capped = f"only {len(order)} modules were ever retrieved"
     report = engine.encode(corpus.manifest.name, wanted, progress=progress)
     return WarmReport(len(wanted), report.num_skipped, report.num_modules, report.num_tokens,
                       time.perf_counter() - t0, capped)
@@ -204,13 +201,9 @@ HOT = 2  # retrievals that make a module worth warming in idle time
 def warm_one(corpus: Corpus, engine: PromptCache, warmed: set[str]) -> bool:
     """One step of idle warming (`StoreAccess.warm_when_idle`): encode the most retrieved module, among those
     the budget holds, that is not held and not warmed before by `warmed`'s owner → whether one was."""
-    tokens = {m: n for m, _, n in corpus.table.module_keys()}
-    room, used, name = _room(corpus), 0, corpus.manifest.name
-    for m, count in corpus.table.retrieval_counts():
-        size = module_bytes(engine, tokens.get(m, 0), corpus.manifest.codec)
-        if count < HOT or (room is not None and used + size > room):
-            return False
-        used += size
+    tokens, name = {m: n for m, _, n in corpus.table.module_keys()}, corpus.manifest.name
+    hot = itertools.takewhile(lambda mc: mc[1] >= HOT, corpus.table.retrieval_counts())
+    for m in within_budget(corpus, engine, ((m, tokens.get(m, 0)) for m, _ in hot)):
         if m in warmed or engine.is_cached(name, m):
             continue
         warmed.add(m)
@@ -227,26 +220,39 @@ class Upgrades:
     """Idle steps of a corpus that keeps two entries of each module (`--neighbours-present`): encode the entries
     encoded after their neighbours, which ingest leaves for later (rag/encoding.py `encode_kv`), one module a
     step in ingest order, while the budget holds both entries of each. A module a question read plain in the
-    meantime is queued by that question (engine/planning/plan.py) and found held here."""
+    meantime is queued by that question (engine/planning/plan.py) and found held here; one ingested while the
+    server runs is found on the next step."""
 
     def __init__(self, corpus: Corpus) -> None:
-        self.corpus, self.at = corpus, 0  # rows before `at` are held or were tried
+        self.corpus = corpus
+        self.done: set[str] = set()  # entry keys found held or encoded here: not looked up again
 
     def __call__(self) -> bool:
-        c, name, room, used = self.corpus, self.corpus.manifest.name, _room(self.corpus), 0
+        c, name = self.corpus, self.corpus.manifest.name
         engine = c.prepare()  # the schema as the table is now (an ingest meanwhile re-registers it)
         store = engine.store_of(name)
-        for i, (m, key, n) in enumerate(c.table.module_keys()):
-            used += 2 * module_bytes(engine, n, c.manifest.codec)
-            if room is not None and used > room:
-                return False
-            if i < self.at or store.contains(key):
+        for m, key in within_budget(c, engine, (((m, key), n) for m, key, n in c.table.module_keys())):
+            if key in self.done:
                 continue
-            self.at = i  # a forward a request stops (the encoder's `Yielded`) is tried again next step
-            engine.encode(name, [m])
-            self.at = i + 1
-            return True
+            if not store.contains(key):
+                engine.encode(name, [m])  # a forward a request stops (the encoder's `Yielded`) is tried again next step
+                self.done.add(key)
+                return True
+            self.done.add(key)
         return False
+
+
+def within_budget(corpus: Corpus, engine: PromptCache, items: Iterable[tuple[T, int]]) -> Iterator[T]:
+    """The items of `items` ((item, its module's tokens), in the order given) while the store's budget holds
+    every entry the corpus keeps of each of their modules, summed in that order (both entries where it keeps
+    two: `--neighbours-present`); the walk `warm`, `warm_one` and `Upgrades` share."""
+    room, used = _room(corpus), 0
+    entries = 2 if corpus.manifest.neighbours_present else 1
+    for item, tokens in items:
+        used += entries * module_bytes(engine, tokens, corpus.manifest.codec)
+        if room is not None and used > room:
+            return
+        yield item
 
 
 def _room(corpus: Corpus) -> int | None:
