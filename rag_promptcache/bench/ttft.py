@@ -8,8 +8,9 @@ Systems (each timed from the call to the first sampled token):
 - `prefix`: plain transformers with the KV of everything before the first module (chat prefix and
   system instructions) computed once and reused: the best prefix caching (vLLM, SGLang) can do when
   the retrieved chunks change from request to request;
-- `cached_memory` / `cached_disk`: `PromptCache.generate` with every module in a MemoryStore /
-  DiskStore (page cache warm: read once before timing), the default planner: `cached_path` says
+- `cached_memory` / `cached_disk`: `PromptCache.generate` with every module in a MemoryStore (native
+  tensors) / a DiskStore in a corpus's default codec (k6v6: decoded in the request, as a corpus ingested
+  with the defaults serves it; page cache warm: read once before timing), the default planner: `cached_path` says
   whether it ran the cached plan or found a full prefill faster (engine/planning/costmodel.py). The worst
   `speedup_engine` over the prompts is "never slower than not caching" (target: at least 0.95x);
 - `miss`: `PromptCache.generate` over a NullStore, so every module is encoded in the request;
@@ -48,6 +49,7 @@ from rag_promptcache.engine.kv.assemble import assemble
 from rag_promptcache.engine.prompt.compiler import ROOT
 from rag_promptcache.engine.compute.runner import cache_arg, forward_last, output_cache
 from rag_promptcache.pml.build import prompt_pml
+from rag_promptcache.rag.corpus_store import DEFAULT_CODEC
 from rag_promptcache.store import DiskStore, MemoryStore, NullStore
 
 SCHEMA = "bench_ttft"
@@ -69,7 +71,7 @@ def run(bench: Bench) -> list[dict[str, object]]:
     bench.extras["ttft_engine"] = mem
     rows = []
     with tempfile.TemporaryDirectory(prefix="rpc-bench-") as tmp:
-        disk_store = DiskStore(tmp)
+        disk_store = DiskStore(tmp, codec=DEFAULT_CODEC)  # what `ingest` stores by default
         for key in mem.store.keys():
             disk_store.put(key, mem.store.get(key))
         disk = PromptCache(model, tok, store=disk_store, name=bench.model_name, **bench.engine_options)
