@@ -286,6 +286,22 @@ def test_tune_lays_a_corpus_prompt_out_as_the_corpus_reads_it(parts, tmp_path, t
         plain.close()
 
 
+def test_tune_trains_a_corpus_with_neighbours_on_its_longer_samples(parts, tmp_path):
+    """`tune` on a corpus ingested with --neighbours M keeps samples up to M + 1 times the plain length: the
+    hidden copies of the neighbours lengthen every one, and the plain limit would drop the larger prompts."""
+    from rag_promptcache.tune.corpus import tune_corpus
+    from rag_promptcache.tune.train import MAX_LEN, TuneConfig
+
+    c = corpus(parts, tmp_path / "t", neighbours=2, neighbours_present=2)
+    try:
+        report = tune_corpus(c, tmp_path / "tuned", TuneConfig(rank=2, alpha=4, max_steps=1, tokens_per_batch=2048),
+                             general=False, check=0)
+    finally:
+        c.close()
+    assert report.steps == 1
+    assert json.loads((tmp_path / "tuned" / "train.json").read_text())["config"]["max_len"] == 3 * MAX_LEN
+
+
 def test_ask_stores_the_entries_after_neighbours_it_read_plain_before_it_exits(parts, tmp_path, capsys, monkeypatch):
     from test_cli import run
 

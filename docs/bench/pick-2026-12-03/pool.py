@@ -3,7 +3,8 @@ full prefill (the references the runs name), over both draws' questions, with ea
 this model's own full prefill (rough: other work shared the machine); writes pooled.json and prints the table
 of docs/FIDELITY.md ("... choosing each module's encoding per prompt"). `python pool.py product`: the same for
 the product path's runs (`benchmarks.fidelity --neighbours 3 --neighbours-present 2`, product/), into
-product/pooled.json."""
+product/pooled.json. `python pool.py DIR`: every run folder in DIR (a `fidelity.json` in each), into
+DIR/pooled.json (docs/bench/nbr-tune-2026-12-03: the adapter trained on the neighbour layout)."""
 
 import collections
 import json
@@ -11,8 +12,10 @@ import sys
 from pathlib import Path
 
 PRODUCT = sys.argv[1:] == ["product"]
-HERE = Path(__file__).parent / "product" if PRODUCT else Path(__file__).parent
-RUNS = ("both0", "manuals0", "both1", "manuals1") if PRODUCT else ("draw0", "draw1")
+GIVEN = Path(sys.argv[1]) if sys.argv[1:] and not PRODUCT else None
+HERE = GIVEN or (Path(__file__).parent / "product" if PRODUCT else Path(__file__).parent)
+RUNS = (sorted(d.name for d in GIVEN.iterdir() if (d / "fidelity.json").exists()) if GIVEN
+        else ("both0", "manuals0", "both1", "manuals1") if PRODUCT else ("draw0", "draw1"))
 cells: dict[tuple[str, str, int], list] = collections.defaultdict(lambda: [0, 0, 0, 0, []])  # ref right, right, both, draws, speed-ups
 settings: list[str] = []
 for run in RUNS:
