@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 
 import pytest
@@ -310,6 +311,7 @@ def test_ask_stores_the_entries_after_neighbours_it_read_plain_before_it_exits(p
     n = len(c)
     c.close()
     code, _, err = run(capsys, "ask", "--corpus", tmp_path / "a", "Why do bees dance?", "-k", str(n))
-    assert code == 0 and f"storing {n} module(s) for later questions" in err
+    # the background encoder may have written some before the count is printed: it says what is left
+    assert code == 0 and re.search(r"storing \d+ module\(s\) for later questions", err)
     info = json.loads(run(capsys, "info", "--corpus", tmp_path / "a", "--json")[1])
     assert info["encoded"]["num_after_neighbours"] == n
