@@ -23,7 +23,9 @@
 # starting from the shipped adapter, which travels in the tree; RECIPE_ARGS replaces it. NEIGHBOURS=M prep
 # also writes the training passages' M nearest neighbours (the corpus embedder's, as `ingest --neighbours M`
 # chooses), and train then lays every module out after them (`recipe --neighbours M`: the layout a corpus
-# ingested with `--neighbours M` serves; pair it with RECIPE_ARGS without --links, the layout read with `none`).
+# ingested with `--neighbours M` serves; pair it with RECIPE_ARGS without --links, the layout read with `none`;
+# with --neighbours-present C in RECIPE_ARGS, a module reads that layout only where C of them are in the prompt,
+# and prompts gather the asked passage's nearest: prep writes 16 nearest, enough for --k-max up to 16).
 # Its files come back in $OUT: the adapter, links.safetensors, tune.json, train.json, the probe's
 # answers (grade them here with `python -m research.tune_probe grade`) and the log.
 #
@@ -70,7 +72,7 @@ from pathlib import Path
 from rag_promptcache.tune.recipe import nearest_passages, read_passages
 from rag_promptcache.tune.texts import held_out
 _, passages = read_passages(Path('$GPU/c1/passages.json.gz'))
-nearest_passages([p for p in passages if not held_out(p.source)], $NEIGHBOURS, Path('$GPU/c1/near.json'))"
+nearest_passages([p for p in passages if not held_out(p.source)], max($NEIGHBOURS, 16), Path('$GPU/c1/near.json'))"
       echo "$NEIGHBOURS" > "$GPU/c1/neighbours"
     fi
     "$BIN/python" -m research.tune_probe dump "$GPU/probe.json" && gzip -9 "$GPU/probe.json"

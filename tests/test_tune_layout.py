@@ -65,6 +65,25 @@ def test_block_mask_shape(tiny):
         Layouter(tok, "nope")
 
 
+def test_a_module_reads_its_neighbours_layout_only_where_enough_of_them_are_in_the_prompt(tiny):
+    """`present`: as `ingest --neighbours-present C` serves it, a module is laid out after its neighbours only
+    where C of them are among the prompt's modules, on its own otherwise (`compiler.read_as`)."""
+    _, tok = tiny
+    layouter = Layouter(tok)
+    near = [[MODULES[2], MODULES[1]], [], [MODULES[0]]]  # m0 after m2 and m1 (both here), m2 after m0 (one)
+
+    def lay(modules, neighbours, present=0):
+        return layouter.lay(INSTRUCTIONS, modules, "When did the Ferro bridge open?", "In 1877.", neighbours, present)
+
+    both = lay(MODULES, near, present=2)
+    assert (both.ids, both.hidden, both.pos) == (lambda w: (w.ids, w.hidden, w.pos))(lay(MODULES, [near[0], [], []]))
+    one = lay(MODULES, near, present=1)
+    assert (one.ids, one.hidden, one.pos) == (lambda w: (w.ids, w.hidden, w.pos))(lay(MODULES, near))
+    assert sum(one.hidden) > sum(both.hidden) > 0
+    two = lay(MODULES[:2], near[:2], present=2)  # m0's m2 is not in this prompt: m0 reads its own encoding
+    assert two.ids == lay(MODULES[:2], ()).ids and not any(two.hidden or ())
+
+
 @pytest.mark.parametrize("mode", ["shared_prefix", "isolated"])
 def test_modules_encoded_after_their_neighbours_are_laid_out_as_the_engine_reads_them(tiny, mode):
     """A module encoded after its neighbours (a corpus ingested with `--neighbours M`) is laid out behind a

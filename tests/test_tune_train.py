@@ -234,6 +234,29 @@ def test_recipe_lays_modules_after_their_neighbours(tiny, tmp_path):
     (tmp_path / "near.json").write_text(json.dumps([[0, 1]]))  # lists for other passages: refused by name
     with pytest.raises(ValueError, match="near.json holds neighbour lists for other passages"):
         recipe.main(["--out", str(tmp_path / "m"), *args])
+    # `--neighbours-present 2`: a prompt holds its asked passage's nearest (as retrieval returns them), and a
+    # module reads its layout after its neighbours only where both are in the prompt
+    args[args.index("--neighbours-file") + 1] = str(tmp_path / "wide.json")
+    meta = recipe.main(["--out", str(tmp_path / "p"), *args, "--neighbours-present", "2", "--k-min", "3"])
+    assert meta["recipe"]["neighbours_present"] == 2
+    wide = json.loads((tmp_path / "wide.json").read_text())  # k-max 3: each passage's 3 nearest, for the prompts
+    assert all(len(n) == 3 for n in wide) and [n[1:] for n in wide] == near
+    maker, layouter, _, present = recipe._worker
+    laid_any = 0
+    for i in range(12):
+        s = maker(i)
+        target = s.passages[s.relevant]
+        assert set(s.passages) - {target} == set(wide[target][1:])  # its two nearest
+        mods = [recipe.module_text(maker.passages[j]) for j in s.passages]
+        after = [[recipe.module_text(maker.passages[j]) for j in near[j]] for j in s.passages]
+        keep = [a if set(near[j]) <= set(s.passages) else [] for a, j in zip(after, s.passages)]
+        want = layouter.lay(s.instructions, mods, s.question, s.answer, neighbours=keep)
+        got = recipe._lay(i)[1]
+        assert (got.ids, got.hidden, got.pos) == (want.ids, want.hidden, want.pos)
+        laid_any += any(got.hidden or ())
+    assert present == 2 and laid_any  # some modules read after their neighbours
+    with pytest.raises(SystemExit):
+        recipe.main(["--out", str(tmp_path / "q"), *args, "--neighbours-present", "3"])  # more than it has
 
 
 def test_samples_all_too_long_raise_rather_than_hang(tiny, maker):

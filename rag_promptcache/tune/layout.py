@@ -98,12 +98,11 @@ class Layouter:
         self.near = near
 
     def lay(self, instructions: str, modules: Sequence[str], question: str, answer: str,
-            neighbours: Sequence[Sequence[str]] = ()) -> Laid:
+            neighbours: Sequence[Sequence[str]] = (), present: int = 0) -> Laid:
         """`neighbours[i]`: the texts module i is encoded after, least similar first (a corpus ingested with
         `--neighbours M`; default: the `near` the layouter was given); none: every module encoded on its own.
-        A module reads them as the engine's plan does (`compiler.read_as`: where `near.present` of them are in
-        the prompt)."""
-        present = 0
+        A module reads them as the engine's plan does (`compiler.read_as`: where `present` of them, or
+        `near.present`, are in the prompt; 0: always)."""
         if not neighbours and self.near is not None:
             neighbours, present = [self.near.of.get(t, ()) for t in modules], self.near.present
         names = [f"m{i}" for i in range(len(modules))]

@@ -31,22 +31,23 @@ from rag_promptcache.tune.texts import FAMILIES, Passage, gather, held_out
 from rag_promptcache.tune.train import TuneConfig, bf16_autocast, max_len_for, train
 
 FORMAT = 1
-_worker: tuple[SampleMaker, Layouter, list[list[int]]] | None = None
+_worker: tuple[SampleMaker, Layouter, list[list[int]], int] | None = None
 
 
 def _init(maker: SampleMaker, tokenizer, mode: str, link_ids: tuple[int, ...] = (),
-          wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), near: list[list[int]] | None = None) -> None:
+          wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), near: list[list[int]] | None = None,
+          present: int = 0) -> None:
     global _worker
-    _worker = (maker, Layouter(tokenizer, mode, link_ids, wrap), near or [])
+    _worker = (maker, Layouter(tokenizer, mode, link_ids, wrap), near or [], present)
 
 
 def _lay(index: int) -> tuple[int, Laid]:
     assert _worker is not None
-    maker, layouter, near = _worker
+    maker, layouter, near, present = _worker
     s = maker(index)
     mods = [module_text(maker.passages[i]) for i in s.passages]
     after = [[module_text(maker.passages[j]) for j in near[i]] for i in s.passages] if near else ()
-    return index, layouter.lay(s.instructions, mods, s.question, s.answer, neighbours=after)
+    return index, layouter.lay(s.instructions, mods, s.question, s.answer, neighbours=after, present=present)
 
 
 def nearest_passages(passages: list[Passage], m: int, path: Path | None = None) -> list[list[int]]:
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--neighbours", type=int, default=0,
                     help="lay each module out after its M nearest passages, as a corpus ingested with --neighbours M "
                          "encodes it (0: every module on its own)")
+    ap.add_argument("--neighbours-present", type=int, default=0,
+                    help="a module reads its layout after its neighbours only where this many of them are among the "
+                         "prompt's modules, its own encoding otherwise, as a corpus ingested with --neighbours-present "
+                         "serves it (0: always); prompts then gather each asked passage's nearest, as retrieval does")
     ap.add_argument("--max-len", type=int,
                     help="longer samples are dropped, hidden neighbour copies counted (default: 3072 times M + 1)")
     ap.add_argument("--neighbours-file", type=Path,
@@ -196,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         return {}
     if args.out is None:
         ap.error("--out is required (where the adapter goes)")
+    if not 0 <= args.neighbours_present <= args.neighbours:
+        ap.error(f"--neighbours-present must be 0..--neighbours ({args.neighbours}), got {args.neighbours_present}")
     t_start = time.perf_counter()
     if args.passages:
         instructions, passages = read_passages(args.passages)
@@ -221,8 +228,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         (args.out / "probe_answers.json").write_text(json.dumps(answers))
     print(f"base probed in {metrics['base_probe_seconds']:.0f}s, text loss {metrics['base_text_loss']:.4f}",
           file=sys.stderr, flush=True)
+    look_alikes = shared_fact_neighbors(train_passages, seed=args.seed)
+    near = None
+    if args.neighbours:
+        wide = max(args.neighbours, args.k_max) if args.neighbours_present else args.neighbours
+        nearest = nearest_passages(train_passages, wide, args.neighbours_file)
+        near = [n[len(n) - args.neighbours:] for n in nearest]  # what each module is encoded after
+        if args.neighbours_present:  # a question's prompt holds its passage's nearest: the rule then applies
+            look_alikes = {i: [*n[::-1], *(j for j in look_alikes.get(i, ()) if j not in n)] for i, n in enumerate(nearest)}
     maker = SampleMaker(train_passages, instructions, k=(args.k_min, args.k_max), seed=args.seed,
-                        neighbors=shared_fact_neighbors(train_passages, seed=args.seed), fact_share=args.fact_share)
+                        neighbors=look_alikes, fact_share=args.fact_share)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
                      tokens_per_batch=args.tokens_per_batch, seed=args.seed, links=args.links, init=args.init,
                      full_share=args.full_share, wrap=args.wrap, max_len=args.max_len or max_len_for(args.neighbours))
@@ -230,10 +245,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     w = args.wrap  # the table: w opening wrappers, w closing ones, then the links
     wrap = (tuple(range(vocab, vocab + w)), tuple(range(vocab + w, vocab + 2 * w)))
     link_ids = tuple(range(vocab + 2 * w, vocab + 2 * w + args.links))
-    near = nearest_passages(train_passages, args.neighbours, args.neighbours_file) if args.neighbours else None
     pool = None
     if args.workers:
-        pool = mp.get_context("fork").Pool(args.workers, _init, (maker, tokenizer, args.mode, link_ids, wrap, near))
+        pool = mp.get_context("fork").Pool(args.workers, _init,
+                                           (maker, tokenizer, args.mode, link_ids, wrap, near, args.neighbours_present))
 
         def stream(start: int):
             # windows of 256, the next one laid out while this one trains; never `imap` over an endless
@@ -244,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 window, ahead = ahead.get(), pool.map_async(_lay, range(start, start + 256), chunksize=8)
                 yield from window
     else:
-        _init(maker, tokenizer, args.mode, link_ids, wrap, near)
+        _init(maker, tokenizer, args.mode, link_ids, wrap, near, args.neighbours_present)
 
         def stream(start: int):
             return map(_lay, itertools.count(start))
@@ -267,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "recovery": f"links:{args.links}" if args.links else "none",
             "recipe": {**asdict(cfg), "passages": len(train_passages), "families": args.families,
                        "k": [args.k_min, args.k_max], "fact_share": args.fact_share, "neighbours": args.neighbours,
-                                           "device": device.type}, "metrics": metrics}
+                       "neighbours_present": args.neighbours_present, "device": device.type}, "metrics": metrics}
     (args.out / "tune.json").write_text(json.dumps(meta, indent=1))
     print(json.dumps(metrics), flush=True)
     return meta
