@@ -24,7 +24,7 @@ from rag_promptcache.tune.layout import Layouter, Neighbourhood
 from rag_promptcache.tune.recipe import FORMAT, module_text
 from rag_promptcache.tune.samples import SampleMaker
 from rag_promptcache.tune.texts import Passage, gather, held_out
-from rag_promptcache.tune.train import MAX_LEN, Progress, TuneConfig, can_start_from, max_len_for, train
+from rag_promptcache.tune.train import Progress, TuneConfig, can_start_from, max_len_for, train
 
 if TYPE_CHECKING:
     from rag_promptcache.rag import Corpus
@@ -109,8 +109,8 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
     served = neighbourhood(corpus)  # trained and checked in the layout the corpus serves
-    if served is not None and cfg.max_len == MAX_LEN:  # its samples carry the neighbours' copies
-        cfg = replace(cfg, max_len=max_len_for(corpus.manifest.neighbours))
+    if cfg.max_len is None:  # a layout after neighbours: its samples carry their copies
+        cfg = replace(cfg, max_len=max_len_for(corpus.manifest.neighbours if served is not None else 0))
     layouter = Layouter(tokenizer, corpus.manifest.mode, near=served)
     vocab = model.get_input_embeddings().weight.shape[0]  # link ids follow the vocabulary (model/links.py)
     linked = Layouter(tokenizer, corpus.manifest.mode, range(vocab, vocab + cfg.links), near=served) if cfg.links else layouter

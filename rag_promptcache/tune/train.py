@@ -47,7 +47,7 @@ class TuneConfig:
     max_steps: int = 1000
     max_seconds: float = 3600.0
     tokens_per_batch: int = 4096  # padded tokens per optimizer step
-    max_len: int = MAX_LEN  # longer samples are dropped (`max_len_for` a layout after M neighbours)
+    max_len: int | None = None  # longer samples are dropped; None: MAX_LEN (`max_len_for` after M neighbours)
     full_share: float = 0.15  # samples the student reads with the causal mask (keeps full prefill as it was)
     ce_weight: float = 0.1
     seed: int = 0
@@ -76,12 +76,13 @@ def max_len_for(neighbours: int, plain: int = MAX_LEN) -> int:
 def batches(stream: Iterator[tuple[int, Laid]], cfg: TuneConfig) -> Iterator[tuple[list[Laid], int]]:
     """(samples, index after the last one read) by padded-token budget, sorted by length within windows of 64.
     A window whose every sample is longer than `cfg.max_len` raises: the stream would never yield."""
+    limit = cfg.max_len or MAX_LEN
     while True:
         window = [next(stream) for _ in range(64)]
         after = window[-1][0] + 1
-        kept = sorted((s for _, s in window if len(s) <= cfg.max_len), key=len)
+        kept = sorted((s for _, s in window if len(s) <= limit), key=len)
         if not kept:
-            raise ValueError(f"all 64 samples of a window are longer than max_len = {cfg.max_len} tokens (the "
+            raise ValueError(f"all 64 samples of a window are longer than max_len = {limit} tokens (the "
                              f"shortest {min(len(s) for _, s in window)}): raise max_len or lay out fewer modules")
         group: list[Laid] = []
         for s in kept:
