@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         nearest = nearest_passages(train_passages, wide, args.neighbours_file)
         near = [n[len(n) - args.neighbours:] for n in nearest]  # what each module is encoded after
         if args.neighbours_present:  # a question's prompt holds its passage's nearest: the rule then applies
-            look_alikes = {i: [*n[::-1], *(j for j in look_alikes.get(i, ()) if j not in n)] for i, n in enumerate(nearest)}
+            look_alikes = {i: [*n[::-1], *(j for j in look_alikes.get(i, ()) if j not in n)]
+                           for i, n in enumerate(nearest)}
     maker = SampleMaker(train_passages, instructions, k=(args.k_min, args.k_max), seed=args.seed,
                         neighbors=look_alikes, fact_share=args.fact_share)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
