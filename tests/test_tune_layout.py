@@ -75,10 +75,13 @@ def test_a_module_reads_its_neighbours_layout_only_where_enough_of_them_are_in_t
     def lay(modules, neighbours, present=0):
         return layouter.lay(INSTRUCTIONS, modules, "When did the Ferro bridge open?", "In 1877.", neighbours, present)
 
+    def shape(laid):
+        return laid.ids, laid.hidden, laid.pos
+
     both = lay(MODULES, near, present=2)
-    assert (both.ids, both.hidden, both.pos) == (lambda w: (w.ids, w.hidden, w.pos))(lay(MODULES, [near[0], [], []]))
+    assert shape(both) == shape(lay(MODULES, [near[0], [], []]))
     one = lay(MODULES, near, present=1)
-    assert (one.ids, one.hidden, one.pos) == (lambda w: (w.ids, w.hidden, w.pos))(lay(MODULES, near))
+    assert shape(one) == shape(lay(MODULES, near))
     assert sum(one.hidden) > sum(both.hidden) > 0
     two = lay(MODULES[:2], near[:2], present=2)  # m0's m2 is not in this prompt: m0 reads its own encoding
     assert two.ids == lay(MODULES[:2], ()).ids and not any(two.hidden or ())
