@@ -109,7 +109,7 @@ def tune_corpus(corpus: Corpus, out: str | Path, cfg: TuneConfig, *, general: bo
     model, tokenizer = load_model(corpus.manifest.model, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
     served = neighbourhood(corpus)  # trained and checked in the layout the corpus serves
-    if cfg.max_len is None:  # a layout after neighbours: its samples carry their copies
+    if cfg.max_len is None:  # the default, recorded: longer after neighbours, whose copies a sample carries
         cfg = replace(cfg, max_len=max_len_for(corpus.manifest.neighbours if served is not None else 0))
     layouter = Layouter(tokenizer, corpus.manifest.mode, near=served)
     vocab = model.get_input_embeddings().weight.shape[0]  # link ids follow the vocabulary (model/links.py)
