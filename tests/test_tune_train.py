@@ -273,3 +273,30 @@ def test_samples_all_too_long_raise_rather_than_hang(tiny, maker):
         next(batches(stream(), TuneConfig(max_len=16)))
     group, after = next(batches(stream(), TuneConfig(tokens_per_batch=1 << 20)))
     assert group and after == 64
+
+
+@pytest.mark.slow
+def test_recipe_trains_wrapper_tokens_alone_on_a_frozen_lora(tiny, tmp_path):
+    """`--wrap W --freeze-lora`: the wrappers train, the LoRA is the one `--init` gave, bit for bit."""
+    from safetensors.torch import load_file
+
+    from rag_promptcache.model import links
+    from rag_promptcache.model.loading import load_model
+    from rag_promptcache.tune.recipe import main
+    from rag_promptcache.tune.train import TARGETS
+    from tests.tiny_adapter import save_random_lora
+
+    start = save_random_lora(str(tiny), tmp_path / "start", rank=16, targets=TARGETS)
+    args = ["--model", str(tiny), "--device", "cpu", "--steps", "2", "--wrap", "2", "--tokens-per-batch", "1500",
+            "--k-max", "3", "--families", "reference", "--init", str(start)]
+    meta = main(["--out", str(tmp_path / "w"), *args, "--freeze-lora"])
+    assert meta["recipe"]["freeze_lora"] and meta["metrics"]["steps"] == 2
+    before, after = (load_file(str(d / "adapter_model.safetensors")) for d in (start, tmp_path / "w"))
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v.float(), atol=0, rtol=0)
+    model, _ = load_model(str(tiny), device="cpu", dtype="float32", adapter=str(tmp_path / "w"))
+    fresh = links.fresh(model, 4, seed=meta["recipe"]["seed"])
+    assert not torch.allclose(links.of(model).links.float(), fresh), "the wrappers trained"
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), *args[:4], "--freeze-lora"])

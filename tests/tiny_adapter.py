@@ -10,14 +10,15 @@ from pathlib import Path
 import torch
 
 
-def save_random_lora(model_dir: str, out: Path, *, recovery: str | None = "none", seed: int = 0, scale: float = 0.05) -> Path:
+def save_random_lora(model_dir: str, out: Path, *, recovery: str | None = "none", seed: int = 0, scale: float = 0.05,
+                     rank: int = 4, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> Path:
     from peft import LoraConfig, get_peft_model
 
     from rag_promptcache.model.loading import load_model, model_fingerprint
 
     model, _ = load_model(model_dir, device="cpu", dtype="float32", adapter="none")
     base_fingerprint = model_fingerprint(model)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0)
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--links", type=int, default=0, help="link tokens after each module (0: none)")
     ap.add_argument("--wrap", type=int, default=0,
                     help="wrapper tokens before and after every module, encoded with it (0: none)")
+    ap.add_argument("--freeze-lora", action="store_true",
+                    help="train the --links or --wrap tokens alone; the LoRA stays as --init left it")
     ap.add_argument("--init", default="", help="an adapter directory to start from (same rank and projections)")
     ap.add_argument("--neighbours", type=int, default=0,
                     help="lay each module out after its M nearest passages, as a corpus ingested with --neighbours M "
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         ap.error("--out is required (where the adapter goes)")
     if not 0 <= args.neighbours_present <= args.neighbours:
         ap.error(f"--neighbours-present must be 0..--neighbours ({args.neighbours}), got {args.neighbours_present}")
+    if args.freeze_lora and not (args.links or args.wrap):
+        ap.error("--freeze-lora trains the --links or --wrap tokens alone: give one of them")
     t_start = time.perf_counter()
     if args.passages:
         instructions, passages = read_passages(args.passages)
@@ -241,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         neighbors=look_alikes, fact_share=args.fact_share)
     cfg = TuneConfig(rank=args.rank, alpha=2 * args.rank, lr=args.lr, max_steps=args.steps, max_seconds=args.seconds,
                      tokens_per_batch=args.tokens_per_batch, seed=args.seed, links=args.links, init=args.init,
-                     full_share=args.full_share, wrap=args.wrap, max_len=args.max_len or max_len_for(args.neighbours))
+                     full_share=args.full_share, wrap=args.wrap, freeze_lora=args.freeze_lora,
+                     max_len=args.max_len or max_len_for(args.neighbours))
     vocab = model.get_input_embeddings().weight.shape[0]  # learned ids follow the vocabulary (model/links.py)
     w = args.wrap  # the table: w opening wrappers, w closing ones, then the links
     wrap = (tuple(range(vocab, vocab + w)), tuple(range(vocab + w, vocab + 2 * w)))

@@ -57,6 +57,7 @@ class TuneConfig:
     links: int = 0  # link tokens after each module (the samples must be laid out with as many); 0: none
     links_lr_scale: float = 5.0  # the link embeddings' learning rate against the LoRA's
     wrap: int = 0  # wrapper tokens on each side of every module (the samples laid out with them); 0: none
+    freeze_lora: bool = False  # train the learned tokens alone, the LoRA as `init` left it (KV Packet's frozen model)
 
 
 @dataclass(slots=True)
@@ -127,9 +128,11 @@ def bf16_autocast(device: torch.device) -> bool:
 
 def attach(model, cfg: TuneConfig):
     """The model with a fresh LoRA adapter (peft) and, with `cfg.links`, fresh link embeddings; only
-    those trainable."""
+    those trainable (the embeddings alone with `cfg.freeze_lora`)."""
     from peft import LoraConfig, get_peft_model
 
+    if cfg.freeze_lora and not (cfg.links or cfg.wrap):
+        raise ValueError("freeze_lora trains the link or wrapper tokens alone: set links or wrap")
     for p in model.parameters():
         p.requires_grad_(False)
     if cfg.links or cfg.wrap:
@@ -138,6 +141,9 @@ def attach(model, cfg: TuneConfig):
                       bias="none", task_type="CAUSAL_LM")
     with peft_quiet():
         peft_model = get_peft_model(model, lora)
+    if cfg.freeze_lora:
+        for p in peft_model.parameters():
+            p.requires_grad_(False)
     if cfg.links or cfg.wrap:
         links.of(model).links.requires_grad_(True)
     return peft_model
@@ -148,7 +154,7 @@ def param_groups(peft_model, cfg: TuneConfig) -> list[dict]:
     table = links.of(peft_model.get_base_model())
     link_params = [table.links] if table is not None and table.links.requires_grad else []
     lora = [p for p in peft_model.parameters() if p.requires_grad and all(p is not q for q in link_params)]
-    groups = [{"params": lora, "scale": 1.0}]
+    groups = [{"params": lora, "scale": 1.0}] if lora else []
     if link_params:
         groups.append({"params": link_params, "scale": cfg.links_lr_scale})
     return groups
