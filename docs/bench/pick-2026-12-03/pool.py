@@ -4,7 +4,8 @@ this model's own full prefill (rough: other work shared the machine); writes poo
 of docs/FIDELITY.md ("... choosing each module's encoding per prompt"). `python pool.py product`: the same for
 the product path's runs (`benchmarks.fidelity --neighbours 3 --neighbours-present 2`, product/), into
 product/pooled.json. `python pool.py DIR`: every run folder in DIR (a `fidelity.json` in each), into
-DIR/pooled.json (docs/bench/nbr-tune-2026-12-03: the adapter trained on the neighbour layout)."""
+DIR/pooled.json (docs/bench/nbr-tune-2026-12-03: the adapter trained on the neighbour layout;
+docs/bench/wrap-frozen-2026-12-04/wrapped and .../shipped: the wrapper run and the shipped adapter beside it)."""
 
 import collections
 import json
