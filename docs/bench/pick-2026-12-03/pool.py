@@ -3,27 +3,37 @@ full prefill (the references the runs name), over both draws' questions, with ea
 this model's own full prefill (rough: other work shared the machine); writes pooled.json and prints the table
 of docs/FIDELITY.md ("... choosing each module's encoding per prompt"). `python pool.py product`: the same for
 the product path's runs (`benchmarks.fidelity --neighbours 3 --neighbours-present 2`, product/), into
-product/pooled.json. `python pool.py DIR`: every run folder in DIR (a `fidelity.json` in each), into
+product/pooled.json. `python pool.py DIR`: every run folder in DIR (a `fidelity.json` in each, or gzipped), into
 DIR/pooled.json (docs/bench/nbr-tune-2026-12-03: the adapter trained on the neighbour layout;
 docs/bench/wrap-frozen-2026-12-04/wrapped and .../shipped: the wrapper run and the shipped adapter beside it)."""
 
 import collections
+import gzip
 import json
 import sys
 from pathlib import Path
 
+
+def rows(run: Path) -> list:
+    """A run's rows, from its fidelity.json or, where the tree keeps it compressed, fidelity.json.gz."""
+    path = run / "fidelity.json"
+    if not path.exists():
+        path = run / "fidelity.json.gz"
+    if not path.exists():
+        return []
+    text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(text)["rows"]
+
+
 PRODUCT = sys.argv[1:] == ["product"]
 GIVEN = Path(sys.argv[1]) if sys.argv[1:] and not PRODUCT else None
 HERE = GIVEN or (Path(__file__).parent / "product" if PRODUCT else Path(__file__).parent)
-RUNS = (sorted(d.name for d in GIVEN.iterdir() if (d / "fidelity.json").exists()) if GIVEN
+RUNS = (sorted(d.name for d in GIVEN.iterdir() if rows(d)) if GIVEN
         else ("both0", "manuals0", "both1", "manuals1") if PRODUCT else ("draw0", "draw1"))
 cells: dict[tuple[str, str, int], list] = collections.defaultdict(lambda: [0, 0, 0, 0, []])  # ref right, right, both, draws, speed-ups
 settings: list[str] = []
 for run in RUNS:
-    path = HERE / run / "fidelity.json"
-    if not path.exists():
-        continue
-    for row in json.loads(path.read_text())["rows"]:
+    for row in rows(HERE / run):
         name = row["recovery"] if "recovery" in row else row["setting"]
         settings += [name] if name not in settings else []
         cell = cells[(name, row["split"], row["k"])]
