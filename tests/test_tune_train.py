@@ -276,7 +276,7 @@ def test_samples_all_too_long_raise_rather_than_hang(tiny, maker):
 
 
 @pytest.mark.slow
-def test_recipe_trains_wrapper_tokens_alone_on_a_frozen_lora(tiny, tmp_path):
+def test_recipe_trains_wrapper_tokens_alone_on_a_frozen_lora(tiny, tmp_path, capsys):
     """`--wrap W --freeze-lora`: the wrappers train, the LoRA is the one `--init` gave, bit for bit."""
     from safetensors.torch import load_file
 
@@ -300,3 +300,4 @@ def test_recipe_trains_wrapper_tokens_alone_on_a_frozen_lora(tiny, tmp_path):
     assert not torch.allclose(links.of(model).links.float(), fresh), "the wrappers trained"
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x"), *args[:4], "--freeze-lora"])
+    assert "--freeze-lora trains the --links or --wrap tokens alone" in capsys.readouterr().err
