@@ -5,7 +5,8 @@ of docs/FIDELITY.md ("... choosing each module's encoding per prompt"). `python 
 the product path's runs (`benchmarks.fidelity --neighbours 3 --neighbours-present 2`, product/), into
 product/pooled.json. `python pool.py DIR`: every run folder in DIR (a `fidelity.json` in each, or gzipped), into
 DIR/pooled.json (docs/bench/nbr-tune-2026-12-03: the adapter trained on the neighbour layout;
-docs/bench/wrap-frozen-2026-12-04/wrapped and .../shipped: the wrapper run and the shipped adapter beside it)."""
+docs/bench/wrap-frozen-2026-12-04/wrapped, .../wrapped-nbr and .../shipped: the wrapper run, over a
+--neighbours-present corpus, and the shipped adapter beside it)."""
 
 import collections
 import gzip
