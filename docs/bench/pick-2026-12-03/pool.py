@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 
 
+def saved(run: Path) -> Path | None:
+    """A run's fidelity.json or, where the tree keeps it compressed, fidelity.json.gz; None: neither."""
+    return next((p for p in (run / "fidelity.json", run / "fidelity.json.gz") if p.exists()), None)
+
+
 def rows(run: Path) -> list:
-    """A run's rows, from its fidelity.json or, where the tree keeps it compressed, fidelity.json.gz."""
-    path = run / "fidelity.json"
-    if not path.exists():
-        path = run / "fidelity.json.gz"
-    if not path.exists():
+    path = saved(run)
+    if path is None:
         return []
     text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     return json.loads(text)["rows"]
@@ -29,7 +31,7 @@ def rows(run: Path) -> list:
 PRODUCT = sys.argv[1:] == ["product"]
 GIVEN = Path(sys.argv[1]) if sys.argv[1:] and not PRODUCT else None
 HERE = GIVEN or (Path(__file__).parent / "product" if PRODUCT else Path(__file__).parent)
-RUNS = (sorted(d.name for d in GIVEN.iterdir() if rows(d)) if GIVEN
+RUNS = (sorted(d.name for d in GIVEN.iterdir() if saved(d)) if GIVEN
         else ("both0", "manuals0", "both1", "manuals1") if PRODUCT else ("draw0", "draw1"))
 cells: dict[tuple[str, str, int], list] = collections.defaultdict(lambda: [0, 0, 0, 0, []])  # ref right, right, both, draws, speed-ups
 settings: list[str] = []
