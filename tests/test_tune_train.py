@@ -283,7 +283,7 @@ def test_recipe_trains_wrapper_tokens_alone_on_a_frozen_lora(tiny, tmp_path, cap
     from rag_promptcache.model import links
     from rag_promptcache.model.loading import load_model
     from rag_promptcache.tune.recipe import main
-    from rag_promptcache.tune.train import TARGETS
+    from rag_promptcache.tune.train import TARGETS, attach
     from tests.tiny_adapter import save_random_lora
 
     start = save_random_lora(str(tiny), tmp_path / "start", rank=16, targets=TARGETS)
@@ -301,3 +301,5 @@ def test_recipe_trains_wrapper_tokens_alone_on_a_frozen_lora(tiny, tmp_path, cap
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x"), *args[:4], "--freeze-lora"])
     assert "--freeze-lora trains the --links or --wrap tokens alone" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="freeze_lora trains the link or wrapper tokens alone"):
+        attach(model, TuneConfig(freeze_lora=True))
