@@ -161,7 +161,8 @@ def test_non_utf8_file_among_good_ones_is_skipped(tmp_path: Path, fakes, capsys)
     (docs / "bad.txt").write_bytes(b"\xff\xfe bad bytes \x80")
     (docs / "image.png").write_bytes(b"\x89PNG\r\n")
     code, out, err = run(capsys, "ingest", docs, "--corpus", tmp_path / "c", "--chunk-tokens", "32")
-    assert code == 0 and err.count("warning: skipping") == 2 and "3 documents" in out
+    assert code == 0 and err.count("warning: skipping") == 1 and "bad.txt" in err and "3 documents" in out
+    assert "skipped 2 file(s) or record(s): " in out and "1 unsupported type (.png 1)" in out  # counted, not warned
 
 
 def test_50mb_file_is_refused_without_reading_it_into_memory(tmp_path: Path, capsys, monkeypatch) -> None:

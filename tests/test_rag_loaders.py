@@ -6,6 +6,7 @@ import logging
 
 import json
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -85,13 +86,30 @@ def test_skips_warn_once_each_and_summarise(tmp_path: Path) -> None:
         docs = list(load([tmp_path], report=report))
     # not UTF-8: read in the encoding detected, and the one warning says which
     assert [Path(d.source).name for d in docs] == ["latin.txt", "ok.txt"] and "".join(docs[0].blocks()).startswith("Le café est fermé")  # a guess: rarer letters may differ
-    assert len(caught) == len(report.skipped) + 1 == 5
+    # a file of another type found in the walk is counted, not warned: a site's assets would be hundreds
+    assert len(caught) == len(report.skipped) == 4
     assert any("latin.txt: not UTF-8; read as" in str(w.message) for w in caught)
+    assert not any("pic.png" in str(w.message) for w in caught)
     why = {Path(s).name: w for s, w in report.skipped}
     assert why["empty.txt"] == "empty file"
-    assert why["bin.txt"] == "binary file" and why["pic.png"].startswith("unsupported type")
+    assert why["bin.txt"] == "binary file" and why["pic.png"] == "unsupported type: .png"
     assert why["broken.pdf"].startswith("unreadable PDF")
-    assert report.summary().startswith("skipped 4 file(s)")
+    assert report.summary() == ("skipped 4 file(s) or record(s): 1 binary file, 1 empty file, "
+                                "1 unreadable PDF, 1 unsupported type (.png 1)")
+
+
+def test_a_walk_counts_other_types_by_extension_and_a_file_passed_by_name_is_warned(tmp_path: Path) -> None:
+    (tmp_path / "page.html").write_text("<html><body><p>The gate opens at nine.</p></body></html>")
+    for name in ("a.css", "b.css", "c.js", "logo.png", "LICENSE"):
+        (tmp_path / name).write_text("x")
+    report = LoadReport()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoaderWarning)  # none of the walk's skips warns
+        assert [d.label for d in load([tmp_path], report=report)] == ["page.html"]
+    assert report.summary() == ("skipped 5 file(s) or record(s): 5 unsupported type "
+                                "(.css 2, .js 1, .png 1, no extension 1)")
+    with pytest.warns(LoaderWarning, match=r"logo.png: unsupported type: .png \(supported: .txt"):
+        assert list(load([tmp_path / "logo.png"])) == []
 
 
 def test_missing_path_raises(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rag_promptcache.rag.html import main_text
+from rag_promptcache.rag.records import skip_summary
 from rag_promptcache.rag.records_loader import record_documents
 
 MAX_CHAOS = 0.05  # charset-normalizer's mess ratio past which a guessed encoding is rejected
@@ -86,13 +87,7 @@ class LoadReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (source, reason)
 
     def summary(self) -> str:
-        if not self.skipped:
-            return ""
-        reasons: dict[str, int] = {}
-        for _, why in self.skipped:
-            reasons[why.split(":")[0]] = reasons.get(why.split(":")[0], 0) + 1
-        parts = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
-        return f"skipped {len(self.skipped)} file(s) or record(s): {parts}"
+        return skip_summary(self.skipped)
 
 
 def load(
@@ -105,7 +100,8 @@ def load(
     """Documents for paths (files or directories, walked recursively in sorted order) and for
     LangChain/LlamaIndex objects; each record of a .jsonl/.json file is a document of its own
     (`records_loader.py`). A missing path raises `FileNotFoundError`; files (and records) that
-    cannot be read are skipped with one `LoaderWarning` each and recorded in `report`."""
+    cannot be read are skipped with one `LoaderWarning` each and recorded in `report`; files of
+    other types found in a directory are recorded without a warning (`report.summary()` counts them)."""
     report = report if report is not None else LoadReport()
     for item in items:
         if isinstance(item, (str, os.PathLike)):
@@ -121,6 +117,10 @@ def load(
                     if _readable(file, report):
                         yield from record_documents(file, label, field_name, id_field, lambda where, why: _skip(report, where, why),
                                                     functools.partial(Document, modified=file.stat().st_mtime))
+                    continue
+                if path.is_dir() and file.suffix.lower() not in SUFFIXES:
+                    # a site's stylesheets, scripts and images: counted in the summary, not warned one by one
+                    report.skipped.append((str(file), f"unsupported type: {file.suffix.lower() or 'no extension'}"))
                     continue
                 doc = _load_file(file, label, field_name, report)
                 if doc is not None:

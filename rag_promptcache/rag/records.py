@@ -104,6 +104,26 @@ class StoreEstimate:
         return dict(self.bytes_per_codec)[codec or self.codec]
 
 
+def skip_summary(skipped: Sequence[tuple[str, str]]) -> str:
+    """'skipped 3 file(s) or record(s): 1 empty file, 2 unsupported type (.css 1, .png 1)' for (source,
+    why) pairs, the reasons grouped by what precedes their first colon; '' for none."""
+    if not skipped:
+        return ""
+    reasons: dict[str, int] = {}
+    types: dict[str, int] = {}
+    for _, why in skipped:
+        head, _, rest = why.partition(":")
+        reasons[head] = reasons.get(head, 0) + 1
+        if head == "unsupported type":
+            kind = rest.strip().split(" (supported")[0]
+            types[kind] = types.get(kind, 0) + 1
+    shown = ", ".join(f"{t} {n}" for t, n in sorted(types.items(), key=lambda tn: (-tn[1], tn[0]))[:6])
+    more = f" and {len(types) - 6} more type(s)" if len(types) > 6 else ""
+    parts = ", ".join(f"{n} {why}" + (f" ({shown}{more})" if why == "unsupported type" else "")
+                      for why, n in sorted(reasons.items()))
+    return f"skipped {len(skipped)} file(s) or record(s): {parts}"
+
+
 @dataclass(frozen=True, slots=True)
 class IngestReport:
     num_documents: int  # seen in the input
@@ -146,7 +166,7 @@ class IngestReport:
             more = f" and {len(self.replaced) - 3} more" if len(self.replaced) > 3 else ""
             parts.append(f"replaced {len(self.replaced)} document(s) of the same name ingested from another place: {shown}{more}")
         if self.skipped:
-            parts.append(f"skipped {len(self.skipped)} file(s) or record(s)")
+            parts.append(skip_summary(self.skipped))
         if self.failed:
             parts.append(f"FAILED {len(self.failed)} file(s) (kept incomplete; run ingest again to retry): "
                          + ", ".join(f"{f}: {why}" for f, why in self.failed))
