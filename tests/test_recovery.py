@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rag_promptcache.engine import PromptCache
+from rag_promptcache.engine.kv.assemble import release
 from rag_promptcache.engine.planning.recovery import Recovery
 from rag_promptcache.store import MemoryStore
 from tests.tiny import build
@@ -82,6 +84,7 @@ def test_every_prompt_token_counts_once_as_cached_or_computed(recovery, tokenize
     ("selective:1.5", r"fraction r in \[0, 1\]"), ("selective:-0.1", r"fraction r in \[0, 1\]"),
     ("first_k:-1", "k >= 0"), ("first_k:2.5", "whole number"), ("blend:0.1", "valid: none, first_k, selective"),
     ("selective:abc", "bad recovery"), ("selective:0.2@-1", "layer must be >= 0"),
+    ("none@k>=3", "none recovers nothing"), ("last:1@k>=x", "bad recovery"), ("last:1@k>=-1", "N >= 0"),
 ])
 def test_bad_recovery_parameters(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -89,13 +92,32 @@ def test_bad_recovery_parameters(spec, match):
 
 
 def test_recovery_round_trips_and_bad_layer(tokenizer):
-    for spec in ("none", "first_k:8", "selective:0.15", "selective:0.15@3"):
+    for spec in ("none", "first_k:8", "selective:0.15", "selective:0.15@3", "last:1@k>=5", "selective:0.15@3@k>=4"):
         assert str(Recovery.parse(spec)) == spec
     pc = engine("llama", tokenizer)
     with pytest.raises(ValueError, match="past the model's 2 layers"):
         pc.compare(PROMPT, recovery="selective:0.2@5")
     with pytest.raises(ValueError, match="valid: isolated, shared_prefix"):
         PromptCache(pc.model, tokenizer, mode="shared")
+
+
+def test_a_recovery_from_k_modules_on_reads_a_smaller_prompt_as_stored(tokenizer):
+    pc = engine("llama", tokenizer)
+    pc.encode("s")
+
+    def planned(spec: str):
+        plan = pc.plan(PROMPT, recovery=spec, fallback=False)
+        out = pc.prefill(plan)
+        release(out.cache)
+        return plan, out.logits
+
+    (none, none_logits), (last, last_logits) = planned("none"), planned("last:1")
+    below, below_logits = planned("last:1@k>=4")  # the prompt holds 3 modules
+    at, at_logits = planned("last:1@k>=3")
+    assert last.num_cached < none.num_cached
+    assert below.pieces == none.pieces and torch.equal(below_logits, none_logits)
+    assert at.pieces == last.pieces and torch.equal(at_logits, last_logits)
+    assert pc.generate(PROMPT, max_new_tokens=1, recovery="last:1@k>=4").cached_tokens == none.num_cached
 
 
 def test_the_default_is_shared_prefix_with_last_3(tokenizer):

@@ -84,6 +84,8 @@ def test_no_generated_request_breaks_the_server(served, tmp_path):
     ({"stop": ["\udfff"]}, 400, "stop.0"),
     ({"no_repeat_ngram": 1}, 400, "no_repeat_ngram"),
     ({"recovery": "question:0.5@99"}, 400, "recovery"),
+    ({"recovery": "last:1@k>=99"}, 200, None),  # recovers only in prompts of 99 modules or more
+    ({"recovery": "none@k>=2"}, 400, "recovery"),
 ])
 def test_what_fuzzing_found_is_answered_or_refused_by_name(served, extra, status, param):
     _, url, _ = served

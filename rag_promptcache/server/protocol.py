@@ -51,9 +51,10 @@ def Int(**bounds: int) -> object:  # noqa: N802 - a type, as pydantic's conint
     """An integer field, 2.0 included, within `bounds` (ge, le): the bounds inside the annotation, where
     pydantic writes them into the schema as JSON Schema's minimum / maximum."""
     return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
-# what `Recovery.parse` reads (engine/planning/recovery.py): a kind, its budget, a layer where it takes one
-RECOVERY = (r"^(none|(first_k|last|links):[0-9]{1,4}|attend:[0-9]{1,4}(@[0-9]{1,3})?"
-            r"|(selective|question):(0(\.[0-9]{1,4})?|1(\.0{1,4})?)(@[0-9]{1,3})?)$")
+# what `Recovery.parse` reads (engine/planning/recovery.py): a kind, its budget, a layer where it takes one, and
+# from how many retrieved modules on it applies
+RECOVERY = (r"^(none|((first_k|last|links|tail):[0-9]{1,4}|attend:[0-9]{1,4}(@[0-9]{1,3})?"
+            r"|(selective|question):(0(\.[0-9]{1,4})?|1(\.0{1,4})?)(@[0-9]{1,3})?)(@k>=[0-9]{1,3})?)$")
 
 
 def _off_values(schema: dict[str, object]) -> None:

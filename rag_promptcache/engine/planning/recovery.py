@@ -26,6 +26,9 @@ strategy picks cached tokens to compute again, in place, against everything befo
   the one prefill, each sees the modules and links before it, so the question reads the modules as
   stored plus what the links carry of how they relate. Only a model whose adapter trained links.
 
+Any of them may apply only to prompts of at least K retrieved modules (`last:1@k>=5`): a smaller prompt reads
+every module as stored (`none`), the choice by what the prompt holds (docs/FIDELITY.md, 2026-12-04).
+
 The others only split pieces: the chosen tokens become new tokens, and the assembler's mask keeps
 the single prefill causal. Recomputing everything is full prefill; recomputing nothing is `none`.
 """
@@ -72,10 +75,16 @@ class Recovery:
     # selective: where deviation is measured; attend: where the question's attention is read; question: L
     # reads it at L/2, L and 3L/2 (the default 8: layers 4, 8, 12, as engine/planning/select.py's probe measured)
     layer: int = 1
+    # recover only in prompts of at least this many retrieved modules (`@k>=N`); fewer are read as stored (0: always)
+    min_modules: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown recovery {self.kind!r}; valid: {', '.join(KINDS)}")
+        if self.min_modules < 0 or self.min_modules != int(self.min_modules):
+            raise ValueError(f"@k>=N needs a whole number of modules N >= 0, got {self.min_modules}")
+        if self.kind == "none" and self.min_modules:
+            raise ValueError("none recovers nothing in any prompt: @k>=N needs another recovery (last:1@k>=5)")
         if self.kind in ("first_k", "tail") and (self.budget < 0 or self.budget != int(self.budget)):
             letter = "k" if self.kind == "first_k" else "t"
             raise ValueError(f"{self.kind} needs a whole number of tokens {letter} >= 0, got {self.budget}")
@@ -91,28 +100,31 @@ class Recovery:
     @classmethod
     def parse(cls, spec: str | Recovery | None) -> Recovery:
         """"none", "first_k:8", "selective:0.15[@2]", "last:1", "tail:32", "attend:1[@8]", "question:0.05[@8]",
-        "links:4"."""
+        "links:4"; any but none may end in "@k>=N" (from N retrieved modules on; fewer: none)."""
         if spec is None:
             return cls()
         if isinstance(spec, Recovery):
             return spec
-        kind, _, rest = spec.partition(":")
+        head, _, at_least = spec.partition("@k>=")
+        kind, _, rest = head.partition(":")
         budget, _, layer = rest.partition("@")
         try:
             return cls(kind, float(budget) if budget else 0.0,  # type: ignore[arg-type]
-                       int(layer) if layer else DEFAULT_LAYER.get(kind, 1))
+                       int(layer) if layer else DEFAULT_LAYER.get(kind, 1), int(at_least) if at_least else 0)
         except ValueError as e:
             if "valid:" in str(e) or "needs" in str(e) or "layer" in str(e):
                 raise
             raise ValueError(f"bad recovery {spec!r}: write none, first_k:K, selective:R[@layer], last:N, tail:T, "
-                             "attend:N[@layer], question:R[@layer] or links:N") from e
+                             "attend:N[@layer], question:R[@layer] or links:N, any but none followed by @k>=N "
+                             "to recover only in prompts of N modules or more") from e
 
     def __str__(self) -> str:
         if self.kind == "none":
             return "none"
         budget = self.budget if self.kind in ("selective", "question") else int(self.budget)
         layer = DEFAULT_LAYER.get(self.kind)
-        return f"{self.kind}:{budget}" + (f"@{self.layer}" if layer is not None and self.layer != layer else "")
+        return (f"{self.kind}:{budget}" + (f"@{self.layer}" if layer is not None and self.layer != layer else "")
+                + (f"@k>={self.min_modules}" if self.min_modules else ""))
 
 
 def recover(
@@ -126,7 +138,10 @@ def recover(
 ) -> list[Piece]:
     """The pieces with the chosen cached tokens turned into new ones. `order`: every retrieved module in
     sequence order, including those the planner already turned into new tokens (a deferred miss), which
-    `last:N` and `tail:T` count among the nearest as already recomputed; None: the cached ones."""
+    `last:N` and `tail:T` count among the nearest as already recomputed; None: the cached ones. A prompt of
+    fewer modules than `recovery.min_modules` is returned as it is."""
+    if recovery.min_modules and len(_module_order(pieces) if order is None else order) < recovery.min_modules:
+        return list(pieces)
     if recovery.kind == "question":  # budget 0 still recomputes the nearest module whole
         chosen = _question(pieces, kvs, model, relocator, geometry, recovery)
         return split(pieces, chosen)
