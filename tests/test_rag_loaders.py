@@ -112,6 +112,29 @@ def test_a_walk_counts_other_types_by_extension_and_a_file_passed_by_name_is_war
         assert list(load([tmp_path / "logo.png"])) == []
 
 
+def test_a_walk_skips_the_pages_a_site_marks_as_copies_and_a_file_passed_by_name_is_read(tmp_path: Path) -> None:
+    # mdBook's print.html is the whole book on one page, marked noindex; Sphinx keeps each page's source in
+    # _sources/ beside its HTML: read both and every passage is in the corpus twice
+    chapter = "<html><head><title>Gate</title></head><body><p>The gate opens at nine.</p></body></html>"
+    (tmp_path / "gate.html").write_text(chapter)
+    (tmp_path / "print.html").write_text('<html><head><META content="noindex, nofollow" name=robots></head>'
+                                         "<body><p>The gate opens at nine.</p></body></html>")
+    (tmp_path / "indexed.html").write_text('<html><head><meta name="robots" content="index, follow"></head>'
+                                           "<body><p>The bell rings at ten.</p></body></html>")
+    (tmp_path / "_sources" / "api").mkdir(parents=True)
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "fs.html").write_text(chapter.replace("gate opens", "file system mounts"))
+    (tmp_path / "_sources" / "api" / "fs.rst.txt").write_text("The file system mounts at nine.")
+    (tmp_path / "_sources" / "orphan.md.txt").write_text("A source with no page of its own is read.")
+    report = LoadReport()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoaderWarning)  # none of the walk's skips warns
+        labels = [d.label for d in load([tmp_path], report=report)]
+    assert labels == ["_sources/orphan.md.txt", "api/fs.html", "gate.html", "indexed.html"]
+    assert report.summary() == "skipped 2 file(s) or record(s): 1 Sphinx source copy, 1 noindex page"
+    assert [d.label for d in load([tmp_path / "print.html"])] == ["print.html"]  # asked for by name: read
+
+
 def test_missing_path_raises(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no such file"):
         list(load([tmp_path / "missing.txt"]))

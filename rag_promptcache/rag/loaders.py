@@ -44,6 +44,7 @@ EDGE_LINES = 2  # lines at each edge of a PDF page that may be a running header 
 RUNNING_SHARE = 0.5  # ... when they recur on at least this share of the pages
 _HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.I | re.S)
 _FRONT_MATTER = re.compile(r"\A\ufeff?---[ \t]*\r?\n(.*?)\r?\n(?:---|\.\.\.)[ \t]*(?:\r?\n|\Z)", re.S)
+_NOINDEX = re.compile(r"""<meta\s(?=[^>]*\bname\s*=\s*["']?robots\b)[^>]*\bcontent\s*=\s*["'][^"']*\bnoindex\b""", re.I)
 _MD_TITLE = re.compile(r"^#[ \t]+(.+?)[ \t#]*$", re.M)
 _PAGE_NUMBER = re.compile(r"^\s*(?:page\s+)?[-–—(\[]?\s*\d{1,5}\s*[-–—)\]]?(?:\s*(?:of|/)\s*\d{1,5})?\s*$", re.I)
 
@@ -101,7 +102,8 @@ def load(
     LangChain/LlamaIndex objects; each record of a .jsonl/.json file is a document of its own
     (`records_loader.py`). A missing path raises `FileNotFoundError`; files (and records) that
     cannot be read are skipped with one `LoaderWarning` each and recorded in `report`; files of
-    other types found in a directory are recorded without a warning (`report.summary()` counts them)."""
+    other types found in a directory, and pages its site marks as copies (`_site_copy`), are recorded without a
+    warning (`report.summary()` counts them)."""
     report = report if report is not None else LoadReport()
     for item in items:
         if isinstance(item, (str, os.PathLike)):
@@ -122,6 +124,9 @@ def load(
                     # a site's stylesheets, scripts and images: counted in the summary, not warned one by one
                     report.skipped.append((str(file), f"unsupported type: {file.suffix.lower() or 'no extension'}"))
                     continue
+                if path.is_dir() and (copy := _site_copy(file)):
+                    report.skipped.append((str(file), copy))  # counted, not warned: the site says it repeats
+                    continue
                 doc = _load_file(file, label, field_name, report)
                 if doc is not None:
                     yield doc
@@ -131,6 +136,25 @@ def load(
                 yield doc
             else:
                 _skip(report, doc.source, "empty document")
+
+
+def _site_copy(file: Path) -> str:
+    """Why a file found in a directory walk repeats pages the walk also reads, or '': an HTML page that
+    asks search engines not to index it (`<meta name="robots" content="noindex">`: mdBook's print.html, the
+    whole book on one page; search and redirect pages), or the copy of a page's source a Sphinx build keeps
+    beside its HTML (`_sources/usage.rst.txt` of `usage.html`). Either would put every passage in the corpus
+    twice, and two copies of one passage take two of a question's k. A file passed by name is read."""
+    suffix = file.suffix.lower()
+    if suffix in (".html", ".htm"):
+        with file.open("rb") as f:
+            head = f.read(TITLE_CHARS).decode("utf-8", "replace")
+        return "noindex page: the site marks it a copy (print, search or redirect page)" if _NOINDEX.search(head) else ""
+    if suffix == ".txt" and "_sources" in file.parts[:-1]:
+        at = len(file.parts) - 1 - file.parts[::-1].index("_sources")  # the nearest _sources above the file
+        page = Path(*file.parts[:at], *file.parts[at + 1:]).with_suffix("")  # _sources/a/b.rst.txt -> a/b.rst
+        if page.with_suffix(".html").is_file():
+            return "Sphinx source copy: its HTML page is read"
+    return ""
 
 
 def _skip(report: LoadReport, source: Path | str, reason: str) -> None:
