@@ -261,3 +261,17 @@ def test_store_commands(built: Path, capsys) -> None:
     code, out, _ = run(capsys, "store", "evict", "--corpus", built, "--to", "0")
     assert code == 0 and out.startswith("evicted")
     assert_user_error(run(capsys, "store", "info", "--corpus", built.parent), "is not a corpus")
+
+
+def test_a_page_its_site_marks_as_a_copy_is_skipped_and_dropped_where_ingested_before(tmp_path: Path, fakes, capsys) -> None:
+    # mdBook's print.html holds the whole book again: named by itself it is read, in a walk it is a copy, and
+    # the walk drops it from a corpus that holds it, so the corpus ends as a fresh ingest of the folder would
+    docs = write_docs(tmp_path / "docs")
+    (docs / "print.html").write_text('<html><head><meta name="robots" content="noindex"></head><body><p>'
+                                     + (docs / "cats.txt").read_text() + "</p></body></html>")
+    code, out, err = run(capsys, "ingest", docs / "print.html", "--corpus", tmp_path / "c")
+    assert code == 0 and "1 documents" in out, err
+    code, out, err = run(capsys, "ingest", docs, "--corpus", tmp_path / "c")
+    assert code == 0 and "warning" not in err, err
+    assert "1 removed" in out and "skipped 1 file(s) or record(s): 1 noindex page" in out
+    assert json.loads(run(capsys, "info", "--corpus", tmp_path / "c", "--json")[1])["num_documents"] == 3

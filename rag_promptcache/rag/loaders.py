@@ -138,6 +138,14 @@ def load(
                 _skip(report, doc.source, "empty document")
 
 
+SITE_COPIES = ("noindex page", "Sphinx source copy")  # what `_site_copy`'s reasons start with
+
+
+def is_site_copy(why: str) -> bool:
+    """Whether a skip's reason says the site marks the file as a copy of pages the walk reads (`_site_copy`)."""
+    return why.partition(":")[0] in SITE_COPIES
+
+
 def _site_copy(file: Path) -> str:
     """Why a file found in a directory walk repeats pages the walk also reads, or '': an HTML page that
     asks search engines not to index it (`<meta name="robots" content="noindex">`: mdBook's print.html, the
@@ -148,12 +156,12 @@ def _site_copy(file: Path) -> str:
     if suffix in (".html", ".htm"):
         with file.open("rb") as f:
             head = f.read(TITLE_CHARS).decode("utf-8", "replace")
-        return "noindex page: the site marks it a copy (print, search or redirect page)" if _NOINDEX.search(head) else ""
+        return f"{SITE_COPIES[0]}: the site marks it a copy (print, search or redirect page)" if _NOINDEX.search(head) else ""
     if suffix == ".txt" and "_sources" in file.parts[:-1]:
         at = len(file.parts) - 1 - file.parts[::-1].index("_sources")  # the nearest _sources above the file
         page = Path(*file.parts[:at], *file.parts[at + 1:]).with_suffix("")  # _sources/a/b.rst.txt -> a/b.rst
         if page.with_suffix(".html").is_file():
-            return "Sphinx source copy: its HTML page is read"
+            return f"{SITE_COPIES[1]}: its HTML page is read"
     return ""
 
 
