@@ -55,6 +55,7 @@ def test_modules_are_exactly_the_asked_length(tokenizer):
 def test_report_header_and_files(report):
     result, out = report
     assert result["model"] == "tiny-llama" and result["device"] == "cpu" and result["adapter"] == "none"
+    assert result["recovery"] == TINY.recovery  # what --recovery set; None: the engine default
     assert isinstance(result["threads"], int) and result["threads"] >= 1
     assert json.loads((out / "bench.json").read_text())["ttft"] == json.loads(json.dumps(result["ttft"]))
     assert (out / "bench.md").read_text().startswith("# rag-promptcache bench")

@@ -161,6 +161,7 @@ def describe(bench: Bench, quick: bool) -> dict[str, object]:
         # model/native.py's kernels (prefill attention, key relocation) ran for this run's bf16 CPU model
         "native_kernels": attention.available(bench.model.dtype, dev),
         "adapter": adapter_label(bench.model),  # the tuned adapter merged into the model, or "none"
+        "recovery": bench.config.recovery,  # `--recovery` (the TTFT, LangChain and serve runs); None: the engine's default
         # the clock's step when the run started, and the span every timed run covers (bench/common.py)
         "clock_resolution_s": bench.resolution_s, "clock_min_span_s": bench.min_span_s,
     }
