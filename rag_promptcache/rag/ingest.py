@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from rag_promptcache.rag.chunker import Chunker
-from rag_promptcache.rag.loaders import Document, LoadReport, load
+from rag_promptcache.rag.loaders import Document, LoadReport, is_site_copy, load
 from rag_promptcache.rag.records_loader import RECORD_SEPARATOR
 from rag_promptcache.rag.table import DocumentRow
 
@@ -90,11 +90,15 @@ def check_budget(docs: list[Document], budget: int | None, num_tokens: int | Non
         )
 
 
-def stale(rows: list[DocumentRow], inputs: list[object], seen: set[str], skipped: set[str]) -> list[str]:
-    """Documents under an ingested directory whose files are gone, and records gone from an
-    ingested .jsonl/.json file (or the whole-file document an older version made of it)."""
+def stale(rows: list[DocumentRow], inputs: list[object], seen: set[str], skipped: list[tuple[str, str]]) -> list[str]:
+    """Documents under an ingested directory whose files are gone, records gone from an ingested .jsonl/.json
+    file (or the whole-file document an older version made of it), and pages an earlier ingest read that the
+    walk now skips as its site's copies (a noindex page, a Sphinx source: a fresh ingest holds none).
+    `skipped`: the load's (source, why) pairs."""
     paths = [Path(i).resolve() for i in inputs if isinstance(i, (str, os.PathLike))]
     roots = [str(p) + os.sep for p in paths if p.is_dir()] + [str(p) + RECORD_SEPARATOR for p in paths if p.is_file()]
     split = {s.split(RECORD_SEPARATOR, 1)[0] for s in seen if RECORD_SEPARATOR in s}  # files now read as records
-    return [r.source for r in rows if r.source not in seen and r.source not in skipped
-            and (r.source in split or (any(r.source.startswith(p) for p in roots) and not Path(r.source).exists()))]
+    copies = {str(Path(s).resolve()) for s, why in skipped if is_site_copy(why)}
+    kept = {s for s, _ in skipped}
+    return [r.source for r in rows if r.source in copies or (r.source not in seen and r.source not in kept and (
+        r.source in split or (any(r.source.startswith(p) for p in roots) and not Path(r.source).exists())))]

@@ -18,7 +18,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +28,7 @@ from rag_promptcache.rag.embed import EmbedderLike, one_thread
 from rag_promptcache.rag.encoding import NONE, Batch, Neighbours, encode_kv, encode_modules, store_keys
 from rag_promptcache.rag.index import faiss_id
 from rag_promptcache.rag import ingest, neighbours as nbr
-from rag_promptcache.rag.loaders import Document, LoaderWarning, LoadReport, is_site_copy
+from rag_promptcache.rag.loaders import Document, LoaderWarning, LoadReport
 from rag_promptcache.rag.progress import progress
 from rag_promptcache.rag.records import IngestReport, Manifest, StoreEstimate
 from rag_promptcache.rag.table import ChunkRow, ChunkTable, DocumentRow, Dropped, ModuleRow
@@ -113,10 +112,7 @@ class Ingestor:
                 self.on_estimate(self.estimate(left))
         # One document per name: the same one read from another place (a copied folder) replaces it.
         replaced = [(d.identity, r.source) for d in docs for r in table.named(d.identity) if r.source != d.source]
-        gone = ingest.stale(table.documents(), inputs, {d.source for d in docs}, {s for s, _ in report.skipped})
-        # a page ingested before walks read it as a copy (a noindex page, a Sphinx source) goes: a fresh ingest holds none
-        copies = {str(Path(s).resolve()) for s, why in report.skipped if is_site_copy(why)}
-        gone += [r.source for r in table.documents() if r.source in copies and r.source not in gone]
+        gone = ingest.stale(table.documents(), inputs, {d.source for d in docs}, report.skipped)
         gone = [s for s in gone if s not in {old for _, old in replaced}]
         extra: dict[str, object] = {}
         self._bar = progress(self.progress, left if todo else 0)
