@@ -53,8 +53,7 @@ for feature in ("pair", "near", "near_max"):
     for below in (True, False):
         mine = sorted({s[feature] for s in similarity.values()})
         candidates = [mine[i * len(mine) // 40] for i in range(40)] + [2.0]
-        best = max(candidates, key=lambda t: min(gated(feature, t, below, "bench", k)[0] /
-                                                 gated(feature, t, below, "bench", k)[1] for k in KS))
-        cells = " ".join(f"{gated(feature, best, below, s, k)[0]}/{gated(feature, best, below, s, k)[1]}"
-                         for s in SPLITS for k in KS)
+        best = max(candidates, key=lambda t: min(keep / of for keep, of in (gated(feature, t, below, "bench", k)
+                                                                            for k in KS)))
+        cells = " ".join("%d/%d" % gated(feature, best, below, s, k) for s in SPLITS for k in KS)
         print(f"none where {feature} {'<' if below else '>='} {best:.3f}: {cells}")
