@@ -33,8 +33,9 @@ c.prepare()
 print(json.dumps({"redis_url": c.redis_url}), flush=True)
 for line in sys.stdin:
     a = c.ask(line.strip(), k=2, max_new_tokens=2)
+    stored = c.engine.background.wait_done(timeout=120)  # a miss is written to the store after its answer
     redis = c.engine.store.tier_stats()[-1]
-    print(json.dumps({"hit": a.hit_modules, "missed": a.missed_modules, "cached": a.cached_tokens,
+    print(json.dumps({"hit": a.hit_modules, "missed": a.missed_modules, "cached": a.cached_tokens, "stored": stored,
                       "redis_hits": redis.num_hits, "redis_errors": redis.num_errors}), flush=True)
 """
 DOCS = {
@@ -81,6 +82,7 @@ def test_a_module_encoded_by_one_replica_is_served_from_redis_to_the_other(corpu
         assert one.read()["redis_url"] == two.read()["redis_url"] == own_redis.url
         first = one.ask("Why do zebras have stripes?")
         assert first["missed"] and not first["hit"] and first["redis_hits"] == 0  # nobody had it: encoded here
+        assert first["stored"]  # and written to memory and Redis once the answer was out
         second = two.ask("Why do zebras have stripes?")
         assert sorted(second["hit"]) == sorted(first["missed"]) and not second["missed"]  # no recompute
         assert second["redis_hits"] == len(second["hit"]) + 1  # the modules and the instructions, from Redis
