@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                          "ships), none (the base model) or an adapter directory")
     ap.add_argument("--reference", type=Path, metavar="FIDELITY_JSON",
                     help="judge retained and kept against this run's full-prefill answers (the base model's, over the "
-                         "same split, k, questions and seed offset); speed-ups stay against this model's own full prefill")
+                         "same split, k, questions and seed offset; a reference whose prompts were others is refused, where it "
+                         "kept their digests); speed-ups stay against this model's own full prefill")
     ap.add_argument("--neighbours", type=int, default=0, metavar="M", help="each module encoded after its M nearest (ingest --neighbours)")
     ap.add_argument("--neighbours-present", type=int, default=0, metavar="C",
                     help="read so only where C of them are in the prompt, plain otherwise (ingest --neighbours-present)")

@@ -12,7 +12,7 @@ import pytest
 
 from rag_promptcache.bench import report
 from benchmarks.fidelity import main, pool
-from rag_promptcache.bench.fidelity_reference import ReferenceRun, apply, check, load
+from rag_promptcache.bench.fidelity_reference import ReferenceRun, apply, check, check_prompts, load
 from tests.tiny_adapter import save_random_lora
 from tests.tiny_llama import save_tiny_llama
 
@@ -53,6 +53,24 @@ def test_a_reference_over_other_questions_is_refused():
         with pytest.raises(ValueError, match=match) as e:
             check(ref, questions, ks)
         assert "--seed-offset" in str(e.value)
+
+
+def test_a_reference_over_other_prompts_is_refused_and_one_without_digests_is_named(tmp_path):
+    base = row(4, [(1, 1), (0, 0), (1, 0)], adapter="none")
+    for a, digest in zip(base["answers"], ["aa", "bb", "cc"]):
+        a["prompt"] = digest
+    (tmp_path / "base.json").write_text(json.dumps({"rows": [base]}))
+    ref = load(tmp_path / "base.json")
+    assert check_prompts(ref, "manuals", 4, ["aa", "bb", "cc"]) == ""
+    # a chunk's header changed since the reference ran: two of its prompts are others
+    with pytest.raises(ValueError, match=r"answered other prompts for split 'manuals' at k=4 \(2 of 3 differ, the "
+                                         r"first at question 2\).*--adapter none"):
+        check_prompts(ref, "manuals", 4, ["aa", "xx", "yy"])
+    with pytest.raises(ValueError, match="1 of 3 differ, the first at question 3"):
+        check_prompts(ref, "manuals", 4, ["aa", "bb", "zz"])
+    # written before prompts were kept: judged as before, and said so
+    assert "keeps no prompt digests for manuals k=4" in check_prompts(reference([True, False, True]), "manuals", 4,
+                                                                       ["aa", "bb", "cc"])
 
 
 def test_a_report_written_when_answers_were_one_string_is_read(tmp_path):
@@ -111,6 +129,8 @@ def test_tuned_rows_against_the_base_run_end_to_end(tiny_base_run, capsys):
     label = tuned["adapter"]
     assert label.startswith("tuned@") and {r["adapter"] for r in tuned["rows"]} == {label}
     assert tuned["reference"] == {"path": str(out / "base" / "fidelity.json"), "adapter": "none"}
+    # both answered the same prompts: each question's digest is kept, and they agree
+    assert all(a["prompt"] == b["prompt"] for r in tuned["rows"] for a, b in zip(r["answers"], base["rows"][0]["answers"]))
     base_full = {r["recovery"]: r["full_correct"] for r in base["rows"]}
     for r in tuned["rows"]:
         assert r["reference_full_correct"] == base_full[r["recovery"]]

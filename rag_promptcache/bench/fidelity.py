@@ -47,7 +47,7 @@ from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.model import links
 from rag_promptcache.rag.corpus import Corpus
 from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Outcome, Reference, answer, fastest_retaining,
-                                          references, summarize)
+                                          module_prompt, references, summarize)
 from rag_promptcache.store import MemoryStore
 from rag_promptcache.timing import describe, ratio
 
@@ -133,6 +133,10 @@ def _run_split(bench: Bench, split: str, ttft_point: bool,
             engines[mode].add_schema(corpus.schema)
             engines[mode].encode(corpus.manifest.name)
         corpus.prepare()
+        for k in cfg.fidelity_ks if reference is not None and cfg.fidelity_settings else ():  # before any answer is computed
+            digests = [module_prompt(corpus, q.question, k, cfg.fidelity_retrieval).digest for q in questions]
+            if warning := fidelity_reference.check_prompts(reference, split, k, digests):
+                bench.log(f"warning: {warning}")
         if cfg.fidelity_settings:
             _warm_up(engines, cfg.fidelity_settings,
                      references(corpus, questions[:1], cfg.fidelity_ks[0], 1, retrieval=cfg.fidelity_retrieval)[0].prompt)

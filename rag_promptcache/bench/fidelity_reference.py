@@ -4,7 +4,9 @@ library), while speed-ups stay against the measured model's own full prefill.
 
 `load` reads a run's fidelity.json (`python -m benchmarks.fidelity ... --out DIR`, the base
 model: `--adapter none`); `check` refuses a reference that asked other questions (another split, k,
-seed offset or question count); `apply` rewrites one row's `retained` and `kept` against it, keeping
+seed offset or question count), and `check_prompts` one whose prompts were others (the corpus or the prompt's
+format changed since it ran: its answers are then to other prompts, and judging against them measures the
+change, not the cache); `apply` rewrites one row's `retained` and `kept` against it, keeping
 the row's own in `own_retained` and `own_kept`; `row` makes one setting's row (the bench's and the
 research probes') and applies the reference where there is one. Not here: running the model
 (bench/fidelity.py).
@@ -12,9 +14,11 @@ research probes') and applies the reference where there is one. Not here: runnin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,6 +44,9 @@ class ReferenceRun:
     path: str
     adapter: str  # the adapter that run's model carried
     answers: dict[tuple[str, int], tuple[tuple[str, tuple[str, ...], bool], ...]]
+    # per (split, k), each question's prompt digest (rag/fidelity.py `prompt_digest`); absent: a report written
+    # before they were kept, whose prompts cannot be checked
+    prompts: dict[tuple[str, int], tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def held(self) -> str:
         return ", ".join(f"{s} k={k}" for s, k in sorted(self.answers)) or "nothing"
@@ -60,6 +67,7 @@ def load(path: str | Path) -> ReferenceRun:
         raise ValueError(f"reference {str(path)!r} has no per-question answers (a pooled report has none); "
                          "pass one run's own fidelity.json")
     answers: dict[tuple[str, int], tuple[tuple[str, tuple[str, ...], bool], ...]] = {}
+    prompts: dict[tuple[str, int], tuple[str, ...]] = {}
     adapters = {r.get("adapter", BASE) for r in rows}
     if len(adapters) != 1:
         raise ValueError(f"reference {str(path)!r} mixes adapters {sorted(adapters)}; pass one model's run")
@@ -69,7 +77,9 @@ def load(path: str | Path) -> ReferenceRun:
         if answers.setdefault(key, per) != per:
             raise ValueError(f"reference {str(path)!r}: the rows of {key[0]} k={key[1]} disagree on full "
                              "prefill's answers; it is not one run's report")
-    return ReferenceRun(str(path), adapters.pop(), answers)
+        if all("prompt" in a for a in r["answers"]):
+            prompts[key] = tuple(a["prompt"] for a in r["answers"])
+    return ReferenceRun(str(path), adapters.pop(), answers, prompts)
 
 
 def _expected(value: str | list[str] | None) -> tuple[str, ...]:
@@ -98,6 +108,22 @@ def check(ref: ReferenceRun, questions: dict[str, list[tuple[str, tuple[str, ...
                     what = f"question {at + 1} is {theirs_q[at][0]!r} there, {mine[at][0]!r} here"
                 raise ValueError(f"reference {ref.path!r} asked other questions for split {split!r} at k={k} "
                                  f"({what}); {hint}")
+
+
+def check_prompts(ref: ReferenceRun, split: str, k: int, digests: Sequence[str]) -> str:
+    """Refuse (ValueError) a reference whose prompts for `split` at `k` were not this run's (`digests`, in
+    question order): its full prefill answered other prompts. → a warning where the reference kept no
+    digests (a report written before they were), else ''."""
+    theirs = ref.prompts.get((split, k))
+    if theirs is None:
+        return (f"reference {ref.path!r} keeps no prompt digests for {split} k={k}: whether its prompts are this "
+                "run's cannot be checked")
+    differ = [i for i, (a, b) in enumerate(zip(theirs, digests)) if a != b]
+    if differ or len(theirs) != len(digests):
+        raise ValueError(f"reference {ref.path!r} answered other prompts for split {split!r} at k={k} ({len(differ)} "
+                         f"of {len(digests)} differ, the first at question {(differ or [len(theirs)])[0] + 1}): the corpus "
+                         "or the prompt's format changed since it ran; make a new one with --adapter none")
+    return ""
 
 
 def row(split: str, adapter: str, mode: str, codec: str, report: SettingReport, reference: ReferenceRun | None,

@@ -18,6 +18,7 @@ generating benchmark data (bench/fidelity_data.py), writing the choice into a co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -83,6 +84,7 @@ class Reference:
     text: str
     ttft_s: float
     context_tokens: int
+    digest: str = ""  # the prompt's `prompt_digest`; "" where not taken
 
     @property
     def right(self) -> bool | None:
@@ -109,6 +111,7 @@ class QuestionResult:
     full_right: bool | None
     cached_right: bool | None
     agrees: bool
+    prompt: str | None = None  # `prompt_digest` of the prompt both answered: a reference's answers are to the same one
 
     @property
     def failed(self) -> bool:
@@ -117,7 +120,8 @@ class QuestionResult:
 
     def as_dict(self) -> dict[str, object]:
         return {"question": self.question, "expected": None if self.expected is None else list(self.expected), "full": self.full, "cached": self.cached,
-                "full_right": self.full_right, "cached_right": self.cached_right, "agrees": self.agrees}
+                "full_right": self.full_right, "cached_right": self.cached_right, "agrees": self.agrees,
+                **({} if self.prompt is None else {"prompt": self.prompt})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,13 +271,24 @@ class Prompt(NamedTuple):
     module_ids: tuple[str, ...]
     text: str
     context_tokens: int
+    digest: str = ""  # `prompt_digest`
 
 
 def module_prompt(corpus: Corpus, question: str, k: int, retrieval: str = "hybrid") -> Prompt:
     """The module ids `Corpus.ask` retrieves for `question` (`retrieval`: its search mode), the prompt it
-    writes, their tokens."""
+    writes, their tokens, its digest."""
     ids = tuple(m for m, _ in corpus.search(question, k, mode=retrieval))
-    return Prompt(ids, corpus.prompt(question, corpus.order(ids)), sum(corpus.table.module(m)[1] for m in ids))
+    text = corpus.prompt(question, corpus.order(ids))
+    return Prompt(ids, text, sum(corpus.table.module(m)[1] for m in ids), prompt_digest(corpus, text))
+
+
+def prompt_digest(corpus: Corpus, prompt: str) -> str:
+    """A short digest of what `prompt` asks of the model, which reports keep per question: the corpus's
+    instructions and the prompt without the corpus's own name (each build draws one; the module names are
+    digests of the modules' text). Answers judged against another run's are to the same prompt only where
+    the digests agree (bench/fidelity_reference.py)."""
+    canonical = prompt.replace(f'schema="{corpus.manifest.name}"', "schema")
+    return hashlib.sha256(f"{corpus.manifest.instructions}\0{canonical}".encode()).hexdigest()[:16]
 
 
 def references(
@@ -287,7 +302,7 @@ def references(
     for q in questions:
         p = module_prompt(corpus, q.question, k, retrieval)
         res = engine.generate(p.text, use_cache=False, max_new_tokens=max_new_tokens, stop=stop)
-        out.append(Reference(q, p.module_ids, p.text, res.text, res.ttft_s, p.context_tokens))
+        out.append(Reference(q, p.module_ids, p.text, res.text, res.ttft_s, p.context_tokens, p.digest))
     return out
 
 
@@ -310,7 +325,7 @@ def summarize(recovery: str, k: int, refs: Sequence[Reference], outcomes: Sequen
         full_ttft_s=statistics.median(r.ttft_s for r in refs), cached_ttft_s=statistics.median(o.ttft_s for o in outcomes),
         context_tokens=sum(r.context_tokens for r in refs) / len(refs),
         results=tuple(QuestionResult(r.question.question, r.question.expected, r.text.strip(), o.text.strip(), r.right,
-                                     o.right, o.agrees) for r, o in zip(refs, outcomes)),
+                                     o.right, o.agrees, r.digest or None) for r, o in zip(refs, outcomes)),
     )
 
 
