@@ -1,7 +1,7 @@
 """The fidelity sweeps' runner: the fidelity scenario (rag_promptcache/bench/fidelity.py, `rag-promptcache bench
 --scenarios fidelity`) alone, with its splits, k, settings, seeds and sizes on the command line; a tuned
-adapter judged against the base model's run (`--reference`); several runs (other seeds) pooled into one
-report (`--pool`). What docs/FIDELITY.md's tables were made with:
+adapter judged against the base model's run (`--reference`), or a run judged anew against a reference made
+since (`--rejudge`); several runs (other seeds) pooled into one report (`--pool`). What docs/FIDELITY.md's tables were made with:
 
     python -m benchmarks.fidelity --split both --k 4 8 12 \
         --settings none,last:1,last:2,last:3,question:0.05 --questions 42 --new-tokens 32 \
@@ -9,6 +9,7 @@ report (`--pool`). What docs/FIDELITY.md's tables were made with:
     python -m benchmarks.fidelity --split all --adapter none --out base
     python -m benchmarks.fidelity --split all --adapter TUNED --reference base/fidelity.json --out tuned
     python -m benchmarks.fidelity --pool base/fidelity.json base-seed1/fidelity.json --out pooled
+    python -m benchmarks.fidelity --rejudge tuned/fidelity.json --reference new-base/fidelity.json --out rejudged
 
 Writes fidelity.json, fidelity.md and the front PNG into `--out`. Not here: the scenario itself, its
 splits and rules (rag_promptcache/bench/fidelity.py), the evaluation logic (rag/fidelity.py).
@@ -103,8 +104,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--ttft-point", action="store_true", help="also time the bench split at ~2k context")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="FIDELITY_JSON",
                     help="no model run: pool these runs' fidelity.json (other seeds) into one report")
+    ap.add_argument("--rejudge", type=Path, metavar="FIDELITY_JSON",
+                    help="no model run: this run's rows judged anew against --reference (a reference made since)")
     ap.add_argument("--out", type=Path, required=True, help="folder for fidelity.json, fidelity.md, the front PNG")
     args = ap.parse_args(argv)
+    if args.rejudge:
+        if not args.reference or args.pool:
+            ap.error("--rejudge needs --reference, the run to judge against, and pools nothing")
+        try:
+            return write(fidelity_reference.rejudge(json.loads(args.rejudge.read_text()),
+                                                    fidelity_reference.load(args.reference)), args.out)
+        except ValueError as e:
+            ap.error(str(e))
     if args.pool:
         if args.reference:
             ap.error("--reference judges a run as it is made; --pool pools runs made with it (or without)")

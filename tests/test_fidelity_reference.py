@@ -12,7 +12,7 @@ import pytest
 
 from rag_promptcache.bench import report
 from benchmarks.fidelity import main, pool
-from rag_promptcache.bench.fidelity_reference import ReferenceRun, apply, check, check_prompts, load
+from rag_promptcache.bench.fidelity_reference import ReferenceRun, apply, check, check_prompts, load, rejudge
 from tests.tiny_adapter import save_random_lora
 from tests.tiny_llama import save_tiny_llama
 
@@ -71,6 +71,36 @@ def test_a_reference_over_other_prompts_is_refused_and_one_without_digests_is_na
     # written before prompts were kept: judged as before, and said so
     assert "keeps no prompt digests for manuals k=4" in check_prompts(reference([True, False, True]), "manuals", 4,
                                                                        ["aa", "bb", "cc"])
+
+
+def test_a_run_is_judged_anew_against_a_reference_made_since(tmp_path):
+    # judged against an old reference (right on q0 only), then against a new one (right on q1 and q2)
+    own = {**row(4, [(1, 1), (1, 1), (0, 0)]), "kept": 1.0, "speedup": 10.0}
+    run = {"adapter": "tuned@0123", "rows": [apply(own, reference([True, False, False]))]}
+    assert run["rows"][0]["kept"] == 1.0
+    new = rejudge(run, reference([False, True, True]))
+    r = new["rows"][0]
+    assert (r["reference_full_correct"], r["kept"], r["retained"]) == (2, 0.5, 1.0)
+    assert (r["own_kept"], r["own_retained"]) == (1.0, 1.0)  # still against its own full prefill
+    assert [a["reference_right"] for a in r["answers"]] == [False, True, True]
+    assert new["reference"] == {"path": "base.json", "adapter": "none"} and run["rows"][0]["kept"] == 1.0  # a copy
+    with pytest.raises(ValueError, match="asked other questions"):
+        rejudge(run, ReferenceRun("b.json", "none", {("manuals", 4): (("q9", ("0",), True),) * 3}))
+    # both kept prompt digests, and they differ: refused
+    for a in run["rows"][0]["answers"]:
+        a["prompt"] = "aa"
+    other = ReferenceRun("b.json", "none", reference([True, True, True]).answers, {("manuals", 4): ("aa", "bb", "aa")})
+    with pytest.raises(ValueError, match="answered other prompts"):
+        rejudge(run, other)
+    main(["--rejudge", str(_write(tmp_path / "run.json", run)), "--reference",
+          str(_write(tmp_path / "ref.json", {"rows": [row(4, [(1, 0), (0, 0), (1, 0)], adapter="none")]})),
+          "--out", str(tmp_path / "out")])
+    assert json.loads((tmp_path / "out" / "fidelity.json").read_text())["rows"][0]["reference_full_correct"] == 2
+
+
+def _write(path: Path, doc: dict) -> Path:
+    path.write_text(json.dumps(doc))
+    return path
 
 
 def test_a_report_written_when_answers_were_one_string_is_read(tmp_path):

@@ -7,13 +7,15 @@ model: `--adapter none`); `check` refuses a reference that asked other questions
 seed offset or question count), and `check_prompts` one whose prompts were others (the corpus or the prompt's
 format changed since it ran: its answers are then to other prompts, and judging against them measures the
 change, not the cache); `apply` rewrites one row's `retained` and `kept` against it, keeping
-the row's own in `own_retained` and `own_kept`; `row` makes one setting's row (the bench's and the
+the row's own in `own_retained` and `own_kept` (`rejudge`: a whole report's rows, against a reference made
+since); `row` makes one setting's row (the bench's and the
 research probes') and applies the reference where there is one. Not here: running the model
 (bench/fidelity.py).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -151,6 +153,25 @@ def apply(row: dict[str, object], ref: ReferenceRun) -> dict[str, object]:
     row.update({"own_retained": row["retained"], "own_kept": row["kept"], "reference_full_correct": base,
                 "retained": row["cached_correct"] / base if base else None, "kept": both / base if base else None})
     return row
+
+
+def rejudge(run: dict[str, object], ref: ReferenceRun) -> dict[str, object]:
+    """A run's report (its fidelity.json) with every row judged anew against `ref`, a reference made since over
+    the same questions (and prompts, where both kept their digests): no model runs. A row judged before gets
+    its own measures back first, so `own_*` stay against its own full prefill."""
+    rows = []
+    for r in run["rows"]:  # type: ignore[union-attr]
+        r = copy.deepcopy(r)
+        if "own_retained" in r:
+            r["retained"], r["kept"] = r.pop("own_retained"), r.pop("own_kept")
+            r.pop("reference_full_correct", None)
+        split, k = r.get("split", "bench"), r["k"]
+        check(ref, {split: [(a["question"], _expected(a["expected"])) for a in r["answers"]]}, (k,))
+        if all("prompt" in a for a in r["answers"]) and (split, k) in ref.prompts:
+            check_prompts(ref, split, k, [a["prompt"] for a in r["answers"]])
+        rows.append(apply(r, ref))
+    return {**run, "rows": rows, "reference": {"path": ref.path, "adapter": ref.adapter},
+            "full_prefill_against_reference": full_prefill_against(rows)}
 
 
 def full_prefill_against(rows: list[dict[str, object]]) -> list[dict[str, object]]:
