@@ -307,7 +307,8 @@ def _ttft_at(path: str, context: int, key: str) -> float:
     return next(r[key] for r in _load(path)["ttft"] if r["context_tokens"] == context)
 
 
-SHIPPED_POOLED = "docs/bench/links-2026-11-27/front-pooled/fidelity.json"  # the shipped LoRA (its fp32 original)
+# the shipped adapter on today's prompts, against the base model's full prefill of the same prompts (4 Dec)
+SHIPPED_POOLED = "docs/bench/reference-2026-12-04/shipped-pooled/both/fidelity.json"
 SHIPPED_DRAW0 = "docs/bench/links-2026-11-27/front-draw0/fidelity.json"  # with --ttft-point
 BASE_POOLED = "docs/bench/fidelity-quiet-2026-11-25/pooled-tokens32/fidelity.json"
 
@@ -348,11 +349,11 @@ HEADLINE = [
     ("Right answers retained / kept on look-alike documents, the default (tuned, `last:1`), worst cell",
      lambda: f"{_worst_retained(SHIPPED_POOLED, 'last:1'):.2f} / {_worst_retained(SHIPPED_POOLED, 'last:1', 'kept'):.2f}",
      "fidelity.md", SHIPPED_POOLED,
-     "python -m benchmarks.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json ... --pool"),
+     "python -m benchmarks.fidelity --split both --k 4 8 12 --adapter default --reference BASE.json ... --pool"),
     ("Right answers retained with `recovery=\"none\"`, worst cell: tuned / untuned",
      lambda: f"{_worst_retained(SHIPPED_POOLED, 'none'):.2f} / {_worst_retained(BASE_POOLED, 'none'):.2f}",
      "fidelity.md", SHIPPED_POOLED,
-     "python -m benchmarks.fidelity --split both --k 4 8 12 --adapter DIR --reference BASE.json ... --pool"),
+     "python -m benchmarks.fidelity --split both --k 4 8 12 --adapter default --reference BASE.json ... --pool"),
 ]
 
 
