@@ -310,7 +310,7 @@ def _ttft_at(path: str, context: int, key: str) -> float:
 # the shipped adapter on today's prompts, against the base model's full prefill of the same prompts (4 Dec)
 SHIPPED_POOLED = "docs/bench/reference-2026-12-04/shipped-pooled/both/fidelity.json"
 SHIPPED_DRAW0 = "docs/bench/links-2026-11-27/front-draw0/fidelity.json"  # with --ttft-point
-BASE_POOLED = "docs/bench/fidelity-quiet-2026-11-25/pooled-tokens32/fidelity.json"
+BASE_POOLED = "docs/bench/reference-2026-12-04/base-pooled/both/fidelity.json"  # the references' own `none` rows
 
 
 def _ttft_point(path: str, recovery: str) -> float:
