@@ -24,6 +24,7 @@ SETTINGS = [
     ("shipped `none`", REJUDGED / "shipped", "shipped", "none"),
     ("neighbour corpus `none`", REJUDGED / "neighbours", "nbr", "none"),
     ("neighbour corpus `last:1`", REJUDGED / "neighbours", "nbr", "last:1"),
+    ("the tuned model's own full prefill", REJUDGED / "shipped", "shipped", "full"),
 ]
 
 
@@ -33,10 +34,14 @@ def load(path: Path) -> dict:
 
 
 def answers(label_dir: Path, prefix: str, setting: str, draw: int, k: int) -> list[tuple[str, bool, bool]]:
-    """[(question, the base model's full prefill right, the setting's cached answer right)] of one draw"""
+    """[(question, the base model's full prefill right, the setting's cached answer right)] of one draw; setting
+    "full": the tuned model's own full prefill in that run, in place of a cached answer"""
     run = label_dir / f"manuals{draw}" / "fidelity.json.gz" if draw < 2 else HERE / f"{prefix}{draw}" / "fidelity.json.gz"
+    full = setting == "full"
+    setting = "last:1" if full else setting
     row = next(r for r in load(run)["rows"] if r["split"] == "manuals" and r["recovery"] == setting and r["k"] == k)
-    return [(f"{draw}:{a['question']}", a["reference_right"], a["cached_right"]) for a in row["answers"]]
+    return [(f"{draw}:{a['question']}", a["reference_right"], a["full_right" if full else "cached_right"])
+            for a in row["answers"]]
 
 
 def mcnemar(b: int, c: int) -> float:
@@ -51,8 +56,9 @@ def mcnemar(b: int, c: int) -> float:
 def main() -> None:
     draws = [d for d in range(6) if d < 2 or (HERE / f"shipped{d}").exists()]
     print(f"manuals, draws {draws}; kept of the base model's full-prefill right answers (95% Wilson interval)\n")
-    print("| setting | k | two draws (0, 1) | all draws | against the default: kept where it lost / lost where it kept (p) |")
-    print("|---|---|---|---|---|")
+    print("| setting | k | two draws (0, 1) | all draws | each draw | against the default: kept where it lost / "
+          "lost where it kept (p) |")
+    print("|---|---|---|---|---|---|")
     for k in (4, 8, 12):
         base = {q: (ref, right) for d in draws for q, ref, right in answers(*SETTINGS[0][1:], d, k)}
         for label, folder, prefix, setting in SETTINGS:
@@ -66,7 +72,9 @@ def main() -> None:
             gained = sum(1 for q, ref, right in rows if ref and right and not base[q][1])
             lost = sum(1 for q, ref, right in rows if ref and not right and base[q][1])
             versus = "-" if setting == "last:1" and prefix == "shipped" else f"{gained} / {lost} (p {mcnemar(gained, lost):.2f})"
-            print(f"| {label} | {k} | {cells[0]} | {cells[1]} | {versus} |")
+            per_draw = " ".join(f"{sum(a[2] for a in rows if a[1] and a[0].startswith(f'{d}:'))}/"
+                                f"{sum(a[1] for a in rows if a[0].startswith(f'{d}:'))}" for d in draws)
+            print(f"| {label} | {k} | {cells[0]} | {cells[1]} | {per_draw} | {versus} |")
 
 
 if __name__ == "__main__":
