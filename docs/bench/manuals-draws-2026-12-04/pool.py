@@ -1,7 +1,7 @@
-"""The manuals split over six draws (seed offsets 0-5): the default (the shipped adapter, `last:1`) and the
+"""The manuals split over five draws (seed offsets 0-4): the default (the shipped adapter, `last:1`) and the
 neighbour corpus (`--neighbours 3 --neighbours-present 2`) read with `none` and `last:1`, each judged against the
 base model's full prefill of the same prompts. Per setting and k: kept (paired) with its 95% Wilson interval,
-over two draws (the rule's) and over all six; then each setting against the default on the same questions (the
+over two draws (the rule's) and over all five; then each setting against the default on the same questions (the
 base model's right answers one keeps and the other loses, and McNemar's exact two-sided p). No model run;
 from the repository root: python3 docs/bench/manuals-draws-2026-12-04/pool.py
 """
@@ -54,7 +54,7 @@ def mcnemar(b: int, c: int) -> float:
 
 
 def main() -> None:
-    draws = [d for d in range(6) if d < 2 or (HERE / f"shipped{d}").exists()]
+    draws = [d for d in range(5) if d < 2 or (HERE / f"shipped{d}").exists()]
     print(f"manuals, draws {draws}; kept of the base model's full-prefill right answers (95% Wilson interval)\n")
     print("| setting | k | two draws (0, 1) | all draws | each draw | against the default: kept where it lost / "
           "lost where it kept (p) |")
