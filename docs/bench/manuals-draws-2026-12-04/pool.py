@@ -1,7 +1,8 @@
 """The manuals split over five draws (seed offsets 0-4): the default (the shipped adapter, `last:1`) and the
 neighbour corpus (`--neighbours 3 --neighbours-present 2`) read with `none` and `last:1`, each judged against the
 base model's full prefill of the same prompts. Per setting and k: kept (paired) with its 95% Wilson interval,
-over two draws (the rule's) and over all five; then each setting against the default on the same questions (the
+over two draws (the rule's), over all five and per draw, the tuned model's own full prefill (no cache) as a row
+of its own; then each setting against the default on the same questions (the
 base model's right answers one keeps and the other loses, and McNemar's exact two-sided p). No model run;
 from the repository root: python3 docs/bench/manuals-draws-2026-12-04/pool.py
 """
