@@ -43,3 +43,8 @@ for g in both manuals; do
   for d in 0 1; do zcat "$HERE/rejudged/shipped/$g$d/fidelity.json.gz" > "$tmp/shipped-$g$d.json"; done
   PYTHONPATH=. python -m benchmarks.fidelity --pool "$tmp/shipped-${g}0.json" "$tmp/shipped-${g}1.json" --out "$HERE/shipped-pooled/$g" > /dev/null
 done
+# the base model's own `none` rows, each reference judged against itself, pooled (the README's untuned number)
+for d in 0 1; do
+  PYTHONPATH=. python -m benchmarks.fidelity --rejudge "$tmp/ref-both$d.json" --reference "$tmp/ref-both$d.json" --out "$tmp/base$d" > /dev/null
+done
+PYTHONPATH=. python -m benchmarks.fidelity --pool "$tmp/base0/fidelity.json" "$tmp/base1/fidelity.json" --out "$HERE/base-pooled/both" > /dev/null
