@@ -7,6 +7,7 @@ base model's right answers one keeps and the other loses, and McNemar's exact tw
 from the repository root: python3 docs/bench/manuals-draws-2026-12-04/pool.py
 """
 
+import functools
 import gzip
 import json
 import math
@@ -19,7 +20,7 @@ from rag_promptcache.rag.fidelity import interval  # noqa: E402
 
 HERE = Path(__file__).parent
 REJUDGED = ROOT / "docs/bench/reference-2026-12-04/rejudged"
-# (label, folder of draws 0 and 1 (rejudged against the references of 4 Dec), folder prefix of draws 2 and 3, setting)
+# (label, folder of draws 0 and 1 (rejudged against the references of 4 Dec), folder prefix of draws 2-4, setting)
 SETTINGS = [
     ("default (`last:1`)", REJUDGED / "shipped", "shipped", "last:1"),
     ("shipped `none`", REJUDGED / "shipped", "shipped", "none"),
@@ -29,6 +30,7 @@ SETTINGS = [
 ]
 
 
+@functools.cache  # each run is read by several settings and every k
 def load(path: Path) -> dict:
     data = path.read_bytes()
     return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
@@ -72,7 +74,7 @@ def main() -> None:
                 cells.append(f"{kept}/{len(ref)} = {kept / len(ref):.2f} ({lo:.2f}-{hi:.2f})")
             gained = sum(1 for q, ref, right in rows if ref and right and not base[q][1])
             lost = sum(1 for q, ref, right in rows if ref and not right and base[q][1])
-            versus = "-" if setting == "last:1" and prefix == "shipped" else f"{gained} / {lost} (p {mcnemar(gained, lost):.2f})"
+            versus = "-" if label == SETTINGS[0][0] else f"{gained} / {lost} (p {mcnemar(gained, lost):.2f})"
             per_draw = " ".join(f"{sum(a[2] for a in rows if a[1] and a[0].startswith(f'{d}:'))}/"
                                 f"{sum(a[1] for a in rows if a[0].startswith(f'{d}:'))}" for d in draws)
             print(f"| {label} | {k} | {cells[0]} | {cells[1]} | {per_draw} | {versus} |")
