@@ -166,16 +166,17 @@ def test_fidelity_rows_and_files(fidelity_report):
 def test_choose_default_follows_the_rule():
     from rag_promptcache.bench.fidelity import choose_default
 
-    def row(rec, k, kept):  # the rule reads the paired share: a row's "retained" alone does not count
-        return {"mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": 1.0}
+    def row(rec, k, kept, retained=1.0):  # the rule reads both: retained >= 0.95 and kept (paired) >= 0.90
+        return {"mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": retained}
 
     def at(rec, speedup):
         return {"mode": "shared_prefix", "recovery": rec, "speedup": speedup}
 
-    rows = [row("none", 4, 0.3), row("none", 12, 0.2), row("a", 4, 0.96), row("a", 8, 0.5), row("a", 12, 1.0),
-            row("b", 4, 1.0), row("b", 12, 0.97), row("c", 4, 1.0), row("c", 12, 1.0)]
-    timing = [at("none", 20.0), at("a", 9.0), at("b", 6.0), at("c", 2.0)]
-    assert choose_default(rows, timing)["recovery"] == "a"  # k=8 is not one of the two ends
+    rows = [row("none", 4, 0.3), row("none", 12, 0.2), row("a", 4, 0.91), row("a", 8, 0.5), row("a", 12, 1.0),
+            row("b", 4, 1.0), row("b", 12, 0.97), row("c", 4, 1.0), row("c", 12, 1.0), row("d", 4, 0.92, 0.94),
+            row("d", 12, 1.0)]
+    timing = [at("none", 20.0), at("a", 9.0), at("b", 6.0), at("c", 2.0), at("d", 10.0)]
+    assert choose_default(rows, timing)["recovery"] == "a"  # k=8 is not one of the two ends; d retains too little
     timing = [at("none", 20.0), at("a", 4.0), at("b", 3.5), at("c", 2.0)]
     chosen = choose_default(rows, timing)  # none reaches 5x: the most faithful keeping 3x
     assert chosen["recovery"] == "b" and "most faithful" in chosen["rule"]

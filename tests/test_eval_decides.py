@@ -1,5 +1,5 @@
 """`eval` decides: it recommends a setting by the rule the engine default was chosen by (the fastest
-that keeps >= 95% of full prefill's right answers, `fidelity.fastest_retaining`), shows the questions
+that retains >= 95% of full prefill's right answers and keeps >= 90% of them, paired, `fidelity.passes`), shows the questions
 that fail with the cached and the full answer side by side, judges the whole answer up to
 --max-new-tokens (64 by default), and `--apply` makes the choice the corpus's recovery, which `ask`,
 the engine the corpus loads (the server and the adapters call it) and `info` then show.
@@ -21,7 +21,7 @@ from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.engine.result import Result, Stream
 from rag_promptcache.rag import Corpus
 from rag_promptcache.rag.evaluation import TIMING_ROUNDS
-from rag_promptcache.rag.fidelity import DEFAULT_NEW_TOKENS, fastest_retaining, interval
+from rag_promptcache.rag.fidelity import DEFAULT_NEW_TOKENS, fastest_passing, interval, passes
 from rag_promptcache.rag.repetition import DEFAULT_NO_REPEAT_NGRAM, repeated_sentence
 from rag_promptcache.rag.records import Manifest
 
@@ -83,12 +83,14 @@ def times(questions: Path, n: int) -> Path:
 
 
 def test_the_rule_is_one_function() -> None:
-    retained = {"none": 0.5, "last:1": 0.96, "last:2": 1.0, "attend:1": None}
-    speed = {"none": 40.0, "last:1": 12.0, "last:2": 8.0, "attend:1": 30.0}
-    assert fastest_retaining(retained, speed) == "last:1"
-    assert fastest_retaining(retained, speed, min_speedup=13.0) is None  # the bench holds its pick to >= 5x this way
-    assert fastest_retaining(retained, speed, target=0.99) == "last:2"
-    assert fastest_retaining({("isolated", "none"): 0.97}, {("isolated", "none"): 5.0}) == ("isolated", "none")
+    assert passes(0.95, 0.90) and not passes(0.94, 0.94) and not passes(1.1, 0.89) and not passes(None, 1.0)
+    scores = {"none": (0.9, 0.5), "links:4": (0.94, 0.92), "last:1": (1.02, 0.91), "last:2": (1.0, 1.0),
+              "attend:1": (None, None)}
+    speed = {"none": 40.0, "links:4": 20.0, "last:1": 12.0, "last:2": 8.0, "attend:1": 30.0}
+    assert fastest_passing(scores, speed) == "last:1"
+    assert fastest_passing(scores, speed, min_speedup=13.0) is None  # the bench holds its pick to >= 5x this way
+    assert fastest_passing({**scores, "last:1": (1.0, 0.89)}, speed) == "last:2"
+    assert fastest_passing({("isolated", "none"): (1.0, 0.97)}, {("isolated", "none"): 5.0}) == ("isolated", "none")
     assert DEFAULT_NEW_TOKENS == SHOWN_NEW_TOKENS == 64  # --help shows the library's default
     assert TIMING_ROUNDS == SHOWN_ROUNDS
 
@@ -118,8 +120,9 @@ def test_eval_recommends_shows_failures_and_judges_the_whole_answer(setup, capsy
     code, out, err = run(capsys, "eval", times(questions, 4), "--corpus", corpus, "-k", "1")
     assert code == 0, err
     assert "warning: full prefill answered only 12 question(s) right, fewer than 30" in out
-    assert re.search(r"recommended: last:1 \(the fastest setting that keeps >= 95% of full prefill's right answers\): "
-                     r"it keeps 12/12 = 1.00 \(95% interval 0.76-1.00\) at 10.0x\. It rests on 12 right answers of full "
+    assert re.search(r"recommended: last:1 \(the fastest setting that passes the rule \(retained >= 0\.95 and kept >= 0\.90, of "
+                     r"full prefill's right answers\)\): "
+                     r"it retains 12/12 and keeps 12/12 = 1.00 \(95% interval 0.76-1.00\) at 10.0x\. It rests on 12 right answers of full "
                      r"prefill, too few to be sure \(see the warning\); the speed-up ranged 10.0-10.0x over 3 timing rounds", out)
     code, out, _ = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--verbose")
     assert "none: 1 question(s) fail" in out and 'Q: Which way does the Nile flow? [wrong]\n    expected: "north"' in out
@@ -165,7 +168,7 @@ def test_eval_apply_makes_the_choice_the_corpus_recovery(setup, engine: Fidelity
     assert engine.sampling["recovery"] == "none"  # told otherwise
     # no setting kept: --apply refuses (exit 1) and the corpus keeps its recovery
     code, out, err = run(capsys, "eval", questions, "--corpus", corpus, "-k", "1", "--recovery", "none", "--apply")
-    assert code == 1 and "nothing applied: no setting keeps >= 95% of full prefill's right answers; the closest" in err
+    assert code == 1 and "nothing applied: no setting passes the rule (retained >= 0.95 and kept >= 0.90); the closest" in err
     assert json.loads((corpus / "manifest.json").read_text())["recovery"] == "last:1"
 
 
@@ -205,8 +208,8 @@ def test_the_rule_uses_the_paired_share_not_the_totals(tmp_path: Path, monkeypat
     assert (by["none"]["retained"], round(by["none"]["kept"], 2)) == (1.0, 0.5)  # 10 of full's 10 rights, 5 of them kept
     assert json.loads(out)["recommended"] == "last:1"  # none is fastest and "retains" 1.0, but loses the Nile
     code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "none", "--apply")
-    assert code == 1 and ("no recommendation: no setting keeps >= 95% of full prefill's right answers; the closest, "
-                          "none, keeps 5/10 = 0.50 (95% interval 0.24-0.76). Try more settings with --recovery.") in out
+    assert code == 1 and ("no recommendation: no setting passes the rule (retained >= 0.95 and kept >= 0.90); the "
+                          "closest, none, retains 1.00 and keeps 5/10 = 0.50 (95% interval 0.24-0.76). Try more settings with --recovery.") in out
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["recovery"] is None
 
 

@@ -149,11 +149,11 @@ def test_eval_command_end_to_end(real_parts, tmp_path: Path, capsys, monkeypatch
     # positive, or None where a TTFT was below the clock's resolution
     assert all(s["speedup"] is None or s["speedup"] > 0 for s in (everything, none))
     # the recommendation is the one rule's pick over these rows, and each failure shows both answers
-    from rag_promptcache.rag.fidelity import fastest_retaining
+    from rag_promptcache.rag.fidelity import fastest_passing
 
     rows = report["settings"]
-    assert report["recommended"] == fastest_retaining({r["recovery"]: r["kept"] for r in rows},
-                                                      {r["recovery"]: r["speedup"] for r in rows})
+    assert report["recommended"] == fastest_passing({r["recovery"]: (r["retained"], r["kept"]) for r in rows},
+                                                    {r["recovery"]: r["speedup"] for r in rows})
     # last:2 here is full prefill's tokens: it fails only where full prefill is wrong too
     assert all(f["cached"] == f["full"] and f["full_right"] is False for f in everything["failures"])
     assert all({"question", "expected", "cached", "full"} <= set(f) for f in none["failures"])

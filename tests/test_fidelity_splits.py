@@ -38,31 +38,38 @@ def test_every_split_rows_share_and_front(tokenizer, tmp_path):
         run(bench, ("other",))
 
 
-def test_rule_across_splits_needs_every_split_and_k():
-    def row(split, rec, k, kept, speedup):  # the rules read the paired share, not "retained"
-        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": 1.0,
-                "speedup": speedup}
+def row(split, rec, k, kept, speedup, retained=1.0):
+    return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": retained,
+            "speedup": speedup}
 
-    rows = [row("bench", "fast", 4, 1.0, 9.0), row("heldout", "fast", 8, 0.9, 8.0),
-            row("bench", "mid", 4, 0.96, 5.0), row("heldout", "mid", 8, 1.0, 4.0), row("bench", "mid", 8, 0.97, 4.5),
-            row("bench", "slow", 8, 1.0, 2.0), row("heldout", "slow", 8, 1.0, 1.5)]
+
+def test_rule_across_splits_needs_every_split_and_k():
+    # the rule: retained >= 0.95 and kept (paired) >= 0.90 in every row; "wide" keeps 0.92 everywhere but
+    # retains 0.93 at one k, "fast" fails one split's kept
+    rows = [row("bench", "fast", 4, 1.0, 9.0), row("heldout", "fast", 8, 0.89, 8.0),
+            row("bench", "wide", 4, 0.92, 7.0), row("heldout", "wide", 8, 0.92, 7.0, retained=0.93),
+            row("bench", "mid", 4, 0.91, 5.0, retained=0.95), row("heldout", "mid", 8, 1.0, 4.0),
+            row("bench", "mid", 8, 0.97, 4.5), row("bench", "slow", 8, 1.0, 2.0), row("heldout", "slow", 8, 1.0, 1.5)]
     chosen = choose_across_splits(rows)
     assert chosen["recovery"] == "mid" and chosen["speedup_at_largest_k"] == 4.0  # its slowest split at k = 8
+    assert (chosen["worst_retained"], chosen["worst_kept"]) == (0.95, 0.91)
+    rows[1]["kept"] = 0.90  # the rule's edge passes
+    assert choose_across_splits(rows)["recovery"] == "fast"
     assert choose_across_splits([row("bench", "fast", 4, 0.5, 9.0)]) is None
 
 
 def test_chosen_on_one_split_then_confirmed_or_not_on_the_other():
-    def row(split, rec, k, kept, speedup):  # the rules read the paired share, not "retained"
-        return {"split": split, "mode": "shared_prefix", "recovery": rec, "k": k, "kept": kept, "retained": 1.0,
-                "speedup": speedup}
-
     rows = [row("bench", "fast", 4, 0.5, 9.0), row("bench", "mid", 4, 1.0, 5.0), row("bench", "mid", 8, 0.96, 4.0),
-            row("heldout", "mid", 4, 0.97, 5.0), row("heldout", "mid", 8, 0.9, 4.5), row("bench", "slow", 8, 1.0, 2.0)]
+            row("heldout", "mid", 4, 0.97, 5.0), row("heldout", "mid", 8, 0.85, 4.5), row("bench", "slow", 8, 1.0, 2.0)]
     picked = choose_then_confirm(rows)
     assert (picked["recovery"], picked["chosen_on"]) == ("mid", "bench")
-    assert picked["worst_kept_elsewhere"] == {"heldout": 0.9} and picked["confirmed"] is False
-    rows[4]["kept"] = 0.95
+    assert picked["worst_kept_elsewhere"] == {"heldout": 0.85} and picked["confirmed"] is False
+    rows[4]["kept"] = 0.92
     assert choose_then_confirm(rows)["confirmed"] is True
+    rows[4]["retained"] = 0.94  # kept enough, retained too little
+    assert choose_then_confirm(rows)["worst_retained_elsewhere"] == {"heldout": 0.94}
+    assert choose_then_confirm(rows)["confirmed"] is False
+    rows[4]["retained"] = 1.0
     assert choose_then_confirm(rows, on="heldout")["worst_kept_elsewhere"] == {"bench": 0.96}
     assert choose_then_confirm([row("bench", "fast", 4, 0.5, 9.0)]) is None
 

@@ -10,13 +10,14 @@ is real:
   specification tables of look-alike products), chunked at the corpus's default chunk size.
 Per split, k and (encoding mode, recovery) setting, over the same questions and prompts: full
 prefill's accuracy (the engine's own, `use_cache=False`), cached accuracy, retained = cached / full,
-kept (paired: of full prefill's right answers, the share the setting also gets right; what the rules use),
+kept (paired: of full prefill's right answers, the share the setting also gets right; the rule,
+`fidelity.passes`, reads both),
 agreement of the answer texts, the share of context tokens recomputed, and the TTFT speed-up over
 the engine's full prefill (medians over the questions; per question, full prefill and every setting
 run back to back, so a change of load shows in both). The engines run with
 `fallback="never"`: this measures a recovery, not the planner's choice of path. Then, optionally, one
 timing point at ~`fidelity_ttft_context` tokens; `choose_default` applies the rule at ~2k context,
-`choose_across_splits` across splits (kept >= 0.95 on every split at every measured k), and
+`choose_across_splits` across splits (the rule on every split at every measured k), and
 `choose_then_confirm` chosen on the bench split, then confirmed, or not, on the others.
 
     python -m benchmarks.fidelity --split both --k 4 8 12 \
@@ -38,7 +39,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from rag_promptcache.bench import fidelity_codecs, fidelity_data, fidelity_heldout, fidelity_manuals, fidelity_reference
 from rag_promptcache.bench.common import Bench, BenchConfig, median
@@ -46,13 +49,14 @@ from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.model import links
 from rag_promptcache.rag.corpus import Corpus
-from rag_promptcache.rag.fidelity import (TARGET_RETAINED, EvalQuestion, Outcome, Reference, answer, fastest_retaining,
-                                          module_prompt, references, summarize)
+from rag_promptcache.rag.fidelity import (RULE, EvalQuestion, Outcome, Reference, answer, fastest_passing, module_prompt,
+                                          passes, references, summarize)
 from rag_promptcache.store import MemoryStore
 from rag_promptcache.timing import describe, ratio
 
 CHUNK_TOKENS = 320  # every document is one module
 TARGET_SPEEDUP, FALLBACK_SPEEDUP = 5.0, 3.0
+K = TypeVar("K")
 STOP = (".",)  # the answer is its first sentence; the rest only costs decode time
 # split: (its generator, its chunk size; None: the corpus's default, as a user's)
 SOURCES = {"bench": (fidelity_data, CHUNK_TOKENS), "heldout": (fidelity_heldout, None), "manuals": (fidelity_manuals, None)}
@@ -232,11 +236,10 @@ def _ttft_point(bench: Bench, corpus: Corpus, engines: dict[str, PromptCache],
     return out
 
 
-def row_kept(row: dict[str, object]) -> float:
-    """The rule's measure for one row: `kept` (paired, `SettingReport.kept`); 0 where not measurable (a
-    row without per-question answers, or full prefill got nothing right)."""
-    value = row.get("kept")
-    return 0.0 if value is None else value
+def row_score(row: dict[str, object]) -> tuple[float, float]:
+    """What the rule (`fidelity.passes`) reads of one row: retained and kept (paired, `SettingReport.kept`);
+    0 where not measurable (a row without per-question answers, or full prefill got nothing right)."""
+    return row.get("retained") or 0.0, row.get("kept") or 0.0
 
 
 def row_setting(row: dict[str, object]) -> tuple[str, str, str]:
@@ -245,59 +248,64 @@ def row_setting(row: dict[str, object]) -> tuple[str, str, str]:
     return row.get("adapter", fidelity_reference.BASE), row["mode"], row["recovery"]
 
 
+def worst_scores(rows: Iterable[dict[str, object]], key: Callable[[dict[str, object]], K]) -> dict[K, tuple[float, float]]:
+    """Per setting (`key`), its worst retained and worst kept over `rows`: it passes where every row does."""
+    worst: dict[K, tuple[float, float]] = {}
+    for r in rows:
+        retained, kept = row_score(r)
+        was = worst.get(key(r), (math.inf, math.inf))
+        worst[key(r)] = (min(was[0], retained), min(was[1], kept))
+    return worst
+
+
 def choose_across_splits(rows: list[dict[str, object]]) -> dict[str, object] | None:
-    """The fastest setting (its slowest speed-up at the largest k, over the splits) that keeps >= 0.95
-    of full prefill's right answers (paired) on every split at every measured k; None when none does."""
+    """The fastest setting (its slowest speed-up at the largest k, over the splits) that passes the rule
+    (`fidelity.passes`) on every split at every measured k; None when none does."""
     largest = max((r["k"] for r in rows), default=0)
-    worst: dict[tuple[str, str, str], float] = {}
+    worst = worst_scores(rows, row_setting)
     speed: dict[tuple[str, str, str], float] = {}
     for r in rows:
-        key = row_setting(r)
-        worst[key] = min(worst.get(key, math.inf), row_kept(r))
         if r["k"] == largest:
+            key = row_setting(r)
             speed[key] = min(speed.get(key, math.inf), r["speedup"] or 0.0)  # None: not measured, no evidence of speed
-    best = fastest_retaining(worst, {s: speed.get(s, 0.0) for s in worst}, target=TARGET_RETAINED)
+    best = fastest_passing(worst, {s: speed.get(s, 0.0) for s in worst})
     if best is None:
         return None
-    return {"adapter": best[0], "mode": best[1], "recovery": best[2], "worst_kept": worst[best], "speedup_at_largest_k": speed.get(best),
-            "rule": f"fastest with kept >= {TARGET_RETAINED} on every split at every k (speed-up at k={largest})"}
+    return {"adapter": best[0], "mode": best[1], "recovery": best[2], "worst_retained": worst[best][0],
+            "worst_kept": worst[best][1], "speedup_at_largest_k": speed.get(best),
+            "rule": f"fastest with {RULE} on every split at every k (speed-up at k={largest})"}
 
 
 def choose_then_confirm(rows: list[dict[str, object]], on: str = "bench") -> dict[str, object] | None:
-    """Issue 26 §3: choose on one split, confirm on the others. The fastest setting (speed-up at the
-    largest k) keeping >= 0.95 at every measured k of split `on`; then, per other split, its worst
-    kept there and whether that too is >= 0.95. None when nothing qualifies on `on`."""
+    """Choose on one split, confirm on the others: the fastest setting (speed-up at the largest k) passing
+    the rule at every measured k of split `on`; then, per other split, its worst retained and kept there
+    and whether they pass too. None when nothing qualifies on `on`."""
     picked = choose_across_splits([r for r in rows if r.get("split", "bench") == on])
     if picked is None:
         return None
     mine = [r for r in rows if row_setting(r) == (picked["adapter"], picked["mode"], picked["recovery"])]
-    elsewhere: dict[str, float] = {}
-    for r in mine:
-        if (split := r.get("split", "bench")) != on:
-            elsewhere[split] = min(elsewhere.get(split, math.inf), row_kept(r))
-    return {**picked, "chosen_on": on, "worst_kept_elsewhere": elsewhere,
-            "confirmed": all(v >= TARGET_RETAINED for v in elsewhere.values())}
+    elsewhere = worst_scores((r for r in mine if r.get("split", "bench") != on), lambda r: r.get("split", "bench"))
+    return {**picked, "chosen_on": on, "worst_kept_elsewhere": {s: kept for s, (_, kept) in elsewhere.items()},
+            "worst_retained_elsewhere": {s: retained for s, (retained, _) in elsewhere.items()},
+            "confirmed": all(passes(*score) for score in elsewhere.values())}
 
 
 def choose_default(rows: list[dict[str, object]], timing: list[dict[str, object]]) -> dict[str, object] | None:
-    """The fastest setting keeping >= 95% (paired, `kept`) at the smallest and largest k with >= 5x
-    at ~2k context; else the most faithful (worst-k kept) with >= 3x."""
+    """The fastest setting passing the rule at the smallest and largest k with >= 5x at ~2k context; else
+    the most faithful (worst-k kept) with >= 3x."""
     ks = sorted({r["k"] for r in rows})
     ends = {ks[0], ks[-1]}
     speed = {(t["mode"], t["recovery"]): t["speedup"] for t in timing}
-    worst: dict[tuple[str, str], float] = {}
-    for r in rows:
-        if r["k"] in ends:
-            key = (r["mode"], r["recovery"])
-            worst[key] = min(worst.get(key, math.inf), row_kept(r))
-    best = fastest_retaining(worst, speed, target=TARGET_RETAINED, min_speedup=TARGET_SPEEDUP)
+    worst = worst_scores((r for r in rows if r["k"] in ends), lambda r: (r["mode"], r["recovery"]))
+    best = fastest_passing(worst, speed, min_speedup=TARGET_SPEEDUP)
     if best is not None:
-        rule = f"fastest with kept >= {TARGET_RETAINED} at k={sorted(ends)} and >= {TARGET_SPEEDUP}x"
+        rule = f"fastest with {RULE} at k={sorted(ends)} and >= {TARGET_SPEEDUP}x"
     else:
         fallback = [s for s in worst if (speed.get(s) or 0.0) >= FALLBACK_SPEEDUP]
         if not fallback:
             return None
-        best = max(fallback, key=lambda s: (worst[s], speed[s]))
-        rule = f"none reaches {TARGET_RETAINED}: most faithful with >= {FALLBACK_SPEEDUP}x"
-    return {"mode": best[0], "recovery": best[1], "worst_kept": worst[best], "speedup": speed[best], "rule": rule}
+        best = max(fallback, key=lambda s: (worst[s][1], speed[s]))
+        rule = f"none passes {RULE}: most faithful with >= {FALLBACK_SPEEDUP}x"
+    return {"mode": best[0], "recovery": best[1], "worst_retained": worst[best][0], "worst_kept": worst[best][1],
+            "speedup": speed[best], "rule": rule}
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from rag_promptcache.bench.tables import table
+from rag_promptcache.rag.fidelity import RULE
 from rag_promptcache.timing import describe
 
 SYSTEMS = ("full", "full_engine", "prefix", "miss", "cached_disk", "cached_memory", "lower_bound")
@@ -190,9 +191,8 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
         table(["split", "k", "context tok", "setting", "full right", *(["reference full right"] if judged else []),
                "cached right", "retained", "kept (paired)", "recomputed",
                 "full TTFT s (engine)", "cached TTFT s", "speed-up (engine full)"], rows), "",
-        "the rule (kept >= 0.95 on every split at every k, then the fastest) picks: "
-        + (f"{_setting_name(chosen)} (worst kept {chosen['worst_kept']:.2f}, "
-           f"{speed(chosen['speedup_at_largest_k'])})" if chosen else "nothing"),
+        f"the rule ({RULE} on every split at every k, then the fastest) picks: "
+        + (f"{_setting_name(chosen)} (worst {_worst(chosen)}, {speed(chosen['speedup_at_largest_k'])})" if chosen else "nothing"),
     ]
     if against := fid.get("full_prefill_against_reference"):
         fewer = [f"{a['split']} k={a['k']}" for a in against if not a["at_least_as_many"]]
@@ -202,18 +202,28 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
     if fid.get("codec_rows"):
         lines += ["", codec_markdown(fid["codec_rows"])]
     if confirm:
-        others = ", ".join(f"{s} {v:.2f}" for s, v in confirm["worst_kept_elsewhere"].items()) or "no other split"
-        lines.append(f"chosen on the {confirm['chosen_on']} split: {_setting_name(confirm)} (worst kept "
-                     f"{confirm['worst_kept']:.2f}, {speed(confirm['speedup_at_largest_k'])}); worst kept elsewhere: "
+        retained = confirm.get("worst_retained_elsewhere", {})  # runs from before the rule read retained: kept alone
+        others = ", ".join(f"{s} {_pair(retained.get(s), v)}" for s, v in confirm["worst_kept_elsewhere"].items()) or "no other split"
+        lines.append(f"chosen on the {confirm['chosen_on']} split: {_setting_name(confirm)} (worst {_worst(confirm)}, "
+                     f"{speed(confirm['speedup_at_largest_k'])}); worst retained / kept elsewhere: "
                      f"{others}: {'confirmed' if confirm['confirmed'] else 'not confirmed'}")
     return "\n".join(lines)
+
+
+def _pair(retained: float | None, kept: float) -> str:
+    return f"{'n/a' if retained is None else f'{retained:.2f}'} / {kept:.2f}"
+
+
+def _worst(chosen: dict[str, object]) -> str:
+    """A pick's worst retained and kept (a run from before the rule read retained has kept alone)."""
+    return f"retained / kept {_pair(chosen.get('worst_retained'), chosen['worst_kept'])}"
 
 
 def codec_markdown(rows: list[dict[str, object]]) -> str:
     """The codec rows: each codec's answers against fp16 modules' (rag/codec_eval.py) per split and k."""
     pct = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     return table(["split", "k", "codec", "bytes/token", "recovery", "fp16 modules right", "codec right", "retained",
-                  "kept (paired)", "agreement", "meets retained >= 0.95, kept >= 0.90"],
+                  "kept (paired)", "agreement", f"meets {RULE}"],
                  [[r["split"], r["k"], r["codec"], f"{r['bytes_per_token']:.0f}", r["recovery"],
                    f"{r['fp16_correct']}/{r['with_answer']}", f"{r['cached_correct']}/{r['with_answer']}",
                    pct(r["retained"]), pct(r["kept"]), f"{r['agreement']:.2f}", "yes" if r["meets"] else "no"]

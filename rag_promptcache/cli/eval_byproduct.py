@@ -23,9 +23,8 @@ def eval_byproduct(questions: Path, corpus: Path, k: int, specs: list[str], max_
                    "corpus with --kv lazy --byproduct")
     from rag_promptcache.engine.planning.recovery import Recovery
     from rag_promptcache.rag import Corpus
-    from rag_promptcache.rag.byproduct_eval import (PREFIX, TARGET_KEPT, TARGET_RETAINED, evaluate_byproduct, meets,
-                                                    recommend_byproduct)
-    from rag_promptcache.rag.fidelity import read_questions
+    from rag_promptcache.rag.byproduct_eval import PREFIX, evaluate_byproduct, meets, recommend_byproduct
+    from rag_promptcache.rag.fidelity import RULE, read_questions
 
     qs = read_questions(questions)
     c = Corpus.open(corpus, redis_url=redis_url, dtype=dtype, adapter=adapter)
@@ -36,7 +35,7 @@ def eval_byproduct(questions: Path, corpus: Path, k: int, specs: list[str], max_
     finally:
         c.close()
     best = recommend_byproduct(reports)
-    target = f"keeps retained >= {TARGET_RETAINED:.2f} and kept >= {TARGET_KEPT:.2f} against full prefill"
+    target = f"keeps {RULE} against full prefill"
     rule = f"the first by-product setting (in the order asked) that {target}"
     byproducts = [r for r in reports if r.recovery.startswith(PREFIX)]
     why_none = None if best is not None else no_recommendation(

@@ -46,7 +46,7 @@ def eval_(
     expected answers (kept: of full prefill's right answers, the share the setting also gets right, with
     its counts and 95% interval), or agreement with full prefill where none is given, and the TTFT
     speed-up (median of --repeats rounds, and their spread); then recommend the fastest setting that
-    keeps >= 95% of full prefill's right answers, say what that rests on, and show the questions it gets
+    retains >= 95% of full prefill's right answers and keeps >= 90% of them, say what that rests on, and show the questions it gets
     wrong, the expected, the cached and the full answer side by side. Answers are judged as `ask` gives
     them (the same prompt and repetition control)."""
     if k < 1:
@@ -78,7 +78,7 @@ def eval_(
     from rag_promptcache.model.adapter import read
     from rag_promptcache.rag import Corpus
     from rag_promptcache.rag.evaluation import evaluate
-    from rag_promptcache.rag.fidelity import TARGET_RETAINED, read_questions, recommend
+    from rag_promptcache.rag.fidelity import RULE, read_questions, recommend
     from rag_promptcache.rag.models import tuned_recovery
 
     qs = read_questions(questions)
@@ -95,10 +95,10 @@ def eval_(
         applied = c.set_recovery(best.recovery) if apply and best is not None else None
     finally:
         c.close()
-    rule = f"the fastest setting that keeps >= {TARGET_RETAINED:.0%} of full prefill's right answers"
+    rule = f"the fastest setting that passes the rule ({RULE}, of full prefill's right answers)"
     why_none = None if best is not None else no_recommendation(
-        reports[0], max(reports, key=_faithful), f"keeps >= {TARGET_RETAINED:.0%} of full prefill's right answers",
-        "setting", hint="Try more settings with --recovery.")
+        reports[0], max(reports, key=_faithful), f"passes the rule ({RULE})", "setting",
+        hint="Try more settings with --recovery.")
     if as_json:
         typer.echo(json.dumps({
             "corpus": str(corpus), "k": k, "max_new_tokens": max_new_tokens, "rule": rule, "timing_rounds": repeats,
@@ -136,8 +136,9 @@ def _print(reports, best, rule: str, why_none: str | None, num_questions: int, k
         agree = f"{sum(x.agrees for x in r.results)}/{r.num_questions}"
         typer.echo(f"{r.recovery:<16} {full:>11} {cached:>13} {kept_text(r):>11} {interval_text(r):>13} "
                    f"{retained_text(r):>9} {agree:>10} {describe(r.speedup, '>8.1f', 'x'):>9} {_spread(r):>13}")
-    typer.echo("kept: of full prefill's right answers, how many the setting also gets right (the rule's measure; "
-               "without expected answers, the answers that agree with full prefill's); retained: cached right / full right; "
+    typer.echo("kept: of full prefill's right answers, how many the setting also gets right (without "
+               "expected answers, the answers that agree with full prefill's); retained: cached right / full right (the "
+               "rule reads both); "
                "speed-up: median TTFT of full prefill over the setting's, rounds: each timing round's speed-up")
     if (warning := few_warning(first)) is not None:
         typer.echo(f"\n{warning}")
@@ -148,7 +149,8 @@ def _print(reports, best, rule: str, why_none: str | None, num_questions: int, k
     if best is not None:
         timing = (f"the speed-up ranged {_spread(best)} over {len(best.speedup_rounds)} timing rounds"
                   if best.speedup_rounds else "the speed-up was timed once")
-        typer.echo(f"\nrecommended: {best.recovery} ({rule}): it keeps {kept_text(best)} (95% interval "
+        retains = f"retains {retained_text(best)} and " if best.num_with_answer else ""
+        typer.echo(f"\nrecommended: {best.recovery} ({rule}): it {retains}keeps {kept_text(best)} (95% interval "
                    f"{interval_text(best)}) at {describe(best.speedup, '.1f', 'x')}. {rests_on(best, timing=timing)}. "
                    "`eval --apply` makes it this corpus's")
     else:

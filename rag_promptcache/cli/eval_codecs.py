@@ -30,9 +30,8 @@ def eval_codecs(questions: Path, corpus: Path, k: int, codec: str, specs: list[s
         raise fail("--apply sets a recovery; a corpus's codec is set when it is built: ingest into a new corpus with --codec")
     from rag_promptcache.engine.planning.recovery import Recovery
     from rag_promptcache.rag import Corpus
-    from rag_promptcache.rag.codec_eval import (REFERENCE_CODEC, REFERENCE_WHOSE, TARGET_KEPT, TARGET_RETAINED,
-                                                evaluate_codecs, recommend_codec)
-    from rag_promptcache.rag.fidelity import read_questions
+    from rag_promptcache.rag.codec_eval import REFERENCE_CODEC, REFERENCE_WHOSE, evaluate_codecs, recommend_codec
+    from rag_promptcache.rag.fidelity import RULE, read_questions
     from rag_promptcache.store import check_codec
 
     codecs = [check_codec(c) for c in codecs]
@@ -44,7 +43,7 @@ def eval_codecs(questions: Path, corpus: Path, k: int, codec: str, specs: list[s
     finally:
         c.close()
     best = recommend_codec(reports)
-    target = f"keeps retained >= {TARGET_RETAINED:.2f} and kept >= {TARGET_KEPT:.2f} against {REFERENCE_WHOSE}"
+    target = f"keeps {RULE} against {REFERENCE_WHOSE}"
     rule = f"the fewest bytes per token that {target}"
     reference = reports[0].report
     others = [r for r in reports if r.codec != REFERENCE_CODEC]

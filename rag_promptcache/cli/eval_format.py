@@ -76,7 +76,8 @@ def no_recommendation(reference: SettingReport, closest: SettingReport | None, t
     if why is not None:
         return f"no recommendation: {why}."
     # a codec's report carries the codec's name where a recovery's carries the recovery (rag.codec_eval)
-    near = "" if closest is None else (f"; the closest, {closest.recovery}, keeps {kept_text(closest)} "
+    retains = "" if closest is None or closest.retained is None else f"retains {closest.retained:.2f} and "
+    near = "" if closest is None else (f"; the closest, {closest.recovery}, {retains}keeps {kept_text(closest)} "
                                        f"(95% interval {interval_text(closest)})")
     return f"no recommendation: no {what} {target}{near}." + (f" {hint}" if hint else "")
 

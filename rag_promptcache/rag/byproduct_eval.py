@@ -8,7 +8,7 @@ entries is its full prefill again, and says nothing); a module no other question
 plain entry, as a lazy corpus's warming would store it. Each recovery setting runs twice over the same
 prompts, on plain entries and on those, judged against full prefill as `eval` judges (`SettingReport`:
 retained, kept); `recommend_byproduct` names the by-product setting that recomputes least among those
-meeting `TARGET_RETAINED` and `TARGET_KEPT` (what docs/FIDELITY.md measured on its splits).
+passing the rule (`fidelity.passes`: what docs/FIDELITY.md measured on its splits).
 
 Everything runs on an engine of its own over the corpus's model (exact memory store, no fallback to full
 prefill, no prefix cache), so the corpus's store is neither read nor written.
@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rag_promptcache.rag.codec_eval import TARGET_KEPT, TARGET_RETAINED
 from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outcome, Reference, SettingReport,
-                                          module_prompt, summarize, too_few)
+                                          module_prompt, passes, summarize, too_few)
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -142,7 +141,7 @@ def evaluate_byproduct(corpus: Corpus, questions: Sequence[EvalQuestion], recove
 
 
 def meets(report: SettingReport) -> bool:
-    return (report.retained or 0.0) >= TARGET_RETAINED and (report.kept or 0.0) >= TARGET_KEPT
+    return passes(report.retained, report.kept)
 
 
 def recommend_byproduct(reports: Sequence[SettingReport]) -> SettingReport | None:

@@ -7,7 +7,7 @@ the same recovery, no fallback to full prefill and no prefix cache, so each answ
 Per question the fp16 answer and each codec's run back to back. A codec is judged as a recovery is
 (`SettingReport`): `retained` (right answers over fp16's) and `kept` (paired: of fp16's right answers,
 the share the codec also gets right); `recommend_codec` takes the fewest bytes per token among those
-meeting `TARGET_RETAINED` and `TARGET_KEPT`, and nothing where fp16 answered too few right (`fidelity.too_few`,
+passing the rule (`fidelity.passes`), and nothing where fp16 answered too few right (`fidelity.too_few`,
 as `eval` for a recovery).
 
 Not here: choosing a recovery (`fidelity.py`), the codecs themselves (`rag_promptcache.store`).
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outcome, Prompt, Reference, SettingReport,
-                                          answer, module_prompt, summarize, too_few)
+                                          answer, module_prompt, passes, summarize, too_few)
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
 REFERENCE_CODEC = "fp16"  # what every codec is judged against
 REFERENCE_WHOSE = "fp16 modules"  # how the reference's answers are named to a user
-TARGET_RETAINED = 0.95
-TARGET_KEPT = 0.90
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +42,7 @@ class CodecReport:
 
     @property
     def meets(self) -> bool:
-        r = self.report
-        return (r.retained or 0.0) >= TARGET_RETAINED and (r.kept or 0.0) >= TARGET_KEPT
+        return passes(self.report.retained, self.report.kept)
 
     def as_dict(self) -> dict[str, object]:
         return {**self.report.as_dict(), "codec": self.codec, "recovery": self.recovery,
