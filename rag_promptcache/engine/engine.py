@@ -84,8 +84,7 @@ class PromptCache:
         which deferred misses the background encoder stores (engine/planning/plan.py, background.py)."""
         misses = misses_policy(misses)
         prompt_lookup = lookup_tokens(prompt_lookup)
-        if not isinstance(fallback, Fallback):  # a bad policy fails here, before anything is built
-            fallback = Fallback(fallback, self._measure_costs, remeasure=self._remeasure_costs)
+        fallback = self._fallback_policy(fallback)  # a bad policy fails here, before anything is built
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
         if store is not None and codec is not None:  # a store holds entries in its own codec
@@ -113,8 +112,7 @@ class PromptCache:
         self.compiler = Compiler(tokenizer, role_markup(tokenizer), links.wrap_ids(model))
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.prompt_lookup = prompt_lookup
-        if prefix_cache_bytes is None:
-            prefix_cache_bytes = load_config().prefix_cache_bytes
+        prefix_cache_bytes = load_config().prefix_cache_bytes if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache = make_prefix_cache(prefix_cache_bytes, self.geometry)
         # what produced a prefix's KV beyond its labels: the weights and dtype (the fingerprint), the device
         self.prefix_namespace = (self.fingerprint, str(model.device))
@@ -126,8 +124,7 @@ class PromptCache:
             self.schemas, self.compiler, self.store_of, model, self.relocator, self.geometry,
             PlanConfig(self.mode, layout, batch_size, self._default_recovery(recovery), self.context_window, self.fingerprint,
                        fallback),
-            self.model_lock,
-            lambda labels: self.prefix_cache.num_reusable(self.prefix_namespace, labels),
+            self.model_lock, lambda labels: self.prefix_cache.num_reusable(self.prefix_namespace, labels),
         )
         self.activity = Activity()  # requests in flight: the background encoder works only when there are none
         self.background = BackgroundEncoder(self.planner.encode, store, self.activity, admission=admission)
@@ -168,10 +165,13 @@ class PromptCache:
 
     @fallback.setter
     def fallback(self, policy: str | Fallback | None) -> None:
-        new = policy if isinstance(policy, Fallback) else Fallback(policy, self._measure_costs, remeasure=self._remeasure_costs)
+        new = self._fallback_policy(policy)
         steps = self.background.idle_steps  # the old policy's idle recalibration gives way to the new one's
         steps[steps.index(self.fallback.recalibrate)], new.on_drift = new.recalibrate, self.background.wake
         self.planner.config = dataclasses.replace(self.planner.config, fallback=new)
+
+    def _fallback_policy(self, policy: str | Fallback | None) -> Fallback:  # a Fallback keeps its own costs
+        return policy if isinstance(policy, Fallback) else Fallback(policy, self._measure_costs, remeasure=self._remeasure_costs)
 
     @property
     def adapter_name(self) -> str | None:
