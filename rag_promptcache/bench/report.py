@@ -203,7 +203,8 @@ def fidelity_splits_markdown(fid: dict[str, object]) -> str:
         lines += ["", codec_markdown(fid["codec_rows"])]
     if confirm:
         retained = confirm.get("worst_retained_elsewhere", {})  # runs from before the rule read retained: kept alone
-        others = ", ".join(f"{s} {_pair(retained.get(s), v)}" for s, v in confirm["worst_kept_elsewhere"].items()) or "no other split"
+        others = (", ".join(f"{s} {_pair(retained.get(s), v)}" for s, v in confirm["worst_kept_elsewhere"].items())
+                  or "no other split")
         lines.append(f"chosen on the {confirm['chosen_on']} split: {_setting_name(confirm)} (worst {_worst(confirm)}, "
                      f"{speed(confirm['speedup_at_largest_k'])}); worst retained / kept elsewhere: "
                      f"{others}: {'confirmed' if confirm['confirmed'] else 'not confirmed'}")

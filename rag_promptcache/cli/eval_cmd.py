@@ -46,9 +46,9 @@ def eval_(
     expected answers (kept: of full prefill's right answers, the share the setting also gets right, with
     its counts and 95% interval), or agreement with full prefill where none is given, and the TTFT
     speed-up (median of --repeats rounds, and their spread); then recommend the fastest setting that
-    retains >= 95% of full prefill's right answers and keeps >= 90% of them, say what that rests on, and show the questions it gets
-    wrong, the expected, the cached and the full answer side by side. Answers are judged as `ask` gives
-    them (the same prompt and repetition control)."""
+    retains >= 95% of full prefill's right answers and keeps >= 90% of them, say what that rests on, and
+    show the questions it gets wrong, the expected, the cached and the full answer side by side. Answers
+    are judged as `ask` gives them (the same prompt and repetition control)."""
     if k < 1:
         raise fail(f"-k must be at least 1, got {k}")
     if repeats < 1:

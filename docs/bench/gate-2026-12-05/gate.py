@@ -7,10 +7,10 @@ plain entries answered it ("gate/plain": `last:1` on a corpus without neighbours
 
 Per split, draw and k: the corpus built as the fidelity bench builds it (lazy: chunked, embedded, indexed,
 neighbours chosen, no KV), each question's prompt by dense retrieval, its digest checked against the
-reference run's and every row's that kept one (so the simulated prompt is the one the rows answered), the gate's branch per prompt, then kept and retained
-against the base model's full prefill (`reference_right`, as the rows were judged), pooled over the draws.
-The gate's TTFT is estimated as the mix of the two rows' median TTFTs by the share of prompts on each branch:
-an estimate, not a measurement. From the repository root:
+reference run's and every row's that kept one (so the simulated prompt is the one the rows answered), the
+gate's branch per prompt, then kept and retained against the base model's full prefill (`reference_right`,
+as the rows were judged), pooled over the draws. The gate's TTFT is estimated as the mix of the two rows'
+median TTFTs by the share of prompts on each branch: an estimate, not a measurement. From the repository root:
     PYTHONPATH=. python docs/bench/gate-2026-12-05/gate.py > docs/bench/gate-2026-12-05/gate.txt
 """
 import collections
