@@ -1,6 +1,6 @@
-"""`eval` decides: it recommends a setting by the rule the engine default was chosen by (the fastest
-that retains >= 95% of full prefill's right answers and keeps >= 90% of them, paired, `fidelity.passes`), shows the questions
-that fail with the cached and the full answer side by side, judges the whole answer up to
+"""`eval` decides: it recommends a setting by the rule the engine default is judged by (the fastest
+that retains >= 95% of full prefill's right answers and keeps >= 90% of them, paired, `fidelity.passes`),
+shows the questions that fail with the cached and the full answer side by side, judges the whole answer up to
 --max-new-tokens (64 by default), and `--apply` makes the choice the corpus's recovery, which `ask`,
 the engine the corpus loads (the server and the adapters call it) and `info` then show.
 
