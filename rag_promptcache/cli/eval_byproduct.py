@@ -23,7 +23,7 @@ def eval_byproduct(questions: Path, corpus: Path, k: int, specs: list[str], max_
                    "corpus with --kv lazy --byproduct")
     from rag_promptcache.engine.planning.recovery import Recovery
     from rag_promptcache.rag import Corpus
-    from rag_promptcache.rag.byproduct_eval import PREFIX, evaluate_byproduct, meets, recommend_byproduct
+    from rag_promptcache.rag.byproduct_eval import PREFIX, evaluate_byproduct, recommend_byproduct
     from rag_promptcache.rag.fidelity import RULE, read_questions
 
     qs = read_questions(questions)
@@ -47,7 +47,7 @@ def eval_byproduct(questions: Path, corpus: Path, k: int, specs: list[str], max_
                                "recommended": None if best is None else best.recovery.removeprefix(PREFIX),
                                "no_recommendation": why_none,
                                "settings": [{**r.as_dict(), "byproduct": r.recovery.startswith(PREFIX),
-                                             "meets": meets(r), "failures": [f.as_dict() for f in r.failures]}
+                                             "meets": r.meets, "failures": [f.as_dict() for f in r.failures]}
                                             for r in reports]}))
         return
     first = reports[0]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outcome, Reference, SettingReport,
-                                          module_prompt, passes, summarize, too_few)
+                                          module_prompt, summarize, too_few)
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -140,14 +140,10 @@ def evaluate_byproduct(corpus: Corpus, questions: Sequence[EvalQuestion], recove
         engine.store.close()
 
 
-def meets(report: SettingReport) -> bool:
-    return passes(report.retained, report.kept)
-
-
 def recommend_byproduct(reports: Sequence[SettingReport]) -> SettingReport | None:
     """Of the by-product rows meeting the targets, the first (the settings in the order asked: put the one
     recomputing least first); None where none does, or where full prefill's right answers are too few to
     judge by (`fidelity.too_few`, as `eval`)."""
     if not reports or too_few(reports[0]) is not None:
         return None
-    return next((r for r in reports if r.recovery.startswith(PREFIX) and meets(r)), None)
+    return next((r for r in reports if r.recovery.startswith(PREFIX) and r.meets), None)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rag_promptcache.rag.fidelity import (DEFAULT_NEW_TOKENS, EvalQuestion, Outcome, Prompt, Reference, SettingReport,
-                                          answer, module_prompt, passes, summarize, too_few)
+                                          answer, module_prompt, summarize, too_few)
 
 if TYPE_CHECKING:
     from rag_promptcache.engine import PromptCache
@@ -42,7 +42,7 @@ class CodecReport:
 
     @property
     def meets(self) -> bool:
-        return passes(self.report.retained, self.report.kept)
+        return self.report.meets
 
     def as_dict(self) -> dict[str, object]:
         return {**self.report.as_dict(), "codec": self.codec, "recovery": self.recovery,

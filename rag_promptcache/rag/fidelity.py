@@ -177,14 +177,19 @@ class SettingReport:
     def kept(self) -> float | None:
         """Paired: of the questions full prefill answers right, the share the cached setting answers right
         too (never above 1, unlike `retained`, which also counts answers only the cache gets right); the
-        rule (`passes`) reads both. Agreement when no question has an answer; None when full prefill got none right
-        or the setting failed."""
+        rule (`passes`) reads both. Agreement when no question has an answer; None when full prefill got
+        none right or the setting failed."""
         if self.error is not None:
             return None
         if not self.num_with_answer:
             return self.agreement
         both = sum(bool(r.full_right and r.cached_right) for r in self.results)
         return both / self.full_correct if self.results and self.full_correct else None
+
+    @property
+    def meets(self) -> bool:
+        """Whether this setting passes the rule (`passes`) at this k."""
+        return passes(self.retained, self.kept)
 
     @property
     def kept_counts(self) -> tuple[int, int]:
