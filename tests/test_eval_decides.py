@@ -209,7 +209,7 @@ def test_the_rule_uses_the_paired_share_not_the_totals(tmp_path: Path, monkeypat
     assert json.loads(out)["recommended"] == "last:1"  # none is fastest and "retains" 1.0, but loses the Nile
     code, out, _ = run(capsys, "eval", questions, "--corpus", tmp_path / "c", "-k", "1", "--recovery", "none", "--apply")
     assert code == 1 and ("no recommendation: no setting passes the rule (retained >= 0.95 and kept >= 0.90); the "
-                          "closest, none, retains 1.00 and keeps 5/10 = 0.50 (95% interval 0.24-0.76). Try more settings with --recovery.") in out
+                          "closest, none, retains 10/10 and keeps 5/10 = 0.50 (95% interval 0.24-0.76). Try more settings with --recovery.") in out
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["recovery"] is None
 
 

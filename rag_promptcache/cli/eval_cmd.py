@@ -13,7 +13,7 @@ import typer
 
 from rag_promptcache.cli.app import SHOWN_DTYPES, AdapterOpt, DtypeOpt, RedisOpt, app, check_name, fail, handle_errors
 from rag_promptcache.cli.eval_format import (few, few_warning, interval_text, kept_text, miss_text, no_recommendation,
-                                             one_line, rests_on, retained_text, summary_line)
+                                             one_line, rests_on, retained_text, retains_text, summary_line)
 from rag_promptcache.timing import describe
 
 # Shown in --help without importing rag (whose package imports torch); a test holds it equal to
@@ -149,8 +149,7 @@ def _print(reports, best, rule: str, why_none: str | None, num_questions: int, k
     if best is not None:
         timing = (f"the speed-up ranged {_spread(best)} over {len(best.speedup_rounds)} timing rounds"
                   if best.speedup_rounds else "the speed-up was timed once")
-        retains = f"retains {retained_text(best)} and " if best.num_with_answer else ""
-        typer.echo(f"\nrecommended: {best.recovery} ({rule}): it {retains}keeps {kept_text(best)} (95% interval "
+        typer.echo(f"\nrecommended: {best.recovery} ({rule}): it {retains_text(best)}keeps {kept_text(best)} (95% interval "
                    f"{interval_text(best)}) at {describe(best.speedup, '.1f', 'x')}. {rests_on(best, timing=timing)}. "
                    "`eval --apply` makes it this corpus's")
     else:

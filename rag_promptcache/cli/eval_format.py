@@ -35,6 +35,11 @@ def retained_text(r: SettingReport) -> str:
     return f"{r.cached_correct}/{r.full_correct}" if r.num_with_answer else "n/a"
 
 
+def retains_text(r: SettingReport) -> str:
+    """"retains 9/10 and " before a kept share, where there is a retained count to show (expected answers)."""
+    return f"retains {retained_text(r)} and " if r.num_with_answer and r.retained is not None else ""
+
+
 def few(reference: SettingReport) -> bool:
     """Whether the share the rule reads rests on fewer answers than rag.fidelity.MIN_RIGHT."""
     from rag_promptcache.rag.fidelity import MIN_RIGHT
@@ -76,9 +81,8 @@ def no_recommendation(reference: SettingReport, closest: SettingReport | None, t
     if why is not None:
         return f"no recommendation: {why}."
     # a codec's report carries the codec's name where a recovery's carries the recovery (rag.codec_eval)
-    retains = "" if closest is None or closest.retained is None else f"retains {closest.retained:.2f} and "
-    near = "" if closest is None else (f"; the closest, {closest.recovery}, {retains}keeps {kept_text(closest)} "
-                                       f"(95% interval {interval_text(closest)})")
+    near = "" if closest is None else (f"; the closest, {closest.recovery}, {retains_text(closest)}keeps "
+                                       f"{kept_text(closest)} (95% interval {interval_text(closest)})")
     return f"no recommendation: no {what} {target}{near}." + (f" {hint}" if hint else "")
 
 
