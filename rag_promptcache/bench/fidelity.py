@@ -41,7 +41,6 @@ import math
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
 
 from rag_promptcache.bench import fidelity_codecs, fidelity_data, fidelity_heldout, fidelity_manuals, fidelity_reference
 from rag_promptcache.bench.common import Bench, BenchConfig, median
@@ -49,14 +48,13 @@ from rag_promptcache.engine import PromptCache
 from rag_promptcache.engine.planning.recovery import DEFAULT_RECOVERY, Recovery
 from rag_promptcache.model import links
 from rag_promptcache.rag.corpus import Corpus
-from rag_promptcache.rag.fidelity import (RULE, EvalQuestion, Outcome, Reference, answer, fastest_passing, module_prompt,
-                                          passes, references, summarize)
+from rag_promptcache.rag.fidelity import (RULE, EvalQuestion, K, Outcome, Reference, answer, fastest_passing,
+                                          module_prompt, passes, references, summarize)
 from rag_promptcache.store import MemoryStore
 from rag_promptcache.timing import describe, ratio
 
 CHUNK_TOKENS = 320  # every document is one module
 TARGET_SPEEDUP, FALLBACK_SPEEDUP = 5.0, 3.0
-K = TypeVar("K")
 STOP = (".",)  # the answer is its first sentence; the rest only costs decode time
 # split: (its generator, its chunk size; None: the corpus's default, as a user's)
 SOURCES = {"bench": (fidelity_data, CHUNK_TOKENS), "heldout": (fidelity_heldout, None), "manuals": (fidelity_manuals, None)}
