@@ -181,6 +181,25 @@ def test_local_directory_entry_point(tmp_path):
     assert torch.equal(model.model.embed_tokens.weight, saved.model.embed_tokens.weight)
 
 
+def test_models_load_without_the_hubs_kernels(tmp_path, monkeypatch):
+    """transformers 5.25 runs every model it loads through the hub's `kernels` package unless told not to (a
+    ValueError where that package is missing or of another version); ours, and the embedder that
+    transformers runs, use transformers' torch code on every release."""
+    import transformers.modeling_utils
+    from transformers import BertConfig, BertModel
+
+    from rag_promptcache.rag.mean_pooling import _auto_model
+
+    save_tiny(tmp_path / "tiny")
+    BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(tmp_path / "bert")
+    assert not load_model(str(tmp_path / "tiny"), device="cpu", dtype="float32")[0].use_kernels
+    assert not _auto_model(tmp_path / "bert", "cpu").use_kernels
+    monkeypatch.setattr(transformers.modeling_utils, "is_kernels_available", lambda *args, **kwargs: False)
+    assert not load_model(str(tmp_path / "tiny"), device="cpu", dtype="float32")[0].use_kernels
+    assert not _auto_model(tmp_path / "bert", "cpu").use_kernels
+
+
 def test_dtype_is_honoured_and_part_of_the_fingerprint(tmp_path):
     save_tiny(tmp_path / "tiny")
     fp32, _ = load_model(str(tmp_path / "tiny"), device="cpu", dtype="float32")

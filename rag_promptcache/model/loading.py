@@ -54,6 +54,10 @@ _VOLATILE_CONFIG_KEYS = frozenset(
      "quantization_config", "output_attentions", "output_hidden_states", "return_dict",
      "torchscript", "attn_implementation"}
 )
+# transformers 5.25 runs every model it loads through the hub's `kernels` package unless told not to: a
+# ValueError where that package is missing or of another version, and on CUDA hub downloads in place of
+# RMSNorm, SiLU and RoPE. Our models run transformers' torch code; releases before 5.25 default to this.
+NO_HUB_KERNELS = {"use_kernels": False}
 _FINGERPRINT_ATTR = "_rag_promptcache_fingerprint"
 _SAMPLE_RUN = 64  # contiguous elements per sampled run
 _SAMPLE_RUNS_PER_TENSOR = 64  # plus numel // 65536 more runs: about 0.1% of every tensor
@@ -306,7 +310,7 @@ def _from_pretrained(directory: str, device: torch.device, dtype: torch.dtype):
         placement = {} if device.type == "cpu" else {"device_map": str(device)}
         with quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(
-                directory, config=config, dtype=dtype, attn_implementation="sdpa", **placement
+                directory, config=config, dtype=dtype, attn_implementation="sdpa", **NO_HUB_KERNELS, **placement
             )
         tokenizer = tokenizer_from(directory)
     except (OSError, ValueError) as e:
@@ -349,7 +353,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 **NO_HUB_KERNELS)
     diskcache.save_weights(model, out)
     config = model.config
     if hasattr(config, "quantization_config"):

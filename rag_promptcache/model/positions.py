@@ -85,9 +85,12 @@ def kv_geometry(model: PreTrainedModel) -> KVGeometry:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     layer_types, _ = get_layer_types_and_kwargs(config)  # exactly what DynamicCache(config=...) builds
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    if config.model_type == "falcon":  # the new decoder architecture caches heads already expanded
-        multi_query_heads = 1 if config.multi_query else config.num_kv_heads
-        num_kv_heads = num_heads if config.new_decoder_architecture else multi_query_heads
+    if config.model_type == "falcon":  # the heads its attention caches: `num_kv_heads` (1 for multi-query), but
+        # before transformers 5.25 the new decoder architecture's expanded to all heads (5.25 expands them in
+        # attention, by `num_key_value_groups`)
+        attention = next(m for m in model.modules() if hasattr(m, "new_decoder_architecture"))
+        expanded = attention.new_decoder_architecture and not hasattr(attention, "num_key_value_groups")
+        num_kv_heads = num_heads if expanded else attention.num_kv_heads
     return KVGeometry(num_layers, num_kv_heads, head_dim, tuple(layer_types), getattr(config, "sliding_window", None))
 
 

@@ -102,7 +102,7 @@ class Embedder:
     def __init__(self, name: str | None = None, *, batch_size: int = 64, device: str | None = "cpu") -> None:
         self.name, target = resolve(name)
         self.batch_size = batch_size
-        from rag_promptcache.model.loading import quiet_progress
+        from rag_promptcache.model.loading import NO_HUB_KERNELS, quiet_progress
 
         if os.path.isdir(target) and (length := max_seq_length(target)) is not None:
             try:
@@ -119,9 +119,9 @@ class Embedder:
             with quiet_progress():
                 if offline:
                     with _hub_offline():
-                        self.model = SentenceTransformer(target, device=device)
+                        self.model = SentenceTransformer(target, device=device, model_kwargs=NO_HUB_KERNELS)
                 else:
-                    self.model = SentenceTransformer(target, device=device)
+                    self.model = SentenceTransformer(target, device=device, model_kwargs=NO_HUB_KERNELS)
         except OSError as e:
             raise ValueError(f"cannot load embedder {name!r}: {e}") from e
         dim = self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") else None

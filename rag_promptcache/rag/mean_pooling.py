@@ -64,7 +64,9 @@ def _auto_model(directory: str | Path, device: str):
     """transformers' encoder for a directory `model/bert.py` does not run."""
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(str(directory)).to(device).eval()
+    from rag_promptcache.model.loading import NO_HUB_KERNELS
+
+    return AutoModel.from_pretrained(str(directory), **NO_HUB_KERNELS).to(device).eval()
 
 
 class MeanPooled:
