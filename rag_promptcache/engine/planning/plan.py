@@ -143,7 +143,7 @@ def uncached(plan: Plan) -> Plan:
 
 # recoveries that read only the modules' order, so a module computed in the prefill simply counts as recomputed;
 # the others probe every module's stored KV, so their misses are encoded first
-DEFERRABLE = ("none", "last", "tail", "match", "first_k")
+DEFERRABLE = ("none", "last", "tail", "first_k")
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,8 +47,7 @@ from transformers import DynamicCache
 from rag_promptcache.engine.kv.assemble import assemble, full_cache
 from rag_promptcache.engine.prompt.compiler import ROOT, Piece
 from rag_promptcache.engine.compute.runner import decoder_layers, forward_base
-from rag_promptcache.engine.planning.select import (Selection, choose, exact_module, matching_window, question_mass,
-                                                    stale_tokens)
+from rag_promptcache.engine.planning.select import Selection, choose, exact_module, question_mass, stale_tokens
 from rag_promptcache.model import links
 from rag_promptcache.model.positions import KVGeometry, Relocator
 from rag_promptcache.store.base import ModuleKV
@@ -56,8 +55,8 @@ from rag_promptcache.store.base import ModuleKV
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question", "links", "tail", "match")
-DEFAULT_LAYER = {"selective": 1, "attend": 8, "question": 8, "match": 0}
+KINDS: tuple[str, ...] = ("none", "first_k", "selective", "last", "attend", "question", "links", "tail")
+DEFAULT_LAYER = {"selective": 1, "attend": 8, "question": 8}
 # Chosen on answers, not logits (docs/FIDELITY.md, `rag-promptcache bench --scenarios fidelity`): the
 # fastest setting keeping >= 95% of full prefill's right answers at k = 4, 8 and 12 on both the bench
 # split and the held-out one (look-alike ~250-token records at the default chunk size), pooled over two
@@ -69,7 +68,7 @@ DEFAULT_RECOVERY = "last:3"
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
-    kind: Literal["none", "first_k", "selective", "last", "attend", "question", "links", "tail", "match"] = "none"
+    kind: Literal["none", "first_k", "selective", "last", "attend", "question", "links", "tail"] = "none"
     # K tokens for first_k; a fraction R in [0, 1] for selective and question; N modules for last/attend;
     # T tokens for tail; N link tokens per module for links
     budget: float = 0.0
@@ -86,7 +85,7 @@ class Recovery:
             raise ValueError(f"@k>=N needs a whole number of modules N >= 0, got {self.min_modules}")
         if self.kind == "none" and self.min_modules:
             raise ValueError("none recovers nothing in any prompt: @k>=N needs another recovery (last:1@k>=5)")
-        if self.kind in ("first_k", "tail", "match") and (self.budget < 0 or self.budget != int(self.budget)):
+        if self.kind in ("first_k", "tail") and (self.budget < 0 or self.budget != int(self.budget)):
             letter = "k" if self.kind == "first_k" else "t"
             raise ValueError(f"{self.kind} needs a whole number of tokens {letter} >= 0, got {self.budget}")
         if self.kind in ("last", "attend") and (self.budget < 0 or self.budget != int(self.budget)):
@@ -152,8 +151,6 @@ def recover(
         return with_links(pieces, links.ids(model, int(recovery.budget)))
     if recovery.kind == "first_k":
         chosen = _first_k(pieces, kvs, int(recovery.budget))
-    elif recovery.kind == "match":
-        chosen = matching_window(pieces, kvs, int(recovery.budget), head=recovery.layer)
     elif recovery.kind in ("last", "tail"):
         exact = exact_module(pieces, kvs)
         stale = [m for m in (_module_order(pieces) if order is None else order) if m != exact]

@@ -23,7 +23,6 @@ layer), and attention temperature on cached tokens (the fused prefill kernel tak
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -224,45 +223,3 @@ def exact_module(pieces: Sequence[Piece], kvs: dict[str, ModuleKV]) -> str | Non
 
 class _Stop(Exception):
     pass
-
-
-def matching_window(pieces: Sequence[Piece], kvs: dict[str, ModuleKV], t: int, lead: int = 4, head: int = 0) -> set[int]:
-    """`match:T` (a probe, docs/FIDELITY.md 2026-12-05): the T cached tokens of the stale module nearest the
-    question where the question's words are, found without a model pass. Every stale module is cut into runs
-    of T tokens; a question token weighs log(runs / runs holding it), so a word every look-alike repeats
-    weighs little. The window of T that holds the heaviest distinct question tokens wins (ties: the one
-    nearer the question), moved to start `lead` tokens before its first match so the words after it (where
-    a fact's value usually is) come with it. No match at all: the module's last T, as `tail:T`."""
-    stale = stale_tokens(pieces, kvs)
-    last = max((i for i, p in enumerate(pieces) if p.cached), default=-1)
-    question = {tok for p in pieces[last + 1:] for tok in p.token_ids}
-    runs: dict[str, list[tuple[int, int]]] = {}  # module -> its (sequence index, token id), in order
-    for s, u, ok, tok in zip(stale.seq, stale.unit, stale.choosable, stale.token_ids):
-        if ok:
-            runs.setdefault(u, []).append((s, tok))
-    if not runs or t <= 0:
-        return set()
-    chunks = [{tok for _, tok in toks[i:i + t]} for toks in runs.values() for i in range(0, len(toks), t)]
-    weight = {q: math.log(len(chunks) / df) for q in question if (df := sum(q in c for c in chunks))}
-    nearest = next(reversed(runs))
-    best, where = 0.0, (nearest, max(0, len(runs[nearest]) - t))
-    for u, toks in [(nearest, runs[nearest])]:  # slide a window of T over the nearest module
-        ids = [tok for _, tok in toks]
-        held: dict[int, int] = {}
-        score = 0.0
-        for end, tok in enumerate(ids):
-            if tok in weight:
-                held[tok] = held.get(tok, 0) + 1
-                score += weight[tok] if held[tok] == 1 else 0.0
-            if end >= t and ids[end - t] in weight:
-                gone = ids[end - t]
-                held[gone] -= 1
-                score -= weight[gone] if held[gone] == 0 else 0.0
-            if (end >= t - 1 or end == len(ids) - 1) and score > 0 and score >= best - 1e-9:
-                best, where = score, (u, max(0, end - t + 1))
-    u, start = where
-    toks = runs[u]
-    if best > 0:  # open the run a little before its first matching token
-        first = next(i for i in range(start, min(start + t, len(toks))) if toks[i][1] in weight)
-        start = max(0, min(first - lead, len(toks) - t))
-    return {s for s, _ in toks[start:start + t]} | {s for s, _ in runs[nearest][:head]}
