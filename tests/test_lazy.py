@@ -204,6 +204,9 @@ def test_a_disk_that_fills_during_a_lazy_fill_costs_recomputes_not_answers(parts
     monkeypatch.setattr(disk_module, "_write_bytes", full)
     answers = [c.ask(q, k=2, max_new_tokens=6) for q in QUESTIONS[1:]]
     assert writes["n"] > 0 and all(a.answer is not None for a in answers)
+    # the fills the answers queued run on the encoder's thread: the disk stays full until they are done, and
+    # the store is read only after (a write in flight leaves its .tmp file until it is renamed)
+    assert c.engine.background.wait_done(timeout=120), c.engine.background.stats()
     monkeypatch.undo()
     store = DiskStore(tmp_path / "c" / "store")
     assert store.verify().bad_keys == () and not list((tmp_path / "c" / "store").glob("??/.tmp-*"))
