@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -116,12 +116,8 @@ class Embedder:
 
         offline = target != name or os.path.isdir(target) or _hub_cached(target)
         try:
-            with quiet_progress():
-                if offline:
-                    with _hub_offline():
-                        self.model = SentenceTransformer(target, device=device, model_kwargs=NO_HUB_KERNELS)
-                else:
-                    self.model = SentenceTransformer(target, device=device, model_kwargs=NO_HUB_KERNELS)
+            with quiet_progress(), _hub_offline() if offline else nullcontext():
+                self.model = SentenceTransformer(target, device=device, model_kwargs=NO_HUB_KERNELS)
         except OSError as e:
             raise ValueError(f"cannot load embedder {name!r}: {e}") from e
         dim = self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") else None
