@@ -1,11 +1,13 @@
 """The front judged against today's references (docs/FIDELITY.md, "2026-12-04 (night)"): kept (paired, of the
 base model's full-prefill right answers) against the speed-up over each setting's own full prefill, per split
-and k, for every setting of 2-4 Dec rejudged by rejudge.sh (two draws pooled unless a label says otherwise),
-the untuned model's `none` (base-pooled/, the references' own rows) and the default drawn bold. The rule's
-kept line is 0.90. No model runs; from the repository root:
+and k, for every setting of 2-4 Dec rejudged by rejudge.sh (two draws pooled unless a label says otherwise), the
+probes of 5 Dec, which were judged against the same references when they ran (draws 0 and 1 pooled from their
+runs: `RUNS`), the untuned model's `none` (base-pooled/, the references' own rows) and the default drawn bold.
+The rule's kept line is 0.90. No model runs; from the repository root:
     .venv/bin/python docs/bench/reference-2026-12-04/front.py
 """
 
+import gzip
 import json
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 HERE = Path(__file__).parent
+BENCH = HERE.parent
 SPLITS = ("bench", "heldout", "manuals")
 DEFAULT = "shipped `last:1` (the default)"
 # (family folder under rejudged/, setting, label); the pick probe's own `none` and `last:1` are the shipped rows'
@@ -34,6 +37,18 @@ LINES = [
     ("pick", "first_k:2", "`first_k:2` (probe)"),
     ("pick", "first_k:4", "`first_k:4` (probe)"),
 ]
+# the probes of 5 Dec: (label, setting, run folders under docs/bench, draws 0 and 1); some speed-ups were taken
+# beside other jobs (docs/FIDELITY.md says which)
+RUNS = [
+    ("`match:32` (probe; held-out k = 8, 12 one draw)", "match:32",
+     ["match-2026-12-05/bench0", "match-2026-12-05/both1", "match-2026-12-05/heldout0",
+      "match-2026-12-05/manuals0", "match-2026-12-05/manuals1"]),
+    ("`match:32@16` (probe)", "match:32@16",
+     [f"match-2026-12-05/head-{split}{draw}" for split in SPLITS for draw in (0, 1)]),
+    ("full-share 0.5 `last:1` (probe, manuals)", "last:1", ["fullshare-2026-12-05/manuals0", "fullshare-2026-12-05/manuals1"]),
+    ("LoRA at 0.75 `last:1` (probe, manuals)", "last:1", ["lora-scale-2026-12-05/m0-a075", "lora-scale-2026-12-05/m1-a075"]),
+    ("untuned `last:1` (probe, manuals)", "last:1", ["lora-scale-2026-12-05/m0-base", "lora-scale-2026-12-05/m1-base"]),
+]
 
 
 def family(name: str, setting: str) -> dict[str, list[tuple[int, float, float]]]:
@@ -43,6 +58,26 @@ def family(name: str, setting: str) -> dict[str, list[tuple[int, float, float]]]
         s, split, k = key.rsplit(" ", 2)
         if s == setting:
             out.setdefault(split, []).append((int(k), sum(cell["speedups"]) / len(cell["speedups"]), cell["kept"]))
+    return out
+
+
+def runs(setting: str, folders: list[str]) -> dict[str, list[tuple[int, float, float]]]:
+    """split -> [(k, mean speed-up over the runs, kept)] pooled from each run's answers, each judged against its
+    draw's reference when it ran (`reference_right`)"""
+    kept: dict[tuple[str, int], list[int]] = {}
+    speedups: dict[tuple[str, int], list[float]] = {}
+    for folder in folders:
+        for r in json.loads(gzip.decompress((BENCH / folder / "fidelity.json.gz").read_bytes()))["rows"]:
+            if r["recovery"] != setting:
+                continue
+            asked = [a for a in r["answers"] if a["reference_right"]]
+            counts = kept.setdefault((r["split"], r["k"]), [0, 0])
+            counts[0] += sum(a["cached_right"] for a in asked)
+            counts[1] += len(asked)
+            speedups.setdefault((r["split"], r["k"]), []).append(r["speedup"])
+    out: dict[str, list[tuple[int, float, float]]] = {}
+    for (split, k), (n, of) in kept.items():
+        out.setdefault(split, []).append((k, sum(speedups[split, k]) / len(speedups[split, k]), n / of))
     return out
 
 
@@ -56,8 +91,10 @@ def untuned() -> dict[str, list[tuple[int, float, float]]]:
 
 def main() -> None:
     fronts = [(label, family(name, setting)) for name, setting, label in LINES]
+    fronts += [(label, runs(setting, folders)) for label, setting, folders in RUNS]
     fronts.append(("untuned `none` (bench, held-out)", untuned()))
-    colours = dict(zip([label for label, _ in fronts[1:]], plt.get_cmap("tab20").colors))
+    palette = plt.get_cmap("tab20").colors + plt.get_cmap("Dark2").colors
+    colours = dict(zip([label for label, _ in fronts[1:]], palette))
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.6), sharey=True)
     for ax, split in zip(axes, SPLITS):
         for label, by_split in fronts:
@@ -80,9 +117,12 @@ def main() -> None:
         ax.set_title(split)
         ax.set_xlabel("speed-up over the setting's own full prefill (log)")
     axes[0].set_ylabel("kept (paired, of the base model's full-prefill right answers)")
-    axes[-1].legend(*axes[0].get_legend_handles_labels(), fontsize=6.5, loc="lower left")  # bench has every line
+    handles = {}  # every line once, in the order drawn: some are on manuals only
+    for ax in axes:
+        handles.update({label: h for h, label in zip(*ax.get_legend_handles_labels()) if label not in handles})
+    axes[-1].legend(list(handles.values()), list(handles), fontsize=6, loc="lower left")
     fig.suptitle("Judged against the references of 4 Dec: kept against speed-up, labels k; the rule keeps >= 0.90 "
-                 "(grey); two draws pooled")
+                 "(grey); two draws pooled; every setting of 2-5 Dec")
     fig.tight_layout()
     fig.savefig(HERE / "front.png", dpi=72)
 
