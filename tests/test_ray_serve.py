@@ -208,6 +208,19 @@ def test_autoscale_and_replicas_options_are_checked() -> None:
         deployment_options(opts, 0, None, 1.0)
 
 
+def test_serves_controller_gets_our_proxy_settings_unless_the_environment_has_its_own() -> None:
+    """A proxy slower than Ray's 5 s readiness check three times over (a node whose cores are busy) was killed and
+    `serve_ray` failed with ActorDiedError; the controller now allows PROXY_READY_ENV's timeout."""
+    from rag_promptcache.server.ray_serve import PROXY_CALLBACK_ENV, PROXY_READY_ENV, controller_env
+
+    ours = controller_env({})
+    assert ours[PROXY_CALLBACK_ENV] == "rag_promptcache.server.ray_serve.proxy_middlewares"
+    assert ours["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == PROXY_READY_ENV["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]
+    assert float(ours["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) > 5  # Ray's default
+    theirs = controller_env({PROXY_CALLBACK_ENV: "mine.callback", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "7"})
+    assert theirs == {}  # what the user set is not overridden
+
+
 def test_the_cli_refuses_replicas_with_autoscale_and_a_bad_range(corpus: Path) -> None:
     both = cli("serve", "--corpus", corpus, "--ray", "--replicas", "2", "--autoscale", "1:3", timeout=60)
     assert both.returncode == 1 and "--replicas and --autoscale exclude each other" in both.stderr, both.stderr

@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -45,6 +46,10 @@ APP_NAME = "rag-promptcache"
 DEPLOYMENT = "PromptCacheReplica"
 # read by Ray Serve's proxies when they start: a function returning the middlewares they wrap themselves in
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+# read by Serve's controller: how long a starting proxy may take to answer that it is ready. Ray's 5 s, missed
+# three times, has the controller kill the proxy and `serve.start` fail (ActorDiedError) on a node whose cores
+# are busy (replicas loading their models, another job); 30 s, unless the environment sets its own
+PROXY_READY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 CUT_MESSAGE = ("the replica answering this request stopped before finishing it (Ray Serve replaces it); "
                "send the request again")
 
@@ -184,10 +189,9 @@ def serve_ray(corpus: str | Path | list[Path], *, replicas: int = 2, autoscale: 
     most = autoscale[1] if autoscale else replicas
     started = connect(ray, RayOptions(address=ray_address, workers=most, cpus_per_worker=cpus_per_replica))
     try:
-        # the proxies inherit the controller's environment; ignored by a Serve instance already running,
-        # and a callback of the user's own (set in this environment) is kept
-        callback = {} if PROXY_CALLBACK_ENV in os.environ else {PROXY_CALLBACK_ENV: f"{__name__}.proxy_middlewares"}
-        serve.start(http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": callback}})
+        # ignored by a Serve instance already running
+        serve.start(http_options={"host": host, "port": port},
+                    controller_options={"runtime_env": {"env_vars": controller_env(os.environ)}})
         deployment = serve.deployment(serve.ingress(lambda: build_replica_app(opts))(type(DEPLOYMENT, (), {})),
                                       **options)
         serve.run(deployment.bind(), name=APP_NAME, route_prefix="/")
@@ -202,6 +206,13 @@ def serve_ray(corpus: str | Path | list[Path], *, replicas: int = 2, autoscale: 
         finally:
             if started:
                 ray.shutdown()
+
+
+def controller_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What Serve's controller (and the proxies, which inherit its environment) runs with: our proxy callback and
+    readiness timeout, where the user's environment does not set its own."""
+    ours = {PROXY_CALLBACK_ENV: f"{__name__}.proxy_middlewares", **PROXY_READY_ENV}
+    return {name: value for name, value in ours.items() if name not in environ}
 
 
 def _wait(stop: threading.Event, ready: threading.Event | None) -> None:
